@@ -1,0 +1,69 @@
+"""Train-step throughput: median step time and tokens/s after compilation; prints a table, writes JSON.
+
+  python bench/train_throughput.py --config gpt_bench [key=value ...] [--steps 20] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+from lm.config import load_config
+from lm.train.loop import Trainer
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', default='gpt_bench')
+  parser.add_argument('--steps', type=int, default=20, help='timed steps after two warm-up steps')
+  parser.add_argument('--out', default=None, help='JSON path (default bench/results/train_throughput_<config>.json)')
+  parser.add_argument('overrides', nargs='*')
+  args = parser.parse_args()
+
+  config = load_config(args.config, args.overrides)
+  trainer = Trainer(config)
+  state = trainer.init_state()
+  batch = next(trainer.train_batches)
+  t0 = time.perf_counter()
+  state, metrics = trainer.train_step(state, batch)
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - t0
+  state, metrics = trainer.train_step(state, batch)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(args.steps):
+    t0 = time.perf_counter()
+    state, metrics = trainer.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times)
+  tokens = config.train.global_batch * config.data.seq_len
+  m = config.model
+  result = {
+    'config': config.name, 'overrides': args.overrides, 'backend': jax.default_backend(),
+    'devices': jax.device_count(), 'layers': m.num_layers, 'd_model': m.d_model, 'heads': m.num_heads,
+    'vocab': m.vocab_size, 'seq_len': config.data.seq_len, 'batch': config.train.global_batch,
+    'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
+    'min_step_s': min(times), 'tokens_per_sec': tokens / step_s,
+    'model_tflops_per_sec': trainer.flops_per_token * tokens / step_s / 1e12,
+  }
+  rows = [('config', config.name), ('layers x d_model x heads', f'{m.num_layers} x {m.d_model} x {m.num_heads}'),
+          ('vocab / seq / batch', f'{m.vocab_size} / {config.data.seq_len} / {config.train.global_batch}'),
+          ('dtype', m.dtype), ('devices', f'{jax.device_count()} {jax.default_backend()}'),
+          ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.4f}'),
+          ('tokens/s', f'{result["tokens_per_sec"]:,.0f}'),
+          ('model TFLOP/s', f'{result["model_tflops_per_sec"]:.3f}')]
+  width = max(len(k) for k, _ in rows)
+  print('\n'.join(f'{k:<{width}}  {v}' for k, v in rows))
+  out = Path(args.out or Path(__file__).parent / 'results' / f'train_throughput_{config.name}.json')
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + '\n')
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,337 @@
+"""Typed, validated, frozen run configuration: presets in YAML plus `key.sub=value` overrides."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / 'configs'
+
+
+class ConfigError(ValueError):
+  """A configuration problem a researcher can fix; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  family: str = 'gpt'  # gpt (bert, t5 join later)
+  vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
+  d_model: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  head_dim: int | None = None  # default d_model // num_heads
+  d_ff: int | None = None  # default 4 * d_model
+  max_len: int = 256  # rows of the learned position table
+  position: str = 'learned'  # learned | sinusoidal | none
+  norm: str = 'layernorm'  # layernorm | rmsnorm
+  norm_eps: float = 1e-5
+  norm_position: str = 'pre'  # pre | post
+  activation: str = 'gelu'  # gelu | gelu_tanh | relu | silu | geglu | swiglu | reglu
+  use_bias: bool = True
+  tie_embeddings: bool = True
+  dropout: float = 0.0
+  attention_dropout: float = 0.0
+  init_std: float = 0.02
+  dtype: str = 'float32'  # compute dtype; params stay in param_dtype
+  param_dtype: str = 'float32'
+  attention_impl: str = 'xla'
+  scan_layers: bool = True
+  remat: str = 'none'  # none | full | dots | projections
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def resolved_d_ff(self) -> int:
+    return self.d_ff or 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh sizes; -1 takes all devices left over. Which axes exceed 1 picks the strategy."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+  source: str = 'embedded'  # embedded (Python's own docs and stdlib) | text (files under `paths`)
+  paths: tuple[str, ...] = ()  # globs of UTF-8 text files for source=text
+  tokenizer: str = 'byte'
+  seq_len: int = 256
+  val_fraction: float = 0.02  # documents held out, chosen by a hash of their name (seed-independent)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-3  # peak
+  warmup_steps: int = 100
+  schedule: str = 'cosine'  # cosine | linear | constant (after warmup)
+  decay_steps: int | None = None  # default: train.steps
+  min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  decay_exclude: tuple[str, ...] = ('bias', 'scale', 'embedding')  # param-name parts never decayed
+  grad_clip: float = 1.0  # global norm; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
+  microbatches: int = 1  # gradient accumulation
+  seed: int = 0
+  z_loss: float = 0.0
+  log_every: int = 10
+  eval_every: int = 100
+  eval_batches: int = 4
+  checkpoint_every: int = 500  # 0: only at the end
+  keep_checkpoints: int = 2
+  run_dir: str = 'runs/{name}'
+  resume: bool = False
+  progress: bool = True  # progress bar when stdout is a terminal
+  peak_flops: float | None = None  # per device, for MFU; default from the device kind
+
+
+@dataclass(frozen=True)
+class Config:
+  name: str = 'gpt_tiny'
+  model: ModelConfig = field(default_factory=ModelConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  data: DataConfig = field(default_factory=DataConfig)
+  optim: OptimConfig = field(default_factory=OptimConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+
+  @property
+  def run_dir(self) -> Path:
+    return Path(self.train.run_dir.format(name=self.name))
+
+  def to_dict(self) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(self))
+
+  def to_yaml(self) -> str:
+    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _plain(v) for k, v in x.items()}
+  if isinstance(x, (tuple, list)):
+    return [_plain(v) for v in x]
+  return x
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+  """Converts a YAML/CLI value to the field's declared type, or raises ConfigError."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(hint)
+    if value is None or (isinstance(value, str) and value.lower() in ('none', 'null')):
+      if type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    return _coerce(value, inner[0], where)
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [v for v in value.split(',') if v]
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f'{where}: expected a list, got {value!r}')
+    (item, _) = typing.get_args(hint)
+    return tuple(_coerce(v, item, where) for v in value)
+  if hint is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ('true', 'false', '1', '0', 'yes', 'no'):
+      return value.lower() in ('true', '1', 'yes')
+    raise ConfigError(f'{where}: expected true or false, got {value!r}')
+  if hint is int:
+    if isinstance(value, bool):
+      raise ConfigError(f'{where}: expected an integer, got {value!r}')
+    try:
+      as_float = float(value)
+    except (TypeError, ValueError):
+      raise ConfigError(f'{where}: expected an integer, got {value!r}') from None
+    if as_float != int(as_float):
+      raise ConfigError(f'{where}: expected an integer, got {value!r}')
+    return int(as_float)
+  if hint is float:
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise ConfigError(f'{where}: expected a number, got {value!r}') from None
+  if hint is str:
+    if isinstance(value, (dict, list)):
+      raise ConfigError(f'{where}: expected a string, got {value!r}')
+    return str(value)
+  raise TypeError(f'unsupported config type {hint} at {where}')
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    where = f'{prefix}{unknown[0]}'
+    choices = ', '.join(sorted(names))
+    raise ConfigError(f'unknown config key {where!r}; valid keys{" of " + prefix[:-1] if prefix else ""}: {choices}')
+  kwargs = {}
+  for name, value in values.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      if not isinstance(value, dict):
+        raise ConfigError(f'{prefix}{name}: expected a section of keys, got {value!r}')
+      kwargs[name] = _build(hint, value, f'{prefix}{name}.')
+    else:
+      kwargs[name] = _coerce(value, hint, f'{prefix}{name}')
+  return cls(**kwargs)
+
+
+def _merge(base: dict, update: dict) -> dict:
+  out = dict(base)
+  for key, value in update.items():
+    if isinstance(value, dict) and isinstance(out.get(key), dict):
+      out[key] = _merge(out[key], value)
+    else:
+      out[key] = value
+  return out
+
+
+def preset_path(name_or_path: str) -> Path:
+  """Resolves `gpt_tiny`, `gpt_tiny.yaml` or a path to an existing YAML file."""
+  path = Path(name_or_path)
+  if path.suffix in ('.yaml', '.yml') and path.exists():
+    return path
+  candidate = CONFIG_DIR / f'{path.stem if path.suffix else name_or_path}.yaml'
+  if candidate.exists():
+    return candidate
+  known = ', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))
+  raise ConfigError(f'config file {name_or_path!r} not found; pass a path to a YAML file or one of: {known}')
+
+
+def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
+  path = preset_path(name_or_path)
+  if str(path) in seen:
+    raise ConfigError(f'config {path} inherits from itself through `base`; remove the cycle')
+  try:
+    values = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f'config file {path} is not valid YAML: {str(e).splitlines()[0]}') from None
+  if not isinstance(values, dict):
+    raise ConfigError(f'config file {path} must hold a mapping of keys, not {type(values).__name__}')
+  values.setdefault('name', path.stem)
+  base = values.pop('base', None)
+  if base is not None:
+    parent = _load_yaml(str(base) if Path(str(base)).is_absolute() else str(base), seen + (str(path),))
+    parent.pop('name', None)
+    values = _merge(parent, values)
+  return values
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
+  """`['model.d_model=512', 'train.steps=10']` -> nested dict of raw values."""
+  out: dict = {}
+  for item in overrides:
+    key, sep, raw = item.partition('=')
+    if not sep or not key:
+      raise ConfigError(f'override {item!r} is not of the form key.sub=value (e.g. train.steps=100)')
+    value = yaml.safe_load(raw) if raw else ''
+    node = out
+    parts = key.split('.')
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f'override {item!r} conflicts with an earlier override of {part!r}')
+    node[parts[-1]] = value
+  return out
+
+
+def from_dict(values: dict) -> Config:
+  config = _build(Config, values, '')
+  validate(config)
+  return config
+
+
+def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """Loads a preset by name or path, applies `key.sub=value` overrides, validates."""
+  values = _merge(_load_yaml(name_or_path), parse_overrides(overrides))
+  return from_dict(values)
+
+
+# ---------------------------------------------------------------- validation
+
+_CHOICES = {
+  'model.family': ('gpt',),
+  'model.position': ('learned', 'sinusoidal', 'none'),
+  'model.norm': ('layernorm', 'rmsnorm'),
+  'model.norm_position': ('pre', 'post'),
+  'model.activation': ('gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'swiglu', 'reglu'),
+  'model.dtype': ('float32', 'bfloat16', 'float16'),
+  'model.param_dtype': ('float32', 'bfloat16'),
+  'model.attention_impl': ('xla',),
+  'model.remat': ('none', 'full', 'dots', 'projections'),
+  'data.source': ('embedded', 'text'),
+  'data.tokenizer': ('byte',),
+  'optim.schedule': ('cosine', 'linear', 'constant'),
+}
+
+
+def _get(config: Config, dotted: str) -> Any:
+  section, name = dotted.split('.')
+  return getattr(getattr(config, section), name)
+
+
+def validate(config: Config) -> None:
+  """Device-independent checks; mesh-dependent ones run in `lm.parallel.mesh.make_mesh`."""
+  for key, choices in _CHOICES.items():
+    value = _get(config, key)
+    if value not in choices:
+      raise ConfigError(f'{key}={value!r} is not supported; choose one of: {", ".join(choices)}')
+
+  m, d, o, t = config.model, config.data, config.optim, config.train
+  positive = {
+    'model.vocab_size': m.vocab_size, 'model.d_model': m.d_model, 'model.num_layers': m.num_layers,
+    'model.num_heads': m.num_heads, 'model.max_len': m.max_len, 'data.seq_len': d.seq_len,
+    'train.steps': t.steps, 'train.global_batch': t.global_batch, 'train.microbatches': t.microbatches,
+    'train.log_every': t.log_every, 'train.eval_every': t.eval_every, 'train.keep_checkpoints': t.keep_checkpoints,
+  }
+  for key, value in positive.items():
+    if value <= 0:
+      raise ConfigError(f'{key}={value} must be positive')
+  if m.head_dim is None and m.d_model % m.num_heads:
+    raise ConfigError(
+      f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
+      f'pick heads that divide the width or set model.head_dim')
+  if m.position == 'learned' and d.seq_len > m.max_len:
+    raise ConfigError(
+      f'data.seq_len={d.seq_len} is longer than the position table model.max_len={m.max_len}; '
+      f'raise model.max_len or lower data.seq_len')
+  for key in ('model.dropout', 'model.attention_dropout', 'data.val_fraction'):
+    if not 0.0 <= _get(config, key) < 1.0:
+      raise ConfigError(f'{key}={_get(config, key)} must lie in [0, 1)')
+  if t.global_batch % t.microbatches:
+    raise ConfigError(
+      f'train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}; '
+      f'make the batch a multiple of the microbatch count')
+  if t.checkpoint_every < 0 or t.eval_batches < 0 or o.warmup_steps < 0:
+    raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
+  if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
+    raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
+  if d.source == 'text' and not d.paths:
+    raise ConfigError('data.source=text needs data.paths (globs of text files), e.g. data.paths=[corpus/*.txt]')
+  for key in ('mesh.data', 'mesh.fsdp', 'mesh.tensor'):
+    value = _get(config, key)
+    if value == 0 or value < -1:
+      raise ConfigError(f'{key}={value} must be a positive size or -1 (fill the remaining devices)')
+  if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
+    raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')

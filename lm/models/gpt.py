@@ -1,0 +1,37 @@
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LN blocks, GELU MLP, tied output, final norm."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from lm.config import ModelConfig
+from lm.models.layers import DTYPES, DenseGeneral, Embed, make_norm
+from lm.models.transformer import Stack, default_positions, embed_positions
+from lm.parallel.rules import constrain
+
+
+class GPT(nn.Module):
+  """Decoder-only causal LM: tokens [batch, length] -> logits [batch, length, vocab]."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    cfg = self.cfg
+    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
+                  name='token_embed')
+    x = embed(tokens)
+    pos = embed_positions(cfg, default_positions(tokens) if positions is None else positions)
+    if pos is not None:
+      x = x + pos
+    x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+    x = constrain(x, ('batch', 'length', 'embed'))
+    x = Stack(cfg, causal=True, name='decoder')(x, segment_ids, deterministic)
+    x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name='final_norm')(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=dtype, param_dtype=param_dtype,
+                            kernel_init=nn.initializers.normal(cfg.init_std), name='lm_head')(x)
+    return constrain(logits, ('batch', 'length', 'vocab'))

@@ -1,0 +1,218 @@
+"""The layer library every family composes: each module does one job and names its axes.
+
+Parameters carry logical axis names through `nn.with_logical_partitioning`; key
+activations are pinned with `constrain(x, (...))`. Mesh axes never appear here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from lm.ops.attention import attention
+from lm.parallel.rules import constrain
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+  return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+class DenseGeneral(nn.Module):
+  """Linear map contracting `axis` of the input onto `features` (which may be several dims)."""
+  features: int | tuple[int, ...]
+  kernel_axes: tuple[str, ...]
+  axis: int | tuple[int, ...] = -1
+  use_bias: bool = False
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = nn.initializers.normal(0.02)
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = _tuple(self.features)
+    axis = tuple(a % x.ndim for a in _tuple(self.axis))
+    kernel_shape = tuple(x.shape[a] for a in axis) + features
+    kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
+                        kernel_shape, self.param_dtype)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                            ((axis, tuple(range(len(axis)))), ((), ())))
+    if self.use_bias:
+      bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
+                        features, self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+class Embed(nn.Module):
+  """Token embedding table [vocab, embed]; `attend` reuses it as the tied output layer."""
+  num_embeddings: int
+  features: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  init_std: float = 0.02
+
+  def setup(self) -> None:
+    self.embedding = self.param(
+      'embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ('vocab', 'embed')),
+      (self.num_embeddings, self.features), self.param_dtype)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """'b l d, v d -> b l v' logits against the embedding table."""
+    return jnp.einsum('bld,vd->blv', x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm in float32 (mean and variance), scale and optional bias."""
+  eps: float = 1e-5
+  use_bias: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = x.shape[-1]
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       (features,), self.param_dtype)
+    y = y * scale.astype(jnp.float32)
+    if self.use_bias:
+      bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+                        (features,), self.param_dtype)
+      y = y + bias.astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm (no mean, no bias), as in T5 and LLaMA; computed in float32."""
+  eps: float = 1e-6
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       (x.shape[-1],), self.param_dtype)
+    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def make_norm(kind: str, eps: float, dtype: Dtype, param_dtype: Dtype, name: str) -> nn.Module:
+  if kind == 'rmsnorm':
+    return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+  return LayerNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+  'gelu': lambda x: jax.nn.gelu(x, approximate=False),
+  'gelu_tanh': lambda x: jax.nn.gelu(x, approximate=True),
+  'relu': jax.nn.relu,
+  'silu': jax.nn.silu,
+}
+GATED = {'geglu': 'gelu', 'swiglu': 'silu', 'reglu': 'relu'}  # act(x W0) * (x W1)
+
+
+class Mlp(nn.Module):
+  """Position-wise feed-forward: embed -> mlp -> embed, plain or gated."""
+  d_ff: int
+  activation: str = 'gelu'
+  use_bias: bool = True
+  init_std: float = 0.02
+  out_init_std: float = 0.02
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+    init = nn.initializers.normal(self.init_std)
+    if self.activation in GATED:
+      act = ACTIVATIONS[GATED[self.activation]]
+      gate = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_0', **dense)(x)
+      up = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_1', **dense)(x)
+      h = act(gate) * up
+    else:
+      h = ACTIVATIONS[self.activation](DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi', **dense)(x))
+    h = constrain(h, ('batch', 'length', 'mlp'))
+    out = DenseGeneral(x.shape[-1], ('mlp', 'embed'), kernel_init=nn.initializers.normal(self.out_init_std),
+                       name='wo', **dense)(h)
+    return checkpoint_name(out, 'mlp_out')
+
+
+class Attention(nn.Module):
+  """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`."""
+  num_heads: int
+  head_dim: int
+  use_bias: bool = True
+  impl: str = 'xla'
+  dropout_rate: float = 0.0
+  init_std: float = 0.02
+  out_init_std: float = 0.02
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                 kernel_init=nn.initializers.normal(self.init_std))
+    heads = (self.num_heads, self.head_dim)
+    axes = ('batch', 'length', 'heads', 'kv')
+    q = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='query', **dense)(x_q)
+    k = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='key', **dense)(x_kv)
+    v = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='value', **dense)(x_kv)
+    q = checkpoint_name(constrain(q, axes), 'query_proj')
+    k = checkpoint_name(constrain(k, axes), 'key_proj')
+    v = checkpoint_name(constrain(v, axes), 'value_proj')
+    dropout_rng = None
+    if not deterministic and self.dropout_rate > 0.0:
+      dropout_rng = self.make_rng('dropout')
+    out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, bias=bias,
+                    impl=self.impl, dropout_rate=0.0 if deterministic else self.dropout_rate,
+                    dropout_rng=dropout_rng)
+    out = constrain(out, axes)
+    dense['kernel_init'] = nn.initializers.normal(self.out_init_std)
+    out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1), name='out', **dense)(out)
+    return checkpoint_name(out, 'attention_out')
+
+
+class LearnedPositions(nn.Module):
+  """Learned absolute position table [max_len, embed], indexed by per-token positions."""
+  max_len: int
+  features: int
+  init_std: float = 0.02
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, positions: jax.Array) -> jax.Array:
+    table = self.param('embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
+                                                                 ('length', 'embed')),
+                       (self.max_len, self.features), self.param_dtype)
+    return jnp.take(table, positions, axis=0).astype(self.dtype)
+
+
+def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 1e4) -> jax.Array:
+  """Vaswani et al. encodings, [..., features]: sin on the first half, cos on the second."""
+  half = features // 2
+  inv_freq = np.exp(-math.log(max_timescale) * np.arange(half) / max(half - 1, 1)).astype(np.float32)
+  angles = positions[..., None].astype(jnp.float32) * inv_freq
+  enc = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+  return jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, features - 2 * half)])

@@ -1,0 +1,127 @@
+"""The training loop: build everything from a Config, then step, log, evaluate and checkpoint."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+
+from lm.checkpoint import Checkpointer
+from lm.config import Config, ConfigError
+from lm.data.pipeline import Batches, build_batches
+from lm.models import build_model
+from lm.parallel.mesh import make_mesh
+from lm.train import metrics as flops
+from lm.train.logging import MetricsLogger
+from lm.train.optim import make_optimizer
+from lm.train.state import TrainState, make_init_fn, state_shardings
+from lm.train.step import batch_sharding, make_eval_step, make_train_step
+
+
+class Trainer:
+  """Mesh, model, sharded state, data and jitted steps for one Config."""
+
+  def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None, with_data: bool = True):
+    self.config = config
+    self.mesh = make_mesh(config, devices)
+    self.model = build_model(config.model)
+    seq_len = config.data.seq_len
+    self.tx, self.schedule = make_optimizer(config.optim, config.train.steps)
+    self.abstract_state, self.shardings = state_shardings(self.model, self.tx, self.mesh, seq_len)
+    self.init_fn = make_init_fn(self.model, self.tx, self.mesh, self.shardings, seq_len)
+    self.train_step = make_train_step(self.model, self.tx, self.schedule, config, self.mesh, self.shardings)
+    self.eval_step = make_eval_step(self.model, self.mesh, self.shardings.params)
+    self.flops_per_token = flops.flops_per_token(self.abstract_state.params, config.model, seq_len)
+    self.peak_flops = config.train.peak_flops or flops.peak_flops(self.mesh.devices.flat[0])
+    if with_data:
+      self.tokenizer, self.train_batches, self.val_batches = build_batches(config, batch_sharding(self.mesh))
+
+  def init_state(self) -> TrainState:
+    return self.init_fn(jax.random.key(self.config.train.seed))
+
+  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
+    """Mean NLL per target token over the first `num_batches` validation batches."""
+    nll, weight = 0.0, 0.0
+    for i in range(num_batches):
+      out = jax.device_get(self.eval_step(params, batches.batch(i)))
+      nll, weight = nll + float(out['nll']), weight + float(out['weight'])
+    return nll / max(weight, 1.0)
+
+  def run(self) -> list[dict[str, Any]]:
+    """Trains to `train.steps`, resuming if asked; returns the logged records."""
+    cfg, t = self.config, self.config.train
+    run_dir = cfg.run_dir
+    is_main = jax.process_index() == 0
+    checkpoints = Checkpointer(run_dir / 'checkpoints', keep=t.keep_checkpoints)
+    latest = checkpoints.latest_step()
+    if latest is not None and not t.resume:
+      raise ConfigError(f'{run_dir} already holds checkpoints (latest step {latest}); pass --resume '
+                        f'(train.resume=true) to continue, or choose another train.run_dir')
+    if is_main:
+      run_dir.mkdir(parents=True, exist_ok=True)
+      (run_dir / 'config.yaml').write_text(cfg.to_yaml())
+
+    if latest is not None:
+      state, data_state = checkpoints.restore(latest, self.abstract_state, cfg.to_dict())
+      self.train_batches.set_state(data_state)
+      print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
+    else:
+      state = self.init_state()
+    start = int(jax.device_get(state.step))
+
+    logger = MetricsLogger(run_dir, t.steps, start, t.progress, enabled=is_main)
+    records: list[dict[str, Any]] = []
+    tokens_per_step = t.global_batch * cfg.data.seq_len
+    num_devices = self.mesh.devices.size
+
+    def emit(record: dict[str, Any]) -> None:
+      records.append(record)
+      logger.log(record)
+
+    if start == 0 and t.eval_batches:
+      emit({'step': 0, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
+    pending: list[tuple[int, Any]] = []
+    timer_start, timer_steps = time.perf_counter(), 0
+    try:
+      for step in range(start, t.steps):
+        state, step_metrics = self.train_step(state, next(self.train_batches))
+        pending.append((step + 1, step_metrics))
+        timer_steps += 1
+        done = step + 1
+        if done % t.log_every == 0 or done == t.steps:
+          fetched = jax.device_get(pending)  # blocks: the steps so far are finished
+          elapsed = time.perf_counter() - timer_start
+          tokens_per_sec = tokens_per_step * timer_steps / elapsed
+          for i, (s, m) in enumerate(fetched):
+            record = {'step': s, **{k: float(v) for k, v in m.items()}}
+            if i == len(fetched) - 1:
+              record['tokens_per_sec'] = tokens_per_sec
+              utilisation = flops.mfu(tokens_per_sec, self.flops_per_token, num_devices, self.peak_flops)
+              if utilisation is not None:
+                record['mfu'] = utilisation
+            emit(record)
+          logger.advance(len(fetched))
+          pending = []
+          timer_start, timer_steps = time.perf_counter(), 0
+        if t.eval_batches and (done % t.eval_every == 0 or done == t.steps):
+          emit({'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
+          timer_start, timer_steps = time.perf_counter(), 0
+        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+          checkpoints.save(done, state, self.train_batches.get_state(), cfg.to_dict())
+      checkpoints.wait()
+    finally:
+      checkpoints.close()
+      logger.close()
+    self.final_state = state
+    return records
+
+
+def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:
+  return Trainer(config, devices).run()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+  return [json.loads(line) for line in (Path(run_dir) / 'metrics.jsonl').read_text().splitlines() if line]
+
