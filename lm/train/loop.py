@@ -17,7 +17,7 @@ from lm.train import metrics as flops
 from lm.train.logging import MetricsLogger
 from lm.train.optim import make_optimizer
 from lm.train.state import TrainState, make_init_fn, state_shardings
-from lm.train.step import batch_sharding, make_eval_step, make_train_step
+from lm.train.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
 
 
 class Trainer:
@@ -37,6 +37,10 @@ class Trainer:
     self.peak_flops = config.train.peak_flops or flops.peak_flops(self.mesh.devices.flat[0])
     if with_data:
       self.tokenizer, self.train_batches, self.val_batches = build_batches(config, batch_sharding(self.mesh))
+
+  def compile_train_step(self) -> jax.stages.Compiled:
+    """The train step compiled ahead of time for this mesh (memory and cost analysis)."""
+    return self.train_step.lower(self.abstract_state, abstract_batch(self.config, self.mesh)).compile()
 
   def init_state(self) -> TrainState:
     return self.init_fn(jax.random.key(self.config.train.seed))

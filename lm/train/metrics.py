@@ -76,3 +76,49 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
   if not peak:
     return None
   return tokens_per_sec * flops_token / (peak * num_devices)
+
+
+def _shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, 'sharding', None) is not None else leaf.shape
+    total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -> int:
+  """Rough bytes of activations kept for the backward pass by one device, for `tokens` local tokens.
+
+  Per layer and token, a pre-LN block keeps its norm inputs/outputs (4d), q, k, v and the attention
+  output (4 h dh), the MLP hidden before and after the activation (2 or 3 d_ff) and the float32
+  attention probabilities (heads * seq). Remat keeps less but recomputes one layer at a time.
+  """
+  width = 4 if cfg.dtype == 'float32' else 2
+  hd = cfg.num_heads * cfg.resolved_head_dim
+  d_ff = cfg.resolved_d_ff * (3 if cfg.activation in ('geglu', 'swiglu', 'reglu') else 2)
+  full_layer = (4 * cfg.d_model + (4 * hd + d_ff) / tensor) * width + cfg.num_heads * seq_len * 4 / tensor
+  kept = {
+    'none': full_layer,
+    'full': cfg.d_model * width,
+    'dots': (2 * cfg.d_model + (3 * hd + cfg.resolved_d_ff) / tensor) * width,
+    'projections': (2 * cfg.d_model + 3 * hd / tensor) * width,
+  }[cfg.remat]
+  per_token = kept * cfg.num_layers + (0 if cfg.remat == 'none' else full_layer)
+  logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient
+  return int(tokens * (per_token + logits))
+
+
+def estimate_memory(config: Any, abstract_state: Any, sizes: dict[str, int]) -> dict[str, int]:
+  """Per-device bytes: parameters, optimizer state and gradients exactly (from the shardings), activations roughly."""
+  t = config.train
+  tokens = t.global_batch // t.microbatches // (sizes['data'] * sizes['fsdp']) * config.data.seq_len
+  params = _shard_bytes(abstract_state.params)
+  out = {
+    'params': params,
+    'optimizer': _shard_bytes(abstract_state.opt_state),
+    'gradients': params,
+    'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, sizes['tensor']),
+  }
+  out['total (estimate)'] = sum(out.values())
+  return out

@@ -24,6 +24,14 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(('batch', 'length')))
 
 
+def abstract_batch(config: Config, mesh: Mesh) -> Batch:
+  """Shapes, dtypes and shardings of a training batch, for ahead-of-time lowering."""
+  shape, sharding = (config.train.global_batch, config.data.seq_len), batch_sharding(mesh)
+  dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'weights': jnp.float32, 'segment_ids': jnp.int32,
+            'positions': jnp.int32}
+  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in dtypes.items()}
+
+
 def _split_microbatches(batch: Batch, k: int) -> Batch:
   """[B, ...] -> [k, B/k, ...], microbatch i taking rows i, i+k, ... so each spans every data shard."""
   def split(x: jax.Array) -> jax.Array:
@@ -61,7 +69,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         (grads, nll, z), _ = jax.lax.scan(accumulate, init, (_split_microbatches(batch, k), jnp.arange(k)))
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     metrics = {'loss': nll / total_weight, 'z_loss': z / total_weight, 'grad_norm': grad_norm,

@@ -1,0 +1,117 @@
+"""`lm train | info`: the command line. Config problems exit with one line naming the fix."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from lm.config import Config, ConfigError, load_config
+
+
+def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
+  return load_config(args.config, list(args.overrides) + list(extra))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+  from lm.train.loop import Trainer
+  config = _config(args, ['train.resume=true'] if args.resume else [])
+  print(config.to_yaml(), flush=True)
+  trainer = Trainer(config)
+  records = trainer.run()
+  evals = [r for r in records if 'val_loss' in r]
+  if evals:
+    print(f'final val_loss {evals[-1]["val_loss"]:.4f} at step {evals[-1]["step"]}; '
+          f'outputs in {config.run_dir}', flush=True)
+  return 0
+
+
+def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
+  """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
+  import jax
+
+  from lm.parallel.mesh import mesh_shape, strategy_name
+  from lm.train.loop import Trainer
+  from lm.train.metrics import count_params, estimate_memory
+
+  trainer = Trainer(config, with_data=False)
+  sizes = mesh_shape(config.mesh, jax.device_count())
+  report = {
+    'name': config.name,
+    'params': count_params(trainer.abstract_state.params),
+    'flops_per_token': trainer.flops_per_token,
+    'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
+             'platform': jax.default_backend()},
+    'memory_per_device': estimate_memory(config, trainer.abstract_state, sizes),
+  }
+  if compile_step:
+    compiled = trainer.compile_train_step()
+    analysis = compiled.memory_analysis()
+    report['compiled_memory_per_device'] = {
+      'arguments': analysis.argument_size_in_bytes, 'outputs': analysis.output_size_in_bytes,
+      'temp': analysis.temp_size_in_bytes, 'aliased': analysis.alias_size_in_bytes,
+    }
+  return report
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.3f} GiB' if n >= 2**27 else f'{n / 2**20:.2f} MiB'
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+  if args.devices:
+    import jax
+    jax.config.update('jax_num_cpu_devices', args.devices)
+  report = model_report(_config(args), args.compile)
+  if args.json:
+    print(json.dumps(report, indent=2))
+    return 0
+  p, mesh, mem = report['params'], report['mesh'], report['memory_per_device']
+  lines = [
+    ('config', report['name']),
+    ('parameters', f'{p["total"]:,} total, {p["non_embedding"]:,} non-embedding'),
+    ('training FLOPs/token', f'{report["flops_per_token"]:.4g}'),
+    ('mesh', f'data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} ({mesh["strategy"]}, '
+             f'{mesh["devices"]} {mesh["platform"]} devices)'),
+  ]
+  lines += [(f'memory/device: {k}', _gib(v)) for k, v in mem.items()]
+  for k, v in report.get('compiled_memory_per_device', {}).items():
+    lines.append((f'compiled memory/device: {k}', _gib(v)))
+  width = max(len(k) for k, _ in lines)
+  print('\n'.join(f'{k:<{width}}  {v}' for k, v in lines))
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog='lm', description='Pretrain and study language models with JAX.')
+  sub = parser.add_subparsers(dest='command', required=True)
+
+  def common(p: argparse.ArgumentParser) -> None:
+    p.add_argument('--config', default='gpt_tiny', help='preset name in configs/ or a path to a YAML file')
+    p.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides, e.g. train.steps=100')
+
+  train = sub.add_parser('train', help='train a model')
+  common(train)
+  train.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the run dir')
+  train.set_defaults(fn=cmd_train)
+
+  info = sub.add_parser('info', help='parameters, FLOPs per token, mesh and per-device memory of a config')
+  common(info)
+  info.add_argument('--json', action='store_true', help='print the report as JSON')
+  info.add_argument('--compile', action='store_true', help='also compile the train step and report its memory')
+  info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning)')
+  info.set_defaults(fn=cmd_info)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.fn(args)
+  except ConfigError as e:
+    print(f'lm: error: {e}', file=sys.stderr)
+    return 2
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,26 @@
+"""Test setup: 8 simulated CPU devices (before JAX starts) and a small GPT config factory."""
+import os
+
+# 8 CPU devices for mesh tests; backend optimisation level 0 compiles ~3x faster, and tests
+# run tiny models whose compile time dominates their run time.
+os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
+                                    '--xla_backend_optimization_level=0']).strip()
+
+import pytest  # noqa: E402
+
+from lm.config import Config, load_config  # noqa: E402
+
+SMALL = [
+  'model.d_model=64', 'model.num_layers=2', 'model.num_heads=8', 'model.d_ff=256', 'model.max_len=64',
+  'data.seq_len=32', 'train.global_batch=16', 'train.steps=20', 'train.eval_batches=1', 'train.log_every=1',
+  'train.eval_every=1000', 'optim.warmup_steps=2', 'optim.learning_rate=3e-3', 'train.progress=false',
+  'mesh.data=1',
+]
+
+
+@pytest.fixture
+def small_config(tmp_path):
+  """A 2-layer, width-64 GPT on 32-token rows; extra `key=value` overrides win."""
+  def make(*overrides: str) -> Config:
+    return load_config('gpt_tiny', SMALL + [f'train.run_dir={tmp_path}/run'] + list(overrides))
+  return make

@@ -1,0 +1,99 @@
+"""Batches: deterministic from the seed, resumable, split per process; the embedded corpus is real text."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lm.config import ConfigError, load_config
+from lm.data.pipeline import Batches, build_batches, local_row_range
+from lm.data.sources import embedded_documents, is_validation, split_documents
+from lm.parallel.mesh import make_mesh
+from lm.train.step import batch_sharding
+
+
+def test_embedded_corpus_is_real_english_text():
+  docs = embedded_documents()
+  text = ''.join(t for _, t in docs)
+  assert len(docs) > 100 and len(text) > 2_000_000
+  printable = sum(c.isprintable() or c in '\n\t' for c in text[:1_000_000]) / 1_000_000
+  assert printable > 0.99
+  words = text.lower().split()
+  for common in ('the', 'and', 'is', 'of', 'return'):
+    assert words.count(common) > 1000
+  assert any(name.startswith('pydoc/') for name, _ in docs), 'the language reference topics are included'
+
+
+def test_validation_split_is_fixed_and_disjoint():
+  docs = [(f'doc{i}', 'x') for i in range(2000)]
+  train, val = split_documents(docs, 0.05)
+  assert 60 < len(val) < 140 and not {n for n, _ in train} & {n for n, _ in val}
+  assert [n for n, _ in val] == [n for n, _ in docs if is_validation(n, 0.05)]
+
+
+def one_device_batches(config):
+  mesh = make_mesh(config, jax.devices()[:1])
+  return build_batches(config, batch_sharding(mesh))
+
+
+def test_same_seed_same_batches_other_seed_other_batches(small_config):
+  _, a, val_a = one_device_batches(small_config())
+  _, b, val_b = one_device_batches(small_config())
+  _, c, val_c = one_device_batches(small_config('train.seed=1'))
+  for _ in range(3):
+    x, y, z = next(a), next(b), next(c)
+    np.testing.assert_array_equal(x['inputs'], y['inputs'])
+    assert not np.array_equal(x['inputs'], z['inputs'])
+  # Validation rows do not depend on the training seed.
+  np.testing.assert_array_equal(val_a.batch(0)['inputs'], val_c.batch(0)['inputs'])
+
+
+def test_state_round_trip_resumes_the_stream(small_config):
+  _, a, _ = one_device_batches(small_config())
+  for _ in range(5):
+    next(a)
+  state = a.get_state()
+  expected = [next(a)['targets'] for _ in range(3)]
+  _, b, _ = one_device_batches(small_config())
+  b.set_state(state)
+  for want in expected:
+    np.testing.assert_array_equal(next(b)['targets'], want)
+  _, other, _ = one_device_batches(small_config('train.seed=7'))
+  with pytest.raises(ConfigError, match='does not match this run'):
+    other.set_state(state)
+
+
+def test_epochs_cover_every_row_once(small_config):
+  _, train, _ = one_device_batches(small_config())
+  rows = np.concatenate([train.rows(s) for s in range(train.batches_per_epoch)])
+  assert len(np.unique(rows)) == len(rows) == train.batches_per_epoch * train.global_batch
+  assert not np.array_equal(train.rows(0), train.rows(train.batches_per_epoch))
+
+
+def test_each_process_builds_only_its_rows():
+  mesh = jax.make_mesh((4, 2), ('data', 'tensor'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = NamedSharding(mesh, PartitionSpec('data'))
+  # In one process every device is addressable: the whole batch is local.
+  assert local_row_range(sharding, 16) == (0, 16)
+
+
+def test_global_batch_is_sharded_over_data_axes(small_config):
+  config = small_config('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')
+  mesh = make_mesh(config)
+  _, train, _ = build_batches(config, batch_sharding(mesh))
+  batch = next(train)
+  assert batch['inputs'].shape == (16, 32)
+  assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')
+  shard_rows = {s.data.shape[0] for s in batch['inputs'].addressable_shards}
+  assert shard_rows == {4}
+
+
+def test_vocab_smaller_than_tokenizer_is_refused(small_config):
+  with pytest.raises(ConfigError, match='model.vocab_size=200 is smaller than the byte tokenizer'):
+    one_device_batches(small_config('model.vocab_size=200'))
+
+
+def test_too_few_rows_for_a_batch(small_config, tmp_path):
+  for i in range(20):
+    (tmp_path / f'{i}.txt').write_text(f'short text {i}')
+  with pytest.raises(ConfigError, match='rows, fewer than train.global_batch=16'):
+    one_device_batches(small_config('data.source=text', f'data.paths=[{tmp_path}/*.txt]', 'data.val_fraction=0.5'))

@@ -1,0 +1,88 @@
+"""Config loading, overrides and the one-line errors for bad input."""
+import jax
+import pytest
+
+from lm import cli
+from lm.config import ConfigError, load_config, parse_overrides
+from lm.parallel.mesh import make_mesh
+
+
+def test_preset_by_name_and_path_agree():
+  by_name = load_config('gpt_tiny')
+  by_path = load_config(str(load_config.__globals__['CONFIG_DIR'] / 'gpt_tiny.yaml'))
+  assert by_name == by_path
+  assert by_name.model.d_model == 256 and by_name.name == 'gpt_tiny'
+
+
+def test_overrides_are_typed():
+  cfg = load_config('gpt_tiny', ['model.d_model=128', 'optim.learning_rate=1e-4', 'train.resume=true',
+                                 'model.head_dim=null', 'optim.decay_exclude=[bias,scale]'])
+  assert cfg.model.d_model == 128 and isinstance(cfg.model.d_model, int)
+  assert cfg.optim.learning_rate == pytest.approx(1e-4)
+  assert cfg.train.resume is True and cfg.model.head_dim is None
+  assert cfg.optim.decay_exclude == ('bias', 'scale')
+
+
+def test_base_inheritance():
+  bench = load_config('gpt_bench')
+  tiny = load_config('gpt_tiny')
+  assert bench.model.vocab_size == 8192 and bench.train.global_batch == 8
+  assert bench.model.num_layers == tiny.model.num_layers and bench.name == 'gpt_bench'
+
+
+def test_parse_overrides_nested():
+  assert parse_overrides(['a.b=1', 'a.c=x']) == {'a': {'b': 1, 'c': 'x'}}
+
+
+@pytest.mark.parametrize('overrides, needle', [
+  (['model.widht=3'], "unknown config key 'model.widht'"),
+  (['trian.steps=3'], "unknown config key 'trian'"),
+  (['model.num_heads=5'], 'model.num_heads=5 does not divide model.d_model=256'),
+  (['data.seq_len=512'], 'data.seq_len=512 is longer than the position table model.max_len=256'),
+  (['train.global_batch=10', 'train.microbatches=4'], 'not divisible by train.microbatches=4'),
+  (['model.d_model=abc'], 'model.d_model: expected an integer'),
+  (['model.norm=batchnorm'], "model.norm='batchnorm' is not supported"),
+  (['train.steps'], 'is not of the form key.sub=value'),
+  (['mesh.data=-1', 'mesh.fsdp=-1'], 'only one of mesh.data, mesh.fsdp, mesh.tensor may be -1'),
+])
+def test_bad_config_names_field_and_fix(overrides, needle):
+  with pytest.raises(ConfigError, match=None) as info:
+    load_config('gpt_tiny', overrides)
+  assert needle in str(info.value)
+
+
+def test_missing_config_file():
+  with pytest.raises(ConfigError, match="config file 'no_such_preset' not found.*gpt_tiny"):
+    load_config('no_such_preset')
+
+
+def test_mesh_product_must_equal_device_count():
+  cfg = load_config('gpt_tiny', ['mesh.data=3', 'mesh.fsdp=1'])
+  with pytest.raises(ConfigError, match=r'data\*fsdp\*tensor = 3\*1\*1 = 3 but there are 8 devices'):
+    make_mesh(cfg, jax.devices())
+
+
+def test_batch_must_divide_over_data_parallel():
+  cfg = load_config('gpt_tiny', ['mesh.data=8', 'train.global_batch=12'])
+  with pytest.raises(ConfigError, match='not divisible by the data-parallel size data\\*fsdp=8'):
+    make_mesh(cfg, jax.devices())
+
+
+def test_tensor_must_divide_heads():
+  cfg = load_config('gpt_tiny', ['mesh.data=1', 'mesh.tensor=8'])
+  with pytest.raises(ConfigError, match='model.num_heads=4 is not divisible by mesh.tensor=8'):
+    make_mesh(cfg, jax.devices())
+
+
+@pytest.mark.parametrize('argv', [
+  ['info', '--config', 'gpt_tiny', 'model.bogus=1'],
+  ['info', '--config', 'missing_preset'],
+  ['info', '--config', 'gpt_tiny', 'model.num_heads=7'],
+  ['info', '--config', 'gpt_tiny', 'mesh.data=3'],
+  ['train', '--config', 'gpt_tiny', 'mesh.data=8', 'train.global_batch=4'],
+  ['train', '--config', 'gpt_tiny', 'data.seq_len=1024'],
+])
+def test_cli_reports_one_line_error(argv, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('lm: error: ') and err.count('\n') == 1 and 'Traceback' not in err

@@ -1,0 +1,67 @@
+"""The loop: exact resume, run outputs, and refusing to clobber or mismatch checkpoints."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lm.config import ConfigError
+from lm.train.loop import Trainer, read_metrics
+
+
+def train_losses(records):
+  return {r['step']: r['loss'] for r in records if 'loss' in r}
+
+
+def test_resume_is_exact(small_config, tmp_path):
+  common = ['optim.decay_steps=20', 'train.checkpoint_every=5', 'train.eval_every=10']
+  straight = Trainer(small_config('train.steps=20', f'train.run_dir={tmp_path}/a', *common), jax.devices()[:1])
+  straight.run()
+  first = Trainer(small_config('train.steps=10', f'train.run_dir={tmp_path}/b', *common), jax.devices()[:1])
+  first.run()
+  second = Trainer(small_config('train.steps=20', f'train.run_dir={tmp_path}/b', 'train.resume=true', *common),
+                   jax.devices()[:1])
+  second.run()
+  a, b = train_losses(read_metrics(tmp_path / 'a')), train_losses(read_metrics(tmp_path / 'b'))
+  assert sorted(a) == sorted(b) == list(range(1, 21))
+  assert [a[s] for s in a] == [b[s] for s in a]
+  for x, y in zip(jax.tree.leaves(straight.final_state), jax.tree.leaves(second.final_state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert int(second.final_state.step) == 20
+
+
+def test_run_outputs(small_config, tmp_path):
+  config = small_config('train.steps=6', 'train.log_every=3', 'train.eval_every=3', 'train.peak_flops=1e12',
+                        f'train.run_dir={tmp_path}/run')
+  Trainer(config, jax.devices()[:1]).run()
+  records = read_metrics(tmp_path / 'run')
+  train = [r for r in records if 'loss' in r]
+  assert [r['step'] for r in train] == list(range(1, 7))
+  for r in train:
+    assert {'loss', 'learning_rate', 'grad_norm'} <= set(r)
+  timed = [r for r in train if 'tokens_per_sec' in r]
+  assert [r['step'] for r in timed] == [3, 6] and all(r['tokens_per_sec'] > 0 and 0 < r['mfu'] for r in timed)
+  evals = [r for r in records if 'val_loss' in r]
+  assert [r['step'] for r in evals] == [0, 3, 6]
+  assert abs(evals[0]['val_loss'] - np.log(264)) < 0.25, 'an untrained model is near-uniform'
+  assert list((tmp_path / 'run' / 'tensorboard').glob('events.out.tfevents.*'))
+  saved = (tmp_path / 'run' / 'config.yaml').read_text()
+  assert 'seq_len: 32' in saved
+  assert sorted(p.name for p in (tmp_path / 'run' / 'checkpoints').iterdir() if p.name.isdigit()) == ['6']
+  json.dumps(records)
+
+
+def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
+  run = f'train.run_dir={tmp_path}/run'
+  Trainer(small_config('train.steps=2', run), jax.devices()[:1]).run()
+  with pytest.raises(ConfigError, match='already holds checkpoints.*--resume'):
+    Trainer(small_config('train.steps=4', run), jax.devices()[:1]).run()
+  with pytest.raises(ConfigError, match='different model.*model.d_model'):
+    Trainer(small_config('train.steps=4', run, 'train.resume=true', 'model.d_model=32'), jax.devices()[:1]).run()
+
+
+def test_training_lowers_validation_loss(small_config, tmp_path):
+  config = small_config('train.steps=40', 'train.eval_every=40', 'train.eval_batches=2', f'train.run_dir={tmp_path}')
+  records = Trainer(config, jax.devices()[:1]).run()
+  evals = [r['val_loss'] for r in records if 'val_loss' in r]
+  assert evals[0] > 5.4 and evals[-1] < 3.5, evals
