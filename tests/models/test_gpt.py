@@ -94,3 +94,25 @@ def test_remat_keeps_gradients(policy):
   g1 = jax.jit(jax.grad(loss(remat_model)))(params)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+  cfg32, model32, params = make()
+  _, model16, _ = make('model.dtype=bfloat16')
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  x = tokens(5)
+  out16, out32 = logits_fn(model16)(params, x), logits_fn(model32)(params, x)
+  assert out16.dtype == jnp.bfloat16
+  err = np.linalg.norm(np.asarray(out16, np.float32) - out32) / np.linalg.norm(out32)
+  assert 1e-5 < err < 3e-2  # bf16 rounding shows, but the model is the same
+
+
+def test_post_ln_stack_ends_in_a_norm():
+  _, model, params = make('model.norm_position=post')
+  from lm.models.transformer import Stack
+  cfg = load_config('gpt_tiny', SMALL + ['model.norm_position=post']).model
+  stack = Stack(cfg, causal=True)
+  h = jax.random.normal(jax.random.key(0), (2, 24, 32)) * 3 + 1
+  out = jax.jit(lambda p, h: stack.apply({'params': p}, h, None, True))(params['decoder'], h)
+  np.testing.assert_allclose(np.mean(out, -1), 0.0, atol=1e-4)
+  np.testing.assert_allclose(np.std(out, -1), 1.0, rtol=1e-3)

@@ -1,0 +1,32 @@
+"""`lm info` and `lm train` end to end through the command line."""
+import json
+
+import numpy as np
+
+from lm import cli
+from lm.train.loop import read_metrics
+
+
+def test_info_json_reports_counts_flops_mesh_memory(capsys):
+  assert cli.main(['info', '--config', 'gpt_tiny', '--json']) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report['params']['total'] == 3_292_672
+  assert report['params']['non_embedding'] == 3_292_672 - 264 * 256 - 256 * 256
+  # 6 * (matmul weights incl. the tied output layer) + causal attention term.
+  matmul = 4 * 12 * 256 * 256 + 264 * 256
+  assert report['flops_per_token'] == 6 * matmul + 6 * 4 * 256 * 256
+  assert report['mesh']['strategy'] == 'dp' and report['mesh']['data'] == 8  # data=-1 takes all 8 devices
+  mem = report['memory_per_device']
+  assert mem['params'] == 3_292_672 * 4 and mem['optimizer'] == 2 * mem['params'] + 2 * 4
+
+
+def test_train_command_runs_and_logs(tmp_path, capsys):
+  argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',
+          'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8', 'train.steps=4', 'train.log_every=2',
+          'train.eval_every=4', 'train.eval_batches=1', f'train.run_dir={tmp_path}/run']
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert 'model:' in out and 'final val_loss' in out
+  losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
+  assert len(losses) == 4 and np.all(np.isfinite(losses))
+  assert cli.main(argv + ['--resume']) == 0  # already at the last step: resumes and stops at once
