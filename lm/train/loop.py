@@ -1,10 +1,13 @@
 """The training loop: build everything from a Config, then step, log, evaluate and checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 
@@ -53,32 +56,35 @@ class Trainer:
       nll, weight = nll + float(out['nll']), weight + float(out['weight'])
     return nll / max(weight, 1.0)
 
-  def run(self) -> list[dict[str, Any]]:
-    """Trains to `train.steps`, resuming if asked; returns the logged records."""
-    cfg, t = self.config, self.config.train
-    run_dir = cfg.run_dir
-    is_main = jax.process_index() == 0
-    checkpoints = Checkpointer(run_dir / 'checkpoints', keep=t.keep_checkpoints)
+  def _restore_or_init(self, checkpoints: Checkpointer) -> TrainState:
+    cfg = self.config
     latest = checkpoints.latest_step()
-    if latest is not None and not t.resume:
-      raise ConfigError(f'{run_dir} already holds checkpoints (latest step {latest}); pass --resume '
+    if latest is not None and not cfg.train.resume:
+      raise ConfigError(f'{cfg.run_dir} already holds checkpoints (latest step {latest}); pass --resume '
                         f'(train.resume=true) to continue, or choose another train.run_dir')
+    if latest is None:
+      return self.init_state()
+    state, data_state = checkpoints.restore(latest, self.abstract_state, cfg.to_dict())
+    self.train_batches.set_state(data_state)
+    print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
+    return state
+
+  def run(self) -> list[dict[str, Any]]:
+    """Trains to `train.steps`, resuming if asked; returns the logged records.
+
+    On SIGTERM (the preemption notice of TPU VMs and SLURM) it finishes the current step,
+    checkpoints and returns, so `--resume` continues exactly.
+    """
+    cfg, t = self.config, self.config.train
+    is_main = jax.process_index() == 0
+    checkpoints = Checkpointer(cfg.run_dir / 'checkpoints', keep=t.keep_checkpoints)
+    state = self._restore_or_init(checkpoints)
     if is_main:
-      run_dir.mkdir(parents=True, exist_ok=True)
-      (run_dir / 'config.yaml').write_text(cfg.to_yaml())
-
-    if latest is not None:
-      state, data_state = checkpoints.restore(latest, self.abstract_state, cfg.to_dict())
-      self.train_batches.set_state(data_state)
-      print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
-    else:
-      state = self.init_state()
+      cfg.run_dir.mkdir(parents=True, exist_ok=True)
+      (cfg.run_dir / 'config.yaml').write_text(cfg.to_yaml())
     start = int(jax.device_get(state.step))
-
-    logger = MetricsLogger(run_dir, t.steps, start, t.progress, enabled=is_main)
+    logger = MetricsLogger(cfg.run_dir, t.steps, start, t.progress, enabled=is_main)
     records: list[dict[str, Any]] = []
-    tokens_per_step = t.global_batch * cfg.data.seq_len
-    num_devices = self.mesh.devices.size
 
     def emit(record: dict[str, Any]) -> None:
       records.append(record)
@@ -87,39 +93,57 @@ class Trainer:
     if start == 0 and t.eval_batches:
       emit({'step': 0, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
     pending: list[tuple[int, Any]] = []
-    timer_start, timer_steps = time.perf_counter(), 0
+    timer = time.perf_counter()
     try:
-      for step in range(start, t.steps):
-        state, step_metrics = self.train_step(state, next(self.train_batches))
-        pending.append((step + 1, step_metrics))
-        timer_steps += 1
-        done = step + 1
-        if done % t.log_every == 0 or done == t.steps:
-          fetched = jax.device_get(pending)  # blocks: the steps so far are finished
-          elapsed = time.perf_counter() - timer_start
-          tokens_per_sec = tokens_per_step * timer_steps / elapsed
-          for i, (s, m) in enumerate(fetched):
-            record = {'step': s, **{k: float(v) for k, v in m.items()}}
-            if i == len(fetched) - 1:
-              record['tokens_per_sec'] = tokens_per_sec
-              utilisation = flops.mfu(tokens_per_sec, self.flops_per_token, num_devices, self.peak_flops)
-              if utilisation is not None:
-                record['mfu'] = utilisation
-            emit(record)
-          logger.advance(len(fetched))
-          pending = []
-          timer_start, timer_steps = time.perf_counter(), 0
-        if t.eval_batches and (done % t.eval_every == 0 or done == t.steps):
-          emit({'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
-          timer_start, timer_steps = time.perf_counter(), 0
-        if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-          checkpoints.save(done, state, self.train_batches.get_state(), cfg.to_dict())
+      with sigterm_flag() as preempted:
+        for done in range(start + 1, t.steps + 1):
+          state, step_metrics = self.train_step(state, next(self.train_batches))
+          pending.append((done, step_metrics))
+          last = done == t.steps or preempted.is_set()
+          if done % t.log_every == 0 or last:
+            for record in self._records(pending, time.perf_counter() - timer):
+              emit(record)
+            logger.advance(len(pending))
+            pending, timer = [], time.perf_counter()
+          if t.eval_batches and (done % t.eval_every == 0 or done == t.steps):
+            emit({'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
+            timer = time.perf_counter()
+          if (t.checkpoint_every and done % t.checkpoint_every == 0) or last:
+            checkpoints.save(done, state, self.train_batches.get_state(), cfg.to_dict())
+          if preempted.is_set():
+            print(f'stopped by SIGTERM after step {done}; checkpoint saved, continue with --resume', flush=True)
+            break
       checkpoints.wait()
     finally:
       checkpoints.close()
       logger.close()
     self.final_state = state
     return records
+
+  def _records(self, pending: list[tuple[int, Any]], elapsed: float) -> list[dict[str, Any]]:
+    """Metrics of the steps since the last log; the last one carries throughput over the interval."""
+    fetched = jax.device_get(pending)  # blocks until those steps are done
+    records = [{'step': s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
+    tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
+    records[-1]['tokens_per_sec'] = tokens_per_sec
+    utilisation = flops.mfu(tokens_per_sec, self.flops_per_token, self.mesh.devices.size, self.peak_flops)
+    if utilisation is not None:
+      records[-1]['mfu'] = utilisation
+    return records
+
+
+@contextlib.contextmanager
+def sigterm_flag() -> Iterator[threading.Event]:
+  """An event set on SIGTERM while the block runs (signals can only be caught on the main thread)."""
+  flag = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield flag
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:

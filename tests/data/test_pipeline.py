@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm.config import ConfigError, load_config
-from lm.data.pipeline import Batches, build_batches, local_row_range
+from lm.config import ConfigError
+from lm.data.pipeline import build_batches, local_row_range
 from lm.data.sources import embedded_documents, is_validation, split_documents
 from lm.parallel.mesh import make_mesh
 from lm.train.step import batch_sharding

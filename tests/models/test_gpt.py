@@ -72,7 +72,7 @@ def unstack(params, num_layers):
   decoder = dict(params['decoder'])
   stacked = decoder.pop('layers')
   for i in range(num_layers):
-    decoder[f'layers_{i}'] = jax.tree.map(lambda a: a[i], stacked)
+    decoder[f'layers_{i}'] = jax.tree.map(lambda a, i=i: a[i], stacked)
   return {**params, 'decoder': decoder}
 
 

@@ -65,3 +65,25 @@ def test_training_lowers_validation_loss(small_config, tmp_path):
   records = Trainer(config, jax.devices()[:1]).run()
   evals = [r['val_loss'] for r in records if 'val_loss' in r]
   assert evals[0] > 5.4 and evals[-1] < 3.5, evals
+
+
+def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
+  import os
+  import signal
+  run = f'train.run_dir={tmp_path}/run'
+  trainer = Trainer(small_config('train.steps=10', run), jax.devices()[:1])
+  step_fn, calls = trainer.train_step, []
+
+  def preempt_on_third_step(*args):
+    calls.append(1)
+    if len(calls) == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return step_fn(*args)
+  trainer.train_step = preempt_on_third_step
+  trainer.run()
+  assert int(trainer.final_state.step) == 3
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  resumed = Trainer(small_config('train.steps=10', run, 'train.resume=true'), jax.devices()[:1])
+  resumed.run()
+  losses = train_losses(read_metrics(tmp_path / 'run'))
+  assert sorted(losses) == list(range(1, 11))
