@@ -1,0 +1,92 @@
+"""Pretraining objectives on packed rows: causal LM, BERT masked LM, T5 span corruption.
+
+Each turns token windows into model features; every one ends as (inputs, targets, weights)
+so one cross-entropy serves all three families. Randomness comes from an explicit
+`np.random.Generator`, derived by the pipeline from (seed, epoch, row), so it is reproducible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, first_regular_id: int, vocab_size: int,
+             mask_id: int, rate: float = 0.15, mask_frac: float = 0.8, random_frac: float = 0.1
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """BERT masking of one row: choose round(rate * eligible) tokens; 80% -> [MASK], 10% random, 10% kept.
+
+  Ids below `first_regular_id` (padding and special tokens) are never chosen; random replacements are
+  regular ids. Returns (inputs, weights) with weight 1 exactly at the chosen positions.
+  """
+  eligible = np.flatnonzero(tokens >= first_regular_id)
+  count = int(round(rate * len(eligible)))
+  chosen = rng.permutation(eligible)[:count]
+  roll = rng.random(count)
+  inputs = tokens.copy()
+  to_mask = chosen[roll < mask_frac]
+  to_random = chosen[(roll >= mask_frac) & (roll < mask_frac + random_frac)]
+  inputs[to_mask] = mask_id
+  inputs[to_random] = rng.integers(first_regular_id, vocab_size, size=len(to_random))
+  weights = np.zeros(tokens.shape, np.float32)
+  weights[chosen] = 1.0
+  return inputs, weights
+
+
+def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
+  """Lengths of a uniformly random split of `num_items` into `num_segments` non-empty runs."""
+  first = np.concatenate([[0], rng.permutation(np.arange(num_items - 1) < num_segments - 1)]).astype(np.int64)
+  return np.bincount(np.cumsum(first), minlength=num_segments)
+
+
+def random_spans_noise_mask(length: int, noise_density: float, mean_span_length: float,
+                            rng: np.random.Generator) -> np.ndarray:
+  """T5's noise mask: alternating non-noise / noise spans, starting with non-noise (Raffel et al. 2020)."""
+  num_noise = min(max(int(round(length * noise_density)), 1), length - 1)
+  num_spans = max(int(round(num_noise / mean_span_length)), 1)
+  noise_lengths = _random_segmentation(num_noise, num_spans, rng)
+  keep_lengths = _random_segmentation(length - num_noise, num_spans, rng)
+  interleaved = np.stack([keep_lengths, noise_lengths], axis=1).reshape(-1)
+  starts = np.zeros(length, bool)
+  starts[np.cumsum(interleaved)[:-1]] = True
+  return np.cumsum(starts) % 2 == 1
+
+
+def spans_to_sentinels(tokens: np.ndarray, mask: np.ndarray, first_sentinel: int) -> np.ndarray:
+  """Each run of masked tokens becomes one sentinel: first_sentinel, first_sentinel - 1, ..."""
+  prev = np.concatenate([[False], mask[:-1]])
+  span_start = mask & ~prev
+  sentinels = first_sentinel + 1 - np.cumsum(span_start)
+  out = np.where(span_start, sentinels, tokens)
+  return out[~mask | span_start]
+
+
+@dataclass(frozen=True)
+class SpanLengths:
+  raw: int  # tokens taken from the stream per example
+  inputs: int  # encoder length after corruption (with EOS)
+  targets: int  # decoder length (with EOS)
+  spans: int
+
+
+def span_lengths(inputs_length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> SpanLengths:
+  """The longest raw window whose corrupted inputs (plus EOS) fit `inputs_length` (T5's random_spans_helper)."""
+  def lengths(raw: int) -> tuple[int, int, int]:
+    noise = min(max(int(round(raw * noise_density)), 1), raw - 1)
+    spans = max(int(round(noise / mean_span_length)), 1)
+    return raw - noise + spans + 1, noise + spans + 1, spans
+  raw = 2
+  while lengths(raw + 1)[0] <= inputs_length:
+    raw += 1
+  inputs, targets, spans = lengths(raw)
+  return SpanLengths(raw=raw, inputs=inputs, targets=targets, spans=spans)
+
+
+def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, first_sentinel: int, eos_id: int,
+                    noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of one raw window: inputs keep the text with a sentinel per dropped span,
+  targets list each sentinel followed by the span it replaced; both end in EOS."""
+  noise = random_spans_noise_mask(len(tokens), noise_density, mean_span_length, rng)
+  inputs = spans_to_sentinels(tokens, noise, first_sentinel)
+  targets = spans_to_sentinels(tokens, ~noise, first_sentinel)
+  return np.append(inputs, eos_id), np.append(targets, eos_id)
