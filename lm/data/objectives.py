@@ -7,8 +7,46 @@ so one cross-entropy serves all three families. Randomness comes from an explici
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+from lm.data.packing import TokenStream
+
+Features = dict[str, np.ndarray]
+
+
+class Objective(Protocol):
+  """Turns stream rows into features. Rows are `row_len` tokens with stride `row_len - overlap`."""
+  row_len: int
+  overlap: int
+
+  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
+    """`keys` [n, k] ints seed one generator per row (seed, step, index in the global batch)."""
+    ...
+
+
+@dataclass(frozen=True)
+class CausalLM:
+  """Next-token prediction: inputs are stream[o:o+S], targets stream[o+1:o+S+1].
+
+  A target from another document (the step over a boundary) gets weight 0.
+  """
+  seq_len: int
+
+  @property
+  def row_len(self) -> int:
+    return self.seq_len + 1
+
+  overlap = 1
+
+  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
+    tokens, offsets = stream.windows(rows, self.row_len, self.overlap)
+    segment_ids, positions = stream.segments(offsets[:, :-1])
+    docs = stream.doc_ids[offsets]
+    return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+            'weights': (docs[:, :-1] == docs[:, 1:]).astype(np.float32),
+            'segment_ids': segment_ids, 'positions': positions}
 
 
 def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, first_regular_id: int, vocab_size: int,
@@ -90,3 +128,63 @@ def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, first_senti
   inputs = spans_to_sentinels(tokens, noise, first_sentinel)
   targets = spans_to_sentinels(tokens, ~noise, first_sentinel)
   return np.append(inputs, eos_id), np.append(targets, eos_id)
+
+
+@dataclass(frozen=True)
+class MaskedLM:
+  """BERT/RoBERTa masked LM on packed rows, masks drawn afresh each time a row is used (dynamic)."""
+  seq_len: int
+  first_regular_id: int
+  vocab_size: int  # the tokenizer's: random replacements come from [first_regular_id, vocab_size)
+  mask_id: int
+  rate: float = 0.15
+  overlap = 0
+
+  @property
+  def row_len(self) -> int:
+    return self.seq_len
+
+  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
+    tokens, offsets = stream.windows(rows, self.row_len)
+    segment_ids, positions = stream.segments(offsets)
+    masked = [mlm_mask(row, np.random.default_rng(key), first_regular_id=self.first_regular_id,
+                       vocab_size=self.vocab_size, mask_id=self.mask_id, rate=self.rate)
+              for row, key in zip(tokens, keys, strict=True)]
+    return {'inputs': np.stack([m[0] for m in masked]), 'targets': tokens,
+            'weights': np.stack([m[1] for m in masked]), 'segment_ids': segment_ids, 'positions': positions}
+
+
+@dataclass(frozen=True)
+class SpanCorruption:
+  """T5 span corruption of fixed raw windows (documents joined by EOS, as in the T5 paper)."""
+  inputs_length: int
+  first_sentinel: int
+  eos_id: int
+  decoder_start_id: int
+  noise_density: float = 0.15
+  mean_span_length: float = 3.0
+  overlap = 0
+
+  @property
+  def lengths(self) -> SpanLengths:
+    return span_lengths(self.inputs_length, self.noise_density, self.mean_span_length)
+
+  @property
+  def row_len(self) -> int:
+    return self.lengths.raw
+
+  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
+    tokens, _ = stream.windows(rows, self.row_len)
+    lengths = self.lengths
+    n = len(tokens)
+    inputs = np.zeros((n, self.inputs_length), np.int32)
+    targets = np.zeros((n, lengths.targets), np.int32)
+    for i, (row, key) in enumerate(zip(tokens, keys, strict=True)):
+      x, y = span_corruption(row, np.random.default_rng(key), first_sentinel=self.first_sentinel,
+                             eos_id=self.eos_id, noise_density=self.noise_density,
+                             mean_span_length=self.mean_span_length)
+      inputs[i, :len(x)], targets[i, :len(y)] = x, y
+    decoder_inputs = np.concatenate([np.full((n, 1), self.decoder_start_id, np.int32), targets[:, :-1]], axis=1)
+    return {'inputs': inputs, 'segment_ids': (inputs != 0).astype(np.int32),
+            'decoder_inputs': decoder_inputs, 'targets': targets, 'weights': (targets != 0).astype(np.float32),
+            'decoder_segment_ids': (targets != 0).astype(np.int32)}

@@ -17,9 +17,10 @@ class TokenStream:
   doc_starts: np.ndarray  # [num_docs] offset of each document's first token
 
   @classmethod
-  def from_documents(cls, docs: list[np.ndarray], bos_id: int, eos_id: int) -> 'TokenStream':
-    """Each document becomes [bos] + tokens + [eos]; documents are concatenated in the given order."""
-    pieces = [np.concatenate([[bos_id], d, [eos_id]]).astype(np.int32) for d in docs]
+  def from_documents(cls, docs: list[np.ndarray], bos_id: int | None, eos_id: int) -> 'TokenStream':
+    """Each document becomes [bos] + tokens + [eos] (no bos when None), concatenated in the given order."""
+    head = [] if bos_id is None else [bos_id]
+    pieces = [np.concatenate([head, d, [eos_id]]).astype(np.int32) for d in docs]
     lengths = np.array([len(p) for p in pieces], dtype=np.int64)
     return cls(tokens=np.concatenate(pieces),
                doc_ids=np.repeat(np.arange(len(pieces), dtype=np.int32), lengths),
@@ -40,20 +41,3 @@ class TokenStream:
     segment_ids = (docs - docs[:, :1] + 1).astype(np.int32)
     starts = np.maximum(self.doc_starts[docs], offsets[:, :1])
     return segment_ids, (offsets - starts).astype(np.int32)
-
-
-def causal_lm_rows(stream: TokenStream, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-  """Next-token prediction rows: inputs are stream[o:o+S], targets stream[o+1:o+S+1].
-
-  A target from another document (the step over a boundary) gets weight 0.
-  """
-  tokens, offsets = stream.windows(rows, seq_len + 1, overlap=1)
-  segment_ids, positions = stream.segments(offsets[:, :-1])
-  docs = stream.doc_ids[offsets]
-  return {
-    'inputs': tokens[:, :-1],
-    'targets': tokens[:, 1:],
-    'weights': (docs[:, :-1] == docs[:, 1:]).astype(np.float32),
-    'segment_ids': segment_ids,
-    'positions': positions,
-  }

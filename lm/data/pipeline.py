@@ -7,20 +7,17 @@ the rows its devices hold and assembles the global array with
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError
-from lm.data.packing import TokenStream, causal_lm_rows
+from lm.data.objectives import CausalLM, MaskedLM, Objective, SpanCorruption
+from lm.data.packing import TokenStream
 from lm.data.sources import load_documents, split_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
-
-RowFn = Callable[[TokenStream, np.ndarray], dict[str, np.ndarray]]
-
 
 def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
   """The contiguous block of batch rows this process's devices hold under `sharding`."""
@@ -37,12 +34,13 @@ def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, in
 class Batches:
   """Iterator of global batches (dicts of jax.Array [B, ...]) with `get_state`/`set_state`."""
 
-  def __init__(self, stream: TokenStream, make_rows: RowFn, num_rows: int, global_batch: int, seed: int,
+  def __init__(self, stream: TokenStream, objective: Objective, global_batch: int, seed: int,
                sharding: NamedSharding, name: str = 'train'):
+    num_rows = stream.num_rows(objective.row_len, objective.overlap)
     if num_rows < global_batch:
       raise ConfigError(f'the {name} split has {num_rows} rows, fewer than train.global_batch={global_batch}; '
                         f'lower the batch or data.seq_len, or add data')
-    self.stream, self.make_rows, self.num_rows = stream, make_rows, num_rows
+    self.stream, self.objective, self.num_rows = stream, objective, num_rows
     self.global_batch, self.seed, self.sharding = global_batch, seed, sharding
     self.batches_per_epoch = num_rows // global_batch
     self.local_rows = local_row_range(sharding, global_batch)
@@ -58,7 +56,8 @@ class Batches:
 
   def batch(self, step: int) -> dict[str, jax.Array]:
     lo, hi = self.local_rows
-    local = self.make_rows(self.stream, self.rows(step)[lo:hi])
+    keys = np.stack([np.full(hi - lo, self.seed), np.full(hi - lo, step), np.arange(lo, hi)], axis=1)
+    local = self.objective(self.stream, self.rows(step)[lo:hi], keys)
     return {key: jax.make_array_from_process_local_data(self.sharding, value, (self.global_batch, *value.shape[1:]))
             for key, value in local.items()}
 
@@ -80,25 +79,52 @@ class Batches:
     self.step = int(state['step'])
 
 
-def tokenize(docs: list[tuple[str, str]], tokenizer: Tokenizer, order_seed: int | None) -> TokenStream:
+def tokenize(docs: list[tuple[str, str]], tokenizer: Tokenizer, order_seed: int | None,
+             with_bos: bool = True) -> TokenStream:
   """Documents in a seeded random order (or as given when `order_seed` is None), packed end to end."""
   order = np.arange(len(docs)) if order_seed is None else np.random.default_rng(order_seed).permutation(len(docs))
   return TokenStream.from_documents([tokenizer.encode(docs[i][1]) for i in order],
-                                    tokenizer.bos_id, tokenizer.eos_id)
+                                    tokenizer.bos_id if with_bos else None, tokenizer.eos_id)
+
+
+def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
+  """The family's pretraining objective: causal LM (gpt), masked LM (bert), span corruption (t5)."""
+  m, seq_len = config.model, config.data.seq_len
+  if tokenizer.vocab_size > m.vocab_size:
+    raise ConfigError(f'model.vocab_size={m.vocab_size} is smaller than the {config.data.tokenizer} '
+                      f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
+  if m.family == 'bert':
+    return MaskedLM(seq_len, first_regular_id=tokenizer.first_regular_id, vocab_size=tokenizer.vocab_size,
+                    mask_id=tokenizer.mask_id)
+  if m.family == 't5':
+    objective = SpanCorruption(seq_len, first_sentinel=m.vocab_size - 1, eos_id=tokenizer.eos_id,
+                               decoder_start_id=tokenizer.pad_id)
+    spans = objective.lengths.spans
+    if m.vocab_size - spans < tokenizer.vocab_size:
+      raise ConfigError(f'span corruption of {seq_len}-token inputs needs {spans} sentinel ids above the '
+                        f'tokenizer\'s {tokenizer.vocab_size}, but model.vocab_size={m.vocab_size}; '
+                        f'raise model.vocab_size to at least {tokenizer.vocab_size + spans}')
+    return objective
+  return CausalLM(seq_len)
+
+
+def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Per-row shape and dtype of every feature the config's objective produces."""
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  objective = make_objective(config, tokenizer)
+  doc = np.full(2 * objective.row_len, tokenizer.first_regular_id, np.int32)
+  stream = TokenStream.from_documents([doc], tokenizer.bos_id, tokenizer.eos_id)
+  features = objective(stream, np.zeros(1, np.int64), np.zeros((1, 3), np.int64))
+  return {k: (v.shape[1:], v.dtype) for k, v in features.items()}
 
 
 def build_batches(config: Config, sharding: NamedSharding) -> tuple[Tokenizer, Batches, Batches]:
   """Tokenizer, training batches (shuffled from the seed) and validation batches (fixed order)."""
   tokenizer = get_tokenizer(config.data.tokenizer)
-  if tokenizer.vocab_size > config.model.vocab_size:
-    raise ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the {config.data.tokenizer} '
-                      f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
+  objective = make_objective(config, tokenizer)
   train_docs, val_docs = split_documents(load_documents(config.data), config.data.val_fraction)
-  seq_len, batch, seed = config.data.seq_len, config.train.global_batch, config.train.seed
-  make_rows = functools.partial(causal_lm_rows, seq_len=seq_len)
-  train_stream = tokenize(train_docs, tokenizer, order_seed=seed)
-  val_stream = tokenize(val_docs, tokenizer, order_seed=None)
-  train = Batches(train_stream, make_rows, train_stream.num_rows(seq_len + 1, overlap=1), batch, seed, sharding)
-  # Validation rows: a fixed permutation (seed 0 whatever the run's seed), so every run sees the same rows.
-  val = Batches(val_stream, make_rows, val_stream.num_rows(seq_len + 1, overlap=1), batch, 0, sharding, 'validation')
+  batch, seed, with_bos = config.train.global_batch, config.train.seed, config.model.family != 't5'
+  train = Batches(tokenize(train_docs, tokenizer, seed, with_bos), objective, batch, seed, sharding)
+  # Validation rows (and their masks): a fixed order from seed 0 whatever the run's seed, so runs compare.
+  val = Batches(tokenize(val_docs, tokenizer, None, with_bos), objective, batch, 0, sharding, 'validation')
   return tokenizer, train, val

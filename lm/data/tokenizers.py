@@ -11,8 +11,10 @@ from lm.config import ConfigError
 class Tokenizer(Protocol):
   vocab_size: int
   pad_id: int
-  bos_id: int
-  eos_id: int
+  bos_id: int  # also BERT's [CLS]
+  eos_id: int  # also BERT's [SEP]
+  mask_id: int
+  first_regular_id: int  # ids below this are special: never masked, never a random replacement
 
   def encode(self, text: str) -> np.ndarray: ...
 
@@ -20,9 +22,9 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-  """UTF-8 bytes shifted past three specials (pad 0, bos 1, eos 2), as in ByT5: vocabulary 259."""
-  pad_id, bos_id, eos_id = 0, 1, 2
-  offset = 3
+  """UTF-8 bytes shifted past four specials (pad 0, bos 1, eos 2, mask 3): vocabulary 260."""
+  pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
+  offset = first_regular_id = 4
   vocab_size = 256 + offset
 
   def encode(self, text: str) -> np.ndarray:

@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from lm.config import Config
+from lm.data.pipeline import feature_specs
 from lm.models import forward
 from lm.parallel.rules import constrain, logical_to_spec, sharding_context
 from lm.train.loss import cross_entropy
@@ -26,10 +27,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def abstract_batch(config: Config, mesh: Mesh) -> Batch:
   """Shapes, dtypes and shardings of a training batch, for ahead-of-time lowering."""
-  shape, sharding = (config.train.global_batch, config.data.seq_len), batch_sharding(mesh)
-  dtypes = {'inputs': jnp.int32, 'targets': jnp.int32, 'weights': jnp.float32, 'segment_ids': jnp.int32,
-            'positions': jnp.int32}
-  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, dtype in dtypes.items()}
+  sharding = batch_sharding(mesh)
+  return {k: jax.ShapeDtypeStruct((config.train.global_batch, *shape), dtype, sharding=sharding)
+          for k, (shape, dtype) in feature_specs(config).items()}
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:

@@ -1,7 +1,8 @@
 """Packing into rows: shifts, segment ids, positions and weights reconstruct the documents."""
 import numpy as np
 
-from lm.data.packing import TokenStream, causal_lm_rows
+from lm.data.objectives import CausalLM
+from lm.data.packing import TokenStream
 from lm.data.tokenizers import ByteTokenizer
 
 
@@ -14,7 +15,7 @@ def test_byte_tokenizer_round_trip():
   tok = ByteTokenizer()
   text = 'naïve café — 日本語 ok\n'
   ids = tok.encode(text)
-  assert ids.min() >= tok.offset and ids.max() < tok.vocab_size == 259
+  assert ids.min() >= tok.offset and ids.max() < tok.vocab_size == 260
   assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id, tok.pad_id]])) == text
 
 
@@ -24,7 +25,7 @@ def test_rows_reconstruct_documents_and_never_cross_them():
   seq = 16
   n = stream.num_rows(seq + 1, overlap=1)
   assert n == (len(stream.tokens) - 1) // seq
-  rows = causal_lm_rows(stream, np.arange(n), seq)
+  rows = CausalLM(seq)(stream, np.arange(n), np.zeros((n, 3), int))
   inputs, targets, weights = rows['inputs'], rows['targets'], rows['weights']
   seg, pos = rows['segment_ids'], rows['positions']
   # Concatenated rows are the stream (inputs) shifted by one (targets).
