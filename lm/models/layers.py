@@ -27,6 +27,21 @@ def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, Sequence) else (x,)
 
 
+def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...]) -> jax.Array:
+  """Contracts `axis` of x with the leading dims of kernel as one [tokens, in] x [in, out] matmul.
+
+  Keeping both the input and the output gradient 2D makes the kernel gradient a single
+  matmul contracting over tokens, which XLA:CPU runs without materialising a transposed
+  copy of the (fused) output gradient.
+  """
+  n_in = len(axis)
+  if axis != tuple(range(x.ndim - n_in, x.ndim)):
+    return jax.lax.dot_general(x, kernel, ((axis, tuple(range(n_in))), ((), ())))
+  batch_shape, out_shape = x.shape[:x.ndim - n_in], kernel.shape[n_in:]
+  y = jnp.dot(x.reshape(-1, math.prod(kernel.shape[:n_in])), kernel.reshape(-1, math.prod(out_shape)))
+  return y.reshape(batch_shape + out_shape)
+
+
 class DenseGeneral(nn.Module):
   """Linear map contracting `axis` of the input onto `features` (which may be several dims)."""
   features: int | tuple[int, ...]
@@ -44,8 +59,7 @@ class DenseGeneral(nn.Module):
     kernel_shape = tuple(x.shape[a] for a in axis) + features
     kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
                         kernel_shape, self.param_dtype)
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                            ((axis, tuple(range(len(axis)))), ((), ())))
+    y = _matmul_2d(x.astype(self.dtype), kernel.astype(self.dtype), axis)
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
                         features, self.param_dtype)

@@ -45,6 +45,41 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Arra
   return jnp.einsum('bhqk,bkhd->bqhd', probs.astype(v.dtype), v)
 
 
+def _causal_blocks(q_len: int, kv_len: int) -> int:
+  """How many query blocks a causal self-attention is split into (1: no split)."""
+  if q_len != kv_len:
+    return 1
+  for n in (4, 2):
+    if q_len % n == 0 and q_len // n >= 32:
+      return n
+  return 1
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array,
+                             bias: jax.Array | None, scale: float, num_blocks: int) -> jax.Array:
+  """`xla_attention` for causal self-attention, skipping the key blocks a query block cannot see.
+
+  Query block i only scores keys [0, (i + 1) * block): the causal mask zeroes the rest, so the
+  result equals the reference path while doing about (n + 1) / 2n of its attention work.
+  """
+  block = q.shape[1] // num_blocks
+  qt = jnp.swapaxes(q, 1, 2)  # [batch, heads, q_len, head_dim]
+  kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  outs = []
+  for i in range(num_blocks):
+    q_sl, k_end = slice(i * block, (i + 1) * block), (i + 1) * block
+    logits = jnp.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end],
+                        preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+      b = jnp.broadcast_to(bias, bias.shape[:2] + (q.shape[1], k.shape[1]))
+      logits = logits + b[:, :, q_sl, :k_end].astype(jnp.float32)
+    mask = allowed[:, :, q_sl, :k_end]
+    logits = jnp.where(mask, logits, _MASKED)
+    probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+    outs.append(jnp.einsum('bhqk,bhkd->bhqd', probs.astype(v.dtype), vt[:, :, :k_end]))
+  return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               mask: jax.Array | None = None, bias: jax.Array | None = None, scale: float | None = None,
@@ -55,5 +90,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, mask=mask)
+  num_blocks = _causal_blocks(q.shape[1], k.shape[1]) if causal else 1
+  if num_blocks > 1 and not (dropout_rate > 0.0 and dropout_rng is not None):
+    return blocked_causal_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, num_blocks=num_blocks)
   return xla_attention(q, k, v, allowed=allowed, bias=bias, scale=scale,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng)

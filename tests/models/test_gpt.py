@@ -9,7 +9,8 @@ from lm.config import load_config
 from lm.models import build_model
 from lm.train.metrics import abstract_params, count_params
 
-SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=24', 'data.seq_len=24']
+SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=24', 'data.seq_len=24',
+         'model.scan_layers=true']
 
 
 def make(*overrides):

@@ -12,15 +12,18 @@ def test_microbatches_give_the_same_update(small_config, k):
   for micro in (1, k):
     trainer = Trainer(small_config(f'train.microbatches={micro}'), jax.devices()[:1])
     state = trainer.init_state()
-    batch = next(trainer.train_batches)
-    for _ in range(2):
-      state, metrics = trainer.train_step(state, batch)
-    results.append((float(metrics['loss']), float(metrics['grad_norm']), jax.device_get(state.params)))
-  (loss_1, norm_1, params_1), (loss_k, norm_k, params_k) = results
+    before = jax.device_get(state.params)
+    state, metrics = trainer.train_step(state, next(trainer.train_batches))
+    update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), before)
+    results.append((float(metrics['loss']), float(metrics['grad_norm']), update))
+  (loss_1, norm_1, update_1), (loss_k, norm_k, update_k) = results
   np.testing.assert_allclose(loss_k, loss_1, rtol=1e-5)
   np.testing.assert_allclose(norm_k, norm_1, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(params_k), jax.tree.leaves(params_1)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for path, a in jax.tree_util.tree_flatten_with_path(update_k)[0]:
+    if "['key']['bias']" in jax.tree_util.keystr(path):
+      continue  # its true gradient is 0 (softmax ignores a shared shift); Adam scales float noise to lr
+    b = dict(jax.tree_util.tree_flatten_with_path(update_1)[0])[path]
+    assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), jax.tree_util.keystr(path)
 
 
 def test_microbatches_on_a_mesh(small_config):
