@@ -11,6 +11,16 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 
+_SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('learning_rate', 'lr {:.3g}'),
+          ('grad_norm', 'grad_norm {:.3g}'), ('tokens_per_sec', '{:,.0f} tokens/s'), ('mfu', 'mfu {:.1%}'))
+
+
+def format_record(record: dict[str, Any]) -> str:
+  """One console line: `step 250 | loss 2.2990 | lr 0.000354 | grad_norm 0.741 | 3,412 tokens/s`."""
+  parts = [f'step {record["step"]}'] + [fmt.format(record[k]) for k, fmt in _SHOWN if record.get(k) is not None]
+  return ' | '.join(parts)
+
+
 class MetricsLogger:
   """Writes every record to metrics.jsonl and TensorBoard; shows a bar on a terminal."""
 
@@ -23,6 +33,7 @@ class MetricsLogger:
     self.tensorboard = SummaryWriter(str(run_dir / 'tensorboard'))
     self.bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True) \
       if progress and sys.stdout.isatty() else None
+    self.shown: dict[str, str] = {}
 
   def log(self, record: dict[str, Any]) -> None:
     if not self.enabled:
@@ -34,11 +45,10 @@ class MetricsLogger:
       if key != 'step' and isinstance(value, (int, float)):
         self.tensorboard.add_scalar(key, value, record['step'])
     if self.bar is not None:
-      shown = {k: f'{record[k]:.4g}' for k in ('loss', 'val_loss', 'tokens_per_sec') if k in record}
-      self.bar.set_postfix(shown, refresh=False)
-    elif 'loss' in record or 'val_loss' in record:
-      print(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in record.items()
-                     if v is not None), flush=True)
+      self.shown.update({k: f'{record[k]:.4g}' for k in ('loss', 'val_loss', 'tokens_per_sec') if k in record})
+      self.bar.set_postfix(self.shown, refresh=False)
+    elif 'tokens_per_sec' in record or 'val_loss' in record:
+      print(format_record(record), flush=True)
 
   def advance(self, steps: int) -> None:
     if self.enabled and self.bar is not None:

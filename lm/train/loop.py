@@ -101,7 +101,7 @@ class Trainer:
           pending.append((done, step_metrics))
           last = done == t.steps or preempted.is_set()
           if done % t.log_every == 0 or last:
-            for record in self._records(pending, time.perf_counter() - timer):
+            for record in self._records(pending, timer):
               emit(record)
             logger.advance(len(pending))
             pending, timer = [], time.perf_counter()
@@ -120,9 +120,10 @@ class Trainer:
     self.final_state = state
     return records
 
-  def _records(self, pending: list[tuple[int, Any]], elapsed: float) -> list[dict[str, Any]]:
+  def _records(self, pending: list[tuple[int, Any]], since: float) -> list[dict[str, Any]]:
     """Metrics of the steps since the last log; the last one carries throughput over the interval."""
     fetched = jax.device_get(pending)  # blocks until those steps are done
+    elapsed = time.perf_counter() - since
     records = [{'step': s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
     tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
     records[-1]['tokens_per_sec'] = tokens_per_sec
