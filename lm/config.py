@@ -19,19 +19,26 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-  family: str = 'gpt'  # gpt (bert, t5 join later)
+  family: str = 'gpt'  # gpt | bert | t5
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
-  num_layers: int = 4
+  num_layers: int = 4  # encoder layers for t5
+  num_decoder_layers: int | None = None  # t5 only; default num_layers
   num_heads: int = 4
   head_dim: int | None = None  # default d_model // num_heads
   d_ff: int | None = None  # default 4 * d_model
   max_len: int = 256  # rows of the learned position table
-  position: str = 'learned'  # learned | sinusoidal | none
+  position: str = 'learned'  # learned | sinusoidal | relative (T5 buckets) | none
+  relative_buckets: int = 32
+  relative_max_distance: int = 128
+  type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings when > 0
+  embed_norm: bool = False  # BERT: LayerNorm on the summed embeddings
+  scale_attention: bool = True  # divide logits by sqrt(head_dim); T5 folds this into its init
+  nsp: bool = False  # BERT next-sentence-prediction head
   norm: str = 'layernorm'  # layernorm | rmsnorm
   norm_eps: float = 1e-5
   norm_position: str = 'pre'  # pre | post
-  activation: str = 'gelu'  # gelu | gelu_tanh | relu | silu | geglu | swiglu | reglu
+  activation: str = 'gelu'  # gelu | gelu_tanh | relu | silu | geglu | geglu_tanh | swiglu | reglu
   use_bias: bool = True
   tie_embeddings: bool = True
   dropout: float = 0.0
@@ -50,6 +57,10 @@ class ModelConfig:
   @property
   def resolved_d_ff(self) -> int:
     return self.d_ff or 4 * self.d_model
+
+  @property
+  def resolved_decoder_layers(self) -> int:
+    return self.num_decoder_layers or self.num_layers
 
 
 @dataclass(frozen=True)
@@ -271,11 +282,11 @@ def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str
 # ---------------------------------------------------------------- validation
 
 _CHOICES = {
-  'model.family': ('gpt',),
-  'model.position': ('learned', 'sinusoidal', 'none'),
+  'model.family': ('gpt', 'bert', 't5'),
+  'model.position': ('learned', 'sinusoidal', 'relative', 'none'),
   'model.norm': ('layernorm', 'rmsnorm'),
   'model.norm_position': ('pre', 'post'),
-  'model.activation': ('gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'swiglu', 'reglu'),
+  'model.activation': ('gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu'),
   'model.dtype': ('float32', 'bfloat16', 'float16'),
   'model.param_dtype': ('float32', 'bfloat16'),
   'model.attention_impl': ('xla',),

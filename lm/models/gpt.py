@@ -5,18 +5,21 @@ import flax.linen as nn
 import jax
 
 from lm.config import ModelConfig
-from lm.models.layers import DTYPES, DenseGeneral, Embed, make_norm
+from lm.models.layers import DTYPES, DenseGeneral, Embed
 from lm.models.transformer import Stack, default_positions, embed_positions
 from lm.parallel.rules import constrain
 
 
 class GPT(nn.Module):
-  """Decoder-only causal LM: tokens [batch, length] -> logits [batch, length, vocab]."""
+  """Decoder-only causal LM: tokens [batch, length] -> logits [batch, length, vocab].
+
+  `decode=True` runs on the key/value cache (see `lm.generate`); `positions` then count real tokens.
+  """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+               deterministic: bool = True, decode: bool = False) -> jax.Array:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
@@ -27,8 +30,8 @@ class GPT(nn.Module):
       x = x + pos
     x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
     x = constrain(x, ('batch', 'length', 'embed'))
-    x = Stack(cfg, causal=True, name='decoder')(x, segment_ids, deterministic)
-    x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name='final_norm')(x)
+    x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
+      x, segment_ids, deterministic=deterministic, decode=decode)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:

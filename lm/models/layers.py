@@ -74,10 +74,11 @@ class Embed(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   init_std: float = 0.02
+  axes: tuple[str | None, str] = ('vocab', 'embed')
 
   def setup(self) -> None:
     self.embedding = self.param(
-      'embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ('vocab', 'embed')),
+      'embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.axes),
       (self.num_embeddings, self.features), self.param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
@@ -139,7 +140,7 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
   'relu': jax.nn.relu,
   'silu': jax.nn.silu,
 }
-GATED = {'geglu': 'gelu', 'swiglu': 'silu', 'reglu': 'relu'}  # act(x W0) * (x W1)
+GATED = {'geglu': 'gelu', 'geglu_tanh': 'gelu_tanh', 'swiglu': 'silu', 'reglu': 'relu'}  # act(x W0) * (x W1)
 
 
 class Mlp(nn.Module):
@@ -170,13 +171,20 @@ class Mlp(nn.Module):
 
 
 class Attention(nn.Module):
-  """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`."""
+  """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`.
+
+  With `decode=True`, self-attention keeps a key/value cache ('cache' collection): `init` with a
+  [batch, max_len] input sizes it; each later call appends its tokens at the cache index and
+  attends to everything cached so far. Cached segment ids mask left padding.
+  """
   num_heads: int
   head_dim: int
   use_bias: bool = True
   impl: str = 'xla'
+  scale_logits: bool = True
   dropout_rate: float = 0.0
   init_std: float = 0.02
+  query_init_std: float | None = None  # default init_std
   out_init_std: float = 0.02
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
@@ -184,27 +192,92 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
                kv_segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
-    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                 kernel_init=nn.initializers.normal(self.init_std))
+               deterministic: bool = True, decode: bool = False) -> jax.Array:
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+    normal = nn.initializers.normal
     heads = (self.num_heads, self.head_dim)
     axes = ('batch', 'length', 'heads', 'kv')
-    q = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='query', **dense)(x_q)
-    k = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='key', **dense)(x_kv)
-    v = DenseGeneral(heads, ('embed', 'heads', 'kv'), name='value', **dense)(x_kv)
+    q_std = self.init_std if self.query_init_std is None else self.query_init_std
+    q = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(q_std), name='query', **dense)(x_q)
+    k = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(self.init_std), name='key', **dense)(x_kv)
+    v = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(self.init_std), name='value', **dense)(x_kv)
     q = checkpoint_name(constrain(q, axes), 'query_proj')
     k = checkpoint_name(constrain(k, axes), 'key_proj')
     v = checkpoint_name(constrain(v, axes), 'value_proj')
+    mask = None
+    if decode:
+      k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids)
+      causal = False  # the cache mask already orders queries after the keys they may see
+      if segment_ids is None:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
-    out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, bias=bias,
-                    impl=self.impl, dropout_rate=0.0 if deterministic else self.dropout_rate,
-                    dropout_rng=dropout_rng)
+    out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask,
+                    bias=bias, scale=None if self.scale_logits else 1.0, impl=self.impl,
+                    dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng)
     out = constrain(out, axes)
-    dense['kernel_init'] = nn.initializers.normal(self.out_init_std)
-    out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1), name='out', **dense)(out)
+    out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1),
+                       kernel_init=normal(self.out_init_std), name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
+
+  def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Writes this call's keys/values at the cache index; returns the whole cache and its mask."""
+    initialising = not self.has_variable('cache', 'key')
+    cached_k = self.variable('cache', 'key', jnp.zeros, k.shape, k.dtype)
+    cached_v = self.variable('cache', 'value', jnp.zeros, v.shape, v.dtype)
+    cached_seg = self.variable('cache', 'segment_ids', jnp.zeros, k.shape[:2], jnp.int32)
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if initialising:
+      return k, v, jnp.ones(k.shape[:2], jnp.int32), None
+    length, i = k.shape[1], index.value
+    seg = jnp.ones(k.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, i, 0, 0))
+    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, i, 0, 0))
+    cached_seg.value = jax.lax.dynamic_update_slice(cached_seg.value, seg, (0, i))
+    index.value = i + length
+    max_len = cached_k.value.shape[1]
+    visible = jnp.arange(max_len)[None, :] <= (i + jnp.arange(length))[:, None]  # [q, max_len]
+    return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
+
+
+def relative_position_bucket(relative_position: jax.Array, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> jax.Array:
+  """T5's buckets of (key - query) offsets: exact for small ones, log-spaced up to `max_distance`."""
+  bucket = jnp.zeros_like(relative_position)
+  n = -relative_position
+  if bidirectional:
+    num_buckets //= 2
+    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  large = max_exact + (jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact)
+                       / np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return bucket + jnp.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(nn.Module):
+  """T5 relative position bias [1, heads, q_len, k_len], one table per stack shared by its layers."""
+  num_heads: int
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, q_len: int, k_len: int, q_offset: jax.Array | int = 0) -> jax.Array:
+    table = self.param('rel_embedding', nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                                     ('heads', 'relpos_buckets')),
+                       (self.num_heads, self.num_buckets), self.param_dtype)
+    relative = jnp.arange(k_len)[None, :] - (q_offset + jnp.arange(q_len))[:, None]
+    buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
+    values = jnp.take(table.astype(self.dtype), buckets, axis=1)  # [heads, q, k]
+    return values[None]
 
 
 class LearnedPositions(nn.Module):

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from lm.config import ModelConfig
-from lm.models.layers import DTYPES, Attention, LearnedPositions, Mlp, make_norm, sinusoidal_positions
+from lm.models.layers import (DTYPES, Attention, LearnedPositions, Mlp, RelativePositionBias, make_norm,
+                              sinusoidal_positions)
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -19,58 +20,113 @@ REMAT_POLICIES = {
 }
 
 
+def attention_init(cfg: ModelConfig, num_layers: int) -> dict[str, float]:
+  """Init std of the attention projections.
+
+  With scaled logits (GPT, BERT): N(0, init_std), residual outputs shrunk by 1/sqrt(2 * layers) as
+  in GPT-2. Unscaled T5 attention takes Mesh-TF's fan-in init instead, so logits start at unit scale.
+  """
+  if cfg.scale_attention:
+    return {'init_std': cfg.init_std, 'out_init_std': cfg.init_std / math.sqrt(2 * num_layers)}
+  inner = cfg.num_heads * cfg.resolved_head_dim
+  return {'init_std': cfg.d_model ** -0.5, 'query_init_std': (cfg.d_model * cfg.resolved_head_dim) ** -0.5,
+          'out_init_std': inner ** -0.5}
+
+
 class Block(nn.Module):
-  """One layer: self-attention then MLP, each as a residual branch, with pre- or post-LN."""
+  """One layer: self-attention, cross-attention (`cross`, decoder of an encoder-decoder), MLP.
+
+  Each is a residual branch with pre- or post-LN.
+  """
   cfg: ModelConfig
   causal: bool
+  num_layers: int
+  cross: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None, deterministic: bool
-               ) -> tuple[jax.Array, None]:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None, bias: jax.Array | None,
+               encoded: jax.Array | None, encoded_segment_ids: jax.Array | None, deterministic: bool,
+               decode: bool) -> tuple[jax.Array, None]:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-    # GPT-2: residual output projections start smaller, by 1/sqrt(2 * layers).
-    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    init = attention_init(cfg, self.num_layers)
+    mlp_out_std = init['out_init_std'] if cfg.scale_attention else cfg.resolved_d_ff ** -0.5
+    mlp_in_std = cfg.init_std if cfg.scale_attention else cfg.d_model ** -0.5
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name)
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
-    attn = Attention(cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
-                     dropout_rate=cfg.attention_dropout, init_std=cfg.init_std, out_init_std=out_std,
-                     dtype=dtype, param_dtype=param_dtype, name='attention')
-    mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, init_std=cfg.init_std,
-              out_init_std=out_std, dtype=dtype, param_dtype=param_dtype, name='mlp')
-    self_attn = lambda h: attn(h, h, causal=self.causal, segment_ids=segment_ids, deterministic=deterministic)
+    make_attention = lambda name: Attention(
+      cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
+      scale_logits=cfg.scale_attention, dropout_rate=cfg.attention_dropout, dtype=dtype,
+      param_dtype=param_dtype, name=name, **init)
+    branches = [('attention', lambda h: make_attention('attention')(
+      h, h, causal=self.causal, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode))]
+    if self.cross:
+      branches.append(('cross_attention', lambda h: make_attention('cross_attention')(
+        h, encoded, causal=False, segment_ids=segment_ids, kv_segment_ids=encoded_segment_ids,
+        deterministic=deterministic)))
+    mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, init_std=mlp_in_std,
+              out_init_std=mlp_out_std, dtype=dtype, param_dtype=param_dtype, name='mlp')
+    branches.append(('mlp', mlp))
 
-    if cfg.norm_position == 'pre':
-      x = x + drop(self_attn(norm('attention_norm')(x)))
-      x = x + drop(mlp(norm('mlp_norm')(x)))
-    else:
-      x = norm('attention_norm')(x + drop(self_attn(x)))
-      x = norm('mlp_norm')(x + drop(mlp(x)))
+    for name, branch in branches:
+      if cfg.norm_position == 'pre':
+        x = x + drop(branch(norm(f'{name}_norm')(x)))
+      else:
+        x = norm(f'{name}_norm')(x + drop(branch(x)))
     return constrain(x.astype(dtype), ('batch', 'length', 'embed')), None
 
 
 class Stack(nn.Module):
-  """`num_layers` blocks, scanned (compile time independent of depth) or unrolled."""
+  """`num_layers` blocks, scanned (compile time independent of depth) or unrolled.
+
+  Owns what its layers share: the T5 relative position bias (computed once per stack) and, for
+  pre-LN stacks, the final norm.
+  """
   cfg: ModelConfig
   causal: bool
+  num_layers: int
+  cross: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None, deterministic: bool) -> jax.Array:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, encoded: jax.Array | None = None,
+               encoded_segment_ids: jax.Array | None = None, deterministic: bool = True,
+               decode: bool = False) -> jax.Array:
     cfg = self.cfg
+    bias = self._relative_bias(x.shape[1], decode) if cfg.position == 'relative' else None
     block = Block
     if cfg.remat != 'none':
-      # static_argnums counts self: (self, x, segment_ids, deterministic).
+      # static_argnums counts self: (self, x, segment_ids, bias, encoded, encoded_segment_ids, deterministic, decode).
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
-                       static_argnums=(3,))
+                       static_argnums=(6, 7))
+    args = (segment_ids, bias, encoded, encoded_segment_ids, deterministic, decode)
     if cfg.scan_layers:
-      scanned = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
-                        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
-                        metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = scanned(cfg, self.causal, name='layers')(x, segment_ids, deterministic)
+      scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
+                        split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args),
+                        length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, name='layers')(x, *args)
     else:
-      for i in range(cfg.num_layers):
-        x, _ = block(cfg, self.causal, name=f'layers_{i}')(x, segment_ids, deterministic)
+      for i in range(self.num_layers):
+        x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args)
+    if cfg.norm_position == 'pre':
+      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype], 'final_norm')(x)
     return x
+
+  def _relative_bias(self, length: int, decode: bool) -> jax.Array:
+    """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""
+    cfg = self.cfg
+    relpos = RelativePositionBias(cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
+                                  bidirectional=not self.causal, dtype=DTYPES[cfg.dtype],
+                                  param_dtype=DTYPES[cfg.param_dtype], name='relpos')
+    if not decode:
+      return relpos(length, length)
+    initialising = not self.has_variable('cache', 'position')
+    position = self.variable('cache', 'position', lambda: jnp.zeros((), jnp.int32))
+    slots = self.variable('cache', 'slots', jnp.zeros, (length,), jnp.int8)  # its shape records the cache size
+    if initialising:
+      return relpos(length, length)
+    offset = position.value
+    position.value = offset + length
+    return relpos(length, slots.value.shape[0], offset)
 
 
 def embed_positions(cfg: ModelConfig, positions: jax.Array, name: str = 'position_embed') -> jax.Array | None:

@@ -22,6 +22,9 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Ar
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     same = (segment_ids[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
     allowed = same[:, None] if allowed is None else allowed & same[:, None]
+  elif kv_segment_ids is not None:  # only the keys carry padding (e.g. cross-attention while decoding)
+    valid = (kv_segment_ids != 0)[:, None, None, :]
+    allowed = valid if allowed is None else allowed & valid
   if mask is not None:
     allowed = mask if allowed is None else allowed & mask
   return allowed

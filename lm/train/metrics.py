@@ -5,10 +5,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lm.config import ModelConfig
+from lm.models import init_params
 
 # Dense bf16 peak FLOP/s per device (per chip for TPUs; v4/v5p chips have 2 TensorCores as one device).
 PEAK_FLOPS = {
@@ -34,9 +34,7 @@ def peak_flops(device: jax.Device) -> float | None:
 
 def abstract_params(model: nn.Module, cfg: ModelConfig) -> Any:
   """Parameter shapes by `jax.eval_shape`: nothing is allocated, so this works for 175B models."""
-  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
-  return nn.unbox(variables['params'])
+  return nn.unbox(jax.eval_shape(lambda: init_params(model, jax.random.key(0), 1)))
 
 
 def _path_names(path: tuple) -> list[str]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lm.models import init_params
 from lm.parallel.rules import logical_to_sharding, sharding_context
 
 
@@ -24,15 +25,10 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
 
 
-def _init_variables(model: nn.Module, rng: jax.Array, seq_len: int) -> Any:
-  tokens = jnp.zeros((1, seq_len), jnp.int32)
-  return model.init({'params': rng, 'dropout': rng}, tokens)['params']
-
-
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seq_len: int
                     ) -> tuple[TrainState, TrainState]:
   """(abstract state of ShapeDtypeStructs carrying their shardings, matching NamedSharding tree)."""
-  boxed = jax.eval_shape(lambda rng: _init_variables(model, rng, seq_len), jax.random.key(0))
+  boxed = jax.eval_shape(lambda rng: init_params(model, rng, seq_len), jax.random.key(0))
   param_shardings = logical_to_sharding(nn.get_partition_spec(boxed), mesh)
   params = nn.unbox(boxed)
   opt_state = jax.eval_shape(tx.init, params)
@@ -50,6 +46,6 @@ def make_init_fn(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
   """jit(init) whose outputs land directly in their shards."""
   def init(rng: jax.Array) -> TrainState:
     with sharding_context(mesh):
-      params = nn.unbox(_init_variables(model, rng, seq_len))
+      params = nn.unbox(init_params(model, rng, seq_len))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   return jax.jit(init, out_shardings=shardings)

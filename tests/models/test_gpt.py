@@ -112,8 +112,8 @@ def test_post_ln_stack_ends_in_a_norm():
   _, model, params = make('model.norm_position=post')
   from lm.models.transformer import Stack
   cfg = load_config('gpt_tiny', SMALL + ['model.norm_position=post']).model
-  stack = Stack(cfg, causal=True)
+  stack = Stack(cfg, causal=True, num_layers=cfg.num_layers)
   h = jax.random.normal(jax.random.key(0), (2, 24, 32)) * 3 + 1
-  out = jax.jit(lambda p, h: stack.apply({'params': p}, h, None, True))(params['decoder'], h)
+  out = jax.jit(lambda p, h: stack.apply({'params': p}, h))(params['decoder'], h)
   np.testing.assert_allclose(np.mean(out, -1), 0.0, atol=1e-4)
   np.testing.assert_allclose(np.std(out, -1), 1.0, rtol=1e-3)

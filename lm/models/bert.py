@@ -1,0 +1,70 @@
+"""BERT (Devlin et al. 2019): post-LN encoder, learned positions and token types, MLM/NSP/pooler heads."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.config import ModelConfig
+from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
+from lm.models.transformer import Stack, default_positions
+from lm.parallel.rules import constrain
+
+
+class BERT(nn.Module):
+  """Bidirectional encoder. `__call__` gives masked-LM logits; `encode`, `pooled`, `nsp_logits` and
+  `classify` (when `num_labels` > 0) give the other heads. `segment_ids` 0 marks padding."""
+  cfg: ModelConfig
+  num_labels: int = 0  # sequence classification (1: regression) head for fine-tuning
+
+  def setup(self) -> None:
+    cfg = self.cfg
+    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    common = dict(dtype=dtype, param_dtype=param_dtype)
+    dense = dict(use_bias=True, kernel_init=nn.initializers.normal(cfg.init_std), **common)
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, **common)
+    self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
+    if cfg.type_vocab_size:
+      self.type_embed = Embed(cfg.type_vocab_size, cfg.d_model, init_std=cfg.init_std, axes=(None, 'embed'), **common)
+    self.embed_norm = LayerNorm(cfg.norm_eps, **common)
+    self.embed_dropout = nn.Dropout(cfg.dropout)
+    self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
+    self.mlm_dense = DenseGeneral(cfg.d_model, ('embed', 'mlp'), **dense)
+    self.mlm_norm = LayerNorm(cfg.norm_eps, **common)
+    self.mlm_bias = self.param('mlm_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                               (cfg.vocab_size,), param_dtype)
+    self.pooler = DenseGeneral(cfg.d_model, ('embed', 'mlp'), **dense)
+    if cfg.nsp:
+      self.nsp_head = DenseGeneral(2, ('mlp', None), **dense)
+    if self.num_labels:
+      self.classifier = DenseGeneral(self.num_labels, ('mlp', None), **dense)
+
+  def encode(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+             token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    x = self.token_embed(tokens) + self.position_embed(default_positions(tokens) if positions is None else positions)
+    if self.cfg.type_vocab_size:
+      x = x + self.type_embed(jnp.zeros_like(tokens) if token_types is None else token_types)
+    x = self.embed_dropout(self.embed_norm(x), deterministic=deterministic)
+    x = constrain(x, ('batch', 'length', 'embed'))
+    return self.encoder(x, segment_ids, deterministic=deterministic)
+
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    """Masked-LM logits [batch, length, vocab]: dense + GELU + LayerNorm, then the tied decoder plus a bias."""
+    x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
+    h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(x)))
+    logits = self.token_embed.attend(h) + self.mlm_bias.astype(h.dtype)
+    return constrain(logits, ('batch', 'length', 'vocab'))
+
+  def pooled(self, encoded: jax.Array) -> jax.Array:
+    """tanh(dense(first token)): the [CLS] summary the NSP and classification heads read."""
+    return jnp.tanh(self.pooler(encoded[:, 0]))
+
+  def nsp_logits(self, encoded: jax.Array) -> jax.Array:
+    return self.nsp_head(self.pooled(encoded))
+
+  def classify(self, tokens: jax.Array, segment_ids: jax.Array | None = None, token_types: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    """[batch, num_labels] scores of the sequence (a regression value when num_labels is 1)."""
+    encoded = self.encode(tokens, segment_ids, token_types=token_types, deterministic=deterministic)
+    return self.classifier(self.embed_dropout(self.pooled(encoded), deterministic=deterministic))

@@ -1,0 +1,54 @@
+"""T5 (Raffel et al. 2020) v1.0 and v1.1: RMSNorm, no biases, relative position bias, encoder-decoder."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from lm.config import ModelConfig
+from lm.models.layers import DTYPES, DenseGeneral, Embed
+from lm.models.transformer import Stack
+from lm.parallel.rules import constrain
+
+
+class T5(nn.Module):
+  """`__call__(inputs, decoder_inputs)` -> logits over the decoder positions.
+
+  v1.0 vs v1.1 is config: ReLU vs gated-GELU MLP, tied (with the d_model^-0.5 rescale) vs untied
+  output. `segment_ids` / `decoder_segment_ids` mark padding with 0.
+  """
+  cfg: ModelConfig
+
+  def setup(self) -> None:
+    cfg = self.cfg
+    common = dict(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, **common)
+    self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
+    self.decoder = Stack(cfg, causal=True, num_layers=cfg.resolved_decoder_layers, cross=True)
+    self.dropout = nn.Dropout(cfg.dropout)
+    if not cfg.tie_embeddings:
+      self.lm_head = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), kernel_init=nn.initializers.normal(
+        cfg.d_model ** -0.5), **common)
+
+  def encode(self, inputs: jax.Array, segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    x = self.dropout(self.token_embed(inputs), deterministic=deterministic)
+    x = self.encoder(constrain(x, ('batch', 'length', 'embed')), segment_ids, deterministic=deterministic)
+    return self.dropout(x, deterministic=deterministic)
+
+  def decode(self, encoded: jax.Array, decoder_inputs: jax.Array, segment_ids: jax.Array | None = None,
+             decoder_segment_ids: jax.Array | None = None, deterministic: bool = True,
+             decode: bool = False) -> jax.Array:
+    """Decoder logits given the encoder output; `decode=True` runs one step on the key/value cache."""
+    y = self.dropout(self.token_embed(decoder_inputs), deterministic=deterministic)
+    y = self.decoder(constrain(y, ('batch', 'length', 'embed')), decoder_segment_ids, encoded, segment_ids,
+                     deterministic=deterministic, decode=decode)
+    y = self.dropout(y, deterministic=deterministic)
+    if self.cfg.tie_embeddings:
+      logits = self.token_embed.attend(y * self.cfg.d_model ** -0.5)
+    else:
+      logits = self.lm_head(y)
+    return constrain(logits, ('batch', 'length', 'vocab'))
+
+  def __call__(self, inputs: jax.Array, decoder_inputs: jax.Array, segment_ids: jax.Array | None = None,
+               decoder_segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    encoded = self.encode(inputs, segment_ids, deterministic)
+    return self.decode(encoded, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)
