@@ -78,6 +78,7 @@ class DataConfig:
   tokenizer: str = 'byte'
   seq_len: int = 256
   val_fraction: float = 0.02  # documents held out, chosen by a hash of their name (seed-independent)
+  nsp: bool = False  # BERT: next-sentence pairs ([CLS] A [SEP] B [SEP]) instead of packed MLM rows
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,9 @@ def validate(config: Config) -> None:
     raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
+  if d.nsp and not (m.family == 'bert' and m.nsp and m.type_vocab_size >= 2):
+    raise ConfigError('data.nsp=true needs a BERT with an NSP head and token types: set model.family=bert, '
+                      'model.nsp=true and model.type_vocab_size=2')
   if d.source == 'text' and not d.paths:
     raise ConfigError('data.source=text needs data.paths (globs of text files), e.g. data.paths=[corpus/*.txt]')
   for key in ('mesh.data', 'mesh.fsdp', 'mesh.tensor'):

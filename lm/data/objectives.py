@@ -155,6 +155,49 @@ class MaskedLM:
 
 
 @dataclass(frozen=True)
+class NextSentencePairs:
+  """BERT's original rows: [CLS] A [SEP] B [SEP] with token types 0/1, MLM on top, and an NSP label:
+  0 when B is the text that follows A (half the time), 1 when B comes from a random place."""
+  masked_lm: MaskedLM
+  cls_id: int
+  sep_id: int
+  overlap = 0
+
+  @property
+  def row_len(self) -> int:
+    return self.masked_lm.seq_len
+
+  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
+    seq_len = self.row_len
+    budget = seq_len - 3
+    tokens, _ = stream.windows(rows, seq_len)
+    m = self.masked_lm
+    out: dict[str, list] = {k: [] for k in ('inputs', 'targets', 'weights', 'token_types', 'nsp_labels')}
+    for window, key in zip(tokens, keys, strict=True):
+      rng = np.random.default_rng(key)
+      a_len = int(rng.integers(1, budget))
+      b_len = budget - a_len
+      is_next = rng.random() < 0.5
+      if is_next:
+        b = window[a_len:a_len + b_len]
+      else:
+        start = int(rng.integers(0, len(stream.tokens) - b_len))
+        b = stream.tokens[start:start + b_len]
+      row = np.concatenate([[self.cls_id], window[:a_len], [self.sep_id], b, [self.sep_id]]).astype(np.int32)
+      inputs, weights = mlm_mask(row, rng, first_regular_id=m.first_regular_id, vocab_size=m.vocab_size,
+                                 mask_id=m.mask_id, rate=m.rate)
+      out['inputs'].append(inputs)
+      out['targets'].append(row)
+      out['weights'].append(weights)
+      out['token_types'].append(np.repeat(np.array([0, 1], np.int32), [a_len + 2, b_len + 1]))
+      out['nsp_labels'].append(np.int32(0 if is_next else 1))
+    features = {k: np.stack(v) for k, v in out.items()}
+    features['segment_ids'] = np.ones((len(rows), seq_len), np.int32)
+    features['positions'] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (len(rows), seq_len)).copy()
+    return features
+
+
+@dataclass(frozen=True)
 class SpanCorruption:
   """T5 span corruption of fixed raw windows (documents joined by EOS, as in the T5 paper)."""
   inputs_length: int

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError
-from lm.data.objectives import CausalLM, MaskedLM, Objective, SpanCorruption
+from lm.data.objectives import CausalLM, MaskedLM, NextSentencePairs, Objective, SpanCorruption
 from lm.data.packing import TokenStream
 from lm.data.sources import load_documents, split_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
@@ -58,8 +58,13 @@ class Batches:
     lo, hi = self.local_rows
     keys = np.stack([np.full(hi - lo, self.seed), np.full(hi - lo, step), np.arange(lo, hi)], axis=1)
     local = self.objective(self.stream, self.rows(step)[lo:hi], keys)
-    return {key: jax.make_array_from_process_local_data(self.sharding, value, (self.global_batch, *value.shape[1:]))
+    return {key: jax.make_array_from_process_local_data(self._sharding(value.ndim), value,
+                                                        (self.global_batch, *value.shape[1:]))
             for key, value in local.items()}
+
+  def _sharding(self, ndim: int) -> NamedSharding:
+    """Rows split as in `sharding`; any further dims whole."""
+    return NamedSharding(self.sharding.mesh, PartitionSpec(self.sharding.spec[0], *[None] * (ndim - 1)))
 
   def __iter__(self) -> 'Batches':
     return self
@@ -94,8 +99,11 @@ def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
     raise ConfigError(f'model.vocab_size={m.vocab_size} is smaller than the {config.data.tokenizer} '
                       f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
   if m.family == 'bert':
-    return MaskedLM(seq_len, first_regular_id=tokenizer.first_regular_id, vocab_size=tokenizer.vocab_size,
-                    mask_id=tokenizer.mask_id)
+    masked_lm = MaskedLM(seq_len, first_regular_id=tokenizer.first_regular_id, vocab_size=tokenizer.vocab_size,
+                         mask_id=tokenizer.mask_id)
+    if config.data.nsp:
+      return NextSentencePairs(masked_lm, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id)
+    return masked_lm
   if m.family == 't5':
     objective = SpanCorruption(seq_len, first_sentinel=m.vocab_size - 1, eos_id=tokenizer.eos_id,
                                decoder_start_id=tokenizer.pad_id)

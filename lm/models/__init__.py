@@ -27,12 +27,21 @@ def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:
 
 
 def forward(model: nn.Module, params: Any, batch: dict[str, jax.Array], *, deterministic: bool = True,
-            rng: jax.Array | None = None) -> jax.Array:
-  """Logits for a batch; every objective reduces to (logits, batch['targets'], batch['weights'])."""
+            rng: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Model outputs for a batch: 'logits' (every objective scores them against batch['targets'] with
+  batch['weights']) and, for BERT batches with 'nsp_labels', 'nsp_logits'."""
   rngs = {'dropout': rng} if rng is not None else {}
   variables = {'params': params}
-  if model.cfg.family == 't5':
-    return model.apply(variables, batch['inputs'], batch['decoder_inputs'], segment_ids=batch.get('segment_ids'),
-                       decoder_segment_ids=batch.get('decoder_segment_ids'), deterministic=deterministic, rngs=rngs)
-  return model.apply(variables, batch['inputs'], segment_ids=batch.get('segment_ids'),
-                     positions=batch.get('positions'), deterministic=deterministic, rngs=rngs)
+  family = model.cfg.family
+  if family == 't5':
+    return {'logits': model.apply(variables, batch['inputs'], batch['decoder_inputs'],
+                                  segment_ids=batch.get('segment_ids'),
+                                  decoder_segment_ids=batch.get('decoder_segment_ids'),
+                                  deterministic=deterministic, rngs=rngs)}
+  kwargs = dict(segment_ids=batch.get('segment_ids'), positions=batch.get('positions'), deterministic=deterministic)
+  if family == 'bert':
+    kwargs['token_types'] = batch.get('token_types')
+    if 'nsp_labels' in batch:
+      logits, nsp_logits = model.apply(variables, batch['inputs'], **kwargs, rngs=rngs, method=BERT.pretrain)
+      return {'logits': logits, 'nsp_logits': nsp_logits}
+  return {'logits': model.apply(variables, batch['inputs'], **kwargs, rngs=rngs)}

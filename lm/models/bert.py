@@ -52,9 +52,20 @@ class BERT(nn.Module):
                token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
     """Masked-LM logits [batch, length, vocab]: dense + GELU + LayerNorm, then the tied decoder plus a bias."""
     x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
-    h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(x)))
+    if self.cfg.nsp and self.is_initializing():
+      self.nsp_logits(x)  # create the NSP head's params along with the rest
+    return self.mlm_logits(x)
+
+  def mlm_logits(self, encoded: jax.Array) -> jax.Array:
+    h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(encoded)))
     logits = self.token_embed.attend(h) + self.mlm_bias.astype(h.dtype)
     return constrain(logits, ('batch', 'length', 'vocab'))
+
+  def pretrain(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               token_types: jax.Array | None = None, deterministic: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(MLM logits, NSP logits [batch, 2]) for next-sentence-prediction pretraining."""
+    x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
+    return self.mlm_logits(x), self.nsp_logits(x)
 
   def pooled(self, encoded: jax.Array) -> jax.Array:
     """tanh(dense(first token)): the [CLS] summary the NSP and classification heads read."""

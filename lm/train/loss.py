@@ -19,3 +19,23 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   nll = jnp.sum((log_z - target_logits) * weights)
   z = jnp.sum(z_loss * jnp.square(log_z) * weights)
   return nll, z, jnp.sum(weights)
+
+
+def pretraining_loss(outputs: dict[str, jax.Array], batch: dict[str, jax.Array], z_loss: float,
+                     total_weight: jax.Array, total_sequences: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Token loss per target token (plus BERT's NSP loss per sequence when the batch has NSP labels).
+
+  Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly.
+  Returns (loss, sums of the pieces for metrics).
+  """
+  nll, z, _ = cross_entropy(outputs['logits'], batch['targets'], batch['weights'], z_loss)
+  loss = (nll + z) / total_weight
+  sums = {'nll': nll, 'z': z}
+  if 'nsp_logits' in outputs:
+    nsp = outputs['nsp_logits'].astype(jnp.float32)
+    labels = batch['nsp_labels'].astype(jnp.int32)
+    picked = jnp.take_along_axis(nsp, labels[:, None], axis=-1)[:, 0]
+    sums['nsp_nll'] = jnp.sum(jax.nn.logsumexp(nsp, axis=-1) - picked)
+    sums['nsp_correct'] = jnp.sum((jnp.argmax(nsp, axis=-1) == labels).astype(jnp.float32))
+    loss = loss + sums['nsp_nll'] / total_sequences
+  return loss, sums

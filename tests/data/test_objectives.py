@@ -88,3 +88,27 @@ def test_span_lengths_fit_t5_defaults():
   rng = np.random.default_rng(0)
   inputs, targets = span_corruption(np.full(lengths.raw, 9), rng, first_sentinel=999, eos_id=EOS)
   assert len(inputs) == lengths.inputs and len(targets) == lengths.targets
+
+
+def test_next_sentence_pairs():
+  from lm.data.objectives import MaskedLM, NextSentencePairs
+  from lm.data.packing import TokenStream
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(FIRST, VOCAB, size=n) for n in rng.integers(50, 400, size=60)]
+  stream = TokenStream.from_documents(docs, bos_id=BOS, eos_id=EOS)
+  objective = NextSentencePairs(MaskedLM(64, first_regular_id=FIRST, vocab_size=VOCAB, mask_id=MASK),
+                                cls_id=BOS, sep_id=EOS)
+  n = 400
+  rows = np.arange(n) % stream.num_rows(64)
+  f = objective(stream, rows, np.stack([np.zeros(n, int), np.zeros(n, int), np.arange(n)], 1))
+  assert abs(f['nsp_labels'].mean() - 0.5) < 0.07
+  for i in range(n):
+    t, types = f['targets'][i], f['token_types'][i]
+    sep = np.flatnonzero(types)[0] - 1  # [CLS] A [SEP] take type 0, B [SEP] type 1
+    assert t[0] == BOS and t[sep] == EOS and t[-1] == EOS and np.all(types[sep + 1:] == 1)
+    a, b = t[1:sep], t[sep + 1:-1]
+    window, _ = stream.windows(rows[i:i + 1], 64)
+    np.testing.assert_array_equal(a, window[0, :len(a)])
+    if f['nsp_labels'][i] == 0:  # B is what follows A in the corpus
+      np.testing.assert_array_equal(b, window[0, len(a):len(a) + len(b)])
+    assert np.all(f['weights'][i][[0, sep, 63]] == 0), 'special tokens are never masked'

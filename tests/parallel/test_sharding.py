@@ -30,26 +30,40 @@ def rel(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
+FAMILIES = {
+  'gpt': ('gpt_tiny', []),
+  'bert': ('bert_tiny', ['model.max_len=32']),
+  't5': ('t5_tiny', ['model.num_decoder_layers=2', 'model.d_ff=128']),
+}
+
+
+def family_config(family, run_dir, *overrides):
   from lm.config import load_config
   from tests.conftest import SMALL
+  preset, extra = FAMILIES[family]
+  return load_config(preset, SMALL + extra + [f'train.run_dir={run_dir}'] + list(overrides))
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
   cache = {}
 
-  def get(*overrides):
-    if overrides not in cache:
-      config = load_config('gpt_tiny', SMALL + [f'train.run_dir={tmp_path_factory.mktemp("ref")}'] + list(overrides))
-      cache[overrides] = run_steps(config, jax.devices()[:1])
-    return cache[overrides]
+  def get(*overrides, family='gpt'):
+    key = (family, overrides)
+    if key not in cache:
+      config = family_config(family, tmp_path_factory.mktemp('ref'), *overrides)
+      cache[key] = run_steps(config, jax.devices()[:1])
+    return cache[key]
   return get
 
 
+@pytest.mark.parametrize('family', list(FAMILIES))
 @pytest.mark.parametrize('name', list(MESHES))
-def test_sharded_training_equals_one_device(name, small_config, reference):
-  config = small_config('mesh.data=1', *MESHES[name])
+def test_sharded_training_equals_one_device(family, name, tmp_path, reference):
+  config = family_config(family, tmp_path, 'mesh.data=1', *MESHES[name])
   assert strategy_name(mesh_shape(config.mesh, 8)) == name.replace('_', '+')
   losses, params = run_steps(config, jax.devices())
-  want_losses, want_params = reference()
+  want_losses, want_params = reference(family=family)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert losses[-1] < losses[0]
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])

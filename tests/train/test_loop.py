@@ -60,11 +60,30 @@ def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
     Trainer(small_config('train.steps=4', run, 'train.resume=true', 'model.d_model=32'), jax.devices()[:1]).run()
 
 
-def test_training_lowers_validation_loss(small_config, tmp_path):
-  config = small_config('train.steps=40', 'train.eval_every=40', 'train.eval_batches=2', f'train.run_dir={tmp_path}')
+@pytest.mark.parametrize('preset, extra, start, end', [
+  ('gpt_tiny', [], 5.4, 3.5),
+  ('bert_tiny', ['model.max_len=32'], 5.0, 4.0),
+  ('t5_tiny', ['model.d_ff=128'], 5.0, 3.8),
+])
+def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):
+  from lm.config import load_config
+  from tests.conftest import SMALL
+  config = load_config(preset, SMALL + extra + ['train.steps=40', 'train.eval_every=40', 'train.eval_batches=2',
+                                                f'train.run_dir={tmp_path}'])
   records = Trainer(config, jax.devices()[:1]).run()
   evals = [r['val_loss'] for r in records if 'val_loss' in r]
-  assert evals[0] > 5.4 and evals[-1] < 3.5, evals
+  assert evals[0] > start and evals[-1] < end, evals
+
+
+def test_bert_with_next_sentence_prediction(small_config, tmp_path):
+  from lm.config import load_config
+  from tests.conftest import SMALL
+  config = load_config('bert_tiny', SMALL + ['model.max_len=32', 'model.nsp=true', 'data.nsp=true',
+                                             'train.steps=6', f'train.run_dir={tmp_path}'])
+  records = Trainer(config, jax.devices()[:1]).run()
+  steps = [r for r in records if 'nsp_loss' in r]
+  assert len(steps) == 6 and all(0 <= r['nsp_accuracy'] <= 1 for r in steps)
+  assert abs(steps[0]['nsp_loss'] - np.log(2)) < 0.3
 
 
 def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
