@@ -26,6 +26,20 @@ def cmd_train(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+  from lm.convert.run_dir import hf_to_run, run_to_hf
+  if args.from_hf:
+    if not args.to:
+      raise ConfigError('lm convert --from-hf HF_DIR needs --to RUN_DIR (where to write the lm checkpoint)')
+    config = hf_to_run(args.from_hf, args.to)
+    print(f'converted {args.from_hf} ({config.model.family}) into {args.to}', flush=True)
+  else:
+    if not args.source:
+      raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
+    print(f'exported {args.source} to {run_to_hf(args.source, args.to_hf)}', flush=True)
+  return 0
+
+
 def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
   import jax
@@ -94,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
   common(train)
   train.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the run dir')
   train.set_defaults(fn=cmd_train)
+
+  convert = sub.add_parser('convert', help='Hugging Face model directory <-> lm run directory (GPT-2, BERT, T5)')
+  direction = convert.add_mutually_exclusive_group(required=True)
+  direction.add_argument('--from-hf', metavar='HF_DIR', help='import a HF directory (config.json, model.safetensors)')
+  direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
+  convert.add_argument('--to', metavar='RUN_DIR', help='run directory to write (with --from-hf)')
+  convert.add_argument('--from', dest='source', metavar='RUN_DIR', help='run directory to export (with --to-hf)')
+  convert.set_defaults(fn=cmd_convert)
 
   info = sub.add_parser('info', help='parameters, FLOPs per token, mesh and per-device memory of a config')
   common(info)

@@ -1,0 +1,1 @@
+"""Converting models between lm and other frameworks (Hugging Face: `lm.convert.hf`)."""

@@ -1,0 +1,153 @@
+"""Moving weights between Hugging Face tensors and our param tree, one layout rule per HF tensor.
+
+A `Tensor` names one HF tensor and the param(s) it holds; its layout says how the two are laid
+out, so the same rule reads (`read_params`) and writes (`write_tensors`) a checkpoint exactly.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import traverse_util
+from safetensors import SafetensorError, safe_open
+
+from lm.config import ConfigError
+from lm.models import init_params
+
+Shape = tuple[int, ...]
+
+# same:       identical shape (embeddings, norms, output biases)
+# flat:       HF 1-D, ours any shape (q/k/v biases [heads, head_dim])
+# linear:     torch.nn.Linear [out, in]; ours [*in, *out] with `n_in` input dims
+# conv1d:     GPT-2 Conv1D [in, out]; ours [*in, *out]
+# transposed: HF [a, b], ours [b, a] (T5 relative bias [buckets, heads] vs [heads, buckets])
+LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed')
+
+
+@dataclass(frozen=True)
+class Tensor:
+  """HF tensor `name` holding params `params` ('a/b/kernel' paths) concatenated on its last axis."""
+  name: str
+  params: tuple[str, ...]
+  layout: str = 'same'
+  n_in: int = 1  # input dims of our kernel (2 for attention out: [heads, head_dim, embed])
+
+  def hf_shape(self, shapes: dict[str, Shape]) -> Shape:
+    parts = [_hf_part_shape(self.layout, shapes[p], self.n_in) for p in self.params]
+    return parts[0][:-1] + (sum(s[-1] for s in parts),)
+
+
+def _hf_part_shape(layout: str, shape: Shape, n_in: int) -> Shape:
+  ins, outs = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+  return {'same': shape, 'flat': (math.prod(shape),), 'linear': (outs, ins), 'conv1d': (ins, outs),
+          'transposed': shape[::-1]}[layout]
+
+
+def _to_ours(layout: str, a: np.ndarray, shape: Shape) -> np.ndarray:
+  if layout == 'linear':
+    a = a.T
+  elif layout == 'transposed':
+    return np.ascontiguousarray(a.T, np.float32)
+  return np.ascontiguousarray(a.reshape(shape), np.float32)
+
+
+def _to_hf(layout: str, p: np.ndarray, n_in: int) -> np.ndarray:
+  shape = _hf_part_shape(layout, p.shape, n_in)
+  if layout == 'linear':
+    return p.reshape(shape[::-1]).T
+  if layout == 'transposed':
+    return p.T
+  return p.reshape(shape)
+
+
+class Checkpoint:
+  """A `model.safetensors` opened lazily; tensors come out as NumPy, checked by name and shape."""
+
+  def __init__(self, path: Path, architecture: str):
+    self.path, self.architecture = path, architecture
+    try:
+      self._file = safe_open(str(path), framework='numpy')
+    except (SafetensorError, OSError) as e:
+      raise ConfigError(f'{path} is not a readable safetensors file ({e}); re-save the model with '
+                        f'save_pretrained(dir, safe_serialization=True)') from None
+    self.names = set(self._file.keys())
+    self.used: set[str] = set()
+
+  def get(self, name: str) -> np.ndarray | None:
+    if name not in self.names:
+      return None
+    self.used.add(name)
+    return self._file.get_tensor(name)
+
+  def require(self, name: str, shape: Shape) -> np.ndarray:
+    a = self.get(name)
+    if a is None:
+      raise ConfigError(f'{self.path} has no tensor {name!r} (shape {shape}), which a {self.architecture} with '
+                        f'this config.json needs; the checkpoint and config.json do not belong together')
+    if a.shape != shape:
+      raise ConfigError(f'tensor {name!r} in {self.path} has shape {a.shape} but config.json implies {shape}; '
+                        f'the checkpoint and config.json do not belong together')
+    return a
+
+  def same_as(self, name: str, reference: np.ndarray) -> bool | None:
+    """Whether optional tensor `name` equals `reference`; None when the file lacks it."""
+    a = self.get(name)
+    return None if a is None else a.shape == reference.shape and bool(np.array_equal(a, reference))
+
+  def warn_unused(self) -> None:
+    unused = sorted(self.names - self.used)
+    if unused:
+      warnings.warn(f'{self.path}: ignored {len(unused)} tensor(s) a {self.architecture} does not use: '
+                    f'{", ".join(unused[:8])}{" ..." if len(unused) > 8 else ""}', stacklevel=3)
+
+
+def abstract_params(model: nn.Module) -> Any:
+  """The model's unboxed param tree as ShapeDtypeStructs, without allocating any."""
+  return jax.eval_shape(lambda rng: nn.unbox(init_params(model, rng, 8)), jax.random.key(0))
+
+
+def param_shapes(model: nn.Module) -> dict[str, Shape]:
+  """'a/b/kernel' -> shape of every param the model creates."""
+  return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(abstract_params(model), sep='/').items()}
+
+
+def read_params(ckpt: Checkpoint, rules: list[Tensor], shapes: dict[str, Shape]) -> dict[str, Any]:
+  """The nested float32 param tree the rules fill from `ckpt`, which must cover every param."""
+  flat: dict[str, np.ndarray] = {}
+  for rule in rules:
+    a = ckpt.require(rule.name, rule.hf_shape(shapes))
+    widths = [_hf_part_shape(rule.layout, shapes[p], rule.n_in)[-1] for p in rule.params]
+    for path, piece in zip(rule.params, np.split(a, np.cumsum(widths)[:-1], axis=-1)):
+      flat[path] = _to_ours(rule.layout, piece, shapes[path])
+  missing = sorted(set(shapes) - set(flat))
+  if missing:
+    raise RuntimeError(f'conversion rules leave params unset: {missing}')
+  return traverse_util.unflatten_dict(flat, sep='/')
+
+
+def write_tensors(rules: list[Tensor], flat: dict[str, np.ndarray], dtype: Any) -> dict[str, np.ndarray]:
+  """HF name -> contiguous array in `dtype` for each rule, from our flat ('a/b/kernel') params."""
+  out = {}
+  for rule in rules:
+    parts = [_to_hf(rule.layout, flat[p], rule.n_in) for p in rule.params]
+    a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    out[rule.name] = np.ascontiguousarray(a.astype(dtype))
+  return out
+
+
+def dense(hf: str, ours: str, layout: str, n_in: int = 1, bias: bool = True) -> list[Tensor]:
+  """Rules of a linear layer: HF '{hf}.weight' / '.bias' <-> our '{ours}/kernel' / '/bias'."""
+  rules = [Tensor(f'{hf}.weight', (f'{ours}/kernel',), layout, n_in)]
+  return rules + [Tensor(f'{hf}.bias', (f'{ours}/bias',), 'flat')] if bias else rules
+
+
+def norm(hf: str, ours: str, bias: bool = True) -> list[Tensor]:
+  """Rules of a LayerNorm (bias) or RMSNorm: HF '{hf}.weight' is our '{ours}/scale'."""
+  rules = [Tensor(f'{hf}.weight', (f'{ours}/scale',))]
+  return rules + [Tensor(f'{hf}.bias', (f'{ours}/bias',))] if bias else rules

@@ -1,0 +1,249 @@
+"""Hugging Face conversion: logits parity with transformers on padded batches, exact export, clear errors."""
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from lm.config import ConfigError, ModelConfig
+from lm.convert.hf import load_hf, read_hf_config, save_hf
+from lm.convert.tensors import abstract_params
+from lm.models import build_model
+
+VOCAB, BATCH, LEN = 96, 3, 12
+
+CONFIGS = {
+  'gpt2': lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                          bos_token_id=1, eos_token_id=2),
+  'bert': lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=32),
+  # head_dim * heads != d_model, more decoder than encoder layers, offsets beyond max_distance.
+  't5_v1_0': lambda: transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                           num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
+                                           relative_attention_max_distance=10, feed_forward_proj='relu'),
+  't5_v1_1': lambda: transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                           num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
+                                           relative_attention_max_distance=10, feed_forward_proj='gated-gelu',
+                                           tie_word_embeddings=False),
+}
+MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
+          't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration}
+
+
+def save_hf_model(kind, directory):
+  """A random `kind` model saved by transformers; every weight (norms too) perturbed off its init."""
+  torch.manual_seed(0)
+  model = MODELS[kind](CONFIGS[kind]()).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  model.save_pretrained(directory, safe_serialization=True)
+  return model
+
+
+def batch(seed=0):
+  """Token ids and a padding mask with zeros at the end of rows 1 and 2 (row 0 unpadded)."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, VOCAB, size=(BATCH, LEN))
+  mask = np.ones((BATCH, LEN), np.int64)
+  mask[1, 9:] = 0
+  mask[2, 5:] = 0
+  return ids, mask
+
+
+def hf_logits(model, kind, ids, mask, dec_ids=None, dec_mask=None, types=None):
+  t = torch.as_tensor
+  with torch.no_grad():
+    if kind.startswith('t5'):
+      out = model(input_ids=t(ids), attention_mask=t(mask), decoder_input_ids=t(dec_ids),
+                  decoder_attention_mask=t(dec_mask))
+    elif kind == 'bert':
+      out = model(input_ids=t(ids), attention_mask=t(mask), token_type_ids=t(types))
+    else:
+      out = model(input_ids=t(ids), attention_mask=t(mask))
+  return out.logits.numpy()
+
+
+def our_logits(model, params, kind, ids, mask, dec_ids=None, dec_mask=None, types=None):
+  if kind.startswith('t5'):
+    fn = jax.jit(lambda p, a, b, sa, sb: model.apply({'params': p}, a, b, segment_ids=sa, decoder_segment_ids=sb))
+    return np.asarray(fn(params, ids, dec_ids, mask, dec_mask))
+  if kind == 'bert':
+    fn = jax.jit(lambda p, a, s, tt: model.apply({'params': p}, a, segment_ids=s, token_types=tt))
+    return np.asarray(fn(params, ids, mask, types))
+  return np.asarray(jax.jit(lambda p, a, s: model.apply({'params': p}, a, segment_ids=s))(params, ids, mask))
+
+
+def relative_error(ours, theirs, mask):
+  """Norm of the difference over non-padding positions, relative to the norm of the reference."""
+  keep = mask.astype(bool)
+  return float(np.linalg.norm(ours[keep] - theirs[keep]) / np.linalg.norm(theirs[keep]))
+
+
+def compare(hf_model, model, params, kind):
+  """Relative logits error of our model against `hf_model` on a padded batch."""
+  ids, mask = batch()
+  extra, valid = {}, mask
+  if kind.startswith('t5'):
+    dec_ids, dec_mask = batch(1)
+    dec_mask = np.roll(dec_mask, 1, axis=0)  # decoder padding on other rows than the encoder's
+    extra, valid = {'dec_ids': dec_ids, 'dec_mask': dec_mask}, dec_mask
+  elif kind == 'bert':
+    extra = {'types': (np.arange(LEN)[None] >= 6).astype(np.int64).repeat(BATCH, 0)}
+  return relative_error(our_logits(model, params, kind, ids, mask, **extra),
+                        hf_logits(hf_model, kind, ids, mask, **extra), valid)
+
+
+def assert_same_tensors(a_dir, b_dir):
+  a, b = load_file(str(a_dir / 'model.safetensors')), load_file(str(b_dir / 'model.safetensors'))
+  assert sorted(a) == sorted(b)
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize('kind', list(CONFIGS))
+def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
+  hf_model = save_hf_model(kind, tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  assert {'layers_0', 'layers_1'} <= set(params['decoder' if kind == 'gpt2' else 'encoder'])  # unrolled
+  error = compare(hf_model, model, params, kind)
+  print(f'{kind}: max relative logits error {error:.2e}')
+  assert error < 1e-4
+
+  save_hf(model, params, tmp_path / 'out')
+  assert_same_tensors(tmp_path / 'hf', tmp_path / 'out')
+  reloaded = MODELS[kind].from_pretrained(tmp_path / 'out').eval()  # the exported config.json loads in transformers
+  assert compare(reloaded, model, params, kind) < 1e-4
+
+
+def test_t5_in_the_transformers_4_layout_has_an_untied_unscaled_lm_head(tmp_path):
+  """Hub T5 v1.1 checkpoints: `tie_word_embeddings: false`, a separate lm_head.weight, no output rescale."""
+  tied = save_hf_model('t5_v1_1', tmp_path / 'v5')
+  old = tmp_path / 'v4'
+  old.mkdir()
+  tensors = load_file(str(tmp_path / 'v5' / 'model.safetensors'))
+  tensors['lm_head.weight'] = np.random.default_rng(0).normal(size=tensors['shared.weight'].shape).astype(np.float32)
+  save_file(tensors, str(old / 'model.safetensors'), metadata={'format': 'pt'})
+  config = json.loads((tmp_path / 'v5' / 'config.json').read_text())
+  del config['scale_decoder_outputs']
+  config.update(tie_word_embeddings=False, transformers_version='4.46.3')
+  (old / 'config.json').write_text(json.dumps(config))
+
+  hf_model = transformers.T5ForConditionalGeneration.from_pretrained(old).eval()
+  np.testing.assert_array_equal(hf_model.lm_head.weight.detach().numpy(), tensors['lm_head.weight'])
+  assert not hf_model.config.scale_decoder_outputs
+  model, params = load_hf(old)
+  assert not model.cfg.tie_embeddings
+  assert compare(hf_model, model, params, 't5_v1_1') < 1e-4
+  assert compare(tied, model, params, 't5_v1_1') > 0.1  # the separate lm_head is really used
+
+  save_hf(model, params, tmp_path / 'out', hf_config=config)
+  assert_same_tensors(old, tmp_path / 'out')
+  assert json.loads((tmp_path / 'out' / 'config.json').read_text()) == config
+
+
+def test_bfloat16_checkpoint_loads_as_float32_and_exports_as_bfloat16(tmp_path):
+  torch.manual_seed(0)
+  MODELS['gpt2'](CONFIGS['gpt2']()).to(torch.bfloat16).save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  model, params = load_hf(tmp_path / 'hf')
+  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {np.dtype(np.float32)}
+  save_hf(model, params, tmp_path / 'out', hf_config=read_hf_config(tmp_path / 'hf'))
+  assert_same_tensors(tmp_path / 'hf', tmp_path / 'out')
+
+
+def test_t5_files_repeating_the_embedding_load_and_a_differing_copy_is_an_error(tmp_path):
+  save_hf_model('t5_v1_0', tmp_path / 'hf')
+  file = str(tmp_path / 'hf' / 'model.safetensors')
+  tensors = load_file(file)
+  _, expected = load_hf(tmp_path / 'hf')
+  for name in ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight'):
+    tensors[name] = tensors['shared.weight']
+  save_file(tensors, file)
+  _, params = load_hf(tmp_path / 'hf')
+  jax.tree.map(np.testing.assert_array_equal, params, expected)
+  tensors['decoder.embed_tokens.weight'] = tensors['shared.weight'] + 1
+  save_file(tensors, file)
+  with pytest.raises(ConfigError, match='decoder.embed_tokens.weight differs from shared.weight'):
+    load_hf(tmp_path / 'hf')
+
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('gpt2')
+  save_hf_model('gpt2', directory)
+  return directory
+
+
+def edited_copy(source, target, edit_tensors=None, edit_config=None):
+  shutil.copytree(source, target)
+  if edit_tensors:
+    tensors = load_file(str(target / 'model.safetensors'))
+    edit_tensors(tensors)
+    save_file(tensors, str(target / 'model.safetensors'))
+  if edit_config:
+    config = json.loads((target / 'config.json').read_text())
+    edit_config(config)
+    (target / 'config.json').write_text(json.dumps(config))
+  return target
+
+
+def test_gpt2_files_without_the_transformer_prefix_load(gpt2_dir, tmp_path):
+  """The hub's original gpt2 weights were saved from GPT2Model: 'h.0.attn...' not 'transformer.h.0.attn...'."""
+  def strip(tensors):
+    for name in list(tensors):
+      tensors[name.removeprefix('transformer.')] = tensors.pop(name)
+  _, params = load_hf(edited_copy(gpt2_dir, tmp_path / 'bare', edit_tensors=strip))
+  jax.tree.map(np.testing.assert_array_equal, params, load_hf(gpt2_dir)[1])
+
+
+def test_missing_files_are_named(gpt2_dir, tmp_path):
+  with pytest.raises(ConfigError, match='config.json not found'):
+    load_hf(tmp_path)
+  (tmp_path / 'config.json').write_text((gpt2_dir / 'config.json').read_text())
+  with pytest.raises(ConfigError, match='model.safetensors not found'):
+    load_hf(tmp_path)
+
+
+def test_missing_tensor_is_named(gpt2_dir, tmp_path):
+  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_tensors=lambda t: t.pop('transformer.h.1.mlp.c_fc.weight'))
+  with pytest.raises(ConfigError, match=r"no tensor 'transformer.h.1.mlp.c_fc.weight' \(shape \(32, 128\)\)"):
+    load_hf(directory)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(gpt2_dir, tmp_path):
+  def shrink(tensors):
+    tensors['transformer.h.0.attn.c_attn.weight'] = np.zeros((32, 90), np.float32)
+  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_tensors=shrink)
+  with pytest.raises(ConfigError, match=r"'transformer.h.0.attn.c_attn.weight' .* shape \(32, 90\) but config.json "
+                                        r"implies \(32, 96\)"):
+    load_hf(directory)
+
+
+def test_unsupported_architecture_lists_the_supported_ones(gpt2_dir, tmp_path):
+  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_config=lambda c: c.update(architectures=['LlamaForCausalLM']))
+  with pytest.raises(ConfigError, match="'LlamaForCausalLM' .* not supported; supported architectures: "
+                                        "GPT2LMHeadModel, BertForMaskedLM, T5ForConditionalGeneration"):
+    load_hf(directory)
+
+
+def test_unsupported_setting_is_named(gpt2_dir, tmp_path):
+  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_config=lambda c: c.update(activation_function='gelu_10'))
+  with pytest.raises(ConfigError, match="activation_function='gelu_10' is not supported"):
+    load_hf(directory)
+
+
+def test_export_names_what_the_architecture_cannot_express(tmp_path):
+  cfg = ModelConfig(family='gpt', vocab_size=16, d_model=8, num_layers=1, num_heads=2, max_len=8, norm='rmsnorm',
+                    scan_layers=False)
+  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(build_model(cfg)))
+  with pytest.raises(ConfigError, match=r"as GPT2LMHeadModel: model.norm='rmsnorm' \(needs 'layernorm'\)"):
+    save_hf(cfg, params, tmp_path)
+  with pytest.raises(ConfigError, match=r'params do not match the model config \(decoder/final_norm/scale \(8,\) != '
+                                        r'\(16,\)'):
+    save_hf(dataclasses.replace(cfg, d_model=16), params, tmp_path)
