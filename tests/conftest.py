@@ -3,6 +3,10 @@ import os
 
 # 8 CPU devices for mesh tests; backend optimisation level 0 compiles ~3x faster, and tests
 # run tiny models whose compile time dominates their run time.
+# Tests run on the CPU even where libtpu is installed (AOT tests build TPU topologies explicitly);
+# other processes may hold libtpu's lock, which AOT compiles do not need.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
                                     '--xla_backend_optimization_level=0']).strip()
 

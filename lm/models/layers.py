@@ -181,6 +181,8 @@ class Attention(nn.Module):
   head_dim: int
   use_bias: bool = True
   impl: str = 'xla'
+  block_q: int = 128  # kernel block sizes (flash)
+  block_k: int = 128
   scale_logits: bool = True
   dropout_rate: float = 0.0
   init_std: float = 0.02
@@ -214,8 +216,10 @@ class Attention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask,
-                    bias=bias, scale=None if self.scale_logits else 1.0, impl=self.impl,
-                    dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng)
+                    bias=bias, scale=None if self.scale_logits else 1.0,
+                    impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
+                    dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng,
+                    block_q=self.block_q, block_k=self.block_k)
     out = constrain(out, axes)
     out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1),
                        kernel_init=normal(self.out_init_std), name='out', **dense)(out)
@@ -224,9 +228,9 @@ class Attention(nn.Module):
   def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Writes this call's keys/values at the cache index; returns the whole cache and its mask."""
-    initialising = not self.has_variable('cache', 'key')
-    cached_k = self.variable('cache', 'key', jnp.zeros, k.shape, k.dtype)
-    cached_v = self.variable('cache', 'value', jnp.zeros, v.shape, v.dtype)
+    initialising = not self.has_variable('cache', 'cached_key')
+    cached_k = self.variable('cache', 'cached_key', jnp.zeros, k.shape, k.dtype)
+    cached_v = self.variable('cache', 'cached_value', jnp.zeros, v.shape, v.dtype)
     cached_seg = self.variable('cache', 'segment_ids', jnp.zeros, k.shape[:2], jnp.int32)
     index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
     if initialising:

@@ -56,6 +56,7 @@ class Block(nn.Module):
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
+      block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       scale_logits=cfg.scale_attention, dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, name=name, **init)
     branches = [('attention', lambda h: make_attention('attention')(

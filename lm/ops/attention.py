@@ -5,10 +5,16 @@ Segment ids are [batch, len] with 0 marking padding; tokens attend only within t
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-IMPLEMENTATIONS = ('xla',)
+from lm.kernels.flash_attention import flash_attention
+from lm.parallel.rules import active_sharding, logical_to_spec
+
+IMPLEMENTATIONS = ('xla', 'flash', 'auto')
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
 
 
@@ -83,14 +89,66 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowe
   return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
+def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, *,
+                      segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None, bias: jax.Array | None,
+                      **options: Any) -> jax.Array:
+  """Runs a Pallas kernel per shard under the active mesh (Pallas calls cannot be auto-partitioned).
+
+  Batch splits over the data axes and heads over `tensor`; a bias with a batch or heads dim of 1
+  stays replicated along it (its gradient is then summed by shard_map's transpose).
+  """
+  active = active_sharding()
+  if active is None:
+    return kernel(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, bias=bias,
+                  platform=jax.default_backend(), **options)
+  mesh, rules = active
+  options['platform'] = mesh.devices.flat[0].platform  # the target, which differs from the host in AOT compiles
+  qkv_spec = logical_to_spec(('batch', 'length', 'heads', 'kv'), rules)
+  seg_spec = logical_to_spec(('batch', 'length'), rules)
+  args, specs = [q, k, v], [qkv_spec] * 3
+  optional = {'segment_ids': segment_ids, 'kv_segment_ids': kv_segment_ids, 'bias': bias}
+  names = [n for n, x in optional.items() if x is not None]
+  for name in names:
+    x = optional[name]
+    if name == 'bias':
+      x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+      spec = PartitionSpec(qkv_spec[0] if x.shape[0] > 1 else None, qkv_spec[2] if x.shape[1] > 1 else None)
+    else:
+      spec = seg_spec
+    args.append(x)
+    specs.append(spec)
+
+  def per_shard(q, k, v, *rest):
+    return kernel(q, k, v, **dict(zip(names, rest, strict=True)), **options)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False)(*args)
+
+
+def pick_impl(*, mask: jax.Array | None, dropout_rate: float) -> str:
+  """`auto`: our flash kernel on TPU where it can serve the call, the XLA path otherwise."""
+  active = active_sharding()
+  platform = active[0].devices.flat[0].platform if active else jax.default_backend()
+  if platform == 'tpu' and mask is None and dropout_rate == 0.0:
+    return 'flash'
+  return 'xla'
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               mask: jax.Array | None = None, bias: jax.Array | None = None, scale: float | None = None,
-              impl: str = 'xla', dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None) -> jax.Array:
+              impl: str = 'xla', dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+              block_q: int = 128, block_k: int = 128) -> jax.Array:
   """Multi-head attention; `mask` and `bias` broadcast to [batch, heads, q_len, kv_len]."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
+  if impl == 'auto':
+    impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if impl == 'flash':
+    if mask is not None or dropout_rate > 0.0:
+      raise ValueError('attention impl flash takes causal, segment ids and bias but not an arbitrary mask or '
+                       'attention dropout; use impl xla for those')
+    return _kernel_attention(flash_attention, q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, mask=mask)
   num_blocks = _causal_blocks(q.shape[1], k.shape[1]) if causal else 1

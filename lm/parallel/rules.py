@@ -43,6 +43,11 @@ def sharding_context(mesh: Mesh, rules: LogicalRules = RULES) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+def active_sharding() -> tuple[Mesh, LogicalRules] | None:
+  """The (mesh, rules) of the enclosing `sharding_context`, if any."""
+  return _ACTIVE.get()
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules = RULES) -> PartitionSpec:
   return nn.logical_to_mesh_axes(tuple(axes), rules)
 

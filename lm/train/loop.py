@@ -33,7 +33,7 @@ class Trainer:
     seq_len = config.data.seq_len
     self.tx, self.schedule = make_optimizer(config.optim, config.train.steps)
     self.abstract_state, self.shardings = state_shardings(self.model, self.tx, self.mesh, seq_len)
-    self.init_fn = make_init_fn(self.model, self.tx, self.mesh, self.shardings, seq_len)
+    self.init_fn = make_init_fn(self.model, self.tx, self.shardings, seq_len)
     self.train_step = make_train_step(self.model, self.tx, self.schedule, config, self.mesh, self.shardings)
     self.eval_step = make_eval_step(self.model, self.mesh, self.shardings.params)
     self.flops_per_token = flops.flops_per_token(self.abstract_state.params, config.model, seq_len)

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.models import init_params
-from lm.parallel.rules import logical_to_sharding, sharding_context
+from lm.parallel.rules import logical_to_sharding
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -41,11 +41,12 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   return abstract, shardings
 
 
-def make_init_fn(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, shardings: TrainState,
+def make_init_fn(model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
                  seq_len: int) -> Callable[[jax.Array], TrainState]:
   """jit(init) whose outputs land directly in their shards."""
   def init(rng: jax.Array) -> TrainState:
-    with sharding_context(mesh):
-      params = nn.unbox(init_params(model, rng, seq_len))
+    # No sharding context: the dummy forward pass only creates params (XLA drops its activations),
+    # and its batch of 1 need not divide over the data axes.
+    params = nn.unbox(init_params(model, rng, seq_len))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   return jax.jit(init, out_shardings=shardings)
