@@ -40,6 +40,13 @@ class Checkpointer:
       state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return restored['state'], restored['data']
 
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """Only the saved state's params (no optimizer state), placed on `abstract_params`' shardings."""
+    item = {'params': abstract_params}
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    return restored['state']['params']
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 

@@ -1,4 +1,4 @@
-"""`lm train | info`: the command line. Config problems exit with one line naming the fix."""
+"""`lm train | info | generate`: the command line. Config problems exit with one line naming the fix."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,19 @@ def cmd_info(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+  import jax
+
+  from lm.generate import Sampling, generate_text, load_run
+  sampling = Sampling(args.temperature, args.top_k, args.top_p)
+  config, params = load_run(args.run)
+  texts = generate_text(config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        rng=jax.random.key(args.seed))
+  for prompt, text in zip(args.prompt, texts):
+    print(f'--- {prompt!r}\n{text}', flush=True)
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='lm', description='Pretrain and study language models with JAX.')
   sub = parser.add_subparsers(dest='command', required=True)
@@ -123,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
   info.add_argument('--compile', action='store_true', help='also compile the train step and report its memory')
   info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning)')
   info.set_defaults(fn=cmd_info)
+
+  gen = sub.add_parser('generate', help='sample continuations from a trained run (KV-cached decoding)')
+  gen.add_argument('--run', required=True, help='train.run_dir of a run with a checkpoint')
+  gen.add_argument('--prompt', action='append', required=True, help='prompt text (T5: the encoder input); repeatable')
+  gen.add_argument('--max-new-tokens', type=int, default=200)
+  gen.add_argument('--temperature', type=float, default=0.0, help='0 decodes greedily')
+  gen.add_argument('--top-k', type=int, default=None, help='sample among the k likeliest tokens')
+  gen.add_argument('--top-p', type=float, default=None, help='sample among the likeliest tokens holding mass p')
+  gen.add_argument('--seed', type=int, default=0)
+  gen.set_defaults(fn=cmd_generate)
   return parser
 
 

@@ -1,0 +1,174 @@
+"""KV-cached generation: step logits equal uncached forwards, greedy/EOS/sampling rules, `lm generate`."""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm import cli
+from lm.config import ConfigError, load_config
+from lm.data.tokenizers import ByteTokenizer
+from lm.generate import (Sampling, decode_batch, decode_ids, encode_prompt, generate, generate_text,
+                         generate_with_logits, load_run, pad_prompts, sample_logits)
+from lm.models import build_model, init_params
+from lm.train.loop import Trainer
+
+TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
+        'data.seq_len=32']
+OVERRIDES = {'gpt_tiny': TINY, 't5_tiny': TINY + ['model.num_decoder_layers=2']}
+PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]]  # three lengths
+
+
+@functools.cache
+def tiny(preset, scan=True):
+  cfg = load_config(preset, OVERRIDES[preset] + [f'model.scan_layers={str(scan).lower()}']).model
+  model = build_model(cfg)
+  return model, nn.unbox(jax.jit(lambda r: init_params(model, r, 16))(jax.random.key(1)))
+
+
+@functools.cache
+def uncached(model):
+  return jax.jit(lambda params, *xs: model.apply({'params': params}, *xs))
+
+
+def reference_logits(model, params, prompt, new):
+  """[len(new), vocab]: row t is an uncached forward over the unpadded prefix prompt + new[:t].
+
+  The prefixes form one batch, right-padded (GPT: to 24 tokens, one compile); causal attention keeps
+  each prefix's last position blind to the padding after it.
+  """
+  n = len(new)
+  if model.cfg.family == 'gpt':
+    seqs, _ = pad_prompts([prompt + new[:t] for t in range(n)] + [[0] * 24], 0, left=False)
+    logits = uncached(model)(params, jnp.asarray(seqs[:n]))
+    return np.asarray(logits)[np.arange(n), len(prompt) - 1 + np.arange(n)]
+  decoder_inputs, _ = pad_prompts([[0] + new[:t] for t in range(n)], 0, left=False)
+  logits = uncached(model)(params, jnp.asarray([prompt] * n), jnp.asarray(decoder_inputs))
+  return np.asarray(logits)[np.arange(n), np.arange(n)]
+
+
+def relative_error(got, want):
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
+@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny'])
+def test_cached_step_logits_match_uncached_forward(preset, scan):
+  model, params = tiny(preset, scan)
+  rows, logits = generate_with_logits(model, params, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0),
+                                      rng=jax.random.key(0))
+  assert [len(r) for r in rows] == [8, 8, 8]
+  errors = [relative_error(got, reference_logits(model, params, prompt, row))
+            for prompt, row, got in zip(PROMPTS, rows, logits)]
+  print(f'{preset} scan={scan}: max relative step-logit error {max(errors):.2e}')
+  assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny'])
+def test_greedy_is_deterministic_argmax_and_stops_at_eos(preset):
+  model, params = tiny(preset)
+  greedy = generate(model, params, PROMPTS, max_new_tokens=8)
+  assert generate(model, params, PROMPTS, max_new_tokens=8) == greedy
+  for prompt, row in zip(PROMPTS, greedy):
+    assert row == np.argmax(reference_logits(model, params, prompt, row), axis=-1).tolist()
+
+  eos = greedy[0][2]
+  stopped = generate(model, params, PROMPTS, max_new_tokens=8, eos_id=eos)
+  assert stopped == [row[:row.index(eos) + 1] if eos in row else row for row in greedy]
+  # On arrays: padding after EOS, and a lone finished row ends the loop (later steps never run).
+  prompt, segment_ids = pad_prompts(PROMPTS[:1], 0, left=preset == 'gpt_tiny')
+  out, logits = decode_batch(model, params, prompt, segment_ids, jax.random.key(0), max_new_tokens=8,
+                             sampling=Sampling(), eos_id=eos, pad_id=0, decoder_start_id=0, keep_logits=True)
+  end = greedy[0].index(eos) + 1
+  assert np.asarray(out[0]).tolist() == greedy[0][:end] + [0] * (8 - end)
+  assert np.all(np.asarray(logits)[0, end:] == 0) and np.all(np.asarray(logits)[0, :end] != 0)
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy_and_sampling_is_reproducible():
+  model, params = tiny('gpt_tiny')
+  run = functools.partial(generate, model, params, PROMPTS, max_new_tokens=8)
+  greedy = run()
+  assert run(sampling=Sampling(1.0, top_k=1), rng=jax.random.key(5)) == greedy
+  assert run(sampling=Sampling(1.0, top_p=1e-6), rng=jax.random.key(5)) == greedy
+
+  sample = functools.partial(generate_with_logits, model, params, PROMPTS, max_new_tokens=8,
+                             sampling=Sampling(2.0, top_k=5))
+  rows, logits = sample(rng=jax.random.key(7))
+  assert sample(rng=jax.random.key(7))[0] == rows and sample(rng=jax.random.key(8))[0] != rows
+  for row, step_logits in zip(rows, logits):
+    top5 = np.argsort(step_logits, axis=-1)[:, -5:]
+    assert all(token in allowed for token, allowed in zip(row, top5))
+
+
+def test_sample_logits_keeps_top_k_and_nucleus_sets():
+  logits = jnp.log(jnp.tile(jnp.array([[0.05, 0.5, 0.15, 0.3]]), (4000, 1)))
+  draw = lambda sampling: np.asarray(sample_logits(logits, jax.random.key(0), sampling))
+  assert set(draw(Sampling())) == {1}
+  assert set(draw(Sampling(1.0, top_k=2))) == {1, 3}
+  nucleus = draw(Sampling(1.0, top_p=0.75))  # 0.5 + 0.3 reaches 0.75
+  assert set(nucleus) == {1, 3} and abs(np.mean(nucleus == 1) - 0.5 / 0.8) < 0.03
+  assert set(draw(Sampling(1.0, top_p=0.85))) == {1, 2, 3}
+  assert set(draw(Sampling(1.0))) == {0, 1, 2, 3}
+
+
+def test_t5_prompts_name_sentinels_and_outputs_show_them():
+  config = load_config('t5_tiny', OVERRIDES['t5_tiny'])
+  tokenizer, top = ByteTokenizer(), config.model.vocab_size - 1
+  assert encode_prompt(config, tokenizer, 'a<extra_id_0>b<extra_id_1>') == [101, top, 102, top - 1, 2]
+  assert decode_ids(config, tokenizer, [top, 101, 102, top - 2, 2]) == '<extra_id_0>ab<extra_id_2>'
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory):
+  """A 2-step gpt_tiny run (width 32) with a checkpoint."""
+  run_dir = tmp_path_factory.mktemp('generate') / 'run'
+  config = load_config('gpt_tiny', TINY + ['train.steps=2', 'train.global_batch=8', 'train.eval_batches=0',
+                                           'train.progress=false', 'mesh.data=1', f'train.run_dir={run_dir}'])
+  Trainer(config, jax.devices()[:1]).run()
+  return run_dir
+
+
+def test_cli_prints_continuations(trained_run, capsys):
+  argv = ['generate', '--run', str(trained_run), '--prompt', 'def ', '--prompt', 'The', '--max-new-tokens', '12']
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  config, params = load_run(trained_run)
+  texts = generate_text(config, params, ['def ', 'The'], max_new_tokens=12)
+  assert out == f"--- 'def '\n{texts[0]}\n--- 'The'\n{texts[1]}\n"
+  assert any(texts)
+  sampled = argv + ['--temperature', '1.0', '--top-k', '20', '--top-p', '0.9', '--seed', '3']
+  assert cli.main(sampled) == 0 and cli.main(sampled) == 0
+  first, second = capsys.readouterr().out.split("--- 'def '")[1:]
+  assert first == second
+
+
+@pytest.mark.parametrize('argv, message', [
+  (['--prompt', ''], 'prompt is empty'),
+  (['--prompt', 'abc', '--max-new-tokens', '61'], 'exceeds the position table model.max_len=64'),
+  (['--prompt', 'abc', '--top-k', '0'], 'top_k=0'),
+  (['--prompt', 'abc', '--temperature', '-1'], 'temperature=-1.0'),
+])
+def test_cli_rejects_bad_input(trained_run, capsys, argv, message):
+  assert cli.main(['generate', '--run', str(trained_run)] + argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('lm: error:') and message in err and err.count('\n') == 1
+
+
+def test_runs_without_checkpoints_and_other_misuse_are_config_errors(tmp_path, trained_run, capsys):
+  assert cli.main(['generate', '--run', str(tmp_path), '--prompt', 'x']) == 2
+  assert 'no config.yaml' in capsys.readouterr().err
+  (tmp_path / 'config.yaml').write_text((trained_run / 'config.yaml').read_text())
+  with pytest.raises(ConfigError, match='holds no checkpoint'):
+    load_run(tmp_path)
+  model, params = tiny('gpt_tiny')
+  with pytest.raises(ConfigError, match='explicit rng'):
+    generate(model, params, PROMPTS, max_new_tokens=2, sampling=Sampling(1.0))
+  with pytest.raises(ConfigError, match='at least one token'):
+    generate(model, params, [[1], []], max_new_tokens=2)
+  with pytest.raises(ConfigError, match='top_p'):
+    Sampling(1.0, top_p=1.5)
+  bert = build_model(load_config('bert_tiny').model)
+  with pytest.raises(ConfigError, match='gpt or t5'):
+    generate(bert, {}, PROMPTS, max_new_tokens=2)
