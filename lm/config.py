@@ -46,7 +46,7 @@ class ModelConfig:
   init_std: float = 0.02
   dtype: str = 'float32'  # compute dtype; params stay in param_dtype
   param_dtype: str = 'float32'
-  attention_impl: str = 'xla'  # xla | flash (our Pallas kernel) | auto
+  attention_impl: str = 'xla'  # xla | flash (our Pallas kernel) | tpu_flash | tpu_splash | cudnn | auto
   attention_block_q: int = 128  # flash block sizes
   attention_block_k: int = 128
   scan_layers: bool = True
@@ -292,7 +292,7 @@ _CHOICES = {
   'model.activation': ('gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu'),
   'model.dtype': ('float32', 'bfloat16', 'float16'),
   'model.param_dtype': ('float32', 'bfloat16'),
-  'model.attention_impl': ('xla', 'flash', 'auto'),
+  'model.attention_impl': ('xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto'),
   'model.remat': ('none', 'full', 'dots', 'projections'),
   'data.source': ('embedded', 'text'),
   'data.tokenizer': ('byte',),
@@ -341,9 +341,12 @@ def validate(config: Config) -> None:
     raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
-  if m.attention_impl == 'flash' and m.attention_dropout > 0:
-    raise ConfigError('model.attention_impl=flash does not do attention dropout; set model.attention_dropout=0 '
-                      'or use model.attention_impl=xla')
+  if m.attention_impl not in ('xla', 'auto') and m.attention_dropout > 0:
+    raise ConfigError(f'model.attention_impl={m.attention_impl} does not do attention dropout; set '
+                      f'model.attention_dropout=0 or use model.attention_impl=xla')
+  if m.attention_impl == 'tpu_splash' and m.position == 'relative':
+    raise ConfigError('model.attention_impl=tpu_splash takes no bias, which T5 relative positions need; '
+                      'use model.attention_impl=flash or tpu_flash')
   if d.nsp and not (m.family == 'bert' and m.nsp and m.type_vocab_size >= 2):
     raise ConfigError('data.nsp=true needs a BERT with an NSP head and token types: set model.family=bert, '
                       'model.nsp=true and model.type_vocab_size=2')

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lm.kernels.flash_attention import flash_attention
+from lm.ops import vendor_attention
 from lm.parallel.rules import active_sharding, logical_to_spec
 
-IMPLEMENTATIONS = ('xla', 'flash', 'auto')
+IMPLEMENTATIONS = ('xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto')
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
 
 
@@ -123,13 +124,21 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False)(*args)
 
 
+KERNELS: dict[str, Callable[..., jax.Array]] = {
+  'flash': flash_attention,
+  'tpu_flash': vendor_attention.tpu_flash,
+  'tpu_splash': vendor_attention.tpu_splash,
+  'cudnn': vendor_attention.cudnn,
+}
+
+
 def pick_impl(*, mask: jax.Array | None, dropout_rate: float) -> str:
-  """`auto`: our flash kernel on TPU where it can serve the call, the XLA path otherwise."""
+  """`auto`: our flash kernel on TPU and cuDNN on GPU where they can serve the call, else the XLA path."""
   active = active_sharding()
   platform = active[0].devices.flat[0].platform if active else jax.default_backend()
-  if platform == 'tpu' and mask is None and dropout_rate == 0.0:
-    return 'flash'
-  return 'xla'
+  if mask is not None or dropout_rate > 0.0:
+    return 'xla'
+  return {'tpu': 'flash', 'gpu': 'cudnn'}.get(platform, 'xla')
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -143,11 +152,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if impl == 'auto':
     impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if impl == 'flash':
+  if impl in KERNELS:
     if mask is not None or dropout_rate > 0.0:
-      raise ValueError('attention impl flash takes causal, segment ids and bias but not an arbitrary mask or '
-                       'attention dropout; use impl xla for those')
-    return _kernel_attention(flash_attention, q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+      raise ValueError(f'attention impl {impl} takes causal, segment ids and bias but not an arbitrary mask or '
+                       f'attention dropout; use impl xla for those')
+    return _kernel_attention(KERNELS[impl], q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, mask=mask)

@@ -1,0 +1,49 @@
+"""JAX's shipped kernels behind our dispatch, against the float64 reference, for the features each has."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from lm.ops import vendor_attention
+from tests.kernels.test_flash_attention import reference, rel
+
+KERNELS = {
+  # name: (function, takes bias, needs TPU interpret mode around the jit on CPU)
+  'tpu_flash': (vendor_attention.tpu_flash, True, True),
+  'tpu_splash': (vendor_attention.tpu_splash, False, False),
+  'cudnn': (lambda *a, **kw: vendor_attention.cudnn(*a, implementation='xla', **kw), True, False),
+}
+
+
+@pytest.mark.parametrize('name', list(KERNELS))
+@pytest.mark.parametrize('seed, causal, segments, with_bias', [
+  (0, True, False, False), (1, False, True, False), (2, True, True, True),
+])
+def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
+  fn, takes_bias, interpret_ctx = KERNELS[name]
+  if with_bias and not takes_bias:
+    pytest.skip(f'{name} has no bias')
+  rng = np.random.default_rng(seed)
+  b, h, d, length = 2, 2, 64, int(rng.choice([128, 200]))
+  q, k, v, do = (rng.normal(size=(b, length, h, d)) for _ in range(4))
+  seg = np.sort(rng.integers(1, 4, size=(b, length)), axis=1) if segments else np.ones((b, length), np.int32)
+  bias = rng.normal(size=(1, h, length, length)) if with_bias else None
+
+  def loss(q, k, v, bias):
+    out = fn(q, k, v, causal=causal, segment_ids=jnp.asarray(seg) if segments else None, kv_segment_ids=None,
+             bias=bias, scale=d ** -0.5, platform='cpu')
+    return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
+
+  argnums = (0, 1, 2, 3) if with_bias else (0, 1, 2)
+  args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)] + [None if bias is None else jnp.asarray(bias, jnp.float32)]
+  run = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))
+  if interpret_ctx:
+    with pltpu.force_tpu_interpret_mode():
+      grads, out = run(*args)
+  else:
+    grads, out = run(*args)
+  want = reference(q, k, v, do, causal=causal, q_seg=seg, kv_seg=seg, bias=bias, scale=d ** -0.5)
+  assert rel(out, want[0]) < 1e-5
+  for got, expected in zip(grads, want[1:], strict=False):
+    assert rel(got, expected) < 1e-5
