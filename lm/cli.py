@@ -1,4 +1,4 @@
-"""`lm train | info | generate`: the command line. Config problems exit with one line naming the fix."""
+"""`lm train | info | compile | convert | generate`: the command line. Config problems exit with one line naming the fix."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +96,16 @@ def cmd_info(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+  from lm.compile import compile_report, does_not_fit_message, format_report
+  report = compile_report(_config(args), args.topology, args.mfu, args.save)
+  print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+  if not report['fits']:
+    print(does_not_fit_message(report), file=sys.stderr, flush=True)
+    return 3
+  return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
   import jax
 
@@ -136,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
   info.add_argument('--compile', action='store_true', help='also compile the train step and report its memory')
   info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning)')
   info.set_defaults(fn=cmd_info)
+
+  aot = sub.add_parser('compile', help='compile the train step for a TPU slice ahead of time (no TPU needed): '
+                                       'per-device memory, FLOPs and predicted step time')
+  common(aot)
+  aot.add_argument('--topology', required=True, help='TPU slice: v5p-1024, v5e-256, v4-128, v6e-64 or v5e:2x2')
+  aot.add_argument('--mfu', type=float, default=0.5, help='assumed MFU for the predicted step time (default 0.5)')
+  aot.add_argument('--save', metavar='PATH', help='write the serialized executable (and PATH.json with the report)')
+  aot.add_argument('--json', action='store_true', help='print the report as JSON')
+  aot.set_defaults(fn=cmd_compile)
 
   gen = sub.add_parser('generate', help='sample continuations from a trained run (KV-cached decoding)')
   gen.add_argument('--run', required=True, help='train.run_dir of a run with a checkpoint')

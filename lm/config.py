@@ -114,6 +114,7 @@ class TrainConfig:
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal
   peak_flops: float | None = None  # per device, for MFU; default from the device kind
+  causal_attention_flops: str = 'half'  # half | full: count the masked half of causal attention in MFU or not
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ _CHOICES = {
   'data.source': ('embedded', 'text'),
   'data.tokenizer': ('byte',),
   'optim.schedule': ('cosine', 'linear', 'constant'),
+  'train.causal_attention_flops': ('half', 'full'),
 }
 
 

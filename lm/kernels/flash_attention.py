@@ -34,6 +34,17 @@ def _tpu_params(semantics: tuple[str, ...]) -> Any:
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+def _cost(matmuls: int, inputs: list[jax.Array], outputs: list[Any], causal: bool) -> pl.CostEstimate:
+  """What a kernel costs, for XLA's cost model (a custom call is otherwise counted as free).
+
+  `matmuls` [B, H, Lq, Lk, D]-sized products of 2 FLOPs each; one exp per score; causal halves both.
+  """
+  b, h, lq, d = inputs[0].shape
+  scores = b * h * lq * inputs[1].shape[2] // (2 if causal else 1)
+  nbytes = sum(x.size * x.dtype.itemsize for x in inputs + outputs)
+  return pl.CostEstimate(flops=2 * matmuls * scores * d, transcendentals=scores, bytes_accessed=nbytes)
+
+
 def _scratch(shape: tuple[int, ...]) -> Any:
   from jax.experimental.pallas import tpu as pltpu
   return pltpu.VMEM(shape, jnp.float32)
@@ -99,15 +110,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
 
 # ---------------------------------------------------------------- backward
 
-def _probs_and_ds(q, k, v, do, lse, delta, bias_ref, mask, scale):
-  """Recomputed probabilities p and dS = p * (dO V^T - delta) for one block."""
+def _probs_and_ds(q, k, v, do, lse, o, bias_ref, mask, scale):
+  """Recomputed probabilities p and dS = p * (dO V^T - delta) for one block.
+
+  delta = rowsum(dO * O) is recomputed per block rather than passed in: a [rows, 1] float32 array
+  in HBM is padded to 128 lanes on TPU, which would cost 128x its size.
+  """
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
   s = _logits(q, k, bias_ref, scale)
   p = jnp.where(mask, jnp.exp(s - lse), 0.0)
   dp = jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32)
   return p, p * (dp - delta)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, q_seg_ref, kv_seg_ref,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
                 dk_ref, dv_ref, dbias_ref, dk_scr, dv_scr, *, causal: bool, scale: float, bq: int, bk: int):
   j, i = pl.program_id(2), pl.program_id(3)  # kv-block outer, q-block inner
 
@@ -122,7 +138,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, q_seg
   def _step():
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    p, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], delta_ref[0, 0], bias_ref, mask, scale)
+    p, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], o_ref[0, 0], bias_ref, mask, scale)
     dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _TRANS_A, preferred_element_type=jnp.float32)
     dk_scr[...] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A, preferred_element_type=jnp.float32) * scale
     if dbias_ref is not None:
@@ -139,7 +155,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, q_seg
     dv_ref[0, 0] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, q_seg_ref, kv_seg_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
                dq_ref, dq_scr, *, causal: bool, scale: float, bq: int, bk: int):
   i, j = pl.program_id(2), pl.program_id(3)
 
@@ -151,7 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, q_seg_
   def _step():
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    _, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], delta_ref[0, 0], bias_ref, mask, scale)
+    _, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], o_ref[0, 0], bias_ref, mask, scale)
     dq_scr[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
   @pl.when(j == pl.num_programs(3) - 1)
@@ -217,39 +233,42 @@ def _forward(q, k, v, bias, q_seg, kv_seg, *, causal, scale, bq, bk, interpret):
              [specs['q_seg'], specs['kv_seg']]
   kernel = functools.partial(_with_optional(_forward_kernel, bias is not None, 3),
                              causal=causal, scale=scale, bq=bq, bk=bk)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), jnp.float32)]
   return pl.pallas_call(
     kernel, grid=(b, h, lq // bq, lk // bk), in_specs=in_specs,
-    out_specs=[specs['q'], specs['row']],
-    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), jnp.float32)],
+    out_specs=[specs['q'], specs['row']], out_shape=out_shape,
     scratch_shapes=[_scratch((bq, 1)), _scratch((bq, 1)), _scratch((bq, d))],
     compiler_params=None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
-    interpret=interpret)(*inputs)
+    cost_estimate=_cost(2, inputs, out_shape, causal), interpret=interpret)(*inputs)
 
 
 def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk, interpret):
   b, h, lq, d = q.shape
   lk = k.shape[2]
-  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
   has_bias = bias is not None
   bias_shape = None if bias is None else bias.shape
   params = None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary'))
 
-  def call(kernel, kv_outer, out_specs, out_shape, scratch):
+  def call(kernel, kv_outer, out_specs, out_shape, scratch, matmuls):
     specs = _specs(causal, bq, bk, d, bias_shape, kv_outer)
-    inputs = [q, k, v, do, lse, delta] + ([bias] if has_bias else []) + [q_seg, kv_seg]
-    in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['row'], specs['row']] + \
+    inputs = [q, k, v, do, lse, o] + ([bias] if has_bias else []) + [q_seg, kv_seg]
+    in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['row'], specs['q']] + \
                ([specs['bias']] if has_bias else []) + [specs['q_seg'], specs['kv_seg']]
     grid = (b, h, lk // bk, lq // bq) if kv_outer else (b, h, lq // bq, lk // bk)
     body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, scale=scale, bq=bq, bk=bk)
+    outs = out_shape if isinstance(out_shape, list) else [out_shape]
     return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs(specs), out_shape=out_shape,
-                          scratch_shapes=scratch, compiler_params=params, interpret=interpret)(*inputs)
+                          scratch_shapes=scratch, compiler_params=params,
+                          cost_estimate=_cost(matmuls, inputs, outs, causal), interpret=interpret)(*inputs)
 
   dkv_outs = lambda s: [s['kv'], s['kv']] + ([pl.BlockSpec((1, 1, bq, bk), lambda b_, h_, j, i: (b_, h_, i, j))]
                                               if has_bias else [])
   dkv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)] + \
                ([jax.ShapeDtypeStruct((b, h, lq, lk), jnp.float32)] if has_bias else [])
-  dk, dv, *dbias = call(_dkv_kernel, True, dkv_outs, dkv_shapes, [_scratch((bk, d)), _scratch((bk, d))])
-  dq = call(_dq_kernel, False, lambda s: s['q'], jax.ShapeDtypeStruct(q.shape, q.dtype), [_scratch((bq, d))])
+  dk, dv, *dbias = call(_dkv_kernel, True, dkv_outs, dkv_shapes, [_scratch((bk, d)), _scratch((bk, d))],
+                     matmuls=4)  # scores, dV, dP, dK
+  dq = call(_dq_kernel, False, lambda s: s['q'], jax.ShapeDtypeStruct(q.shape, q.dtype), [_scratch((bq, d))],
+            matmuls=3)  # scores, dP, dQ
   if has_bias:  # sum over the dims the bias was broadcast along
     axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
     dbias = jnp.sum(dbias[0], axis=axes, keepdims=True).astype(bias.dtype)

@@ -5,8 +5,8 @@ import flax.linen as nn
 import jax
 
 from lm.config import ModelConfig
-from lm.models.layers import DTYPES, DenseGeneral, Embed
-from lm.models.transformer import Stack
+from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, sinusoidal_positions
+from lm.models.transformer import Stack, default_positions
 from lm.parallel.rules import constrain
 
 
@@ -14,7 +14,9 @@ class T5(nn.Module):
   """`__call__(inputs, decoder_inputs)` -> logits over the decoder positions.
 
   v1.0 vs v1.1 is config: ReLU vs gated-GELU MLP, tied (with the d_model^-0.5 rescale) vs untied
-  output. `segment_ids` / `decoder_segment_ids` mark padding with 0.
+  output. `segment_ids` / `decoder_segment_ids` mark padding with 0. With `position` learned or
+  sinusoidal instead of relative it is the encoder-decoder of Vaswani et al. (absolute positions
+  added to both stacks' embeddings).
   """
   cfg: ModelConfig
 
@@ -25,12 +27,22 @@ class T5(nn.Module):
     self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
     self.decoder = Stack(cfg, causal=True, num_layers=cfg.resolved_decoder_layers, cross=True)
     self.dropout = nn.Dropout(cfg.dropout)
+    if cfg.position == 'learned':
+      self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
     if not cfg.tie_embeddings:
       self.lm_head = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), kernel_init=nn.initializers.normal(
         cfg.d_model ** -0.5), **common)
 
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    x = self.token_embed(tokens)
+    if self.cfg.position == 'learned':
+      x = x + self.position_embed(default_positions(tokens))
+    elif self.cfg.position == 'sinusoidal':
+      x = x + sinusoidal_positions(default_positions(tokens), self.cfg.d_model).astype(x.dtype)
+    return x
+
   def encode(self, inputs: jax.Array, segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
-    x = self.dropout(self.token_embed(inputs), deterministic=deterministic)
+    x = self.dropout(self._embed(inputs), deterministic=deterministic)
     x = self.encoder(constrain(x, ('batch', 'length', 'embed')), segment_ids, deterministic=deterministic)
     return self.dropout(x, deterministic=deterministic)
 
@@ -38,7 +50,10 @@ class T5(nn.Module):
              decoder_segment_ids: jax.Array | None = None, deterministic: bool = True,
              decode: bool = False) -> jax.Array:
     """Decoder logits given the encoder output; `decode=True` runs one step on the key/value cache."""
-    y = self.dropout(self.token_embed(decoder_inputs), deterministic=deterministic)
+    if decode and self.cfg.position != 'relative':
+      raise ValueError(f'cached decoding of an encoder-decoder needs relative positions, not '
+                       f'model.position={self.cfg.position}')
+    y = self.dropout(self._embed(decoder_inputs), deterministic=deterministic)
     y = self.decoder(constrain(y, ('batch', 'length', 'embed')), decoder_segment_ids, encoded, segment_ids,
                      deterministic=deterministic, decode=decode)
     y = self.dropout(y, deterministic=deterministic)

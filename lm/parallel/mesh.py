@@ -5,6 +5,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from lm.config import Config, ConfigError, MeshConfig
@@ -68,4 +69,10 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
   if devices == list(jax.devices()):
     # make_mesh orders devices for the physical topology (ICI rings on TPU, hosts contiguous).
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  if devices[0].platform == 'tpu':  # e.g. the compile-only devices of an ahead-of-time TPU topology
+    try:
+      ordered = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+      ordered = np.asarray(devices).reshape(shape)  # a shape the physical-topology layouts do not cover
+    return Mesh(ordered, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -36,7 +36,8 @@ class Trainer:
     self.init_fn = make_init_fn(self.model, self.tx, self.shardings, seq_len)
     self.train_step = make_train_step(self.model, self.tx, self.schedule, config, self.mesh, self.shardings)
     self.eval_step = make_eval_step(self.model, self.mesh, self.shardings.params)
-    self.flops_per_token = flops.flops_per_token(self.abstract_state.params, config.model, seq_len)
+    self.flops_per_token = flops.flops_per_token(self.abstract_state.params, config.model, seq_len,
+                                                 config.train.causal_attention_flops)
     self.peak_flops = config.train.peak_flops or flops.peak_flops(self.mesh.devices.flat[0])
     if with_data:
       self.tokenizer, self.train_batches, self.val_batches = build_batches(config, batch_sharding(self.mesh))

@@ -25,11 +25,35 @@ PEAK_FLOPS = {
 }
 
 
+# High-bandwidth memory per device, bytes (the largest variant where a chip comes in several).
+HBM_BYTES = {
+  'TPU v4': 32 * 2**30,
+  'TPU v5 lite': 16 * 2**30,
+  'TPU v5e': 16 * 2**30,
+  'TPU v5p': 95 * 2**30,
+  'TPU v5': 95 * 2**30,
+  'TPU v6 lite': 32 * 2**30,
+  'TPU v6e': 32 * 2**30,
+  'NVIDIA A100': 80 * 10**9,
+  'NVIDIA H100': 80 * 10**9,
+  'NVIDIA H200': 141 * 10**9,
+}
+
+
+def _lookup(table: dict[str, Any], device: jax.Device) -> Any:
+  kind = getattr(device, 'device_kind', '')
+  matches = [name for name in table if kind.startswith(name)]
+  return table[max(matches, key=len)] if matches else None
+
+
 def peak_flops(device: jax.Device) -> float | None:
   """Per-device peak for known accelerators (longest matching name), None for CPUs and unknown kinds."""
-  kind = getattr(device, 'device_kind', '')
-  matches = [name for name in PEAK_FLOPS if kind.startswith(name)]
-  return PEAK_FLOPS[max(matches, key=len)] if matches else None
+  return _lookup(PEAK_FLOPS, device)
+
+
+def hbm_bytes(device: jax.Device) -> int | None:
+  """Per-device accelerator memory for known kinds, None for CPUs and unknown kinds."""
+  return _lookup(HBM_BYTES, device)
 
 
 def abstract_params(model: nn.Module, cfg: ModelConfig) -> Any:
@@ -52,21 +76,64 @@ def count_params(params: Any) -> dict[str, int]:
   return {'total': total, 'non_embedding': total - embedding}
 
 
+_PER_SEQUENCE = ('pooler', 'nsp_head', 'classifier')  # BERT heads that see only the [CLS] position
+
+
+def _kernels(params: Any) -> dict[str, int]:
+  """Sizes of the dense kernels by role: per-token work of encoder, decoder, cross K/V, and per-sequence heads."""
+  out = {'encoder': 0, 'decoder': 0, 'cross_kv': 0, 'per_sequence': 0}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = _path_names(path)
+    if names[-1] != 'kernel':
+      continue
+    size = int(np.prod(leaf.shape))
+    if any(n in _PER_SEQUENCE for n in names):
+      out['per_sequence'] += size
+    elif 'cross_attention' in names and names[-2] in ('key', 'value'):
+      out['cross_kv'] += size  # projects the encoder output: once per encoder token
+    elif names[0] == 'encoder':
+      out['encoder'] += size
+    else:
+      out['decoder'] += size
+  return out
+
+
 def matmul_params(params: Any, cfg: ModelConfig) -> int:
   """Weights used in a matmul per token: every dense kernel, plus the output layer when it is tied."""
-  kernels = sum(int(np.prod(leaf.shape)) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-                if _path_names(path)[-1] == 'kernel')
-  return kernels + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+  return sum(_kernels(params).values()) + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
 
 
-def flops_per_token(params: Any, cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-  """Training FLOPs per token: 6 * matmul weights + attention scores and values.
+def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_attention: str = 'half') -> float:
+  """Training FLOPs (forward + backward = 3x forward) of one row of `seq_len` tokens: matmuls only.
 
-  The attention term is 6 * 2 * layers * heads * head_dim * seq_len (forward QK^T and AV,
-  times 3 for backward), halved for causal attention, whose masked half need not be computed.
+  Dense layers cost 2 FLOPs per weight per token they see; attention 2 * 2 * heads * head_dim per
+  query-key pair (scores and the weighted sum of values). A T5 row is `seq_len` encoder tokens and
+  the span-corruption targets for the decoder; the encoder-side K/V projections of cross-attention
+  run on the encoder tokens. `causal_attention` 'half' counts only the pairs a causal mask allows
+  (what a kernel that skips masked blocks does), 'full' the whole square (what dense XLA attention
+  computes).
   """
-  attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
-  return 6 * matmul_params(params, cfg) + (attn / 2 if causal else attn)
+  if causal_attention not in ('half', 'full'):
+    raise ValueError(f'causal_attention={causal_attention!r}: choose half or full')
+  k = _kernels(params)
+  output = cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0  # a tied head's weights are the embedding
+  width = cfg.num_heads * cfg.resolved_head_dim
+  causal_pairs = lambda n: n * n / 2 if causal_attention == 'half' else n * n
+  if cfg.family == 't5':
+    from lm.data.objectives import span_lengths
+    enc, dec = seq_len, span_lengths(seq_len).targets
+    dense = (k['encoder'] + k['cross_kv']) * enc + (k['decoder'] + output) * dec
+    pairs = (cfg.num_layers * enc * enc + cfg.resolved_decoder_layers * (causal_pairs(dec) + dec * enc))
+  else:
+    dense = (k['encoder'] + k['decoder'] + output) * seq_len
+    pairs = cfg.num_layers * (causal_pairs(seq_len) if cfg.family == 'gpt' else seq_len * seq_len)
+  forward = 2 * (dense + k['per_sequence']) + 4 * width * pairs
+  return 3.0 * forward
+
+
+def flops_per_token(params: Any, cfg: ModelConfig, seq_len: int, causal_attention: str = 'half') -> float:
+  """`flops_per_sequence` per row token (the tokens the train loop counts): for a decoder, 6N + attention."""
+  return flops_per_sequence(params, cfg, seq_len, causal_attention) / seq_len
 
 
 def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float | None) -> float | None:
@@ -76,7 +143,7 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
   return tokens_per_sec * flops_token / (peak * num_devices)
 
 
-def _shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings."""
   total = 0
   for leaf in jax.tree.leaves(tree):
@@ -111,10 +178,10 @@ def estimate_memory(config: Any, abstract_state: Any, sizes: dict[str, int]) -> 
   """Per-device bytes: parameters, optimizer state and gradients exactly (from the shardings), activations roughly."""
   t = config.train
   tokens = t.global_batch // t.microbatches // (sizes['data'] * sizes['fsdp']) * config.data.seq_len
-  params = _shard_bytes(abstract_state.params)
+  params = shard_bytes(abstract_state.params)
   out = {
     'params': params,
-    'optimizer': _shard_bytes(abstract_state.opt_state),
+    'optimizer': shard_bytes(abstract_state.opt_state),
     'gradients': params,
     'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, sizes['tensor']),
   }

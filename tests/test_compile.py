@@ -1,0 +1,53 @@
+"""`lm compile`: ahead-of-time compiles of the train step for TPU slices (needs libtpu, installed in CI)."""
+import importlib.util
+import json
+
+import pytest
+
+from lm import cli
+from lm.compile import compile_report, physical_topology, topology_devices
+from lm.config import ConfigError, load_config
+from lm.train.loop import Trainer
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+
+
+@pytest.mark.parametrize('name, physical', [
+  ('v5p-1024', 'v5p:8x8x8'), ('v5p-8', 'v5p:2x2x1'), ('v4-32', 'v4:2x2x4'), ('v5e-256', 'v5e:16x16'),
+  ('v5e-8', 'v5e:2x4'), ('v6e-1', 'v6e:1x1'), ('v5e:2x2', 'v5e:2x2'), ('V5P-2048', 'v5p:8x8x16'),
+])
+def test_slice_names_map_to_physical_topologies(name, physical):
+  assert physical_topology(name) == physical
+
+
+@pytest.mark.parametrize('name, match', [('v5p-1000', 'power-of-two'), ('v5p-3', 'power-of-two'),
+                                         ('a100-8', 'not a TPU slice'), ('v5e', 'not a TPU slice')])
+def test_bad_slice_names_are_explained(name, match):
+  with pytest.raises(ConfigError, match=match):
+    physical_topology(name)
+
+
+@needs_libtpu
+def test_compile_report_equals_the_compiled_memory_analysis(tmp_path):
+  config = load_config('gpt_tiny', ['model.dtype=bfloat16', 'train.global_batch=8'])
+  report = compile_report(config, 'v5e:2x2', assumed_mfu=0.4, save=str(tmp_path / 'step.bin'))
+  compiled = Trainer(config, devices=topology_devices('v5e:2x2'), with_data=False).compile_train_step()
+  stats = compiled.memory_analysis()
+  mem = report['memory_per_device']
+  assert (mem['arguments'], mem['outputs'], mem['temp'], mem['aliased']) == (
+    stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes, stats.alias_size_in_bytes)
+  assert report['chips'] == 4 and report['device_kind'].startswith('TPU v5') and report['fits']
+  assert report['hbm_per_device'] == 16 * 2**30 and report['peak_flops_per_device'] == 197e12
+  assert report['step_seconds'] == pytest.approx(report['flops_per_step'] / (197e12 * 4) / 0.4)
+  assert report['tokens_per_sec'] == pytest.approx(8 * 256 / report['step_seconds'])
+  assert (tmp_path / 'step.bin').stat().st_size > 0
+  assert json.loads((tmp_path / 'step.bin.json').read_text())['memory_per_device'] == mem
+
+
+@needs_libtpu
+def test_a_step_too_large_for_the_chip_exits_nonzero_with_the_figures(capsys):
+  code = cli.main(['compile', '--config', 'gpt2_medium', '--topology', 'v5e-4', 'train.global_batch=64'])
+  out, err = capsys.readouterr()
+  assert code == 3
+  assert 'DOES NOT FIT' in out and 'HBM' in out
+  assert 'gpt2_medium does not fit v5e-4' in err and 'GiB' in err and 'remat' in err

@@ -1,0 +1,72 @@
+"""The scaling-table presets: every one loads, and parameter counts match the published figures."""
+import pytest
+
+from lm.config import CONFIG_DIR, load_config
+from lm.models import build_model
+from lm.train.metrics import abstract_params, count_params
+
+# preset: (published parameters, relative tolerance, source)
+PUBLISHED = {
+  'transformer_base': (65e6, 0.03, 'Vaswani et al. 2017, Table 3 (rounded)'),
+  'transformer_big': (213e6, 0.02, 'Vaswani et al. 2017, Table 3'),
+  'bert_base': (110e6, 0.02, 'Devlin et al. 2019'),
+  'bert_large': (340e6, 0.02, 'Devlin et al. 2019'),
+  'xlnet_large': (340e6, 0.02, 'Yang et al. 2019 (the size of BERT-Large)'),
+  'roberta_large': (355e6, 0.02, 'Liu et al. 2019'),
+  'gpt2_xl': (1542e6, 0.02, 'Radford et al. 2019, Table 2'),
+  'megatron_8b': (8.3e9, 0.02, 'Shoeybi et al. 2019, Table 2'),
+  'turing_nlg_17b': (17e9, 0.02, 'Microsoft Turing-NLG'),
+  'gpt3_175b': (175e9, 0.02, 'Brown et al. 2020, Table 2.1'),
+  # The GPT-3 ladder and the T5 sizes, as published (T5-Large's 770M is the paper's rounding of 738M).
+  'gpt3_125m': (125e6, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_350m': (350e6, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_760m': (760e6, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_1_3b': (1.3e9, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_2_7b': (2.7e9, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_6_7b': (6.7e9, 0.02, 'Brown et al. 2020, Table 2.1'),
+  'gpt3_13b': (13e9, 0.02, 'Brown et al. 2020, Table 2.1'),
+  't5_small': (60e6, 0.02, 'Raffel et al. 2020'),
+  't5_base': (220e6, 0.02, 'Raffel et al. 2020'),
+  't5_large': (770e6, 0.05, 'Raffel et al. 2020 (738M as released)'),
+  't5_3b': (2.85e9, 0.02, 'released checkpoint (the paper says 3B)'),
+  't5_11b': (11.3e9, 0.02, 'released checkpoint (the paper says 11B)'),
+  't5_v1_1_small': (77e6, 0.02, 'released checkpoint'),
+  't5_v1_1_base': (248e6, 0.02, 'released checkpoint'),
+  't5_v1_1_large': (783e6, 0.02, 'released checkpoint'),
+  't5_v1_1_xl': (2.85e9, 0.02, 'released checkpoint'),
+  't5_v1_1_xxl': (11.3e9, 0.02, 'released checkpoint'),
+  'gpt2_small': (124e6, 0.02, 'released checkpoint (the paper says 117M)'),
+  'gpt2_medium': (355e6, 0.02, 'released checkpoint (the paper says 345M)'),
+  'gpt2_large': (774e6, 0.02, 'released checkpoint (the paper says 762M)'),
+}
+
+
+def params_of(name: str) -> int:
+  config = load_config(name)
+  return count_params(abstract_params(build_model(config.model), config.model))['total']
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED))
+def test_parameter_count_matches_the_published_figure(name):
+  published, tolerance, source = PUBLISHED[name]
+  ours = params_of(name)
+  assert abs(ours / published - 1) <= tolerance, f'{name}: {ours:,} vs {published:,.0f} ({source})'
+
+
+def test_every_preset_loads_and_validates():
+  names = sorted(p.stem for p in CONFIG_DIR.glob('*.yaml'))
+  assert set(PUBLISHED) <= set(names)
+  for name in names:
+    load_config(name)
+
+
+def test_ladder_presets_carry_their_published_shapes():
+  """Context lengths and MLP widths as published: GPT-3 2048 tokens and 4d, T5 512 inputs."""
+  for name in [n for n in PUBLISHED if n.startswith('gpt3_')]:
+    c = load_config(name)
+    assert c.data.seq_len == c.model.max_len == 2048 and c.model.resolved_d_ff == 4 * c.model.d_model
+  assert load_config('gpt2_xl').data.seq_len == 1024
+  t5 = {'t5_3b': (16384, 32, 128), 't5_11b': (65536, 128, 128), 't5_v1_1_xxl': (10240, 64, 64)}
+  for name, (d_ff, heads, head_dim) in t5.items():
+    m = load_config(name).model
+    assert (m.d_ff, m.num_heads, m.head_dim, m.vocab_size) == (d_ff, heads, head_dim, 32128)
