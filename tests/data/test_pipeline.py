@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm.config import ConfigError
-from lm.data.pipeline import build_batches, local_row_range
+from lm.config import ConfigError, load_config
+from lm.data.pipeline import build_batches, local_row_range, make_objective
 from lm.data.sources import embedded_documents, is_validation, split_documents
+from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import make_mesh
 from lm.train.step import batch_sharding
 
@@ -97,3 +98,9 @@ def test_too_few_rows_for_a_batch(small_config, tmp_path):
     (tmp_path / f'{i}.txt').write_text(f'short text {i}')
   with pytest.raises(ConfigError, match='rows, fewer than train.global_batch=16'):
     one_device_batches(small_config('data.source=text', f'data.paths=[{tmp_path}/*.txt]', 'data.val_fraction=0.5'))
+
+
+def test_a_vocabulary_without_room_for_the_sentinels_is_refused():
+  config = load_config('t5_tiny', ['model.vocab_size=264'])  # 260 tokenizer ids + 4: too few for ~13 spans
+  with pytest.raises(ConfigError, match=r'needs \d+ sentinel ids above the tokenizer.s 260.*raise model.vocab_size'):
+    make_objective(config, get_tokenizer('byte'))

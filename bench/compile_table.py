@@ -1,0 +1,132 @@
+"""The scaling table: compile every preset for a TPU slice ahead of time and write docs/scaling_table.md.
+
+  python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE]
+
+Needs libtpu (the `tpu` extra), no TPU. Each row is `lm compile` of the preset's real train step for
+the slice and mesh below; memory is XLA's per-device `memory_analysis()`, the step time is model
+FLOPs over the slice's peak at the assumed MFU. A second table compiles one preset with each remat
+policy on the same slice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from lm.compile import compile_report
+from lm.config import load_config
+
+MFU = 0.5
+# preset: (published parameters, topology, overrides) -- meshes as a practitioner would start.
+PLAN: dict[str, tuple[float, str, list[str]]] = {
+  'transformer_base': (65e6, 'v5e-8', ['mesh.data=8']),
+  'transformer_big': (213e6, 'v5e-8', ['mesh.data=8']),
+  'bert_base': (110e6, 'v5e-16', ['mesh.data=16']),
+  'bert_large': (340e6, 'v5e-16', ['mesh.data=16']),
+  'xlnet_large': (340e6, 'v5e-16', ['mesh.data=16']),
+  'roberta_large': (355e6, 'v5p-128', ['mesh.data=64', 'train.microbatches=4']),
+  'gpt2_xl': (1542e6, 'v5e-64', ['mesh.data=1', 'mesh.fsdp=64']),
+  'megatron_8b': (8.3e9, 'v5p-256', ['mesh.data=1', 'mesh.fsdp=32', 'mesh.tensor=4', 'train.microbatches=2']),
+  'turing_nlg_17b': (17e9, 'v5p-512', ['mesh.data=2', 'mesh.fsdp=32', 'mesh.tensor=4', 'train.microbatches=2']),
+  'gpt3_175b': (175e9, 'v5p-1024', ['mesh.data=1', 'mesh.fsdp=64', 'mesh.tensor=8', 'train.microbatches=8']),
+}
+REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
+REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']
+
+
+def gib(n: float) -> str:
+  return f'{n / 2**30:,.2f}'
+
+
+def seconds(s: float) -> str:
+  return f'{s * 1e3:,.0f} ms' if s < 1 else f'{s:,.2f} s'
+
+
+def mesh_text(r: dict[str, Any]) -> str:
+  m = r['mesh']
+  return f'{m["data"]}x{m["fsdp"]}x{m["tensor"]} ({m["strategy"]})'
+
+
+def batch_text(r: dict[str, Any]) -> str:
+  micro = f' in {r["microbatches"]} microbatches' if r['microbatches'] > 1 else ''
+  return f'{r["global_batch"]} x {r["seq_len"]}{micro}'
+
+
+def scaling_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
+  rows = ['| preset | params (ours) | published | topology | mesh data x fsdp x tensor | remat | batch | '
+          'memory/device GiB (args + temp) | HBM GiB | fits | step at peak | step at 50% MFU | tokens/s |',
+          '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+  for name, r in reports.items():
+    mem = r['memory_per_device']
+    rows.append(
+      f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {PLAN[name][0] / 1e6:,.0f}M | {r["topology"]} '
+      f'({r["chips"]} chips) | {mesh_text(r)} | {r["remat"]} | {batch_text(r)} | {gib(mem["total"])} '
+      f'({gib(mem["arguments"])} + {gib(mem["temp"])}) | {gib(r["hbm_per_device"])} | '
+      f'{"yes" if r["fits"] else "**no**"} | {seconds(r["step_seconds_at_peak"])} | {seconds(r["step_seconds"])} | '
+      f'{r["tokens_per_sec"]:,.0f} |')
+  return rows
+
+
+def remat_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
+  rows = ['| remat | temp GiB/device | total GiB/device | fits |', '|---|---|---|---|']
+  for policy, r in reports.items():
+    mem = r['memory_per_device']
+    rows.append(f'| {policy} | {gib(mem["temp"])} | {gib(mem["total"])} | {"yes" if r["fits"] else "**no**"} |')
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--only', nargs='*', default=None, help='presets to compile (default: the whole table)')
+  parser.add_argument('--out', default='docs/scaling_table.md')
+  parser.add_argument('--json', default='bench/results/compile_table.json')
+  args = parser.parse_args()
+
+  start = time.perf_counter()
+  reports: dict[str, dict[str, Any]] = {}
+  for name in args.only or PLAN:
+    _, topology, overrides = PLAN[name]
+    reports[name] = compile_report(load_config(name, overrides), topology, MFU)
+    r = reports[name]
+    print(f'{name:16s} {r["topology"]:9s} {gib(r["memory_per_device"]["total"]):>8s} GiB/device '
+          f'fits={r["fits"]} compiled in {r["compile_seconds"]:.1f}s', flush=True)
+  remat: dict[str, dict[str, Any]] = {}
+  for policy in ('none', 'projections', 'full'):
+    config = load_config(REMAT_PRESET, REMAT_OVERRIDES + [f'model.remat={policy}'])
+    remat[policy] = compile_report(config, REMAT_TOPOLOGY, MFU)
+    print(f'{REMAT_PRESET} remat={policy:12s} temp {gib(remat[policy]["memory_per_device"]["temp"])} GiB', flush=True)
+  total_s = time.perf_counter() - start
+
+  lines = [
+    '# The scaling table, compiled for TPU slices',
+    '',
+    f'Written by `python bench/compile_table.py` ({total_s / 60:.1f} minutes on a 2-core CPU, libtpu, no TPU).',
+    'Each row lowers and compiles the preset\'s real train step (AdamW, bf16 compute, fp32 params and',
+    'optimizer state, scanned layers, our flash attention through Mosaic) for the slice with `lm compile`.',
+    'Memory is XLA\'s per-device `memory_analysis()`: arguments (sharded state and batch; the donated',
+    'state aliases the outputs) plus temporaries. Step times are model FLOPs (6N plus causal attention,',
+    f'`lm/train/metrics.py`) over the slice\'s bf16 peak, and at an assumed {MFU:.0%} MFU.',
+    '',
+    *scaling_rows(reports),
+    '',
+    f'## Remat on {REMAT_PRESET}, {REMAT_TOPOLOGY}, mesh {" ".join(REMAT_OVERRIDES)}',
+    '',
+    'Selective remat (`projections`: keep the q/k/v/out projections and MLP outputs, recompute the rest)',
+    'against none and full (keep only each layer\'s input):',
+    '',
+    *remat_rows(remat),
+    '',
+  ]
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text('\n'.join(lines))
+  Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.json).write_text(json.dumps({'table': reports, 'remat': remat, 'seconds': total_s}, indent=2) + '\n')
+  print('\n'.join(lines))
+  print(f'wrote {out} in {total_s:.0f}s')
+
+
+if __name__ == '__main__':
+  main()
