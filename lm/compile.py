@@ -7,9 +7,11 @@ tokens/s they imply at the chip's peak and at an assumed MFU. Nothing is allocat
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -56,6 +58,11 @@ def topology_devices(name: str) -> list[jax.Device]:
     raise ConfigError('compiling for a TPU topology needs libtpu: pip install -e ".[tpu]"')
   from jax.experimental import topologies
   physical = physical_topology(name)
+  if not glob.glob('/dev/accel*') and not glob.glob('/dev/vfio/[0-9]*'):
+    # Not a TPU VM: without these libtpu probes for the VM's metadata and logs errors about it.
+    for key, value in (('TPU_SKIP_MDS_QUERY', '1'), ('TPU_WORKER_HOSTNAMES', 'localhost'),
+                       ('TPU_ACCELERATOR_TYPE', 'v5litepod-4')):
+      os.environ.setdefault(key, value)
   try:
     return list(topologies.get_topology_desc(platform='tpu', topology_name=physical).devices)
   except Exception as e:  # libtpu rejects shapes it does not know with a runtime error
