@@ -78,6 +78,9 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   if not 0 < assumed_mfu <= 1:
     raise ConfigError(f'--mfu {assumed_mfu} must lie in (0, 1]')
   devices = topology_devices(topology)
+  if metrics.peak_flops(devices[0]) is None or metrics.hbm_bytes(devices[0]) is None:
+    raise ConfigError(f'no peak FLOP/s or HBM size on record for {devices[0].device_kind}; add it to '
+                      f'PEAK_FLOPS and HBM_BYTES in lm/train/metrics.py')
   sizes = mesh_shape(config.mesh, len(devices))
   trainer = Trainer(config, devices=devices, with_data=False)
   hbm = metrics.hbm_bytes(devices[0])
