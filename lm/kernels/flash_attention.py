@@ -7,9 +7,10 @@ dBias blocks) over q-blocks, another accumulates dQ over kv-blocks. Causal kv-bl
 diagonal are skipped (and, by clamping the index map, never fetched). Lengths that are not a
 multiple of the block are padded with segment id 0, which masks them.
 
-Block shapes follow TPU (Mosaic) tiling: q-blocks a multiple of 8 rows, kv-blocks a multiple of
-128, per-row statistics as [rows, 1] and segment ids as [B, L, 1] / [B, 1, L]. On CPU the same
-kernels run with `interpret=True`.
+Block shapes follow TPU (Mosaic) tiling: q- and kv-blocks multiples of 128 (or the whole short
+input), per-row statistics as [rows, 1] in VMEM but [8, rows] in HBM (a [rows, 1] float32 array is
+padded to 128 lanes there), segment ids as [B, L, 1] / [B, 1, L]. On CPU the same kernels run with
+`interpret=True`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MASKED = -1e30  # finite: a fully masked row must give 0, never inf - inf
+_LSE_ROWS = 8  # the log-sum-exp leaves the forward kernel as [8, rows]: one sublane tile
 _TRANS_B = (((1,), (1,)), ((), ()))  # contract the last dims: x @ y.T
 _TRANS_A = (((0,), (0,)), ((), ()))  # contract the first dims: x.T @ y
 
@@ -66,6 +68,16 @@ def _visible(i: jax.Array, j: jax.Array, bq: int, bk: int, causal: bool) -> jax.
   return j * bk <= i * bq + bq - 1 if causal else True
 
 
+def _to_rows(column: jax.Array) -> jax.Array:
+  """[rows, 1] -> [8, rows] (identical rows): lane-dense, where [rows, 1] in HBM is padded to 128 lanes."""
+  return jnp.broadcast_to(column, (column.shape[0], 128)).T[:_LSE_ROWS]
+
+
+def _to_column(rows: jax.Array) -> jax.Array:
+  """[8, rows] as `_to_rows` wrote it -> [rows, 1]."""
+  return jnp.broadcast_to(rows[:1], (128, rows.shape[1])).T[:, :1]
+
+
 def _logits(q: jax.Array, k: jax.Array, bias_ref: Any, scale: float) -> jax.Array:
   s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * scale
   if bias_ref is not None:
@@ -105,7 +117,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
     empty = norm == 0.0  # every key masked: output 0, log-sum-exp 0
     safe = jnp.where(empty, 1.0, norm)
     o_ref[0, 0] = (acc_scr[...] / safe).astype(o_ref.dtype)
-    lse_ref[0, 0] = jnp.where(empty, 0.0, m_scr[...] + jnp.log(safe))
+    lse_ref[0, 0] = _to_rows(jnp.where(empty, 0.0, m_scr[...] + jnp.log(safe)))
 
 
 # ---------------------------------------------------------------- backward
@@ -138,7 +150,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref
   def _step():
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    p, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], o_ref[0, 0], bias_ref, mask, scale)
+    p, ds = _probs_and_ds(q, k, v, do, _to_column(lse_ref[0, 0]), o_ref[0, 0], bias_ref, mask, scale)
     dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _TRANS_A, preferred_element_type=jnp.float32)
     dk_scr[...] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A, preferred_element_type=jnp.float32) * scale
     if dbias_ref is not None:
@@ -167,7 +179,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref,
   def _step():
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    _, ds = _probs_and_ds(q, k, v, do, lse_ref[0, 0], o_ref[0, 0], bias_ref, mask, scale)
+    _, ds = _probs_and_ds(q, k, v, do, _to_column(lse_ref[0, 0]), o_ref[0, 0], bias_ref, mask, scale)
     dq_scr[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
   @pl.when(j == pl.num_programs(3) - 1)
@@ -196,6 +208,9 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
     i, j = blocks(o, n)
     return (b if bias_shape[0] > 1 else 0), (h if bias_shape[1] > 1 else 0), i, j
 
+  def lse_map(b, h, o, n):
+    return b, h, 0, blocks(o, n)[0]
+
   def q_seg_map(b, h, o, n):
     return b, blocks(o, n)[0], 0
 
@@ -204,7 +219,7 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
 
   return dict(
     q=pl.BlockSpec((1, 1, bq, d), q_map), kv=pl.BlockSpec((1, 1, bk, d), kv_map),
-    row=pl.BlockSpec((1, 1, bq, 1), q_map),
+    lse=pl.BlockSpec((1, 1, _LSE_ROWS, bq), lse_map),
     bias=None if bias_shape is None else pl.BlockSpec((1, 1, bq, bk), bias_map),
     q_seg=pl.BlockSpec((1, bq, 1), q_seg_map), kv_seg=pl.BlockSpec((1, 1, bk), kv_seg_map),
   )
@@ -233,10 +248,10 @@ def _forward(q, k, v, bias, q_seg, kv_seg, *, causal, scale, bq, bk, interpret):
              [specs['q_seg'], specs['kv_seg']]
   kernel = functools.partial(_with_optional(_forward_kernel, bias is not None, 3),
                              causal=causal, scale=scale, bq=bq, bk=bk)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, lq, 1), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, _LSE_ROWS, lq), jnp.float32)]
   return pl.pallas_call(
     kernel, grid=(b, h, lq // bq, lk // bk), in_specs=in_specs,
-    out_specs=[specs['q'], specs['row']], out_shape=out_shape,
+    out_specs=[specs['q'], specs['lse']], out_shape=out_shape,
     scratch_shapes=[_scratch((bq, 1)), _scratch((bq, 1)), _scratch((bq, d))],
     compiler_params=None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
     cost_estimate=_cost(2, inputs, out_shape, causal), interpret=interpret)(*inputs)
@@ -252,7 +267,7 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk
   def call(kernel, kv_outer, out_specs, out_shape, scratch, matmuls):
     specs = _specs(causal, bq, bk, d, bias_shape, kv_outer)
     inputs = [q, k, v, do, lse, o] + ([bias] if has_bias else []) + [q_seg, kv_seg]
-    in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['row'], specs['q']] + \
+    in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['lse'], specs['q']] + \
                ([specs['bias']] if has_bias else []) + [specs['q_seg'], specs['kv_seg']]
     grid = (b, h, lk // bk, lq // bq) if kv_outer else (b, h, lq // bq, lk // bk)
     body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, scale=scale, bq=bq, bk=bk)
@@ -304,7 +319,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   """Attention over q [B, Lq, H, D], k/v [B, Lk, H, D] (Flax layout) -> [B, Lq, H, D].
 
   `segment_ids` / `kv_segment_ids` [B, L] (0 = padding), `bias` broadcastable to [B, H, Lq, Lk] and
-  differentiable. Block sizes are rounded to TPU tiles (q: 8 rows, kv: 128) and shrunk for short
+  differentiable. Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
   inputs; lengths are padded to whole blocks. `platform` (default: the default backend) picks Mosaic
   on 'tpu' and the Pallas interpreter on 'cpu'.
   """
@@ -316,7 +331,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   b, lq, h, d = q.shape
   lk = k.shape[1]
   scale = d ** -0.5 if scale is None else scale
-  bq = min(_round_up(block_q, 8), _round_up(lq, 8))
+  bq = min(_round_up(block_q, 128), _round_up(lq, 8))  # lse blocks are [8, bq]: 128-lane multiples or whole
   bk = min(_round_up(block_k, 128), _round_up(lk, 128))
   pq, pk = _round_up(lq, bq), _round_up(lk, bk)
   if segment_ids is None:
