@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.ops.attention import attention
+from lm.parallel.mesh import MESH_AXES
 from lm.parallel.rules import sharding_context
 
 HEADS, HEAD_DIM = 8, 64
@@ -39,7 +40,7 @@ def compile_step(impl: str, length: int, target: str) -> Any:
     devices = topologies.get_topology_desc(platform='tpu', topology_name='v5e:2x2').devices[:1]
   else:
     devices = jax.devices('cpu')[:1]
-  mesh = Mesh(np.array(devices).reshape(1, 1, 1), ('data', 'fsdp', 'tensor'))
+  mesh = Mesh(np.array(devices).reshape(1, 1, 1), MESH_AXES)
   x = jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
 
   def forward_backward(q, k, v, d_out):

@@ -44,12 +44,12 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
   import jax
 
-  from lm.parallel.mesh import mesh_shape, strategy_name
+  from lm.parallel.mesh import strategy_name
   from lm.train.loop import Trainer
   from lm.train.metrics import count_params, estimate_memory
 
   trainer = Trainer(config, with_data=False)
-  sizes = mesh_shape(config.mesh, jax.device_count())
+  sizes = dict(trainer.mesh.shape)
   report = {
     'name': config.name,
     'params': count_params(trainer.abstract_state.params),

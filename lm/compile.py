@@ -52,12 +52,11 @@ def physical_topology(name: str) -> str:
   return f'{generation}:{"x".join(str(s) for s in shape)}'
 
 
-def topology_devices(name: str) -> list[jax.Device]:
-  """Compile-only devices of a TPU slice (needs libtpu: the `tpu` extra)."""
+def topology_devices(physical: str) -> list[jax.Device]:
+  """Compile-only devices of a TPU slice given as `physical_topology` writes it (needs libtpu: the `tpu` extra)."""
   if importlib.util.find_spec('libtpu') is None:
     raise ConfigError('compiling for a TPU topology needs libtpu: pip install -e ".[tpu]"')
   from jax.experimental import topologies
-  physical = physical_topology(name)
   if not glob.glob('/dev/accel*') and not glob.glob('/dev/vfio/[0-9]*'):
     # Not a TPU VM: without these libtpu probes for the VM's metadata and logs errors about it.
     for key, value in (('TPU_SKIP_MDS_QUERY', '1'), ('TPU_WORKER_HOSTNAMES', 'localhost'),
@@ -66,24 +65,25 @@ def topology_devices(name: str) -> list[jax.Device]:
   try:
     return list(topologies.get_topology_desc(platform='tpu', topology_name=physical).devices)
   except Exception as e:  # libtpu rejects shapes it does not know with a runtime error
-    raise ConfigError(f'libtpu cannot describe topology {physical} (from {name}): {str(e).splitlines()[0]}') from None
+    raise ConfigError(f'libtpu cannot describe topology {physical}: {str(e).splitlines()[0]}') from None
 
 
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None
                    ) -> dict[str, Any]:
   """Compiles the train step for `topology` and returns memory, FLOPs and predicted speed per step."""
-  from lm.parallel.mesh import mesh_shape, strategy_name
+  from lm.parallel.mesh import strategy_name
   from lm.train.loop import Trainer
 
   if not 0 < assumed_mfu <= 1:
     raise ConfigError(f'--mfu {assumed_mfu} must lie in (0, 1]')
-  devices = topology_devices(topology)
-  if metrics.peak_flops(devices[0]) is None or metrics.hbm_bytes(devices[0]) is None:
+  physical = physical_topology(topology)
+  devices = topology_devices(physical)
+  peak, hbm = metrics.peak_flops(devices[0]), metrics.hbm_bytes(devices[0])
+  if peak is None or hbm is None:
     raise ConfigError(f'no peak FLOP/s or HBM size on record for {devices[0].device_kind}; add it to '
                       f'PEAK_FLOPS and HBM_BYTES in lm/train/metrics.py')
-  sizes = mesh_shape(config.mesh, len(devices))
   trainer = Trainer(config, devices=devices, with_data=False)
-  hbm = metrics.hbm_bytes(devices[0])
+  sizes = dict(trainer.mesh.shape)
   t0 = time.perf_counter()
   compiled, error = None, None
   try:
@@ -101,13 +101,12 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     memory = {'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes,
               'temp': needed or 0, 'generated_code': 0}
     memory['total'] = state_bytes + (needed or 0)
-  peak = metrics.peak_flops(devices[0])
   t, m = config.train, config.model
   tokens = t.global_batch * config.data.seq_len
   flops = trainer.flops_per_token * tokens
   at_peak = flops / (peak * len(devices))
   report = {
-    'config': config.name, 'topology': topology, 'physical_topology': physical_topology(topology),
+    'config': config.name, 'topology': topology, 'physical_topology': physical,
     'chips': len(devices), 'device_kind': devices[0].device_kind,
     'mesh': {**sizes, 'strategy': strategy_name(sizes)}, 'remat': m.remat, 'scan_layers': m.scan_layers,
     'attention_impl': m.attention_impl, 'dtype': m.dtype, 'global_batch': t.global_batch,

@@ -98,11 +98,6 @@ def _kernels(params: Any) -> dict[str, int]:
   return out
 
 
-def matmul_params(params: Any, cfg: ModelConfig) -> int:
-  """Weights used in a matmul per token: every dense kernel, plus the output layer when it is tied."""
-  return sum(_kernels(params).values()) + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
-
-
 def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_attention: str = 'half') -> float:
   """Training FLOPs (forward + backward = 3x forward) of one row of `seq_len` tokens: matmuls only.
 
