@@ -1,4 +1,10 @@
-"""Orbax checkpoints of the train state, the data position and the config, restorable onto any mesh."""
+"""Orbax checkpoints in one layout for every run, restorable onto any mesh.
+
+Each step directory holds the items `params` and `config`; a training checkpoint adds
+`optimizer` (step and optimizer state) and `data` (the input position). An imported model
+(`lm convert --from-hf`) writes params and config only, so every command that reads params
+reads both alike.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,45 +13,65 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from lm.config import ConfigError
+from lm.train.state import TrainState
 
 
 class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
-  def __init__(self, directory: str | Path, keep: int, async_save: bool = True):
+  def __init__(self, directory: str | Path, keep: int = 1, async_save: bool = True, create: bool = True):
+    """`create=False` only reads: a missing directory then holds no steps instead of being made."""
     self.directory = Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
       self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            enable_async_checkpointing=async_save))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
+  def save(self, step: int, state: TrainState, data_state: dict, config: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config)),
-      force=True)
+      params=ocp.args.StandardSave(state.params),
+      optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state}),
+      data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config)), force=True)
 
-  def restore(self, step: int, abstract_state: Any, config: dict) -> tuple[Any, dict]:
+  def save_params(self, step: int, params: Any, config: dict) -> None:
+    """A params-only checkpoint (an imported model): no optimizer state or data position."""
+    self.manager.save(step, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(config)), force=True)
+
+  def saved_config(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+
+  def has_optimizer(self, step: int) -> bool:
+    return (self.directory / str(step) / 'optimizer').is_dir()
+
+  def restore(self, step: int, abstract_state: TrainState, config: dict) -> tuple[TrainState, dict]:
     """State placed on `abstract_state`'s shardings, and the data position, after checking the model matches."""
-    saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+    saved = self.saved_config(step)
     if saved.get('model') != config['model']:
       diff = sorted(k for k in set(saved.get('model', {})) | set(config['model'])
                     if saved.get('model', {}).get(k) != config['model'].get(k))
       raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different model '
                         f'(differs in {", ".join("model." + k for k in diff)}); resume with the same model '
                         f'settings or start a new train.run_dir')
+    if not self.has_optimizer(step):
+      raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
+                        f'resume; start a new run from it with train.init_from={self.directory.parent}')
+    a = abstract_state
     restored = self.manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    return restored['state'], restored['data']
+      params=ocp.args.StandardRestore(a.params),
+      optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state}),
+      data=ocp.args.JsonRestore()))
+    optimizer = restored['optimizer']
+    state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'])
+    return state, restored['data']
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
-    """Only the saved state's params (no optimizer state), placed on `abstract_params`' shardings."""
-    item = {'params': abstract_params}
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
-    return restored['state']['params']
+    """Only the params, placed on `abstract_params`' shardings."""
+    return self.manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract_params)))['params']
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

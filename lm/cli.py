@@ -1,4 +1,6 @@
-"""`lm train | info | compile | convert | generate`: the command line. Config problems exit with one line naming the fix."""
+"""`lm train | info | compile | convert | generate`: the command line.
+
+Config problems exit with one line naming the fix."""
 from __future__ import annotations
 
 import argparse
@@ -27,16 +29,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-  from lm.convert.run_dir import hf_to_run, run_to_hf
+  from lm.run_dir import export_hf, import_hf
   if args.from_hf:
     if not args.to:
       raise ConfigError('lm convert --from-hf HF_DIR needs --to RUN_DIR (where to write the lm checkpoint)')
-    config = hf_to_run(args.from_hf, args.to)
+    config = import_hf(args.from_hf, args.to)
     print(f'converted {args.from_hf} ({config.model.family}) into {args.to}', flush=True)
   else:
     if not args.source:
       raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
-    print(f'exported {args.source} to {run_to_hf(args.source, args.to_hf)}', flush=True)
+    print(f'exported {args.source} to {export_hf(args.source, args.to_hf)}', flush=True)
   return 0
 
 
@@ -44,35 +46,29 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
   import jax
 
+  from lm.assembly import assemble
+  from lm.compile import compiled_memory
   from lm.parallel.mesh import strategy_name
-  from lm.train.loop import Trainer
-  from lm.train.metrics import count_params, estimate_memory
+  from lm.train.accounting import count_params, estimate_memory
+  from lm.train.step import compile_train_step
 
-  trainer = Trainer(config, with_data=False)
-  sizes = dict(trainer.mesh.shape)
+  assembly = assemble(config)
+  sizes = dict(assembly.mesh.shape)
   report = {
     'name': config.name,
-    'params': count_params(trainer.abstract_state.params),
-    'flops_per_token': trainer.flops_per_token,
+    'params': count_params(assembly.abstract_params),
+    'flops_per_token': assembly.flops_per_token(),
     'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
              'platform': jax.default_backend()},
-    'memory_per_device': estimate_memory(config, trainer.abstract_state, sizes),
+    'memory_per_device': estimate_memory(config, assembly.abstract_state, assembly.mesh),
   }
   if compile_step:
-    compiled = trainer.compile_train_step()
-    analysis = compiled.memory_analysis()
-    report['compiled_memory_per_device'] = {
-      'arguments': analysis.argument_size_in_bytes, 'outputs': analysis.output_size_in_bytes,
-      'temp': analysis.temp_size_in_bytes, 'aliased': analysis.alias_size_in_bytes,
-    }
+    report['compiled_memory_per_device'] = compiled_memory(compile_train_step(assembly))
   return report
 
 
-def _gib(n: float) -> str:
-  return f'{n / 2**30:.3f} GiB' if n >= 2**27 else f'{n / 2**20:.2f} MiB'
-
-
 def cmd_info(args: argparse.Namespace) -> int:
+  from lm.report import format_bytes, format_lines
   if args.devices:
     import jax
     jax.config.update('jax_num_cpu_devices', args.devices)
@@ -88,11 +84,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     ('mesh', f'data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} ({mesh["strategy"]}, '
              f'{mesh["devices"]} {mesh["platform"]} devices)'),
   ]
-  lines += [(f'memory/device: {k}', _gib(v)) for k, v in mem.items()]
+  lines += [(f'memory/device: {k}', format_bytes(v)) for k, v in mem.items()]
   for k, v in report.get('compiled_memory_per_device', {}).items():
-    lines.append((f'compiled memory/device: {k}', _gib(v)))
-  width = max(len(k) for k, _ in lines)
-  print('\n'.join(f'{k:<{width}}  {v}' for k, v in lines))
+    lines.append((f'compiled memory/device: {k}', format_bytes(v)))
+  print(format_lines(lines))
   return 0
 
 
@@ -111,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
   from lm.generate import Sampling, generate_text, load_run
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
-  config, params = load_run(args.run)
+  config, params = load_run(args.run, args.overrides)
   texts = generate_text(config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         rng=jax.random.key(args.seed))
   for prompt, text in zip(args.prompt, texts):
@@ -132,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the run dir')
   train.set_defaults(fn=cmd_train)
 
-  convert = sub.add_parser('convert', help='Hugging Face model directory <-> lm run directory (GPT-2, BERT, T5)')
+  convert = sub.add_parser('convert', help='Hugging Face model directory <-> lm run directory '
+                                           '(GPT-2, BERT, T5, Llama)')
   direction = convert.add_mutually_exclusive_group(required=True)
   direction.add_argument('--from-hf', metavar='HF_DIR', help='import a HF directory (config.json, model.safetensors)')
   direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
@@ -157,18 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
   aot.set_defaults(fn=cmd_compile)
 
   gen = sub.add_parser('generate', help='sample continuations from a trained run (KV-cached decoding)')
-  gen.add_argument('--run', required=True, help='train.run_dir of a run with a checkpoint')
+  gen.add_argument('--run', required=True, help='a run directory with a checkpoint (trained or imported)')
   gen.add_argument('--prompt', action='append', required=True, help='prompt text (T5: the encoder input); repeatable')
   gen.add_argument('--max-new-tokens', type=int, default=200)
   gen.add_argument('--temperature', type=float, default=0.0, help='0 decodes greedily')
   gen.add_argument('--top-k', type=int, default=None, help='sample among the k likeliest tokens')
   gen.add_argument('--top-p', type=float, default=None, help='sample among the likeliest tokens holding mass p')
   gen.add_argument('--seed', type=int, default=0)
+  gen.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides, e.g. mesh.tensor=2')
   gen.set_defaults(fn=cmd_generate)
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  from lm.parallel.chips import quiet_libtpu
+  quiet_libtpu()  # before anything starts JAX's backends
   args = build_parser().parse_args(argv)
   try:
     return args.fn(args)

@@ -6,7 +6,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -17,44 +17,66 @@ class ConfigError(ValueError):
   """A configuration problem a researcher can fix; the message names the field and the fix."""
 
 
+# Every enumerated field is a Literal: loading rejects other values and lists these (`_coerce`).
+# Families and tokenizers are open sets checked against their registries in `validate`.
+Position = Literal['learned', 'sinusoidal', 'relative', 'rotary', 'none']  # relative: T5 buckets; rotary: RoPE
+Norm = Literal['layernorm', 'rmsnorm']
+NormPosition = Literal['pre', 'post']
+Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu']
+ComputeDtype = Literal['float32', 'bfloat16', 'float16']
+ParamDtype = Literal['float32', 'bfloat16']
+AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
+Remat = Literal['none', 'full', 'dots', 'projections']
+Init = Literal['scaled_normal', 'fan_in']
+Source = Literal['embedded', 'text']
+Schedule = Literal['cosine', 'linear', 'constant']
+CausalFlops = Literal['half', 'full']
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-  family: str = 'gpt'  # gpt | bert | t5
+  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
   num_layers: int = 4  # encoder layers for t5
   num_decoder_layers: int | None = None  # t5 only; default num_layers
   num_heads: int = 4
+  num_kv_heads: int | None = None  # grouped-query attention: key/value heads, dividing num_heads (default num_heads)
   head_dim: int | None = None  # default d_model // num_heads
   d_ff: int | None = None  # default 4 * d_model
   max_len: int = 256  # rows of the learned position table
-  position: str = 'learned'  # learned | sinusoidal | relative (T5 buckets) | none
+  position: Position = 'learned'
+  rope_theta: float = 10000.0  # rotary base wavelength
   relative_buckets: int = 32
   relative_max_distance: int = 128
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings when > 0
-  embed_norm: bool = False  # BERT: LayerNorm on the summed embeddings
-  scale_attention: bool = True  # divide logits by sqrt(head_dim); T5 folds this into its init
-  nsp: bool = False  # BERT next-sentence-prediction head
-  norm: str = 'layernorm'  # layernorm | rmsnorm
+  scale_attention: bool = True  # divide logits by sqrt(head_dim) (T5 does not)
+  init: Init = 'scaled_normal'  # N(0, init_std), residual outputs / sqrt(2 layers) | fan_in (Mesh-TF, T5)
+  nsp: bool = False  # BERT: pretrain on next-sentence pairs with an NSP head beside masked LM
+  norm: Norm = 'layernorm'
   norm_eps: float = 1e-5
-  norm_position: str = 'pre'  # pre | post
-  activation: str = 'gelu'  # gelu | gelu_tanh | relu | silu | geglu | geglu_tanh | swiglu | reglu
+  norm_position: NormPosition = 'pre'
+  activation: Activation = 'gelu'
   use_bias: bool = True
   tie_embeddings: bool = True
   dropout: float = 0.0
   attention_dropout: float = 0.0
   init_std: float = 0.02
-  dtype: str = 'float32'  # compute dtype; params stay in param_dtype
-  param_dtype: str = 'float32'
-  attention_impl: str = 'xla'  # xla | flash (our Pallas kernel) | tpu_flash | tpu_splash | cudnn | auto
+  dtype: ComputeDtype = 'float32'  # compute dtype; params stay in param_dtype
+  param_dtype: ParamDtype = 'float32'
+  attention_impl: AttentionImpl = 'xla'  # tpu_flash / tpu_splash: JAX's kernels; auto: best for the platform
   attention_block_q: int = 128  # flash block sizes
   attention_block_k: int = 128
   scan_layers: bool = True
-  remat: str = 'none'  # none | full | dots | projections
+  remat: Remat = 'none'
 
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def resolved_kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
 
   @property
   def resolved_d_ff(self) -> int:
@@ -75,19 +97,18 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  source: str = 'embedded'  # embedded (Python's own docs and stdlib) | text (files under `paths`)
+  source: Source = 'embedded'  # embedded (Python's own docs and stdlib) | text (files under `paths`)
   paths: tuple[str, ...] = ()  # globs of UTF-8 text files for source=text
-  tokenizer: str = 'byte'
+  tokenizer: str = 'byte'  # a name in lm.data.tokenizers.TOKENIZERS
   seq_len: int = 256
   val_fraction: float = 0.02  # documents held out, chosen by a hash of their name (seed-independent)
-  nsp: bool = False  # BERT: next-sentence pairs ([CLS] A [SEP] B [SEP]) instead of packed MLM rows
 
 
 @dataclass(frozen=True)
 class OptimConfig:
   learning_rate: float = 1e-3  # peak
   warmup_steps: int = 100
-  schedule: str = 'cosine'  # cosine | linear | constant (after warmup)
+  schedule: Schedule = 'cosine'  # after warmup
   decay_steps: int | None = None  # default: train.steps
   min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
   b1: float = 0.9
@@ -114,7 +135,8 @@ class TrainConfig:
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal
   peak_flops: float | None = None  # per device, for MFU; default from the device kind
-  causal_attention_flops: str = 'half'  # half | full: count the masked half of causal attention in MFU or not
+  causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
+  init_from: str | None = None  # start from these params (our run dir or an HF model directory), fresh optimizer
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,11 @@ def _plain(x: Any) -> Any:
 def _coerce(value: Any, hint: Any, where: str) -> Any:
   """Converts a YAML/CLI value to the field's declared type, or raises ConfigError."""
   origin = typing.get_origin(hint)
+  if origin is Literal:
+    choices = typing.get_args(hint)
+    if value not in choices:
+      raise ConfigError(f'{where}={value!r} is not supported; choose one of: {", ".join(map(str, choices))}')
+    return value
   if origin in (typing.Union, types.UnionType):
     args = typing.get_args(hint)
     if value is None or (isinstance(value, str) and value.lower() in ('none', 'null')):
@@ -285,34 +312,15 @@ def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str
 
 # ---------------------------------------------------------------- validation
 
-_CHOICES = {
-  'model.family': ('gpt', 'bert', 't5'),
-  'model.position': ('learned', 'sinusoidal', 'relative', 'none'),
-  'model.norm': ('layernorm', 'rmsnorm'),
-  'model.norm_position': ('pre', 'post'),
-  'model.activation': ('gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu'),
-  'model.dtype': ('float32', 'bfloat16', 'float16'),
-  'model.param_dtype': ('float32', 'bfloat16'),
-  'model.attention_impl': ('xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto'),
-  'model.remat': ('none', 'full', 'dots', 'projections'),
-  'data.source': ('embedded', 'text'),
-  'data.tokenizer': ('byte',),
-  'optim.schedule': ('cosine', 'linear', 'constant'),
-  'train.causal_attention_flops': ('half', 'full'),
-}
-
-
 def _get(config: Config, dotted: str) -> Any:
   section, name = dotted.split('.')
   return getattr(getattr(config, section), name)
 
 
 def validate(config: Config) -> None:
-  """Device-independent checks; mesh-dependent ones run in `lm.parallel.mesh.make_mesh`."""
-  for key, choices in _CHOICES.items():
-    value = _get(config, key)
-    if value not in choices:
-      raise ConfigError(f'{key}={value!r} is not supported; choose one of: {", ".join(choices)}')
+  """Device-independent checks, then the family's own; mesh-dependent ones run when the mesh is built."""
+  from lm.data.tokenizers import get_tokenizer
+  from lm.models import get_family
 
   m, d, o, t = config.model, config.data, config.optim, config.train
   positive = {
@@ -328,6 +336,12 @@ def validate(config: Config) -> None:
     raise ConfigError(
       f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
       f'pick heads that divide the width or set model.head_dim')
+  if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
+    raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} '
+                      f'(each key/value head serves a group of query heads)')
+  if m.position == 'rotary' and m.resolved_head_dim % 2:
+    raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
+                      f'use an even model.head_dim')
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(
       f'data.seq_len={d.seq_len} is longer than the position table model.max_len={m.max_len}; '
@@ -349,9 +363,6 @@ def validate(config: Config) -> None:
   if m.attention_impl == 'tpu_splash' and m.position == 'relative':
     raise ConfigError('model.attention_impl=tpu_splash takes no bias, which T5 relative positions need; '
                       'use model.attention_impl=flash or tpu_flash')
-  if d.nsp and not (m.family == 'bert' and m.nsp and m.type_vocab_size >= 2):
-    raise ConfigError('data.nsp=true needs a BERT with an NSP head and token types: set model.family=bert, '
-                      'model.nsp=true and model.type_vocab_size=2')
   if d.source == 'text' and not d.paths:
     raise ConfigError('data.source=text needs data.paths (globs of text files), e.g. data.paths=[corpus/*.txt]')
   for key in ('mesh.data', 'mesh.fsdp', 'mesh.tensor'):
@@ -360,3 +371,5 @@ def validate(config: Config) -> None:
       raise ConfigError(f'{key}={value} must be a positive size or -1 (fill the remaining devices)')
   if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
     raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
+  get_tokenizer(d.tokenizer)
+  get_family(m.family).validate(config)

@@ -1,12 +1,14 @@
-"""KV-cached sampling from GPT and T5: prefill the prompt in one call, then one token per step.
+"""KV-cached sampling: prefill the prompt in one call, then one token per step.
 
-GPT prompts are left-padded to a common length (segment id 0 on the padding, positions counting
-real tokens only) so every row's next token lands in the same cache slot. T5 prompts are the
-encoder inputs: the encoder runs once and the decoder starts from `decoder_start_id` on its cache.
-The steps run inside one jitted `lax.while_loop` that stops when every row has emitted EOS.
+How depends on the family record's `decoding`. Decoder-only models (GPT, Llama): prompts are
+left-padded to a common length (segment id 0 on the padding, positions counting real tokens
+only) so every row's next token lands in the same cache slot. Encoder-decoders (T5): prompts are
+the encoder inputs; the encoder runs once and the decoder starts from `decoder_start_id` on its
+cache. The steps run inside one jitted `lax.while_loop` that stops when every row has emitted EOS.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -17,12 +19,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lm.checkpoint import Checkpointer
-from lm.config import Config, ConfigError, ModelConfig, load_config
+from lm.config import Config, ConfigError, ModelConfig
 from lm.data.tokenizers import Tokenizer, get_tokenizer
-from lm.models import build_model, init_params
+from lm.models import FAMILIES, build_model, get_family
+from lm.models.family import Decoding
+from lm.parallel.mesh import make_mesh
+from lm.run_dir import load_params, read_config
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,15 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.
     values = jnp.where(likelier < sampling.top_p, values, -jnp.inf)
   choice = jax.random.categorical(rng, values, axis=-1)
   return jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def decoding(cfg: ModelConfig) -> Decoding:
+  """How the family samples ('decoder' or 'encoder_decoder'); a ConfigError when it cannot."""
+  mode = get_family(cfg.family).decoding
+  if mode is None:
+    able = [name for name, f in FAMILIES.items() if f.decoding]
+    raise ConfigError(f'model.family={cfg.family!r} cannot generate text; generation needs one of: {", ".join(able)}')
+  return mode
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +115,7 @@ def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segmen
   `eos_id=-1` never stops.
   """
   batch = prompt.shape[0]
-  if model.cfg.family == 't5':
+  if decoding(model.cfg) == 'encoder_decoder':
     context = (model.apply({'params': params}, prompt, prompt_segment_ids, method='encode'), prompt_segment_ids)
     first, first_positions, lengths = jnp.full((batch, 1), decoder_start_id, jnp.int32), None, None
     first_segment_ids = jnp.ones_like(first)
@@ -141,8 +153,7 @@ def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segmen
 
 
 def _check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-  if cfg.family not in ('gpt', 't5'):
-    raise ConfigError(f'generation needs a gpt or t5 model, not model.family={cfg.family!r}')
+  mode = decoding(cfg)
   if max_new_tokens < 1:
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be at least 1')
   if not prompts or any(len(p) == 0 for p in prompts):
@@ -151,7 +162,7 @@ def _check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_t
   if ids.min() < 0 or ids.max() >= cfg.vocab_size:
     raise ConfigError(f'prompt ids must lie in [0, model.vocab_size={cfg.vocab_size}); got {ids.min()}..{ids.max()}')
   longest = max(len(p) for p in prompts)
-  if cfg.family == 'gpt' and cfg.position == 'learned' and longest + max_new_tokens > cfg.max_len:
+  if mode == 'decoder' and cfg.position == 'learned' and longest + max_new_tokens > cfg.max_len:
     raise ConfigError(f'a {longest}-token prompt plus max_new_tokens={max_new_tokens} exceeds the position table '
                       f'model.max_len={cfg.max_len}; shorten the prompt or lower max_new_tokens')
 
@@ -162,7 +173,7 @@ def _run(model: nn.Module, params: Any, prompts: Sequence[Sequence[int]], max_ne
   _check_prompts(model.cfg, prompts, max_new_tokens)
   if rng is None and sampling.temperature > 0:
     raise ConfigError('sampling at temperature > 0 needs an explicit rng key')
-  tokens, segment_ids = pad_prompts(prompts, pad_id, left=model.cfg.family == 'gpt')
+  tokens, segment_ids = pad_prompts(prompts, pad_id, left=decoding(model.cfg) == 'decoder')
   out, logits = decode_batch(model, params, tokens, segment_ids, jax.random.key(0) if rng is None else rng,
                              max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_id=-1 if eos_id is None else eos_id, pad_id=pad_id,
@@ -179,8 +190,9 @@ def generate(model: nn.Module, params: Any, prompts: Sequence[Sequence[int]], *,
              rng: jax.Array | None = None, decoder_start_id: int | None = None) -> list[list[int]]:
   """New token ids per prompt, up to `max_new_tokens` and ending at the first `eos_id` (kept).
 
-  GPT continues each prompt; for T5 the prompts are encoder inputs and the decoder starts from
-  `decoder_start_id` (default `pad_id`, as in training). `rng` is needed when temperature > 0.
+  A decoder-only model continues each prompt; for an encoder-decoder the prompts are encoder inputs
+  and the decoder starts from `decoder_start_id` (default `pad_id`, as in training). `rng` is needed
+  when temperature > 0.
   """
   return _run(model, params, prompts, max_new_tokens, sampling, eos_id, pad_id, rng, decoder_start_id, False)[0]
 
@@ -196,27 +208,15 @@ def generate_with_logits(model: nn.Module, params: Any, prompts: Sequence[Sequen
 
 # ---------------------------------------------------------------- runs and text
 
-def load_run(run_dir: str | Path) -> tuple[Config, Any]:
-  """A training run's config (its config.yaml) and the params of its latest checkpoint, on one device."""
-  run_dir = Path(run_dir)
-  checkpoints = run_dir / 'checkpoints'
-  if not (run_dir / 'config.yaml').is_file():
-    raise ConfigError(f'{run_dir} has no config.yaml; pass the train.run_dir of a training run')
-  if not checkpoints.is_dir() or not any(p.name.isdigit() for p in checkpoints.iterdir()):
-    raise ConfigError(f'{run_dir} holds no checkpoint yet; train it first (lm train ... train.run_dir={run_dir})')
-  config = load_config(str(run_dir / 'config.yaml'))
-  model = build_model(config.model)
-  device = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ('data',)), PartitionSpec())
-  shapes = nn.unbox(jax.eval_shape(lambda rng: init_params(model, rng, config.data.seq_len), jax.random.key(0)))
-  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), shapes)
-  checkpointer = Checkpointer(checkpoints, keep=config.train.keep_checkpoints, async_save=False)
-  try:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise ConfigError(f'{checkpoints} holds no complete checkpoint; train {run_dir} to its first checkpoint')
-    params = checkpointer.restore_params(step, abstract)
-  finally:
-    checkpointer.close()
+def load_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, Any]:
+  """A run's config (config.yaml with `key=value` overrides) and the params of its latest checkpoint,
+  trained or imported, on this machine's devices: split over mesh.fsdp and mesh.tensor as configured,
+  replicated over the data axis, which takes the devices left over."""
+  config = read_config(run_dir, list(overrides))
+  mesh = config.mesh
+  if -1 not in (mesh.fsdp, mesh.tensor):
+    mesh = dataclasses.replace(mesh, data=-1)
+  _, params = load_params(run_dir, make_mesh(mesh))
   return config, params
 
 
@@ -224,11 +224,11 @@ _SENTINEL = re.compile(r'<extra_id_(\d+)>')
 
 
 def encode_prompt(config: Config, tokenizer: Tokenizer, text: str) -> list[int]:
-  """Prompt ids as training saw them: GPT documents open with BOS; T5 inputs end with EOS and may name
-  span sentinels as <extra_id_N> (id vocab_size - 1 - N)."""
+  """Prompt ids as training saw them: decoder-only documents open with BOS; encoder inputs end with EOS
+  and may name span sentinels as <extra_id_N> (id vocab_size - 1 - N)."""
   if not text:
     raise ConfigError('a prompt is empty; pass some text with --prompt')
-  if config.model.family == 'gpt':
+  if decoding(config.model) == 'decoder':
     return [tokenizer.bos_id, *tokenizer.encode(text).tolist()]
   parts = _SENTINEL.split(text)  # text, sentinel number, text, ...
   ids = []
@@ -238,12 +238,14 @@ def encode_prompt(config: Config, tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def decode_ids(config: Config, tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-  """Text of generated ids; ids beyond the tokenizer's are T5 sentinels, shown as <extra_id_N>."""
+  """Text of generated ids; an encoder-decoder's ids beyond the tokenizer's are span sentinels, shown as
+  <extra_id_N>."""
+  sentinels = decoding(config.model) == 'encoder_decoder'
   text, run = [], []
   for i in ids:
     if i < tokenizer.vocab_size:
       run.append(i)
-    elif config.model.family == 't5':
+    elif sentinels:
       text += [tokenizer.decode(run), f'<extra_id_{config.model.vocab_size - 1 - i}>']
       run = []
   return ''.join(text + [tokenizer.decode(run)])
@@ -251,7 +253,7 @@ def decode_ids(config: Config, tokenizer: Tokenizer, ids: Sequence[int]) -> str:
 
 def generate_text(config: Config, params: Any, prompts: Sequence[str], *, max_new_tokens: int,
                   sampling: Sampling = Sampling(), rng: jax.Array | None = None) -> list[str]:
-  """Continuations (GPT) or decoder outputs (T5) of text prompts, stopping at the tokenizer's EOS."""
+  """Continuations (decoder-only) or decoder outputs (encoder-decoder) of text prompts, stopping at EOS."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   ids = [encode_prompt(config, tokenizer, text) for text in prompts]
   out = generate(build_model(config.model), params, ids, max_new_tokens=max_new_tokens, sampling=sampling,

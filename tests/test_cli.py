@@ -1,7 +1,12 @@
 """`lm info` and `lm train` end to end through the command line."""
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 from lm import cli
 from lm.train.loop import read_metrics
@@ -30,3 +35,14 @@ def test_train_command_runs_and_logs(tmp_path, capsys):
   losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
   assert len(losses) == 4 and np.all(np.isfinite(losses))
   assert cli.main(argv + ['--resume']) == 0  # already at the last step: resumes and stops at once
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+def test_commands_are_quiet_where_libtpu_is_installed_without_a_tpu():
+  """A machine with the test extra (libtpu) but no TPU: JAX's TPU probe must not log errors before the answer."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('TPU_', 'JAX_PLATFORMS', 'XLA_FLAGS'))}
+  result = subprocess.run([sys.executable, '-m', 'lm.cli', 'info', '--config', 'gpt_tiny'], env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == '', result.stderr
+  assert result.stdout.startswith('config ')

@@ -5,9 +5,11 @@ import json
 import pytest
 
 from lm import cli
-from lm.compile import compile_report, physical_topology, topology_devices
+from lm.assembly import assemble
+from lm.compile import compile_report
 from lm.config import ConfigError, load_config
-from lm.train.loop import Trainer
+from lm.parallel.chips import physical_topology, topology_devices
+from lm.train.step import abstract_batch, compile_train_step, make_train_step
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 
@@ -31,7 +33,7 @@ def test_bad_slice_names_are_explained(name, match):
 def test_compile_report_equals_the_compiled_memory_analysis(tmp_path):
   config = load_config('gpt_tiny', ['model.dtype=bfloat16', 'train.global_batch=8'])
   report = compile_report(config, 'v5e:2x2', assumed_mfu=0.4, save=str(tmp_path / 'step.bin'))
-  compiled = Trainer(config, devices=topology_devices('v5e:2x2'), with_data=False).compile_train_step()
+  compiled = compile_train_step(assemble(config, topology_devices('v5e:2x2')))
   stats = compiled.memory_analysis()
   mem = report['memory_per_device']
   assert (mem['arguments'], mem['outputs'], mem['temp'], mem['aliased']) == (
@@ -57,9 +59,8 @@ def _dots_in_lowered_step(layers: int, scan: bool) -> int:
   config = load_config('gpt_tiny', [f'model.num_layers={layers}', f'model.scan_layers={str(scan).lower()}',
                                     'model.remat=full', 'model.d_model=64', 'model.num_heads=2', 'data.seq_len=32',
                                     'model.max_len=32', 'train.global_batch=8'])
-  trainer = Trainer(config, with_data=False)
-  from lm.train.step import abstract_batch
-  text = trainer.train_step.lower(trainer.abstract_state, abstract_batch(config, trainer.mesh)).as_text()
+  assembly = assemble(config)
+  text = make_train_step(assembly).lower(assembly.abstract_state, abstract_batch(assembly)).as_text()
   return text.count('stablehlo.dot_general')
 
 

@@ -4,7 +4,9 @@ import pytest
 
 from lm import cli
 from lm.config import ConfigError, load_config, parse_overrides
+from lm.assembly import assemble
 from lm.parallel.mesh import make_mesh
+from lm.train.step import make_train_step
 
 
 def test_preset_by_name_and_path_agree():
@@ -59,19 +61,43 @@ def test_missing_config_file():
 def test_mesh_product_must_equal_device_count():
   cfg = load_config('gpt_tiny', ['mesh.data=3', 'mesh.fsdp=1'])
   with pytest.raises(ConfigError, match=r'data\*fsdp\*tensor = 3\*1\*1 = 3 but there are 8 devices'):
-    make_mesh(cfg, jax.devices())
+    make_mesh(cfg.mesh, jax.devices())
 
 
 def test_batch_must_divide_over_data_parallel():
   cfg = load_config('gpt_tiny', ['mesh.data=8', 'train.global_batch=12'])
-  with pytest.raises(ConfigError, match='not divisible by the data-parallel size data\\*fsdp=8'):
-    make_mesh(cfg, jax.devices())
+  with pytest.raises(ConfigError, match=r'gives 12 rows, not divisible by the data-parallel size '
+                                        r'mesh.data\*mesh.fsdp=8; use a global batch that is a multiple of 8'):
+    make_train_step(assemble(cfg, jax.devices()))
 
 
 def test_tensor_must_divide_heads():
   cfg = load_config('gpt_tiny', ['mesh.data=1', 'mesh.tensor=8'])
-  with pytest.raises(ConfigError, match='model.num_heads=4 is not divisible by mesh.tensor=8'):
-    make_mesh(cfg, jax.devices())
+  with pytest.raises(ConfigError, match=r'model.num_heads=4 is not divisible by mesh.tensor=8 \(parameter '
+                                        r'decoder/layers_0/attention/\w+/kernel\); .*change model.num_heads'):
+    assemble(cfg, jax.devices())
+
+
+def test_fsdp_must_divide_the_width_and_tensor_the_mlp():
+  cfg = load_config('gpt_tiny', ['mesh.data=1', 'mesh.fsdp=8', 'model.d_model=260', 'model.num_heads=4'])
+  with pytest.raises(ConfigError, match=r'model.d_model=260 is not divisible by mesh.fsdp=8'):
+    assemble(cfg, jax.devices())
+  cfg = load_config('gpt_tiny', ['mesh.data=4', 'mesh.tensor=2', 'model.d_ff=1001'])
+  with pytest.raises(ConfigError, match=r'model.d_ff=1001 is not divisible by mesh.tensor=2 \(parameter '
+                                        r'decoder/layers_0/mlp/wi/(kernel|bias)\)'):
+    assemble(cfg, jax.devices())
+
+
+def test_kv_heads_fewer_than_tensor_devices_are_replicated():
+  """GQA: 2 key/value heads over 8 tensor devices stay whole; the 8 query heads split."""
+  def shard_shapes(*overrides):
+    cfg = load_config('llama_tiny', ['mesh.data=1', 'model.num_heads=8', 'model.num_kv_heads=2', *overrides])
+    params = assemble(cfg, jax.devices()).abstract_params['decoder']['layers_0']['attention']
+    return {name: params[name]['kernel'].sharding.shard_shape(params[name]['kernel'].shape) for name in params}
+  shapes = shard_shapes('mesh.tensor=8')  # kernels [embed 256, heads, head_dim 32]
+  assert shapes['key'] == shapes['value'] == (256, 2, 32) and shapes['query'] == (256, 1, 32)
+  shapes = shard_shapes('mesh.data=4', 'mesh.tensor=2')
+  assert shapes['key'] == (256, 1, 32) and shapes['query'] == (256, 4, 32)
 
 
 @pytest.mark.parametrize('argv', [

@@ -10,14 +10,15 @@ import pytest
 from lm import cli
 from lm.config import ConfigError, load_config
 from lm.data.tokenizers import ByteTokenizer
-from lm.generate import (Sampling, decode_batch, decode_ids, encode_prompt, generate, generate_text,
+from lm.generate import (Sampling, decode_batch, decode_ids, decoding, encode_prompt, generate, generate_text,
                          generate_with_logits, load_run, pad_prompts, sample_logits)
 from lm.models import build_model, init_params
 from lm.train.loop import Trainer
 
 TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
         'data.seq_len=32']
-OVERRIDES = {'gpt_tiny': TINY, 't5_tiny': TINY + ['model.num_decoder_layers=2']}
+OVERRIDES = {'gpt_tiny': TINY, 't5_tiny': TINY + ['model.num_decoder_layers=2'],
+             'llama_tiny': TINY + ['model.num_kv_heads=2']}
 PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]]  # three lengths
 
 
@@ -40,7 +41,7 @@ def reference_logits(model, params, prompt, new):
   each prefix's last position blind to the padding after it.
   """
   n = len(new)
-  if model.cfg.family == 'gpt':
+  if decoding(model.cfg) == 'decoder':
     seqs, _ = pad_prompts([prompt + new[:t] for t in range(n)] + [[0] * 24], 0, left=False)
     logits = uncached(model)(params, jnp.asarray(seqs[:n]))
     return np.asarray(logits)[np.arange(n), len(prompt) - 1 + np.arange(n)]
@@ -54,7 +55,7 @@ def relative_error(got, want):
 
 
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
-@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny'])
+@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny', 'llama_tiny'])
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)
   rows, logits = generate_with_logits(model, params, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0),
@@ -170,5 +171,6 @@ def test_runs_without_checkpoints_and_other_misuse_are_config_errors(tmp_path, t
   with pytest.raises(ConfigError, match='top_p'):
     Sampling(1.0, top_p=1.5)
   bert = build_model(load_config('bert_tiny').model)
-  with pytest.raises(ConfigError, match='gpt or t5'):
+  with pytest.raises(ConfigError, match="model.family='bert' cannot generate text; generation needs one of: "
+                                       "gpt, t5, llama"):
     generate(bert, {}, PROMPTS, max_new_tokens=2)

@@ -2,8 +2,9 @@
 import pytest
 
 from lm.config import CONFIG_DIR, load_config
-from lm.models import build_model
-from lm.train.metrics import abstract_params, count_params
+from lm.models import build_model, get_family
+from lm.train.accounting import count_params
+from lm.train.state import abstract_params
 
 # preset: (published parameters, relative tolerance, source)
 PUBLISHED = {
@@ -38,12 +39,15 @@ PUBLISHED = {
   'gpt2_small': (124e6, 0.02, 'released checkpoint (the paper says 117M)'),
   'gpt2_medium': (355e6, 0.02, 'released checkpoint (the paper says 345M)'),
   'gpt2_large': (774e6, 0.02, 'released checkpoint (the paper says 762M)'),
+  'llama2_7b': (6.74e9, 0.01, 'Touvron et al. 2023 (Llama 2), released checkpoint'),
+  'llama2_13b': (13.02e9, 0.01, 'Touvron et al. 2023 (Llama 2), released checkpoint'),
+  'llama2_70b': (68.98e9, 0.01, 'Touvron et al. 2023 (Llama 2), released checkpoint'),
 }
 
 
 def params_of(name: str) -> int:
   config = load_config(name)
-  return count_params(abstract_params(build_model(config.model), config.model))['total']
+  return count_params(abstract_params(get_family(config.model.family), build_model(config.model)))['total']
 
 
 @pytest.mark.parametrize('name', sorted(PUBLISHED))

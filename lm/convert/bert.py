@@ -11,11 +11,10 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig
-from lm.convert.family import check_exportable, hf_activation, our_activation, unsupported
+from lm.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'BertForMaskedLM'
-FAMILY = 'bert'
 DEFAULTS = {'vocab_size': 30522, 'hidden_size': 768, 'num_hidden_layers': 12, 'num_attention_heads': 12,
             'intermediate_size': 3072, 'hidden_act': 'gelu', 'hidden_dropout_prob': 0.1,
             'attention_probs_dropout_prob': 0.1, 'max_position_embeddings': 512, 'type_vocab_size': 2,
@@ -35,9 +34,9 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     raise ConfigError(f'{ckpt.path}: cls.predictions.decoder.bias differs from cls.predictions.bias; '
                       f'our BERT has one MLM output bias')
   cfg = ModelConfig(
-    family=FAMILY, vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'],
+    vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'],
     num_heads=h['num_attention_heads'], d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'],
-    position='learned', type_vocab_size=h['type_vocab_size'], embed_norm=True, norm='layernorm',
+    position='learned', type_vocab_size=h['type_vocab_size'], norm='layernorm',
     norm_eps=h['layer_norm_eps'], norm_position='post',
     activation=our_activation(h['hidden_act'], 'hidden_act', ARCHITECTURE), use_bias=True, tie_embeddings=True,
     dropout=h['hidden_dropout_prob'], attention_dropout=h['attention_probs_dropout_prob'],
@@ -48,7 +47,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
 def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
   check_exportable(cfg, ARCHITECTURE, position='learned', norm='layernorm', norm_position='post', use_bias=True,
                    tie_embeddings=True, scale_attention=True, nsp=False,
-                   resolved_head_dim=cfg.d_model // cfg.num_heads)
+                   resolved_head_dim=cfg.d_model // cfg.num_heads, resolved_kv_heads=cfg.num_heads)
   if cfg.type_vocab_size <= 0:
     raise ConfigError(f'cannot export model.type_vocab_size={cfg.type_vocab_size} as {ARCHITECTURE}; '
                       f'it always has token-type embeddings (type_vocab_size >= 1)')

@@ -10,11 +10,10 @@ from typing import Any
 import numpy as np
 
 from lm.config import ModelConfig
-from lm.convert.family import check_exportable, hf_activation, our_activation, unsupported
+from lm.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'GPT2LMHeadModel'
-FAMILY = 'gpt'
 DEFAULTS = {'vocab_size': 50257, 'n_positions': 1024, 'n_embd': 768, 'n_layer': 12, 'n_head': 12, 'n_inner': None,
             'activation_function': 'gelu_new', 'resid_pdrop': 0.1, 'embd_pdrop': 0.1, 'attn_pdrop': 0.1,
             'layer_norm_epsilon': 1e-5, 'initializer_range': 0.02, 'scale_attn_weights': True,
@@ -29,7 +28,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   wte = ckpt.get(f'{prefix}wte.weight')
   same = None if wte is None else ckpt.same_as('lm_head.weight', wte)
   cfg = ModelConfig(
-    family=FAMILY, vocab_size=h['vocab_size'], d_model=h['n_embd'], num_layers=h['n_layer'], num_heads=h['n_head'],
+    vocab_size=h['vocab_size'], d_model=h['n_embd'], num_layers=h['n_layer'], num_heads=h['n_head'],
     d_ff=h['n_inner'], max_len=h['n_positions'], position='learned', norm='layernorm',
     norm_eps=h['layer_norm_epsilon'], norm_position='pre',
     activation=our_activation(h['activation_function'], 'activation_function', ARCHITECTURE), use_bias=True,
@@ -41,7 +40,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
 
 def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
   check_exportable(cfg, ARCHITECTURE, position='learned', norm='layernorm', norm_position='pre', use_bias=True,
-                   resolved_head_dim=cfg.d_model // cfg.num_heads)
+                   resolved_head_dim=cfg.d_model // cfg.num_heads, resolved_kv_heads=cfg.num_heads)
   hf: dict[str, Any] = {
     **base, 'architectures': [ARCHITECTURE], 'model_type': 'gpt2', 'vocab_size': cfg.vocab_size,
     'n_embd': cfg.d_model, 'n_layer': cfg.num_layers, 'n_head': cfg.num_heads, 'n_inner': cfg.d_ff,

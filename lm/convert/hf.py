@@ -1,8 +1,9 @@
 """Hugging Face model directories <-> our models: `load_hf` reads one, `save_hf` writes one back.
 
-A directory holds `config.json` and a single `model.safetensors`. Supported: GPT2LMHeadModel (our
-`gpt`), BertForMaskedLM (`bert`), T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the
-transformers 5 and 4 layouts). Loaded models are float32 with unrolled layers (`layers_0`, ...);
+A directory holds `config.json` and a single `model.safetensors`. Supported: each family record's
+converter (`Family.hf_converter`): GPT2LMHeadModel (our `gpt`), BertForMaskedLM (`bert`),
+T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the transformers 5 and 4 layouts) and
+LlamaForCausalLM (`llama`). Loaded models are float32 with unrolled layers (`layers_0`, ...);
 `save_hf` of a loaded model reproduces every tensor of a transformers-5 checkpoint exactly and
 writes tied weights once, as `save_pretrained` does. Reads with NumPy only; torch is not needed.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import flax.linen as nn
@@ -22,11 +22,11 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from lm.config import ConfigError, ModelConfig
-from lm.convert import bert, gpt2, t5
 from lm.convert.tensors import Checkpoint, param_shapes, read_params, write_tensors
-from lm.models import build_model
+from lm.models import FAMILIES, build_model, get_family
+from lm.models.family import Family
+from lm.models.transformer import unstack_layers
 
-FAMILIES: dict[str, ModuleType] = {m.ARCHITECTURE: m for m in (gpt2, bert, t5)}
 DTYPES = {'float32': np.float32, 'float16': np.float16, 'bfloat16': jnp.bfloat16}
 
 
@@ -45,15 +45,21 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
   return hf
 
 
-def _family(hf: dict, where: Path) -> ModuleType:
+def architectures() -> dict[str, Family]:
+  """HF architecture name -> the family whose converter reads and writes it."""
+  return {f.converter().ARCHITECTURE: f for f in FAMILIES.values() if f.hf_converter}
+
+
+def _family(hf: dict, where: Path) -> Family:
   names = hf.get('architectures') or []
-  supported = ', '.join(FAMILIES)
+  known = architectures()
+  supported = ', '.join(known)
   if not names:
     raise ConfigError(f'{where}/config.json names no "architectures"; set it to one of: {supported}')
-  if names[0] not in FAMILIES:
+  if names[0] not in known:
     raise ConfigError(f'architecture {names[0]!r} in {where}/config.json is not supported; '
                       f'supported architectures: {supported}')
-  return FAMILIES[names[0]]
+  return known[names[0]]
 
 
 def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
@@ -66,24 +72,13 @@ def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     sharded = ' (sharded checkpoints are not supported)' if (path / 'model.safetensors.index.json').exists() else ''
     raise ConfigError(f'{weights} not found{sharded}; write the weights as one safetensors file with '
                       f'save_pretrained(dir, safe_serialization=True, max_shard_size="100GB")')
-  ckpt = Checkpoint(weights, family.ARCHITECTURE)
-  cfg, rules = family.load(hf, ckpt)
-  model = build_model(cfg)
+  converter = family.converter()
+  ckpt = Checkpoint(weights, converter.ARCHITECTURE)
+  cfg, rules = converter.load(hf, ckpt)
+  model = build_model(dataclasses.replace(cfg, family=family.name))
   params = read_params(ckpt, rules, param_shapes(model))
   ckpt.warn_unused()
   return model, params
-
-
-def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
-  """Scanned params (a `layers` subtree with a leading layer axis) -> unrolled `layers_0`, `layers_1`, ..."""
-  out = {}
-  for key, value in params.items():
-    if key == 'layers' and isinstance(value, dict):
-      n = jax.tree.leaves(value)[0].shape[0]
-      out.update({f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], value) for i in range(n)})
-    else:
-      out[key] = unstack_layers(value) if isinstance(value, dict) else value
-  return out
 
 
 def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | Path,
@@ -104,8 +99,7 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   if wrong:
     raise ConfigError(f'params do not match the model config ({", ".join(wrong[:3])}); pass the config '
                       f'the params were trained with')
-  families = {m.FAMILY: m for m in FAMILIES.values()}
-  hf, rules = families[cfg.family].save(cfg, flat, dict(hf_config or {}))
+  hf, rules = get_family(cfg.family).converter().save(cfg, flat, dict(hf_config or {}))
   if 'torch_dtype' not in hf:
     hf.setdefault('dtype', 'float32')
   dtype_name = hf.get('dtype') or hf['torch_dtype']

@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig
-from lm.convert.family import HF_ACTIVATIONS, check_exportable, hf_activation, our_activation
+from lm.convert.hf_config import HF_ACTIVATIONS, check_exportable, hf_activation, our_activation
 from lm.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'T5ForConditionalGeneration'
-FAMILY = 't5'
 DEFAULTS = {'vocab_size': 32128, 'd_model': 512, 'd_kv': 64, 'd_ff': 2048, 'num_layers': 6,
             'num_decoder_layers': None, 'num_heads': 8, 'relative_attention_num_buckets': 32,
             'relative_attention_max_distance': 128, 'dropout_rate': 0.1, 'layer_norm_epsilon': 1e-6,
@@ -57,11 +56,12 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     raise ConfigError(f'{ckpt.path}: a separate lm_head.weight with the d_model^-0.5 output rescale '
                       f'(scale_decoder_outputs) is not supported; our T5 rescales only a tied output')
   cfg = ModelConfig(
-    family=FAMILY, vocab_size=h['vocab_size'], d_model=h['d_model'], num_layers=h['num_layers'],
+    vocab_size=h['vocab_size'], d_model=h['d_model'], num_layers=h['num_layers'],
     num_decoder_layers=h['num_decoder_layers'] or h['num_layers'], num_heads=h['num_heads'], head_dim=h['d_kv'],
     d_ff=h['d_ff'], position='relative', relative_buckets=h['relative_attention_num_buckets'],
     relative_max_distance=h['relative_attention_max_distance'], norm='rmsnorm', norm_eps=h['layer_norm_epsilon'],
     norm_position='pre', activation=activation(h['feed_forward_proj']), use_bias=False, scale_attention=False,
+    init='fan_in',
     tie_embeddings=scale, dropout=h['dropout_rate'], attention_dropout=h['dropout_rate'],
     init_std=h['initializer_factor'], scan_layers=False)
   out = rules(cfg)
@@ -72,7 +72,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
 
 def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
   check_exportable(cfg, ARCHITECTURE, position='relative', norm='rmsnorm', norm_position='pre', use_bias=False,
-                   scale_attention=False)
+                   scale_attention=False, resolved_kv_heads=cfg.num_heads)
   separate = not cfg.tie_embeddings and not np.array_equal(flat['lm_head/kernel'].T, flat['token_embed/embedding'])
   ffp = feed_forward_proj(cfg.activation, base.get('feed_forward_proj'))
   act = ffp.split('-')[-1]

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
-import jax
 import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 
 from lm.config import ConfigError
-from lm.models import init_params
+from lm.models import get_family
+from lm.train.state import abstract_params
 
 Shape = tuple[int, ...]
 
@@ -107,14 +107,10 @@ class Checkpoint:
                     f'{", ".join(unused[:8])}{" ..." if len(unused) > 8 else ""}', stacklevel=3)
 
 
-def abstract_params(model: nn.Module) -> Any:
-  """The model's unboxed param tree as ShapeDtypeStructs, without allocating any."""
-  return jax.eval_shape(lambda rng: nn.unbox(init_params(model, rng, 8)), jax.random.key(0))
-
-
 def param_shapes(model: nn.Module) -> dict[str, Shape]:
   """'a/b/kernel' -> shape of every param the model creates."""
-  return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(abstract_params(model), sep='/').items()}
+  params = abstract_params(get_family(model.cfg.family), model)
+  return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(params, sep='/').items()}
 
 
 def read_params(ckpt: Checkpoint, rules: list[Tensor], shapes: dict[str, Shape]) -> dict[str, Any]:

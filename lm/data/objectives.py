@@ -20,6 +20,7 @@ class Objective(Protocol):
   """Turns stream rows into features. Rows are `row_len` tokens with stride `row_len - overlap`."""
   row_len: int
   overlap: int
+  with_bos: bool  # whether documents in the stream open with BOS (span corruption joins them by EOS only)
 
   def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
     """`keys` [n, k] ints seed one generator per row (seed, step, index in the global batch)."""
@@ -39,6 +40,7 @@ class CausalLM:
     return self.seq_len + 1
 
   overlap = 1
+  with_bos = True
 
   def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
     tokens, offsets = stream.windows(rows, self.row_len, self.overlap)
@@ -139,6 +141,7 @@ class MaskedLM:
   mask_id: int
   rate: float = 0.15
   overlap = 0
+  with_bos = True
 
   @property
   def row_len(self) -> int:
@@ -162,6 +165,7 @@ class NextSentencePairs:
   cls_id: int
   sep_id: int
   overlap = 0
+  with_bos = True
 
   @property
   def row_len(self) -> int:
@@ -207,6 +211,7 @@ class SpanCorruption:
   noise_density: float = 0.15
   mean_span_length: float = 3.0
   overlap = 0
+  with_bos = False
 
   @property
   def lengths(self) -> SpanLengths:

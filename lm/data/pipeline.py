@@ -11,13 +11,15 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError
-from lm.data.objectives import CausalLM, MaskedLM, NextSentencePairs, Objective, SpanCorruption
+from lm.data.objectives import Objective
 from lm.data.packing import TokenStream
 from lm.data.sources import load_documents, split_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
+from lm.parallel.rules import batch_sharding
+
 
 def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
   """The contiguous block of batch rows this process's devices hold under `sharding`."""
@@ -35,15 +37,15 @@ class Batches:
   """Iterator of global batches (dicts of jax.Array [B, ...]) with `get_state`/`set_state`."""
 
   def __init__(self, stream: TokenStream, objective: Objective, global_batch: int, seed: int,
-               sharding: NamedSharding, name: str = 'train'):
+               mesh: Mesh, name: str = 'train'):
     num_rows = stream.num_rows(objective.row_len, objective.overlap)
     if num_rows < global_batch:
       raise ConfigError(f'the {name} split has {num_rows} rows, fewer than train.global_batch={global_batch}; '
                         f'lower the batch or data.seq_len, or add data')
     self.stream, self.objective, self.num_rows = stream, objective, num_rows
-    self.global_batch, self.seed, self.sharding = global_batch, seed, sharding
+    self.global_batch, self.seed, self.mesh = global_batch, seed, mesh
     self.batches_per_epoch = num_rows // global_batch
-    self.local_rows = local_row_range(sharding, global_batch)
+    self.local_rows = local_row_range(batch_sharding(mesh, 1), global_batch)
     self.step = 0
     self._epoch_permutation: tuple[int, np.ndarray] = (-1, np.empty(0))
 
@@ -58,13 +60,9 @@ class Batches:
     lo, hi = self.local_rows
     keys = np.stack([np.full(hi - lo, self.seed), np.full(hi - lo, step), np.arange(lo, hi)], axis=1)
     local = self.objective(self.stream, self.rows(step)[lo:hi], keys)
-    return {key: jax.make_array_from_process_local_data(self._sharding(value.ndim), value,
+    return {key: jax.make_array_from_process_local_data(batch_sharding(self.mesh, value.ndim), value,
                                                         (self.global_batch, *value.shape[1:]))
             for key, value in local.items()}
-
-  def _sharding(self, ndim: int) -> NamedSharding:
-    """Rows split as in `sharding`; any further dims whole."""
-    return NamedSharding(self.sharding.mesh, PartitionSpec(self.sharding.spec[0], *[None] * (ndim - 1)))
 
   def __iter__(self) -> 'Batches':
     return self
@@ -93,27 +91,9 @@ def tokenize(docs: list[tuple[str, str]], tokenizer: Tokenizer, order_seed: int 
 
 
 def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
-  """The family's pretraining objective: causal LM (gpt), masked LM (bert), span corruption (t5)."""
-  m, seq_len = config.model, config.data.seq_len
-  if tokenizer.vocab_size > m.vocab_size:
-    raise ConfigError(f'model.vocab_size={m.vocab_size} is smaller than the {config.data.tokenizer} '
-                      f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
-  if m.family == 'bert':
-    masked_lm = MaskedLM(seq_len, first_regular_id=tokenizer.first_regular_id, vocab_size=tokenizer.vocab_size,
-                         mask_id=tokenizer.mask_id)
-    if config.data.nsp:
-      return NextSentencePairs(masked_lm, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id)
-    return masked_lm
-  if m.family == 't5':
-    objective = SpanCorruption(seq_len, first_sentinel=m.vocab_size - 1, eos_id=tokenizer.eos_id,
-                               decoder_start_id=tokenizer.pad_id)
-    spans = objective.lengths.spans
-    if m.vocab_size - spans < tokenizer.vocab_size:
-      raise ConfigError(f'span corruption of {seq_len}-token inputs needs {spans} sentinel ids above the '
-                        f'tokenizer\'s {tokenizer.vocab_size}, but model.vocab_size={m.vocab_size}; '
-                        f'raise model.vocab_size to at least {tokenizer.vocab_size + spans}')
-    return objective
-  return CausalLM(seq_len)
+  """The pretraining objective the config's family declares (causal LM, masked LM, span corruption)."""
+  from lm.models import get_family
+  return get_family(config.model.family).objective(config, tokenizer)
 
 
 def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -126,13 +106,13 @@ def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], np.dtype]]
   return {k: (v.shape[1:], v.dtype) for k, v in features.items()}
 
 
-def build_batches(config: Config, sharding: NamedSharding) -> tuple[Tokenizer, Batches, Batches]:
+def build_batches(config: Config, mesh: Mesh) -> tuple[Tokenizer, Batches, Batches]:
   """Tokenizer, training batches (shuffled from the seed) and validation batches (fixed order)."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   objective = make_objective(config, tokenizer)
   train_docs, val_docs = split_documents(load_documents(config.data), config.data.val_fraction)
-  batch, seed, with_bos = config.train.global_batch, config.train.seed, config.model.family != 't5'
-  train = Batches(tokenize(train_docs, tokenizer, seed, with_bos), objective, batch, seed, sharding)
+  batch, seed, with_bos = config.train.global_batch, config.train.seed, objective.with_bos
+  train = Batches(tokenize(train_docs, tokenizer, seed, with_bos), objective, batch, seed, mesh)
   # Validation rows (and their masks): a fixed order from seed 0 whatever the run's seed, so runs compare.
-  val = Batches(tokenize(val_docs, tokenizer, None, with_bos), objective, batch, 0, sharding, 'validation')
+  val = Batches(tokenize(val_docs, tokenizer, None, with_bos), objective, batch, 0, mesh, 'validation')
   return tokenizer, train, val

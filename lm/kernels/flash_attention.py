@@ -190,8 +190,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref,
 # ---------------------------------------------------------------- pallas_call plumbing
 
 @functools.lru_cache(maxsize=None)
-def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] | None, kv_outer: bool):
-  """BlockSpecs of the shared inputs for a grid (b, h, outer, inner)."""
+def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] | None, kv_outer: bool,
+           group: int = 1):
+  """BlockSpecs of the shared inputs for a grid (b, h, outer, inner) over query heads h.
+
+  With grouped-query attention (`group` query heads per key/value head) the key/value blocks of
+  query head h are those of head h // group: fetched, never copied.
+  """
   def blocks(outer, inner):
     i, j = (inner, outer) if kv_outer else (outer, inner)
     if causal and not kv_outer:  # clamp to the last visible kv-block: skipped steps fetch nothing new
@@ -202,6 +207,9 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
     return b, h, blocks(o, n)[0], 0
 
   def kv_map(b, h, o, n):
+    return b, h // group, blocks(o, n)[1], 0
+
+  def per_head_kv_map(b, h, o, n):
     return b, h, blocks(o, n)[1], 0
 
   def bias_map(b, h, o, n):
@@ -219,6 +227,7 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
 
   return dict(
     q=pl.BlockSpec((1, 1, bq, d), q_map), kv=pl.BlockSpec((1, 1, bk, d), kv_map),
+    per_head_kv=pl.BlockSpec((1, 1, bk, d), per_head_kv_map),
     lse=pl.BlockSpec((1, 1, _LSE_ROWS, bq), lse_map),
     bias=None if bias_shape is None else pl.BlockSpec((1, 1, bq, bk), bias_map),
     q_seg=pl.BlockSpec((1, bq, 1), q_seg_map), kv_seg=pl.BlockSpec((1, 1, bk), kv_seg_map),
@@ -242,7 +251,7 @@ def _with_optional(kernel, has_bias: bool, n_before_bias: int):
 def _forward(q, k, v, bias, q_seg, kv_seg, *, causal, scale, bq, bk, interpret):
   b, h, lq, d = q.shape
   lk = k.shape[2]
-  specs = _specs(causal, bq, bk, d, None if bias is None else bias.shape, False)
+  specs = _specs(causal, bq, bk, d, None if bias is None else bias.shape, False, h // k.shape[1])
   inputs = [q, k, v] + ([bias] if bias is not None else []) + [q_seg, kv_seg]
   in_specs = [specs['q'], specs['kv'], specs['kv']] + ([specs['bias']] if bias is not None else []) + \
              [specs['q_seg'], specs['kv_seg']]
@@ -259,13 +268,14 @@ def _forward(q, k, v, bias, q_seg, kv_seg, *, causal, scale, bq, bk, interpret):
 
 def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk, interpret):
   b, h, lq, d = q.shape
-  lk = k.shape[2]
+  kv_heads, lk = k.shape[1], k.shape[2]
+  group = h // kv_heads
   has_bias = bias is not None
   bias_shape = None if bias is None else bias.shape
   params = None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary'))
 
   def call(kernel, kv_outer, out_specs, out_shape, scratch, matmuls):
-    specs = _specs(causal, bq, bk, d, bias_shape, kv_outer)
+    specs = _specs(causal, bq, bk, d, bias_shape, kv_outer, group)
     inputs = [q, k, v, do, lse, o] + ([bias] if has_bias else []) + [q_seg, kv_seg]
     in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['lse'], specs['q']] + \
                ([specs['bias']] if has_bias else []) + [specs['q_seg'], specs['kv_seg']]
@@ -276,12 +286,16 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk
                           scratch_shapes=scratch, compiler_params=params,
                           cost_estimate=_cost(matmuls, inputs, outs, causal), interpret=interpret)(*inputs)
 
-  dkv_outs = lambda s: [s['kv'], s['kv']] + ([pl.BlockSpec((1, 1, bq, bk), lambda b_, h_, j, i: (b_, h_, i, j))]
-                                              if has_bias else [])
-  dkv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)] + \
+  # dK, dV per query head, summed over each key/value head's group below (a no-op without GQA).
+  dkv_outs = lambda s: [s['per_head_kv']] * 2 + (
+    [pl.BlockSpec((1, 1, bq, bk), lambda b_, h_, j, i: (b_, h_, i, j))] if has_bias else [])
+  per_head = lambda x: jax.ShapeDtypeStruct((b, h, lk, d), jnp.float32 if group > 1 else x.dtype)
+  dkv_shapes = [per_head(k), per_head(v)] + \
                ([jax.ShapeDtypeStruct((b, h, lq, lk), jnp.float32)] if has_bias else [])
   dk, dv, *dbias = call(_dkv_kernel, True, dkv_outs, dkv_shapes, [_scratch((bk, d)), _scratch((bk, d))],
                      matmuls=4)  # scores, dV, dP, dK
+  if group > 1:
+    dk, dv = (g.reshape(b, kv_heads, group, lk, d).sum(axis=2).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
   dq = call(_dq_kernel, False, lambda s: s['q'], jax.ShapeDtypeStruct(q.shape, q.dtype), [_scratch((bq, d))],
             matmuls=3)  # scores, dP, dQ
   if has_bias:  # sum over the dims the bias was broadcast along
@@ -316,8 +330,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                     bias: jax.Array | None = None, scale: float | None = None, block_q: int = 128,
                     block_k: int = 128, platform: str | None = None) -> jax.Array:
-  """Attention over q [B, Lq, H, D], k/v [B, Lk, H, D] (Flax layout) -> [B, Lq, H, D].
+  """Attention over q [B, Lq, H, D], k/v [B, Lk, K, D] (Flax layout) -> [B, Lq, H, D].
 
+  K key/value heads divide the H query heads (grouped-query attention when K < H).
   `segment_ids` / `kv_segment_ids` [B, L] (0 = padding), `bias` broadcastable to [B, H, Lq, Lk] and
   differentiable. Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
   inputs; lengths are padded to whole blocks. `platform` (default: the default backend) picks Mosaic
@@ -330,6 +345,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   interpret = platform == 'cpu'
   b, lq, h, d = q.shape
   lk = k.shape[1]
+  if h % k.shape[2] or k.shape != v.shape:
+    raise ValueError(f'key/value heads must match and divide the {h} query heads; got k {k.shape}, v {v.shape}')
   scale = d ** -0.5 if scale is None else scale
   bq = min(_round_up(block_q, 128), _round_up(lq, 8))  # lse blocks are [8, bq]: 128-lane multiples or whole
   bk = min(_round_up(block_k, 128), _round_up(lk, 128))

@@ -5,7 +5,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.config import ModelConfig
+from lm.config import Config, ConfigError, ModelConfig
+from lm.data.objectives import MaskedLM, NextSentencePairs
+from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
 from lm.models.transformer import Stack, default_positions
 from lm.parallel.rules import constrain
@@ -79,3 +81,38 @@ class BERT(nn.Module):
     """[batch, num_labels] scores of the sequence (a regression value when num_labels is 1)."""
     encoded = self.encode(tokens, segment_ids, token_types=token_types, deterministic=deterministic)
     return self.classifier(self.embed_dropout(self.pooled(encoded), deterministic=deterministic))
+
+
+NSP = Head('nsp', labels='nsp_labels', params=('pooler', 'nsp_head'), enabled=lambda cfg: cfg.nsp)
+
+
+class BERTFamily(Encoder):
+  name = 'bert'
+  module = BERT
+  hf_architecture = 'BertForMaskedLM'
+  hf_converter = 'lm.convert.bert'
+  heads = (NSP,)
+
+  def apply(self, model, params, batch, *, deterministic, rngs):
+    kwargs = dict(segment_ids=batch.get('segment_ids'), positions=batch.get('positions'),
+                  token_types=batch.get('token_types'), deterministic=deterministic, rngs=rngs)
+    if model.cfg.nsp:
+      logits, nsp_logits = model.apply({'params': params}, batch['inputs'], **kwargs, method=BERT.pretrain)
+      return {'logits': logits, NSP.name: nsp_logits}
+    return {'logits': model.apply({'params': params}, batch['inputs'], **kwargs)}
+
+  def objective(self, config, tokenizer):
+    check_vocabulary(config, tokenizer)
+    masked_lm = MaskedLM(config.data.seq_len, first_regular_id=tokenizer.first_regular_id,
+                         vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id)
+    if config.model.nsp:
+      return NextSentencePairs(masked_lm, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id)
+    return masked_lm
+
+  def validate(self, config: Config) -> None:
+    if config.model.nsp and config.model.type_vocab_size < 2:
+      raise ConfigError('model.nsp=true pretrains on sentence pairs, which need token types A and B: '
+                        'set model.type_vocab_size=2')
+
+
+FAMILY = BERTFamily()

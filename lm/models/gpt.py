@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 
 from lm.config import ModelConfig
+from lm.models.family import DecoderOnly
 from lm.models.layers import DTYPES, DenseGeneral, Embed
 from lm.models.transformer import Stack, default_positions, embed_positions
 from lm.parallel.rules import constrain
@@ -25,16 +26,27 @@ class GPT(nn.Module):
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
                   name='token_embed')
     x = embed(tokens)
-    pos = embed_positions(cfg, default_positions(tokens) if positions is None else positions)
+    positions = default_positions(tokens) if positions is None else positions
+    pos = embed_positions(cfg, positions)
     if pos is not None:
       x = x + pos
     x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
     x = constrain(x, ('batch', 'length', 'embed'))
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
-      x, segment_ids, deterministic=deterministic, decode=decode)
+      x, segment_ids, deterministic=deterministic, decode=decode, positions=positions)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
       logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=dtype, param_dtype=param_dtype,
                             kernel_init=nn.initializers.normal(cfg.init_std), name='lm_head')(x)
     return constrain(logits, ('batch', 'length', 'vocab'))
+
+
+class GPTFamily(DecoderOnly):
+  name = 'gpt'
+  module = GPT
+  hf_architecture = 'GPT2LMHeadModel'
+  hf_converter = 'lm.convert.gpt2'
+
+
+FAMILY = GPTFamily()

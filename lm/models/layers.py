@@ -128,12 +128,14 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
 
+NORMS: dict[str, type[nn.Module]] = {'layernorm': LayerNorm, 'rmsnorm': RMSNorm}  # keys: lm.config.Norm
+
+
 def make_norm(kind: str, eps: float, dtype: Dtype, param_dtype: Dtype, name: str) -> nn.Module:
-  if kind == 'rmsnorm':
-    return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-  return LayerNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+  return NORMS[kind](eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
+# Keys: lm.config.Activation, plain here and gated in GATED.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
   'gelu': lambda x: jax.nn.gelu(x, approximate=False),
   'gelu_tanh': lambda x: jax.nn.gelu(x, approximate=True),
@@ -163,7 +165,8 @@ class Mlp(nn.Module):
       up = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_1', **dense)(x)
       h = act(gate) * up
     else:
-      h = ACTIVATIONS[self.activation](DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi', **dense)(x))
+      h = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi', **dense)(x)
+      h = ACTIVATIONS[self.activation](h)
     h = constrain(h, ('batch', 'length', 'mlp'))
     out = DenseGeneral(x.shape[-1], ('mlp', 'embed'), kernel_init=nn.initializers.normal(self.out_init_std),
                        name='wo', **dense)(h)
@@ -173,12 +176,18 @@ class Mlp(nn.Module):
 class Attention(nn.Module):
   """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`.
 
+  `num_kv_heads` < `num_heads` is grouped-query attention: each key/value head serves
+  num_heads / num_kv_heads query heads. `rotary_theta` rotates queries and keys by their
+  `positions` (RoPE, in the half-split layout of GPT-NeoX and Hugging Face Llama).
+
   With `decode=True`, self-attention keeps a key/value cache ('cache' collection): `init` with a
   [batch, max_len] input sizes it; each later call appends its tokens at the cache index and
   attends to everything cached so far. Cached segment ids mask left padding.
   """
   num_heads: int
   head_dim: int
+  num_kv_heads: int | None = None  # default num_heads
+  rotary_theta: float | None = None  # None: no rotary positions
   use_bias: bool = True
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
@@ -193,19 +202,24 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
-               kv_segment_ids: jax.Array | None = None, bias: jax.Array | None = None,
-               deterministic: bool = True, decode: bool = False) -> jax.Array:
+               kv_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               bias: jax.Array | None = None, deterministic: bool = True, decode: bool = False) -> jax.Array:
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
     normal = nn.initializers.normal
-    heads = (self.num_heads, self.head_dim)
-    axes = ('batch', 'length', 'heads', 'kv')
+    kv_heads = self.num_kv_heads or self.num_heads
     q_std = self.init_std if self.query_init_std is None else self.query_init_std
-    q = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(q_std), name='query', **dense)(x_q)
-    k = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(self.init_std), name='key', **dense)(x_kv)
-    v = DenseGeneral(heads, ('embed', 'heads', 'kv'), kernel_init=normal(self.init_std), name='value', **dense)(x_kv)
-    q = checkpoint_name(constrain(q, axes), 'query_proj')
-    k = checkpoint_name(constrain(k, axes), 'key_proj')
-    v = checkpoint_name(constrain(v, axes), 'value_proj')
+    q = DenseGeneral((self.num_heads, self.head_dim), ('embed', 'heads', 'kv'), kernel_init=normal(q_std),
+                     name='query', **dense)(x_q)
+    kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
+    k = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='key', **dense)(x_kv)
+    v = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='value', **dense)(x_kv)
+    if self.rotary_theta is not None:
+      if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
+      q, k = rotary(q, positions, self.rotary_theta), rotary(k, positions, self.rotary_theta)
+    q = checkpoint_name(constrain(q, ('batch', 'length', 'heads', 'kv')), 'query_proj')
+    k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
+    v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
     mask = None
     if decode:
       k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids)
@@ -220,7 +234,7 @@ class Attention(nn.Module):
                     impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
                     dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng,
                     block_q=self.block_q, block_k=self.block_k)
-    out = constrain(out, axes)
+    out = constrain(out, ('batch', 'length', 'heads', 'kv'))
     out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1),
                        kernel_init=normal(self.out_init_std), name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
@@ -244,6 +258,20 @@ class Attention(nn.Module):
     max_len = cached_k.value.shape[1]
     visible = jnp.arange(max_len)[None, :] <= (i + jnp.arange(length))[:, None]  # [q, max_len]
     return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32.
+
+  Feature pairs (i, i + head_dim/2) rotate by positions * theta^(-2i/head_dim) (the half-split
+  layout of GPT-NeoX and Hugging Face Llama, so their weights load unpermuted).
+  """
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2 / x.shape[-1])
+  angles = positions[..., None].astype(jnp.float32) * inv_freq.astype(np.float32)  # [b, l, half]
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def relative_position_bucket(relative_position: jax.Array, bidirectional: bool, num_buckets: int,

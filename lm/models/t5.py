@@ -4,7 +4,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from lm.config import ModelConfig
+from lm.config import ConfigError, ModelConfig
+from lm.data.objectives import SpanCorruption, span_lengths
+from lm.models.family import EncoderDecoder, check_vocabulary
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, sinusoidal_positions
 from lm.models.transformer import Stack, default_positions
 from lm.parallel.rules import constrain
@@ -67,3 +69,28 @@ class T5(nn.Module):
                decoder_segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
     encoded = self.encode(inputs, segment_ids, deterministic)
     return self.decode(encoded, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)
+
+
+class T5Family(EncoderDecoder):
+  name = 't5'
+  module = T5
+  hf_architecture = 'T5ForConditionalGeneration'
+  hf_converter = 'lm.convert.t5'
+
+  def objective(self, config, tokenizer):
+    check_vocabulary(config, tokenizer)
+    m, seq_len = config.model, config.data.seq_len
+    objective = SpanCorruption(seq_len, first_sentinel=m.vocab_size - 1, eos_id=tokenizer.eos_id,
+                               decoder_start_id=tokenizer.pad_id)
+    spans = objective.lengths.spans
+    if m.vocab_size - spans < tokenizer.vocab_size:
+      raise ConfigError(f'span corruption of {seq_len}-token inputs needs {spans} sentinel ids above the '
+                        f'tokenizer\'s {tokenizer.vocab_size}, but model.vocab_size={m.vocab_size}; '
+                        f'raise model.vocab_size to at least {tokenizer.vocab_size + spans}')
+    return objective
+
+  def target_length(self, seq_len: int) -> int:
+    return span_lengths(seq_len).targets
+
+
+FAMILY = T5Family()

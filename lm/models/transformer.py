@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -21,12 +23,13 @@ REMAT_POLICIES = {
 
 
 def attention_init(cfg: ModelConfig, num_layers: int) -> dict[str, float]:
-  """Init std of the attention projections.
+  """Init std of the attention projections (`model.init`).
 
-  With scaled logits (GPT, BERT): N(0, init_std), residual outputs shrunk by 1/sqrt(2 * layers) as
-  in GPT-2. Unscaled T5 attention takes Mesh-TF's fan-in init instead, so logits start at unit scale.
+  scaled_normal (GPT, BERT, Llama): N(0, init_std), residual outputs shrunk by 1/sqrt(2 * layers) as
+  in GPT-2. fan_in (T5, whose attention logits are unscaled): Mesh-TF's fan-in init, so logits start
+  at unit scale.
   """
-  if cfg.scale_attention:
+  if cfg.init == 'scaled_normal':
     return {'init_std': cfg.init_std, 'out_init_std': cfg.init_std / math.sqrt(2 * num_layers)}
   inner = cfg.num_heads * cfg.resolved_head_dim
   return {'init_std': cfg.d_model ** -0.5, 'query_init_std': (cfg.d_model * cfg.resolved_head_dim) ** -0.5,
@@ -44,23 +47,26 @@ class Block(nn.Module):
   cross: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None, bias: jax.Array | None,
-               encoded: jax.Array | None, encoded_segment_ids: jax.Array | None, deterministic: bool,
-               decode: bool) -> tuple[jax.Array, None]:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
+               bias: jax.Array | None, encoded: jax.Array | None, encoded_segment_ids: jax.Array | None,
+               deterministic: bool, decode: bool) -> tuple[jax.Array, None]:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     init = attention_init(cfg, self.num_layers)
-    mlp_out_std = init['out_init_std'] if cfg.scale_attention else cfg.resolved_d_ff ** -0.5
-    mlp_in_std = cfg.init_std if cfg.scale_attention else cfg.d_model ** -0.5
+    scaled = cfg.init == 'scaled_normal'
+    mlp_out_std = init['out_init_std'] if scaled else cfg.resolved_d_ff ** -0.5
+    mlp_in_std = cfg.init_std if scaled else cfg.d_model ** -0.5
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name)
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
-    make_attention = lambda name: Attention(
+    make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       scale_logits=cfg.scale_attention, dropout_rate=cfg.attention_dropout, dtype=dtype,
-      param_dtype=param_dtype, name=name, **init)
-    branches = [('attention', lambda h: make_attention('attention')(
-      h, h, causal=self.causal, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode))]
+      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
+    rotary = cfg.rope_theta if cfg.position == 'rotary' else None
+    branches = [('attention', lambda h: make_attention('attention', rotary_theta=rotary)(
+      h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
+      deterministic=deterministic, decode=decode))]
     if self.cross:
       branches.append(('cross_attention', lambda h: make_attention('cross_attention')(
         h, encoded, causal=False, segment_ids=segment_ids, kv_segment_ids=encoded_segment_ids,
@@ -91,15 +97,17 @@ class Stack(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, encoded: jax.Array | None = None,
                encoded_segment_ids: jax.Array | None = None, deterministic: bool = True,
-               decode: bool = False) -> jax.Array:
+               decode: bool = False, positions: jax.Array | None = None) -> jax.Array:
+    """`positions` [batch, length] feed rotary attention; other position kinds ignore them here."""
     cfg = self.cfg
     bias = self._relative_bias(x.shape[1], decode) if cfg.position == 'relative' else None
     block = Block
     if cfg.remat != 'none':
-      # static_argnums counts self: (self, x, segment_ids, bias, encoded, encoded_segment_ids, deterministic, decode).
+      # static_argnums counts self: (self, x, segment_ids, positions, bias, encoded, encoded_segment_ids,
+      # deterministic, decode).
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
-                       static_argnums=(6, 7))
-    args = (segment_ids, bias, encoded, encoded_segment_ids, deterministic, decode)
+                       static_argnums=(7, 8))
+    args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
     if cfg.scan_layers:
       scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
                         split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args),
@@ -142,3 +150,25 @@ def embed_positions(cfg: ModelConfig, positions: jax.Array, name: str = 'positio
 
 def default_positions(tokens: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+  """Scanned params (a `layers` subtree with a leading layer axis) -> unrolled `layers_0`, `layers_1`, ..."""
+  out = {}
+  for key, value in params.items():
+    if key == 'layers' and isinstance(value, dict):
+      n = jax.tree.leaves(value)[0].shape[0]
+      out.update({f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], value) for i in range(n)})
+    else:
+      out[key] = unstack_layers(value) if isinstance(value, dict) else value
+  return out
+
+
+def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
+  """Unrolled `layers_0`, `layers_1`, ... -> one scanned `layers` subtree with a leading layer axis."""
+  numbered = sorted((int(k.removeprefix('layers_')), k) for k in params if re.fullmatch(r'layers_\d+', k))
+  out = {k: stack_layers(v) if isinstance(v, dict) else v for k, v in params.items()
+         if not re.fullmatch(r'layers_\d+', k)}
+  if numbered:
+    out['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for _, k in numbered))
+  return out

@@ -1,21 +1,24 @@
 """The one attention entry point; every family calls `attention` and the config picks the impl.
 
-Layout is Flax's: q [batch, q_len, heads, head_dim], k/v [batch, kv_len, heads, head_dim].
-Segment ids are [batch, len] with 0 marking padding; tokens attend only within their segment.
+Layout is Flax's: q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] where
+kv_heads divides heads (grouped-query attention when smaller). Segment ids are [batch, len] with 0
+marking padding; tokens attend only within their segment.
 """
 from __future__ import annotations
 
+import math
+import typing
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
+from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import vendor_attention
-from lm.parallel.rules import active_sharding, logical_to_spec
+from lm.parallel.rules import active_sharding, axis_size, spec_for
 
-IMPLEMENTATIONS = ('xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto')
+IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
 
 
@@ -90,13 +93,23 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowe
   return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
+def repeat_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+  """Key/value heads repeated to `heads`, each kept next to its copies: query head h reads kv head h // group."""
+  group = heads // k.shape[2]
+  if group == 1:
+    return k, v
+  return jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+
 def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, *,
                       segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None, bias: jax.Array | None,
                       **options: Any) -> jax.Array:
   """Runs a Pallas kernel per shard under the active mesh (Pallas calls cannot be auto-partitioned).
 
-  Batch splits over the data axes and heads over `tensor`; a bias with a batch or heads dim of 1
-  stays replicated along it (its gradient is then summed by shard_map's transpose).
+  Shard specs come from the logical-axis rules: batch over the data axes, heads over the tensor
+  axes; a bias with a batch or heads dim of 1 stays replicated along it (its gradient is then
+  summed by shard_map's transpose). Key/value heads fewer than the head shards are repeated up to
+  lcm(kv_heads, shards), so each shard holds the ones its query heads read.
   """
   active = active_sharding()
   if active is None:
@@ -104,24 +117,26 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
                   platform=jax.default_backend(), **options)
   mesh, rules = active
   options['platform'] = mesh.devices.flat[0].platform  # the target, which differs from the host in AOT compiles
-  qkv_spec = logical_to_spec(('batch', 'length', 'heads', 'kv'), rules)
-  seg_spec = logical_to_spec(('batch', 'length'), rules)
-  args, specs = [q, k, v], [qkv_spec] * 3
+  shards = axis_size(mesh, 'heads', rules)
+  if k.shape[2] % shards:
+    k, v = repeat_kv(k, v, math.lcm(k.shape[2], shards))
+  q_spec = spec_for(('batch', 'length', 'heads', 'kv'), q.shape, mesh, rules)
+  kv_spec = spec_for(('batch', 'length', 'kv_heads', 'kv'), k.shape, mesh, rules)
+  args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
   optional = {'segment_ids': segment_ids, 'kv_segment_ids': kv_segment_ids, 'bias': bias}
   names = [n for n, x in optional.items() if x is not None]
   for name in names:
     x = optional[name]
     if name == 'bias':
       x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-      spec = PartitionSpec(qkv_spec[0] if x.shape[0] > 1 else None, qkv_spec[2] if x.shape[1] > 1 else None)
+      specs.append(spec_for(('batch', 'heads', None, None), x.shape, mesh, rules))
     else:
-      spec = seg_spec
+      specs.append(spec_for(('batch', 'length'), x.shape, mesh, rules))
     args.append(x)
-    specs.append(spec)
 
   def per_shard(q, k, v, *rest):
     return kernel(q, k, v, **dict(zip(names, rest, strict=True)), **options)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=qkv_spec, check_vma=False)(*args)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
 
 KERNELS: dict[str, Callable[..., jax.Array]] = {
@@ -130,6 +145,7 @@ KERNELS: dict[str, Callable[..., jax.Array]] = {
   'tpu_splash': vendor_attention.tpu_splash,
   'cudnn': vendor_attention.cudnn,
 }
+GROUPED_KV = frozenset({'flash'})  # kernels that read grouped key/value heads without a repeated copy
 
 
 def pick_impl(*, mask: jax.Array | None, dropout_rate: float) -> str:
@@ -152,6 +168,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if impl == 'auto':
     impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if impl not in GROUPED_KV:
+    k, v = repeat_kv(k, v, q.shape[2])
   if impl in KERNELS:
     if mask is not None or dropout_rate > 0.0:
       raise ValueError(f'attention impl {impl} takes causal, segment ids and bias but not an arbitrary mask or '

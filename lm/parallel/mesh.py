@@ -1,4 +1,4 @@
-"""The device mesh (data, fsdp, tensor) from config, checked against the devices and the model."""
+"""The device mesh (data, fsdp, tensor) from config, checked against the devices."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,7 +8,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from lm.config import Config, ConfigError, MeshConfig
+from lm.config import ConfigError, MeshConfig
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 
@@ -39,32 +39,14 @@ def strategy_name(sizes: dict[str, int]) -> str:
   return '+'.join(used) or 'single device'
 
 
-def check_divisibility(config: Config, sizes: dict[str, int]) -> None:
-  """Fails early, with the fix, when a sharded dimension does not split evenly over its mesh axis."""
-  m, t = config.model, config.train
-  batch_shards = sizes['data'] * sizes['fsdp']
-  micro = t.global_batch // t.microbatches
-  if micro % batch_shards:
-    raise ConfigError(
-      f'train.global_batch={t.global_batch} over {t.microbatches} microbatch(es) gives {micro} sequences, '
-      f'not divisible by the data-parallel size data*fsdp={batch_shards}; '
-      f'use a global batch that is a multiple of {batch_shards * t.microbatches}')
-  tensor = sizes['tensor']
-  for key, value in (('model.num_heads', m.num_heads), ('model.d_ff', m.resolved_d_ff),
-                     ('model.vocab_size', m.vocab_size)):
-    if value % tensor:
-      raise ConfigError(f'{key}={value} is not divisible by mesh.tensor={tensor}; '
-                        f'pick a tensor size that divides it (or pad {key})')
-  if m.d_model % sizes['fsdp']:
-    raise ConfigError(f'model.d_model={m.d_model} is not divisible by mesh.fsdp={sizes["fsdp"]}; '
-                      f'pick an fsdp size that divides the width')
+def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh with Auto axis types, so jit partitions freely.
 
-
-def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh with Auto axis types, so jit partitions freely."""
+  Whether the model and batch split evenly over it is checked where their shardings are
+  derived from the rules (`lm.parallel.rules`).
+  """
   devices = list(devices if devices is not None else jax.devices())
-  sizes = mesh_shape(config.mesh, len(devices))
-  check_divisibility(config, sizes)
+  sizes = mesh_shape(mesh_config, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   if devices == list(jax.devices()):
     # make_mesh orders devices for the physical topology (ICI rings on TPU, hosts contiguous).

@@ -1,20 +1,29 @@
-"""Logical axis names -> mesh axes, in one table, and the sharding constraint layers call.
+"""Logical axis names -> mesh axes, in one table, and everything derived from it.
 
 One table serves every strategy: a mesh axis of size 1 shards nothing, so the mesh
 shape alone selects dp (data>1), fsdp (fsdp>1), tp (tensor>1) or any mix. Rules are
 tried in order and a mesh axis is used at most once per array (Flax semantics), so an
 activation `(batch, length, embed)` takes `fsdp` for its batch and leaves `embed`
 replicated, while a parameter `(embed, mlp)` shards `embed` over `fsdp`.
+
+Shardings are resolved against shapes (`spec_for`): a dimension that does not divide over
+its mesh axes is an error naming the config field to change, except broadcast dimensions
+of size 1 and the axes in REPLICATED_WHEN_UNEVEN, which stay whole. Divisibility checks,
+batch and bias shardings, memory estimates and kernel shard specs all come from here, so a
+new mesh axis is a rule change.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lm.config import ConfigError
 
 LogicalRules = tuple[tuple[str, Any], ...]
 
@@ -22,6 +31,7 @@ RULES: LogicalRules = (
   ('batch', ('data', 'fsdp')),
   ('vocab', 'tensor'),
   ('heads', 'tensor'),
+  ('kv_heads', 'tensor'),
   ('mlp', 'tensor'),
   ('embed', 'fsdp'),
   ('kv', None),
@@ -29,8 +39,29 @@ RULES: LogicalRules = (
   ('layers', None),
 )
 
+# Grouped-query attention may have fewer key/value heads than tensor devices: those stay replicated.
+REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads'})
+
+# The config field that sets each logical dimension, so an uneven split names what to change.
+AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
+               'kv_heads': 'model.num_kv_heads', 'mlp': 'model.d_ff', 'embed': 'model.d_model',
+               'length': 'data.seq_len'}
+
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
   'lm_sharding', default=None)
+
+
+class UnevenShardingError(ConfigError):
+  """A dimension of `size` does not split evenly over the mesh axes its logical axis maps to."""
+
+  def __init__(self, logical: str, size: int, mesh_axes: tuple[str, ...], shards: int):
+    self.logical, self.size, self.mesh_axes, self.shards = logical, size, mesh_axes, shards
+    self.field = AXIS_FIELDS.get(logical, f'the {logical!r} dimension')
+    super().__init__(f'{self.field}={size} is not divisible by {self.mesh_product}')
+
+  @property
+  def mesh_product(self) -> str:
+    return f'{"*".join(f"mesh.{a}" for a in self.mesh_axes)}={self.shards}'
 
 
 @contextlib.contextmanager
@@ -49,7 +80,73 @@ def active_sharding() -> tuple[Mesh, LogicalRules] | None:
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules = RULES) -> PartitionSpec:
+  """Mesh axes of logical `axes`, ignoring shapes (see `spec_for`)."""
   return nn.logical_to_mesh_axes(tuple(axes), rules)
+
+
+def _as_tuple(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axis_size(mesh: Mesh, logical: str, rules: LogicalRules = RULES) -> int:
+  """Devices one dimension named `logical` is split over on `mesh` (1 when it is replicated)."""
+  spec = logical_to_spec((logical,), rules)
+  return math.prod(mesh.shape[a] for a in _as_tuple(spec[0]))
+
+
+def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+             rules: LogicalRules = RULES) -> PartitionSpec:
+  """PartitionSpec of an array of `shape` whose dims are named `axes`, checked for even splits."""
+  spec = logical_to_spec(axes, rules)
+  out = []
+  for size, logical, entry in zip(shape, axes, tuple(spec) + (None,) * (len(axes) - len(spec))):
+    mesh_axes = _as_tuple(entry)
+    shards = math.prod(mesh.shape[a] for a in mesh_axes)
+    if size % shards == 0:
+      out.append(entry)
+    elif size == 1 or logical in REPLICATED_WHEN_UNEVEN:
+      out.append(None)
+    else:
+      raise UnevenShardingError(logical, size, mesh_axes, shards)
+  return PartitionSpec(*out)
+
+
+def sharding_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 rules: LogicalRules = RULES) -> NamedSharding:
+  return NamedSharding(mesh, spec_for(axes, shape, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = RULES) -> NamedSharding:
+  """Batch rows over the data-parallel axes; the rest of each row stays whole."""
+  return NamedSharding(mesh, logical_to_spec(('batch',) + (None,) * (ndim - 1), rules))
+
+
+def check_batch(mesh: Mesh, global_batch: int, microbatches: int, rules: LogicalRules = RULES) -> None:
+  """A microbatch's rows must split evenly over the data-parallel axes."""
+  rows = global_batch // microbatches
+  try:
+    spec_for(('batch',), (rows,), mesh, rules)
+  except UnevenShardingError as e:
+    raise ConfigError(f'train.global_batch={global_batch} over {microbatches} microbatch(es) gives {rows} rows, '
+                      f'not divisible by the data-parallel size {e.mesh_product}; use a global batch that is a '
+                      f'multiple of {e.shards * microbatches}') from None
+
+
+def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRules = RULES) -> Any:
+  """NamedShardings for a tree of arrays (`shapes`: anything with .shape) named by `logical_specs`.
+
+  An uneven split is a ConfigError naming the config field, the mesh axes and the parameter.
+  """
+  def resolve(path: tuple, spec: PartitionSpec, leaf: Any) -> NamedSharding:
+    axes = tuple(spec) if spec is not None else ()
+    axes = axes + (None,) * (len(leaf.shape) - len(axes))
+    try:
+      return sharding_for(axes, leaf.shape, mesh, rules)
+    except UnevenShardingError as e:
+      name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+      raise ConfigError(f'{e} (parameter {name}); choose mesh sizes that divide it or change {e.field}') from None
+  is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
+  return jax.tree_util.tree_map_with_path(resolve, logical_specs, shapes, is_leaf=is_spec)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -58,9 +155,4 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if active is None:
     return x
   mesh, rules = active
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
-
-
-def logical_to_sharding(logical_specs: Any, mesh: Mesh, rules: LogicalRules = RULES) -> Any:
-  """Pytree of logical PartitionSpecs -> pytree of NamedShardings on `mesh`."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+  return jax.lax.with_sharding_constraint(x, sharding_for(axes, x.shape, mesh, rules))

@@ -11,43 +11,34 @@ from typing import Any, Iterator, Sequence
 
 import jax
 
+from lm.assembly import assemble
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
 from lm.data.pipeline import Batches, build_batches
-from lm.models import build_model
-from lm.parallel.mesh import make_mesh
-from lm.train import metrics as flops
+from lm.parallel.chips import peak_flops
+from lm.run_dir import CHECKPOINTS, CONFIG
+from lm.train.accounting import mfu
+from lm.train.init_from import initial_state
 from lm.train.logging import MetricsLogger
-from lm.train.optim import make_optimizer
-from lm.train.state import TrainState, make_init_fn, state_shardings
-from lm.train.step import abstract_batch, batch_sharding, make_eval_step, make_train_step
+from lm.train.state import TrainState
+from lm.train.step import make_eval_step, make_train_step
 
 
 class Trainer:
-  """Mesh, model, sharded state, data and jitted steps for one Config."""
+  """The assembly (mesh, model, sharded abstract state), data and jitted steps for one Config."""
 
-  def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None, with_data: bool = True):
+  def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None):
     self.config = config
-    self.mesh = make_mesh(config, devices)
-    self.model = build_model(config.model)
-    seq_len = config.data.seq_len
-    self.tx, self.schedule = make_optimizer(config.optim, config.train.steps)
-    self.abstract_state, self.shardings = state_shardings(self.model, self.tx, self.mesh, seq_len)
-    self.init_fn = make_init_fn(self.model, self.tx, self.shardings, seq_len)
-    self.train_step = make_train_step(self.model, self.tx, self.schedule, config, self.mesh, self.shardings)
-    self.eval_step = make_eval_step(self.model, self.mesh, self.shardings.params)
-    self.flops_per_token = flops.flops_per_token(self.abstract_state.params, config.model, seq_len,
-                                                 config.train.causal_attention_flops)
-    self.peak_flops = config.train.peak_flops or flops.peak_flops(self.mesh.devices.flat[0])
-    if with_data:
-      self.tokenizer, self.train_batches, self.val_batches = build_batches(config, batch_sharding(self.mesh))
-
-  def compile_train_step(self) -> jax.stages.Compiled:
-    """The train step compiled ahead of time for this mesh (memory and cost analysis)."""
-    return self.train_step.lower(self.abstract_state, abstract_batch(self.config, self.mesh)).compile()
+    self.assembly = assemble(config, devices)
+    self.mesh, self.model = self.assembly.mesh, self.assembly.model
+    self.train_step = make_train_step(self.assembly)
+    self.eval_step = make_eval_step(self.assembly)
+    self.flops_per_token = self.assembly.flops_per_token()
+    self.peak_flops = config.train.peak_flops or peak_flops(self.mesh.devices.flat[0])
+    self.tokenizer, self.train_batches, self.val_batches = build_batches(config, self.mesh)
 
   def init_state(self) -> TrainState:
-    return self.init_fn(jax.random.key(self.config.train.seed))
+    return self.assembly.init_state()
 
   def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
     """Mean NLL per target token over the first `num_batches` validation batches."""
@@ -60,12 +51,21 @@ class Trainer:
   def _restore_or_init(self, checkpoints: Checkpointer) -> TrainState:
     cfg = self.config
     latest = checkpoints.latest_step()
+    if latest is not None and not checkpoints.has_optimizer(latest):
+      raise ConfigError(f'{cfg.run_dir} holds an imported model (params only), which training would overwrite; '
+                        f'train from it in a new directory: train.init_from={cfg.run_dir} train.run_dir=NEW_DIR')
     if latest is not None and not cfg.train.resume:
       raise ConfigError(f'{cfg.run_dir} already holds checkpoints (latest step {latest}); pass --resume '
                         f'(train.resume=true) to continue, or choose another train.run_dir')
     if latest is None:
-      return self.init_state()
-    state, data_state = checkpoints.restore(latest, self.abstract_state, cfg.to_dict())
+      if cfg.train.init_from is None:
+        return self.init_state()
+      start = initial_state(self.assembly, cfg.train.init_from)
+      print(f'initialised from {cfg.train.init_from}' +
+            (f'; new: {", ".join(start.fresh)}' if start.fresh else '') +
+            (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
+      return start.state
+    state, data_state = checkpoints.restore(latest, self.assembly.abstract_state, cfg.to_dict())
     self.train_batches.set_state(data_state)
     print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
     return state
@@ -78,11 +78,11 @@ class Trainer:
     """
     cfg, t = self.config, self.config.train
     is_main = jax.process_index() == 0
-    checkpoints = Checkpointer(cfg.run_dir / 'checkpoints', keep=t.keep_checkpoints)
+    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
     state = self._restore_or_init(checkpoints)
     if is_main:
       cfg.run_dir.mkdir(parents=True, exist_ok=True)
-      (cfg.run_dir / 'config.yaml').write_text(cfg.to_yaml())
+      (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
     start = int(jax.device_get(state.step))
     logger = MetricsLogger(cfg.run_dir, t.steps, start, t.progress, enabled=is_main)
     records: list[dict[str, Any]] = []
@@ -128,7 +128,7 @@ class Trainer:
     records = [{'step': s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
     tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
     records[-1]['tokens_per_sec'] = tokens_per_sec
-    utilisation = flops.mfu(tokens_per_sec, self.flops_per_token, self.mesh.devices.size, self.peak_flops)
+    utilisation = mfu(tokens_per_sec, self.flops_per_token, self.mesh.devices.size, self.peak_flops)
     if utilisation is not None:
       records[-1]['mfu'] = utilisation
     return records

@@ -1,8 +1,12 @@
 """Weighted token cross-entropy in float32, the loss every objective reduces to."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+
+from lm.models.family import Head
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
@@ -21,21 +25,28 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   return nll, z, jnp.sum(weights)
 
 
-def pretraining_loss(outputs: dict[str, jax.Array], batch: dict[str, jax.Array], z_loss: float,
-                     total_weight: jax.Array, total_sequences: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Token loss per target token (plus BERT's NSP loss per sequence when the batch has NSP labels).
+def sequence_classification(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of NLL, count of correct argmax) of per-sequence logits [batch, classes] against labels [batch]."""
+  logits = logits.astype(jnp.float32)
+  labels = labels.astype(jnp.int32)
+  picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+  nll = jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+  return nll, jnp.sum((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
+
+
+def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch: dict[str, jax.Array],
+                     z_loss: float, total_weight: jax.Array, total_sequences: jax.Array
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Token loss per target token, plus each active head's loss per sequence (BERT's NSP).
 
   Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly.
-  Returns (loss, sums of the pieces for metrics).
+  Returns (loss, sums of the pieces for metrics: 'nll', 'z', and '{head}_nll', '{head}_correct').
   """
   nll, z, _ = cross_entropy(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = (nll + z) / total_weight
   sums = {'nll': nll, 'z': z}
-  if 'nsp_logits' in outputs:
-    nsp = outputs['nsp_logits'].astype(jnp.float32)
-    labels = batch['nsp_labels'].astype(jnp.int32)
-    picked = jnp.take_along_axis(nsp, labels[:, None], axis=-1)[:, 0]
-    sums['nsp_nll'] = jnp.sum(jax.nn.logsumexp(nsp, axis=-1) - picked)
-    sums['nsp_correct'] = jnp.sum((jnp.argmax(nsp, axis=-1) == labels).astype(jnp.float32))
-    loss = loss + sums['nsp_nll'] / total_sequences
+  for head in heads:
+    sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(
+      outputs[head.name], batch[head.labels])
+    loss = loss + sums[f'{head.name}_nll'] / total_sequences
   return loss, sums

@@ -1,8 +1,8 @@
 """Train state, built sharded from the start: abstract init -> NamedShardings -> jitted init.
 
 No device ever holds the whole unsharded model: shapes come from `jax.eval_shape`, the
-shardings from the params' logical axes, and the real init runs under jit with those
-out-shardings so each device materialises only its shard.
+shardings from the params' logical axes and the rules, and the real init runs under jit with
+those out-shardings so each device materialises only its shard.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lm.models import init_params
-from lm.parallel.rules import logical_to_sharding
+from lm.models.family import Family
+from lm.parallel.rules import tree_shardings
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -25,28 +25,39 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
 
 
-def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, seq_len: int
-                    ) -> tuple[TrainState, TrainState]:
-  """(abstract state of ShapeDtypeStructs carrying their shardings, matching NamedSharding tree)."""
-  boxed = jax.eval_shape(lambda rng: init_params(model, rng, seq_len), jax.random.key(0))
-  param_shardings = logical_to_sharding(nn.get_partition_spec(boxed), mesh)
+def abstract_params(family: Family, model: nn.Module, mesh: Mesh | None = None) -> Any:
+  """The params as ShapeDtypeStructs (nothing allocated: works for 175B models), carrying their
+  NamedShardings on `mesh` when given; an uneven split is a ConfigError naming the field to change."""
+  boxed = jax.eval_shape(lambda rng: family.init(model, rng, 1), jax.random.key(0))
   params = nn.unbox(boxed)
+  if mesh is None:
+    return params
+  shardings = tree_shardings(nn.get_partition_spec(boxed), params, mesh)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+
+def shardings_of(tree: Any) -> Any:
+  return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def abstract_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+  """The whole train state as ShapeDtypeStructs with shardings: optimizer moments follow their params."""
+  param_shardings = shardings_of(params)
   opt_state = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, PartitionSpec())
   opt_shardings = optax.tree_map_params(tx, lambda _, sharding: sharding, opt_state, param_shardings,
                                         transform_non_params=lambda _: replicated)
-  shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=opt_state)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  return abstract, shardings
+  with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
+                    opt_state=jax.tree.map(with_sharding, opt_state, opt_shardings))
 
 
-def make_init_fn(model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
-                 seq_len: int) -> Callable[[jax.Array], TrainState]:
+def make_init_fn(family: Family, model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
+                 length: int) -> Callable[[jax.Array], TrainState]:
   """jit(init) whose outputs land directly in their shards."""
   def init(rng: jax.Array) -> TrainState:
     # No sharding context: the dummy forward pass only creates params (XLA drops its activations),
     # and its batch of 1 need not divide over the data axes.
-    params = nn.unbox(init_params(model, rng, seq_len))
+    params = nn.unbox(family.init(model, rng, length))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   return jax.jit(init, out_shardings=shardings)

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
 
-from lm.config import Config
+from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
-from lm.models import forward
-from lm.parallel.rules import constrain, logical_to_spec, sharding_context
+from lm.parallel.rules import batch_sharding, check_batch, constrain, sharding_context
 from lm.train.loss import cross_entropy, pretraining_loss
 from lm.train.state import TrainState
 
@@ -20,15 +17,11 @@ Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Batch rows over the data-parallel axes; the rest of each row stays whole."""
-  return NamedSharding(mesh, logical_to_spec(('batch',) + (None,) * (ndim - 1)))
-
-
-def abstract_batch(config: Config, mesh: Mesh) -> Batch:
+def abstract_batch(assembly: Assembly) -> Batch:
   """Shapes, dtypes and shardings of a training batch, for ahead-of-time lowering."""
+  config = assembly.config
   return {k: jax.ShapeDtypeStruct((config.train.global_batch, *shape), dtype,
-                                  sharding=batch_sharding(mesh, 1 + len(shape)))
+                                  sharding=batch_sharding(assembly.mesh, 1 + len(shape)))
           for k, (shape, dtype) in feature_specs(config).items()}
 
 
@@ -40,15 +33,16 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    config: Config, mesh: Mesh, shardings: TrainState
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+def make_train_step(assembly: Assembly) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  config, family, model, tx, mesh = assembly.config, assembly.family, assembly.model, assembly.tx, assembly.mesh
   k, z_loss, seed = config.train.microbatches, config.train.z_loss, config.train.seed
+  check_batch(mesh, config.train.global_batch, k)
+  heads, schedule = family.active_heads(config.model), assembly.schedule
 
   def loss_fn(params: Any, batch: Batch, rng: jax.Array, totals: tuple[jax.Array, jax.Array]
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    outputs = forward(model, params, batch, deterministic=False, rng=rng)
-    return pretraining_loss(outputs, batch, z_loss, *totals)
+    outputs = family.apply(model, params, batch, deterministic=False, rngs={'dropout': rng})
+    return pretraining_loss(heads, outputs, batch, z_loss, *totals)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -73,20 +67,28 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
       params = optax.apply_updates(state.params, updates)
     metrics = {'loss': sums['nll'] / total_weight, 'z_loss': sums['z'] / total_weight, 'grad_norm': grad_norm,
                'learning_rate': schedule(state.step), 'target_tokens': total_weight}
-    if 'nsp_nll' in sums:
-      metrics['nsp_loss'] = sums['nsp_nll'] / totals[1]
-      metrics['nsp_accuracy'] = sums['nsp_correct'] / totals[1]
+    for head in heads:
+      metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals[1]
+      metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals[1]
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
+  shardings = assembly.shardings
   return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=(0,))
 
 
-def make_eval_step(model: nn.Module, mesh: Mesh, param_shardings: Any) -> Callable[[Any, Batch], Metrics]:
+def compile_train_step(assembly: Assembly) -> jax.stages.Compiled:
+  """The train step compiled ahead of time for the assembly's mesh (memory and cost analysis)."""
+  return make_train_step(assembly).lower(assembly.abstract_state, abstract_batch(assembly)).compile()
+
+
+def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
   """Sums of weighted NLL and weights for one batch; the caller adds them over batches."""
+  family, model, mesh = assembly.family, assembly.model, assembly.mesh
+
   def step(params: Any, batch: Batch) -> Metrics:
     with sharding_context(mesh):
-      logits = forward(model, params, batch, deterministic=True)['logits']
+      logits = family.apply(model, params, batch, deterministic=True, rngs={})['logits']
       nll, _, weight = cross_entropy(logits, batch['targets'], batch['weights'])
     return {'nll': nll, 'weight': weight}
-  return jax.jit(step, in_shardings=(param_shardings, None))
+  return jax.jit(step, in_shardings=(assembly.shardings.params, None))

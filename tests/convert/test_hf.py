@@ -12,8 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 from lm.config import ConfigError, ModelConfig
 from lm.convert.hf import load_hf, read_hf_config, save_hf
-from lm.convert.tensors import abstract_params
-from lm.models import build_model
+from lm.models import build_model, get_family
+from lm.train.state import abstract_params
 
 VOCAB, BATCH, LEN = 96, 3, 12
 
@@ -30,9 +30,15 @@ CONFIGS = {
                                            num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
                                            relative_attention_max_distance=10, feed_forward_proj='gated-gelu',
                                            tie_word_embeddings=False),
+  # Grouped-query attention (4 query heads, 2 key/value heads), an odd vocabulary, untied head, RoPE theta 5e5.
+  'llama': lambda: transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=5e5,
+                                            tie_word_embeddings=False),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
-          't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration}
+          't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
+          'llama': transformers.LlamaForCausalLM}
 
 
 def save_hf_model(kind, directory):
@@ -111,7 +117,7 @@ def assert_same_tensors(a_dir, b_dir):
 def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
   hf_model = save_hf_model(kind, tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
-  assert {'layers_0', 'layers_1'} <= set(params['decoder' if kind == 'gpt2' else 'encoder'])  # unrolled
+  assert {'layers_0', 'layers_1'} <= set(params['decoder' if kind in ('gpt2', 'llama') else 'encoder'])  # unrolled
   error = compare(hf_model, model, params, kind)
   print(f'{kind}: max relative logits error {error:.2e}')
   assert error < 1e-4
@@ -226,9 +232,9 @@ def test_wrong_shape_names_tensor_and_both_shapes(gpt2_dir, tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones(gpt2_dir, tmp_path):
-  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_config=lambda c: c.update(architectures=['LlamaForCausalLM']))
-  with pytest.raises(ConfigError, match="'LlamaForCausalLM' .* not supported; supported architectures: "
-                                        "GPT2LMHeadModel, BertForMaskedLM, T5ForConditionalGeneration"):
+  directory = edited_copy(gpt2_dir, tmp_path / 'hf', edit_config=lambda c: c.update(architectures=['OPTForCausalLM']))
+  with pytest.raises(ConfigError, match="'OPTForCausalLM' .* not supported; supported architectures: GPT2LMHeadModel, "
+                                        "BertForMaskedLM, T5ForConditionalGeneration, LlamaForCausalLM"):
     load_hf(directory)
 
 
@@ -241,9 +247,24 @@ def test_unsupported_setting_is_named(gpt2_dir, tmp_path):
 def test_export_names_what_the_architecture_cannot_express(tmp_path):
   cfg = ModelConfig(family='gpt', vocab_size=16, d_model=8, num_layers=1, num_heads=2, max_len=8, norm='rmsnorm',
                     scan_layers=False)
-  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(build_model(cfg)))
+  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(get_family('gpt'), build_model(cfg)))
   with pytest.raises(ConfigError, match=r"as GPT2LMHeadModel: model.norm='rmsnorm' \(needs 'layernorm'\)"):
     save_hf(cfg, params, tmp_path)
   with pytest.raises(ConfigError, match=r'params do not match the model config \(decoder/final_norm/scale \(8,\) != '
                                         r'\(16,\)'):
     save_hf(dataclasses.replace(cfg, d_model=16), params, tmp_path)
+
+
+def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_path):
+  save_hf_model('llama', tmp_path / 'hf')
+  model, _ = load_hf(tmp_path / 'hf')
+  cfg = model.cfg
+  assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
+  assert not cfg.tie_embeddings and cfg.activation == 'swiglu' and not cfg.use_bias
+  scaled = edited_copy(tmp_path / 'hf', tmp_path / 'scaled', edit_config=lambda c: c.update(
+    rope_parameters={'rope_type': 'llama3', 'rope_theta': 5e5, 'factor': 8.0}))
+  with pytest.raises(ConfigError, match="rope type 'llama3' is not supported"):
+    load_hf(scaled)
+  old = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: (c.pop('rope_parameters'), c.update(
+    rope_theta=1234.0, rope_scaling=None)))
+  assert load_hf(old)[0].cfg.rope_theta == 1234.0

@@ -9,7 +9,6 @@ from lm.data.pipeline import build_batches, local_row_range, make_objective
 from lm.data.sources import embedded_documents, is_validation, split_documents
 from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import make_mesh
-from lm.train.step import batch_sharding
 
 
 def test_embedded_corpus_is_real_english_text():
@@ -32,8 +31,7 @@ def test_validation_split_is_fixed_and_disjoint():
 
 
 def one_device_batches(config):
-  mesh = make_mesh(config, jax.devices()[:1])
-  return build_batches(config, batch_sharding(mesh))
+  return build_batches(config, make_mesh(config.mesh, jax.devices()[:1]))
 
 
 def test_same_seed_same_batches_other_seed_other_batches(small_config):
@@ -79,8 +77,7 @@ def test_each_process_builds_only_its_rows():
 
 def test_global_batch_is_sharded_over_data_axes(small_config):
   config = small_config('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')
-  mesh = make_mesh(config)
-  _, train, _ = build_batches(config, batch_sharding(mesh))
+  _, train, _ = build_batches(config, make_mesh(config.mesh))
   batch = next(train)
   assert batch['inputs'].shape == (16, 32)
   assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')

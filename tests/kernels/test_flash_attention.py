@@ -11,7 +11,13 @@ from lm.ops.attention import attention
 
 
 def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale):
-  """Float64 forward and analytic backward: (out, dq, dk, dv, dbias)."""
+  """Float64 forward and analytic backward: (out, dq, dk, dv, dbias).
+
+  Fewer key/value heads than query heads (grouped-query attention): query head h reads kv head
+  h // group, and each kv head's gradient sums over its group.
+  """
+  group = q.shape[2] // k.shape[2]
+  k, v = (np.repeat(np.asarray(x, np.float64), group, axis=2) for x in (k, v))
   q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))  # b h l d
   s = np.einsum('bhqd,bhkd->bhqk', q, k) * scale
   if bias is not None:
@@ -36,7 +42,8 @@ def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale):
     axes = tuple(a for a in (0, 1) if np.shape(bias)[a] == 1)
     dbias = ds.sum(axis=axes, keepdims=True)
   back = lambda x: x.transpose(0, 2, 1, 3)
-  return back(out), back(dq), back(dk), back(dv), dbias
+  grouped = lambda x: back(x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2))
+  return back(out), back(dq), grouped(dk), grouped(dv), dbias
 
 
 def rel(a, b):
@@ -44,22 +51,24 @@ def rel(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-CASES = [  # (seed, causal, segments, bias, dtype)
-  (0, False, False, False, 'float32'), (1, True, False, False, 'float32'), (2, True, True, False, 'float32'),
-  (3, False, True, True, 'float32'), (4, True, True, True, 'float32'), (5, True, False, True, 'bfloat16'),
-  (6, False, True, False, 'bfloat16'),
+CASES = [  # (seed, causal, segments, bias, dtype, query heads per key/value head)
+  (0, False, False, False, 'float32', 1), (1, True, False, False, 'float32', 1), (2, True, True, False, 'float32', 1),
+  (3, False, True, True, 'float32', 1), (4, True, True, True, 'float32', 1), (5, True, False, True, 'bfloat16', 1),
+  (6, False, True, False, 'bfloat16', 1),
+  (7, True, True, True, 'float32', 2), (8, False, False, False, 'float32', 4), (9, True, True, False, 'bfloat16', 3),
 ]
 
 
-@pytest.mark.parametrize('seed, causal, segments, with_bias, dtype', CASES)
-def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, dtype):
+@pytest.mark.parametrize('seed, causal, segments, with_bias, dtype, group', CASES)
+def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, dtype, group):
   rng = np.random.default_rng(seed)
-  b, h = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+  b, kv_heads = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+  h = kv_heads * group
   d = int(rng.choice([16, 32, 64]))
   lq = int(rng.integers(40, 300))  # rarely a multiple of the blocks: exercises padding
   lk = lq if causal or segments else int(rng.integers(40, 300))
   q = rng.normal(size=(b, lq, h, d))
-  k, v = rng.normal(size=(b, lk, h, d)), rng.normal(size=(b, lk, h, d))
+  k, v = rng.normal(size=(b, lk, kv_heads, d)), rng.normal(size=(b, lk, kv_heads, d))
   do = rng.normal(size=(b, lq, h, d))
   q_seg = np.sort(rng.integers(0, 4, size=(b, lq)), axis=1) if segments else np.ones((b, lq), np.int32)
   kv_seg = q_seg if segments else np.ones((b, lk), np.int32)

@@ -1,11 +1,16 @@
 """Layers against float64 NumPy references."""
+import typing
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.models.layers import DenseGeneral, LayerNorm, Mlp, RMSNorm, sinusoidal_positions
+from lm.config import Activation, Norm, Remat
+from lm.models.layers import (ACTIVATIONS, GATED, NORMS, DenseGeneral, LayerNorm, Mlp, RMSNorm, rotary,
+                              sinusoidal_positions)
+from lm.models.transformer import REMAT_POLICIES
 
 
 def rel_err(a, b):
@@ -46,7 +51,14 @@ def test_rmsnorm_matches_numpy():
   assert rel_err(layer.apply(params, x), want) < 1e-6
 
 
-@pytest.mark.parametrize('activation', ['gelu', 'gelu_tanh', 'relu', 'silu', 'swiglu', 'geglu', 'reglu'])
+def test_every_config_choice_has_an_implementation():
+  """The config's Literal types are the one declaration; the layer tables must cover exactly them."""
+  assert set(ACTIVATIONS) | set(GATED) == set(typing.get_args(Activation))
+  assert set(NORMS) == set(typing.get_args(Norm))
+  assert set(REMAT_POLICIES) | {'none'} == set(typing.get_args(Remat))
+
+
+@pytest.mark.parametrize('activation', typing.get_args(Activation))
 def test_mlp_matches_numpy(activation):
   from scipy.special import erf
   x = np.random.default_rng(3).normal(size=(2, 3, 16)).astype(np.float32)
@@ -60,7 +72,7 @@ def test_mlp_matches_numpy(activation):
   }
   x64 = x.astype(np.float64)
   dense = lambda name, h: h @ p[name]['kernel'] + p[name]['bias']
-  gated = {'swiglu': 'silu', 'geglu': 'gelu', 'reglu': 'relu'}
+  gated = {'swiglu': 'silu', 'geglu': 'gelu', 'geglu_tanh': 'gelu_tanh', 'reglu': 'relu'}
   if activation in gated:
     h = acts[gated[activation]](dense('wi_0', x64)) * dense('wi_1', x64)
   else:
@@ -75,3 +87,23 @@ def test_sinusoidal_positions_formula():
   inv = np.exp(-np.log(1e4) * np.arange(8) / 7)
   want = np.concatenate([np.sin(pos[:, None] * inv), np.cos(pos[:, None] * inv)], -1)
   assert rel_err(got, want) < 1e-5
+
+
+def numpy_rotary(x, positions, theta):
+  """RoPE in float64 as complex rotations of the pairs (i, i + d/2) by positions * theta^(-2i/d)."""
+  d = x.shape[-1]
+  freq = theta ** (-np.arange(d // 2) * 2.0 / d)
+  z = (x[..., :d // 2] + 1j * x[..., d // 2:]) * np.exp(1j * positions[:, :, None, None] * freq)
+  return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def test_rotary_matches_numpy_and_scores_depend_only_on_offsets():
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(2, 9, 3, 16)).astype(np.float32)
+  positions = np.stack([np.arange(9), np.arange(9)[::-1] * 50])  # far positions too
+  got = np.asarray(rotary(jnp.asarray(x), jnp.asarray(positions), 1e4))
+  assert rel_err(got, numpy_rotary(x.astype(np.float64), positions, 1e4)) < 1e-5
+  q, k = x[:1, :1], x[:1, 1:2]  # one query and one key vector, placed at (p, p - 3) for several p
+  scores = [np.sum(np.asarray(rotary(jnp.asarray(q), jnp.asarray([[p]]), 1e4)) *
+                   np.asarray(rotary(jnp.asarray(k), jnp.asarray([[p - 3]]), 1e4))) for p in (3, 10, 200)]
+  np.testing.assert_allclose(scores, scores[0], rtol=1e-4)

@@ -8,7 +8,8 @@ from lm.ops.attention import attention
 
 
 def reference(q, k, v, causal, seg, bias, scale):
-  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  group = q.shape[2] // k.shape[2]  # grouped-query attention: query head h reads kv head h // group
+  q, k, v = (np.asarray(a, np.float64) for a in (q, np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)))
   logits = np.einsum('bqhd,bkhd->bhqk', q, k) * scale
   if bias is not None:
     logits = logits + np.asarray(bias, np.float64)
@@ -61,3 +62,16 @@ def test_unknown_impl_is_refused():
   x = jnp.zeros((1, 2, 1, 4))
   with pytest.raises(ValueError, match="attention impl 'nope' is not available"):
     attention(x, x, x, impl='nope')
+
+
+@pytest.mark.parametrize('impl', ['xla', 'flash'])
+@pytest.mark.parametrize('kv_heads', [1, 2])
+def test_grouped_key_value_heads_match_float64(impl, kv_heads):
+  """4 query heads over 1 (multi-query) or 2 key/value heads, causal with segments."""
+  rng = np.random.default_rng(kv_heads)
+  b, s, d = 2, 70, 16
+  q = rng.normal(size=(b, s, 4, d)).astype(np.float32)
+  k, v = (rng.normal(size=(b, s, kv_heads, d)).astype(np.float32) for _ in range(2))
+  seg = np.sort(rng.integers(1, 3, size=(b, s)), axis=1)
+  got = attention(q, k, v, causal=True, segment_ids=seg, impl=impl)
+  assert rel_err(got, reference(q, k, v, True, seg, None, d ** -0.5)) < 1e-5

@@ -62,6 +62,7 @@ def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
 
 @pytest.mark.parametrize('preset, extra, start, end', [
   ('gpt_tiny', [], 5.4, 3.5),
+  ('llama_tiny', ['model.num_kv_heads=2'], 5.4, 3.5),
   ('bert_tiny', ['model.max_len=32'], 5.0, 4.0),
   ('t5_tiny', ['model.d_ff=128'], 5.0, 3.8),
 ])
@@ -78,7 +79,7 @@ def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):
 def test_bert_with_next_sentence_prediction(small_config, tmp_path):
   from lm.config import load_config
   from tests.conftest import SMALL
-  config = load_config('bert_tiny', SMALL + ['model.max_len=32', 'model.nsp=true', 'data.nsp=true',
+  config = load_config('bert_tiny', SMALL + ['model.max_len=32', 'model.nsp=true',
                                              'train.steps=6', f'train.run_dir={tmp_path}'])
   records = Trainer(config, jax.devices()[:1]).run()
   steps = [r for r in records if 'nsp_loss' in r]

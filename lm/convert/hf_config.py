@@ -1,7 +1,8 @@
-"""What the HF family converters share: activation names, config defaults, export checks.
+"""config.json conventions the HF converters share: activation names, unsupported settings, export checks.
 
-Each family module (`gpt2`, `bert`, `t5`) provides `ARCHITECTURE`, `FAMILY`,
-`load(hf_config, checkpoint) -> (ModelConfig, rules)` and
+Each converter module (`gpt2`, `bert`, `t5`, `llama`), named by its family record's `hf_converter`,
+provides `ARCHITECTURE` (the transformers class), `load(hf_config, checkpoint) -> (ModelConfig, rules)`
+(the family field is filled in by `lm.convert.hf`) and
 `save(model_config, flat_params, base_hf_config) -> (hf_config, rules)`.
 """
 from __future__ import annotations

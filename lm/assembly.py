@@ -1,0 +1,63 @@
+"""The one assembly seam: a Config becomes mesh, family, model, optimizer, abstract state and shardings.
+
+`lm train`, `lm info`, `lm compile`, `lm generate` and `train.init_from` all start here, so the same
+checks (the mesh fits the devices, every sharded parameter dimension divides its mesh axes) and the
+same shardings hold everywhere. Nothing is allocated: state is abstract until `init_state`. (The
+batch is checked against the mesh where a train step is built: generation never sees it.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import optax
+from jax.sharding import Mesh
+
+from lm.config import Config
+from lm.models import get_family
+from lm.models.family import Family
+from lm.parallel.mesh import make_mesh
+from lm.train import accounting
+from lm.train.optim import make_optimizer
+from lm.train.state import TrainState, abstract_params, abstract_state, make_init_fn, shardings_of
+
+
+@dataclass(frozen=True)
+class Assembly:
+  config: Config
+  family: Family
+  mesh: Mesh
+  model: nn.Module
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract_state: TrainState  # ShapeDtypeStructs carrying their NamedShardings
+
+  @property
+  def shardings(self) -> TrainState:
+    return shardings_of(self.abstract_state)
+
+  @property
+  def abstract_params(self) -> Any:
+    return self.abstract_state.params
+
+  def init_state(self, rng: jax.Array | None = None) -> TrainState:
+    """Fresh state from `rng` (default: the config's seed), each device creating only its shards."""
+    rng = jax.random.key(self.config.train.seed) if rng is None else rng
+    return make_init_fn(self.family, self.model, self.tx, self.shardings, self.config.data.seq_len)(rng)
+
+  def flops_per_token(self) -> float:
+    return accounting.flops_per_token(self.abstract_params, self.config.model, self.config.data.seq_len,
+                                      self.config.train.causal_attention_flops)
+
+
+def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None) -> Assembly:
+  """Builds everything but data for `config` on `devices` (default: all), or on an existing `mesh`."""
+  family = get_family(config.model.family)
+  mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
+  model = family.build(config.model)
+  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  state = abstract_state(abstract_params(family, model, mesh), tx, mesh)
+  return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
+                  abstract_state=state)

@@ -1,0 +1,166 @@
+"""What generic code knows of a model family: one record per family, registered in `lm.models.FAMILIES`.
+
+A record says how to build and initialise the module, how a batch maps onto its call, which
+objective pretrains it, which extra heads it trains (with their losses and metrics), its
+forward FLOPs, how `lm.generate` decodes it, and which Hugging Face converter reads and writes
+it. Step, loss, data pipeline, accounting, generation, conversion and config validation ask
+the record and never the family's name. The three shapes of model share their record code
+here (`DecoderOnly`, `Encoder`, `EncoderDecoder`); a family's own record sits in its model file.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.config import Config, ConfigError, ModelConfig
+from lm.data.objectives import CausalLM, Objective
+
+if TYPE_CHECKING:
+  from lm.data.tokenizers import Tokenizer
+
+Batch = dict[str, jax.Array]
+Decoding = Literal['decoder', 'encoder_decoder']
+
+
+@dataclass(frozen=True)
+class Head:
+  """A per-sequence output trained beside the token loss by softmax cross-entropy (BERT's NSP).
+
+  The model's outputs carry its logits [batch, classes] under `name`; the batch carries its labels
+  under `labels`. Metrics: '{name}_loss' and '{name}_accuracy' per sequence.
+  """
+  name: str
+  labels: str
+  params: tuple[str, ...]  # top-level param modules it owns: initialised fresh when a source lacks them
+  enabled: Callable[[ModelConfig], bool]
+
+
+@dataclass(frozen=True)
+class KernelSizes:
+  """Weights of the dense kernels by the tokens they see (`lm.train.accounting.kernel_sizes`)."""
+  encoder: int  # under the top-level 'encoder' module (the stacks of T5 and BERT)
+  other: int  # every other per-token kernel: decoder stacks, output and MLM layers
+  cross_kv: int  # cross-attention key/value projections: they see encoder tokens
+  per_sequence: int  # heads that read one position per row
+  output: int  # a tied output layer, whose weights are the embedding table
+
+  @property
+  def per_token(self) -> int:
+    """Everything a single-stack model runs on each token."""
+    return self.encoder + self.other + self.cross_kv + self.output
+
+
+class Family:
+  """The record base: subclasses set the class attributes and override what differs."""
+  name: ClassVar[str]
+  module: ClassVar[type[nn.Module]]
+  hf_architecture: ClassVar[str | None] = None  # the transformers class `lm convert` reads and writes
+  hf_converter: ClassVar[str | None] = None  # module with load(hf_config, checkpoint) and save(cfg, flat, base)
+  decoding: ClassVar[Decoding | None] = None  # how `lm.generate` samples from it; None: it cannot
+  heads: ClassVar[tuple[Head, ...]] = ()
+
+  def build(self, cfg: ModelConfig) -> nn.Module:
+    return self.module(cfg)
+
+  def init_inputs(self, length: int) -> tuple[jax.Array, ...]:
+    """Dummy positional inputs of `length` tokens that make `init` create every parameter."""
+    return (jnp.zeros((1, length), jnp.int32),)
+
+  def init(self, model: nn.Module, rng: jax.Array, length: int) -> Any:
+    """Boxed (logically partitioned) params."""
+    return model.init({'params': rng, 'dropout': rng}, *self.init_inputs(length))['params']
+
+  def apply(self, model: nn.Module, params: Any, batch: Batch, *, deterministic: bool,
+            rngs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Outputs for a batch: 'logits' [batch, length, vocab], scored against batch['targets'] with
+    batch['weights'], and the logits of each active head under its name."""
+    raise NotImplementedError
+
+  def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
+    raise NotImplementedError
+
+  def forward_flops(self, k: KernelSizes, cfg: ModelConfig, seq_len: int,
+                    pairs: Callable[[int], float]) -> float:
+    """Forward matmul FLOPs of one row of `seq_len` tokens; `pairs(n)` counts a causal n x n square."""
+    raise NotImplementedError
+
+  def validate(self, config: Config) -> None:
+    """Checks beyond the generic ones in `lm.config.validate`; raise ConfigError naming the fix."""
+
+  def active_heads(self, cfg: ModelConfig) -> tuple[Head, ...]:
+    return tuple(h for h in self.heads if h.enabled(cfg))
+
+  def per_sequence_params(self) -> frozenset[str]:
+    return frozenset(p for h in self.heads for p in h.params)
+
+  def converter(self) -> ModuleType:
+    if self.hf_converter is None:
+      raise ConfigError(f'the {self.name} family has no Hugging Face converter')
+    return importlib.import_module(self.hf_converter)
+
+
+def check_vocabulary(config: Config, tokenizer: Tokenizer) -> None:
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the {config.data.tokenizer} '
+                      f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
+
+
+def _attention_flops(cfg: ModelConfig, pairs: float) -> float:
+  """Scores and the weighted sum of values: 2 * 2 * query heads * head_dim per query-key pair."""
+  return 4 * cfg.num_heads * cfg.resolved_head_dim * pairs
+
+
+class DecoderOnly(Family):
+  """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)`."""
+  decoding = 'decoder'
+
+  def apply(self, model, params, batch, *, deterministic, rngs):
+    return {'logits': model.apply({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
+                                  positions=batch.get('positions'), deterministic=deterministic, rngs=rngs)}
+
+  def objective(self, config, tokenizer):
+    check_vocabulary(config, tokenizer)
+    return CausalLM(config.data.seq_len)
+
+  def forward_flops(self, k, cfg, seq_len, pairs):
+    return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))
+
+
+class Encoder(Family):
+  """Bidirectional encoders (BERT): every query sees every key of its segment."""
+
+  def forward_flops(self, k, cfg, seq_len, pairs):
+    return 2 * (k.per_token * seq_len + k.per_sequence) + \
+        _attention_flops(cfg, cfg.num_layers * seq_len * seq_len)
+
+
+class EncoderDecoder(Family):
+  """Encoder-decoders (T5): `module(inputs, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)`,
+  with `encode` and `decode` methods for cached generation."""
+  decoding = 'encoder_decoder'
+
+  def init_inputs(self, length):
+    tokens = jnp.zeros((1, length), jnp.int32)
+    return tokens, tokens
+
+  def apply(self, model, params, batch, *, deterministic, rngs):
+    return {'logits': model.apply({'params': params}, batch['inputs'], batch['decoder_inputs'],
+                                  segment_ids=batch.get('segment_ids'),
+                                  decoder_segment_ids=batch.get('decoder_segment_ids'),
+                                  deterministic=deterministic, rngs=rngs)}
+
+  def target_length(self, seq_len: int) -> int:
+    """Decoder tokens of a row whose encoder sees `seq_len` tokens."""
+    raise NotImplementedError
+
+  def forward_flops(self, k, cfg, seq_len, pairs):
+    enc, dec = seq_len, self.target_length(seq_len)
+    dense = (k.encoder + k.cross_kv) * enc + (k.other + k.output) * dec
+    attention = cfg.num_layers * enc * enc + cfg.resolved_decoder_layers * (pairs(dec) + dec * enc)
+    return 2 * (dense + k.per_sequence) + _attention_flops(cfg, attention)

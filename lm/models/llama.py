@@ -1,0 +1,54 @@
+"""Llama (Touvron et al. 2023): pre-RMSNorm decoder, rotary positions, SwiGLU MLP, grouped-query
+attention (Llama 2 70B), no biases, untied output. The shape lives in the config; this file composes it."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from lm.config import Config, ConfigError, ModelConfig
+from lm.models.family import DecoderOnly
+from lm.models.layers import DTYPES, DenseGeneral, Embed
+from lm.models.transformer import Stack, default_positions
+from lm.parallel.rules import constrain
+
+
+class Llama(nn.Module):
+  """Decoder-only causal LM with positions only inside attention: tokens [batch, length] -> logits.
+
+  `positions` (default 0, 1, ...) rotate queries and keys; with `decode=True` they count real tokens.
+  """
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               deterministic: bool = True, decode: bool = False) -> jax.Array:
+    cfg = self.cfg
+    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
+                  name='token_embed')
+    x = nn.Dropout(cfg.dropout)(embed(tokens), deterministic=deterministic)
+    x = constrain(x, ('batch', 'length', 'embed'))
+    x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
+      x, segment_ids, deterministic=deterministic, decode=decode,
+      positions=default_positions(tokens) if positions is None else positions)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=dtype, param_dtype=param_dtype,
+                            kernel_init=nn.initializers.normal(cfg.init_std), name='lm_head')(x)
+    return constrain(logits, ('batch', 'length', 'vocab'))
+
+
+class LlamaFamily(DecoderOnly):
+  name = 'llama'
+  module = Llama
+  hf_architecture = 'LlamaForCausalLM'
+  hf_converter = 'lm.convert.llama'
+
+  def validate(self, config: Config) -> None:
+    if config.model.position not in ('rotary', 'none'):
+      raise ConfigError(f'a llama model has no position table: model.position={config.model.position!r} would be '
+                        f'ignored; use model.position=rotary')
+
+
+FAMILY = LlamaFamily()

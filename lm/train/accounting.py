@@ -1,0 +1,128 @@
+"""Parameter, FLOP, MFU and memory accounting: the one place these numbers come from."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from lm.config import Config, ModelConfig
+from lm.models import get_family
+from lm.models.family import KernelSizes
+from lm.models.layers import GATED
+from lm.parallel.rules import axis_size, check_batch
+
+
+def _path_names(path: tuple) -> list[str]:
+  return [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+
+
+def count_params(params: Any) -> dict[str, int]:
+  """Total parameters and non-embedding ones (Kaplan et al.: token and position tables excluded)."""
+  total, embedding = 0, 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    size = int(np.prod(leaf.shape))
+    total += size
+    if 'embedding' in _path_names(path):
+      embedding += size
+  return {'total': total, 'non_embedding': total - embedding}
+
+
+def kernel_sizes(params: Any, cfg: ModelConfig) -> KernelSizes:
+  """Sizes of the dense kernels by the tokens they see (see `KernelSizes`); heads per the family record."""
+  per_sequence_modules = get_family(cfg.family).per_sequence_params()
+  sizes = dict(encoder=0, other=0, cross_kv=0, per_sequence=0)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = _path_names(path)
+    if names[-1] != 'kernel':
+      continue
+    size = int(np.prod(leaf.shape))
+    if names[0] in per_sequence_modules:
+      sizes['per_sequence'] += size
+    elif 'cross_attention' in names and names[-2] in ('key', 'value'):
+      sizes['cross_kv'] += size
+    elif names[0] == 'encoder':
+      sizes['encoder'] += size
+    else:
+      sizes['other'] += size
+  return KernelSizes(**sizes, output=cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+
+
+def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_attention: str = 'half') -> float:
+  """Training FLOPs (forward + backward = 3x forward) of one row of `seq_len` tokens: matmuls only.
+
+  Dense layers cost 2 FLOPs per weight per token they see; attention 2 * 2 * heads * head_dim per
+  query-key pair (scores and the weighted sum of values); the family record adds them up for its
+  shape (an encoder-decoder row is `seq_len` encoder tokens and its targets). `causal_attention`
+  'half' counts only the pairs a causal mask allows (what a kernel that skips masked blocks does),
+  'full' the whole square (what dense XLA attention computes).
+  """
+  if causal_attention not in ('half', 'full'):
+    raise ValueError(f'causal_attention={causal_attention!r}: choose half or full')
+  pairs = (lambda n: n * n / 2) if causal_attention == 'half' else (lambda n: n * n)
+  forward = get_family(cfg.family).forward_flops(kernel_sizes(params, cfg), cfg, seq_len, pairs)
+  return 3.0 * forward
+
+
+def flops_per_token(params: Any, cfg: ModelConfig, seq_len: int, causal_attention: str = 'half') -> float:
+  """`flops_per_sequence` per row token (the tokens the train loop counts): for a decoder, 6N + attention."""
+  return flops_per_sequence(params, cfg, seq_len, causal_attention) / seq_len
+
+
+def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float | None) -> float | None:
+  """Model FLOPs utilisation: achieved model FLOP/s over the mesh's peak; None without a known peak."""
+  if not peak:
+    return None
+  return tokens_per_sec * flops_token / (peak * num_devices)
+
+
+def shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, 'sharding', None) is not None else leaf.shape
+    total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -> int:
+  """Rough bytes of activations kept for the backward pass by one device, for `tokens` local tokens.
+
+  Per layer and token, a pre-LN block keeps its norm inputs/outputs (4d), q, k, v and the attention
+  output (2 h dh + 2 kv_heads dh), the MLP hidden before and after the activation (2 or 3 d_ff) and
+  the float32 attention probabilities (heads * seq). Remat keeps less but recomputes one layer at a time.
+  """
+  width = 4 if cfg.dtype == 'float32' else 2
+  hd = cfg.num_heads * cfg.resolved_head_dim
+  kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
+  d_ff = cfg.resolved_d_ff * (3 if cfg.activation in GATED else 2)
+  full_layer = (4 * cfg.d_model + (2 * hd + 2 * kv + d_ff) / tensor) * width + cfg.num_heads * seq_len * 4 / tensor
+  kept = {
+    'none': full_layer,
+    'full': cfg.d_model * width,
+    'dots': (2 * cfg.d_model + (hd + 2 * kv + cfg.resolved_d_ff) / tensor) * width,
+    'projections': (2 * cfg.d_model + (hd + 2 * kv) / tensor) * width,
+  }[cfg.remat]
+  per_token = kept * cfg.num_layers + (0 if cfg.remat == 'none' else full_layer)
+  logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient
+  return int(tokens * (per_token + logits))
+
+
+def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str, int]:
+  """Per-device bytes: parameters, optimizer state and gradients exactly (from the shardings), activations roughly.
+
+  How far the batch and the heads split comes from the logical-axis rules for `mesh`.
+  """
+  t = config.train
+  check_batch(mesh, t.global_batch, t.microbatches)
+  tokens = t.global_batch // t.microbatches // axis_size(mesh, 'batch') * config.data.seq_len
+  params = shard_bytes(abstract_state.params)
+  out = {
+    'params': params,
+    'optimizer': shard_bytes(abstract_state.opt_state),
+    'gradients': params,
+    'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads')),
+  }
+  out['total (estimate)'] = sum(out.values())
+  return out

@@ -1,0 +1,72 @@
+"""`train.init_from`: a new run that starts from another model's params with a fresh optimizer at step 0.
+
+The source is one of our run dirs (latest checkpoint) or an HF model directory. Its layer layout
+(scanned or unrolled) is matched to this run's; every param must then exist with the same shape,
+except the family's heads (e.g. a classifier or NSP head a pretrained model lacks), which start
+fresh. Params the run does not use are left behind; both lists are reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from lm.assembly import Assembly
+from lm.config import ConfigError
+from lm.models.transformer import stack_layers, unstack_layers
+from lm.run_dir import load_params
+from lm.train.state import TrainState, shardings_of
+
+
+@dataclass(frozen=True)
+class Initialised:
+  state: TrainState
+  fresh: tuple[str, ...]  # params initialised here because the source lacks them (heads)
+  unused: tuple[str, ...]  # source params this model does not have
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  return traverse_util.flatten_dict(tree, sep='/')
+
+
+def initial_state(assembly: Assembly, source: str) -> Initialised:
+  """Step-0 state whose params come from `source` (fresh heads where it has none), sharded on the mesh."""
+  _, params = load_params(source, assembly.mesh)
+  params = stack_layers(params) if assembly.config.model.scan_layers else unstack_layers(params)
+  have, want = _flat(params), _flat(assembly.abstract_params)
+  heads = assembly.family.per_sequence_params()
+  fresh = []
+  for name, target in want.items():
+    got = have.get(name)
+    if got is None:
+      if name.split('/')[0] not in heads:
+        raise ConfigError(f'train.init_from={source} has no parameter {name} {target.shape}, which this '
+                          f'{assembly.family.name} model needs; start from a checkpoint of the same model')
+      fresh.append(name)
+    elif got.shape != target.shape:
+      raise ConfigError(f'train.init_from={source}: parameter {name} has shape {got.shape} there but '
+                        f'{target.shape} in this model; set the model config to match the source')
+  loaded = {name: jax.device_put(have[name].astype(target.dtype), target.sharding)
+            for name, target in want.items() if name in have}
+  if fresh:
+    loaded.update(_fresh_params(assembly, fresh))
+  params = traverse_util.unflatten_dict(loaded, sep='/')
+  opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(assembly.abstract_state.opt_state))(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
+  state = TrainState(step=step, params=params, opt_state=opt_state)
+  return Initialised(state, tuple(fresh), tuple(sorted(set(have) - set(want))))
+
+
+def _fresh_params(assembly: Assembly, names: list[str]) -> dict[str, jax.Array]:
+  """Initialises only `names`: XLA drops the rest of the init from the compiled function."""
+  want = _flat(assembly.abstract_params)
+
+  def init(rng: jax.Array) -> dict[str, jax.Array]:
+    params = _flat(nn.unbox(assembly.family.init(assembly.model, rng, assembly.config.data.seq_len)))
+    return {name: params[name] for name in names}
+  shardings = {name: want[name].sharding for name in names}
+  return jax.jit(init, out_shardings=shardings)(jax.random.key(assembly.config.train.seed))

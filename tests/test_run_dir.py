@@ -1,0 +1,87 @@
+"""Run directories: `lm convert` both ways, and `load_params` from our runs and HF directories onto a mesh."""
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from lm import cli
+from lm.assembly import assemble
+from lm.checkpoint import Checkpointer
+from lm.config import ConfigError, load_config
+from lm.convert.hf import load_hf
+from lm.parallel.mesh import make_mesh
+from lm.run_dir import load_params, one_device_mesh
+from tests.convert.test_hf import assert_same_tensors, save_hf_model
+
+
+def test_convert_round_trip_through_a_run_dir(tmp_path, capsys):
+  hf, run, out = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
+  save_hf_model('bert', hf)
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 0
+  model, params = load_hf(hf)
+  config = load_config(str(run / 'config.yaml'))
+  assert config.model == model.cfg and config.train.run_dir == str(run) and config.data.seq_len == 32
+  assert config.train.init_from == str(run.absolute())  # training from its config.yaml starts from these weights
+  assert sorted(p.name for p in (run / 'checkpoints').iterdir()) == ['0']  # the layout a training run has
+  cfg, loaded = load_params(run, one_device_mesh())
+  assert cfg == model.cfg
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+  assert cli.main(['convert', '--to-hf', str(out), '--from', str(run)]) == 0
+  assert_same_tensors(hf, out)
+  assert json.loads((out / 'config.json').read_text()) == json.loads((hf / 'config.json').read_text())
+
+  capsys.readouterr()
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 2
+  assert cli.main(['convert', '--from-hf', str(hf)]) == 2
+  err = capsys.readouterr().err.splitlines()
+  assert 'already holds a run' in err[0] and 'needs --to RUN_DIR' in err[1]
+
+
+def test_a_training_checkpoint_exports_to_transformers(small_config, tmp_path):
+  """A scanned-layer GPT checkpointed by lm's train loop loads as GPT2LMHeadModel with the same logits."""
+  config = small_config()
+  assembly = assemble(config, jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  state = jax.tree.map(lambda a: (0.2 * rng.normal(size=a.shape)).astype(a.dtype), assembly.abstract_state)
+  checkpoints = Checkpointer(config.run_dir / 'checkpoints', keep=1, async_save=False)
+  checkpoints.save(7, state, {}, config.to_dict())
+  checkpoints.close()
+  (config.run_dir / 'config.yaml').write_text(config.to_yaml())
+  assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(config.run_dir)]) == 0
+
+  hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, size=(2, 16))
+  with torch.no_grad():
+    theirs = hf_model(torch.as_tensor(tokens)).logits.numpy()
+  ours = np.asarray(assembly.model.apply({'params': state.params}, tokens))
+  assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
+
+
+@pytest.mark.parametrize('source', ['hf', 'run'])
+def test_params_load_straight_onto_the_mesh_shards(source, tmp_path):
+  """FSDP over 8 devices: each device holds an eighth of a kernel, from either kind of directory."""
+  save_hf_model('llama', tmp_path / 'hf')
+  path = tmp_path / 'hf'
+  if source == 'run':
+    assert cli.main(['convert', '--from-hf', str(path), '--to', str(tmp_path / 'run')]) == 0
+    path = tmp_path / 'run'
+  config = load_config('llama_tiny', ['mesh.data=1', 'mesh.fsdp=8'])
+  mesh = make_mesh(config.mesh)
+  cfg, params = load_params(path, mesh)
+  kernel = params['decoder']['layers_0']['mlp']['wi_0']['kernel']  # [embed 32, mlp 64]
+  assert cfg.num_kv_heads == 2 and kernel.shape == (32, 64)
+  assert {s.data.shape for s in kernel.addressable_shards} == {(4, 64)} and len(kernel.addressable_shards) == 8
+  want = load_hf(tmp_path / 'hf')[1]['decoder']['layers_0']['mlp']['wi_0']['kernel']
+  np.testing.assert_array_equal(np.asarray(kernel), want)
+
+
+def test_neither_kind_of_directory_is_named(tmp_path):
+  with pytest.raises(ConfigError, match='neither a run directory .* nor a Hugging Face model directory'):
+    load_params(tmp_path, one_device_mesh())
+  (tmp_path / 'config.yaml').write_text(load_config('gpt_tiny').to_yaml())
+  with pytest.raises(ConfigError, match='holds no checkpoint yet'):
+    load_params(tmp_path, one_device_mesh())
