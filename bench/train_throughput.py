@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from lm.config import load_config
+from lm.report import format_lines
 from lm.train.loop import Trainer
 
 
@@ -57,8 +58,7 @@ def main() -> None:
           ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.4f}'),
           ('tokens/s', f'{result["tokens_per_sec"]:,.0f}'),
           ('model TFLOP/s', f'{result["model_tflops_per_sec"]:.3f}')]
-  width = max(len(k) for k, _ in rows)
-  print('\n'.join(f'{k:<{width}}  {v}' for k, v in rows))
+  print(format_lines(rows))
   out = Path(args.out or Path(__file__).parent / 'results' / f'train_throughput_{config.name}.json')
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2) + '\n')

@@ -20,11 +20,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from lm.assembly import assemble
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, from_dict, load_config
-from lm.models import get_family
 from lm.parallel.mesh import make_mesh
-from lm.train.state import abstract_params
 
 CONFIG = 'config.yaml'
 CHECKPOINTS = 'checkpoints'
@@ -73,9 +72,8 @@ def _run_params(run_dir: Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
     if step is None:
       raise ConfigError(f'{run_dir} holds no checkpoint yet; train it first (lm train ... train.run_dir={run_dir}) '
                         f'or import a model into it with lm convert --from-hf')
-    cfg = from_dict(saved.saved_config(step)).model
-    family = get_family(cfg.family)
-    return cfg, saved.restore_params(step, abstract_params(family, family.build(cfg), mesh))
+    config = from_dict(saved.saved_config(step))
+    return config.model, saved.restore_params(step, assemble(config, mesh=mesh).abstract_params)
   finally:
     saved.close()
 
@@ -83,11 +81,10 @@ def _run_params(run_dir: Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
 def _hf_params(hf_dir: Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
   from lm.convert.hf import load_hf
   model, params = load_hf(hf_dir)
-  family = get_family(model.cfg.family)
 
   def place(target: jax.ShapeDtypeStruct, array: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(target.shape, target.sharding, lambda index: array[index])
-  return model.cfg, jax.tree.map(place, abstract_params(family, model, mesh), params)
+  return model.cfg, jax.tree.map(place, assemble(Config(model=model.cfg), mesh=mesh).abstract_params, params)
 
 
 def one_device_mesh() -> Mesh:
