@@ -89,7 +89,6 @@ NSP = Head('nsp', labels='nsp_labels', params=('pooler', 'nsp_head'), enabled=la
 class BERTFamily(Encoder):
   name = 'bert'
   module = BERT
-  hf_architecture = 'BertForMaskedLM'
   hf_converter = 'lm.convert.bert'
   heads = (NSP,)
 

@@ -60,8 +60,7 @@ class Family:
   """The record base: subclasses set the class attributes and override what differs."""
   name: ClassVar[str]
   module: ClassVar[type[nn.Module]]
-  hf_architecture: ClassVar[str | None] = None  # the transformers class `lm convert` reads and writes
-  hf_converter: ClassVar[str | None] = None  # module with load(hf_config, checkpoint) and save(cfg, flat, base)
+  hf_converter: ClassVar[str | None] = None  # module with ARCHITECTURE (the transformers class), load, save
   decoding: ClassVar[Decoding | None] = None  # how `lm.generate` samples from it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()
 

@@ -6,8 +6,8 @@ import jax
 
 from lm.config import ModelConfig
 from lm.models.family import DecoderOnly
-from lm.models.layers import DTYPES, DenseGeneral, Embed
-from lm.models.transformer import Stack, default_positions, embed_positions
+from lm.models.layers import DTYPES, Embed
+from lm.models.transformer import Stack, default_positions, embed_positions, output_logits
 from lm.parallel.rules import constrain
 
 
@@ -34,18 +34,12 @@ class GPT(nn.Module):
     x = constrain(x, ('batch', 'length', 'embed'))
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
       x, segment_ids, deterministic=deterministic, decode=decode, positions=positions)
-    if cfg.tie_embeddings:
-      logits = embed.attend(x)
-    else:
-      logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=dtype, param_dtype=param_dtype,
-                            kernel_init=nn.initializers.normal(cfg.init_std), name='lm_head')(x)
-    return constrain(logits, ('batch', 'length', 'vocab'))
+    return output_logits(cfg, embed, x)
 
 
 class GPTFamily(DecoderOnly):
   name = 'gpt'
   module = GPT
-  hf_architecture = 'GPT2LMHeadModel'
   hf_converter = 'lm.convert.gpt2'
 
 

@@ -7,8 +7,8 @@ import jax
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.models.family import DecoderOnly
-from lm.models.layers import DTYPES, DenseGeneral, Embed
-from lm.models.transformer import Stack, default_positions
+from lm.models.layers import DTYPES, Embed
+from lm.models.transformer import Stack, default_positions, output_logits
 from lm.parallel.rules import constrain
 
 
@@ -31,18 +31,12 @@ class Llama(nn.Module):
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
       x, segment_ids, deterministic=deterministic, decode=decode,
       positions=default_positions(tokens) if positions is None else positions)
-    if cfg.tie_embeddings:
-      logits = embed.attend(x)
-    else:
-      logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=dtype, param_dtype=param_dtype,
-                            kernel_init=nn.initializers.normal(cfg.init_std), name='lm_head')(x)
-    return constrain(logits, ('batch', 'length', 'vocab'))
+    return output_logits(cfg, embed, x)
 
 
 class LlamaFamily(DecoderOnly):
   name = 'llama'
   module = Llama
-  hf_architecture = 'LlamaForCausalLM'
   hf_converter = 'lm.convert.llama'
 
   def validate(self, config: Config) -> None:

@@ -74,7 +74,6 @@ class T5(nn.Module):
 class T5Family(EncoderDecoder):
   name = 't5'
   module = T5
-  hf_architecture = 'T5ForConditionalGeneration'
   hf_converter = 'lm.convert.t5'
 
   def objective(self, config, tokenizer):

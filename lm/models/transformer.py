@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from lm.config import ModelConfig
-from lm.models.layers import (DTYPES, Attention, LearnedPositions, Mlp, RelativePositionBias, make_norm,
-                              sinusoidal_positions)
+from lm.models.layers import (DTYPES, Attention, DenseGeneral, Embed, LearnedPositions, Mlp, RelativePositionBias,
+                              make_norm, sinusoidal_positions)
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -146,6 +146,20 @@ def embed_positions(cfg: ModelConfig, positions: jax.Array, name: str = 'positio
   if cfg.position == 'sinusoidal':
     return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.dtype])
   return None
+
+
+def output_logits(cfg: ModelConfig, embed: Embed, x: jax.Array) -> jax.Array:
+  """Logits [batch, length, vocab] of a decoder: the embedding table when tied, else an `lm_head` layer.
+
+  Call from a compact module: the head becomes its child.
+  """
+  if cfg.tie_embeddings:
+    logits = embed.attend(x)
+  else:
+    logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=DTYPES[cfg.dtype],
+                          param_dtype=DTYPES[cfg.param_dtype], kernel_init=nn.initializers.normal(cfg.init_std),
+                          name='lm_head')(x)
+  return constrain(logits, ('batch', 'length', 'vocab'))
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:

@@ -53,7 +53,7 @@ def initial_state(assembly: Assembly, source: str) -> Initialised:
   loaded = {name: jax.device_put(have[name].astype(target.dtype), target.sharding)
             for name, target in want.items() if name in have}
   if fresh:
-    loaded.update(_fresh_params(assembly, fresh))
+    loaded.update(_fresh_params(assembly, {name: want[name].sharding for name in fresh}))
   params = traverse_util.unflatten_dict(loaded, sep='/')
   opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(assembly.abstract_state.opt_state))(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
@@ -61,12 +61,9 @@ def initial_state(assembly: Assembly, source: str) -> Initialised:
   return Initialised(state, tuple(fresh), tuple(sorted(set(have) - set(want))))
 
 
-def _fresh_params(assembly: Assembly, names: list[str]) -> dict[str, jax.Array]:
-  """Initialises only `names`: XLA drops the rest of the init from the compiled function."""
-  want = _flat(assembly.abstract_params)
-
+def _fresh_params(assembly: Assembly, shardings: dict[str, Any]) -> dict[str, jax.Array]:
+  """Initialises only the named params: XLA drops the rest of the init from the compiled function."""
   def init(rng: jax.Array) -> dict[str, jax.Array]:
     params = _flat(nn.unbox(assembly.family.init(assembly.model, rng, assembly.config.data.seq_len)))
-    return {name: params[name] for name in names}
-  shardings = {name: want[name].sharding for name in names}
+    return {name: params[name] for name in shardings}
   return jax.jit(init, out_shardings=shardings)(jax.random.key(assembly.config.train.seed))
