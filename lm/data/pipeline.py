@@ -18,6 +18,7 @@ from lm.data.objectives import Objective
 from lm.data.packing import TokenStream
 from lm.data.sources import load_documents, split_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
+from lm.models import get_family
 from lm.parallel.rules import batch_sharding
 
 
@@ -92,7 +93,6 @@ def tokenize(docs: list[tuple[str, str]], tokenizer: Tokenizer, order_seed: int 
 
 def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
   """The pretraining objective the config's family declares (causal LM, masked LM, span corruption)."""
-  from lm.models import get_family
   return get_family(config.model.family).objective(config, tokenizer)
 
 
