@@ -1,7 +1,8 @@
 """Orbax checkpoints in one layout for every run, restorable onto any mesh.
 
 Each step directory holds the items `params` and `config`; a training checkpoint adds
-`optimizer` (step and optimizer state) and `data` (the input position). An imported model
+`optimizer` (step and optimizer state) and `data` (the grain iterator's position, one JSON file
+per process, so every host resumes at its exact record). An imported model
 (`lm convert --from-hf`) writes params and config only, so every command that reads params
 reads both alike.
 """
@@ -10,10 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grain
+import jax
 import orbax.checkpoint as ocp
 
 from lm.config import ConfigError
 from lm.train.state import TrainState
+
+
+_ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
 
 
 class Checkpointer:
@@ -30,11 +36,11 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state: TrainState, data_state: dict, config: dict) -> None:
+  def save(self, step: int, state: TrainState, data: grain.DatasetIterator, config: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state}),
-      data=ocp.args.JsonSave(data_state), config=ocp.args.JsonSave(config)), force=True)
+      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True)
 
   def save_params(self, step: int, params: Any, config: dict) -> None:
     """A params-only checkpoint (an imported model): no optimizer state or data position."""
@@ -47,26 +53,35 @@ class Checkpointer:
   def has_optimizer(self, step: int) -> bool:
     return (self.directory / str(step) / 'optimizer').is_dir()
 
-  def restore(self, step: int, abstract_state: TrainState, config: dict) -> tuple[TrainState, dict]:
-    """State placed on `abstract_state`'s shardings, and the data position, after checking the model matches."""
+  def restore(self, step: int, abstract_state: TrainState, config: dict, data: grain.DatasetIterator) -> TrainState:
+    """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
+    saved position in place."""
     saved = self.saved_config(step)
-    if saved.get('model') != config['model']:
-      diff = sorted(k for k in set(saved.get('model', {})) | set(config['model'])
-                    if saved.get('model', {}).get(k) != config['model'].get(k))
-      raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different model '
-                        f'(differs in {", ".join("model." + k for k in diff)}); resume with the same model '
-                        f'settings or start a new train.run_dir')
+    for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'), ('train', ('seed',), 'seed')):
+      theirs, ours = saved.get(section, {}), config[section]
+      keys = keys or sorted((set(theirs) | set(ours)) - _ORDER_FREE)
+      diff = [k for k in keys if theirs.get(k) != ours.get(k)]
+      if diff:
+        raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different {what} (differs in '
+                          f'{", ".join(f"{section}.{k}" for k in diff)}); resume with the same settings or start '
+                          f'a new train.run_dir')
     if not self.has_optimizer(step):
       raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
                         f'resume; start a new run from it with train.init_from={self.directory.parent}')
     a = abstract_state
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(a.params),
-      optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state}),
-      data=ocp.args.JsonRestore()))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(a.params),
+        optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state}),
+        data=grain.checkpoint.CheckpointRestore(data)))
+    except ValueError as e:
+      if 'process_' not in str(e):
+        raise
+      raise ConfigError(f'checkpoint {self.directory}/{step} holds no data position for this process '
+                        f'({jax.process_index()} of {jax.process_count()}); resume with as many processes as '
+                        f'wrote it') from None
     optimizer = restored['optimizer']
-    state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'])
-    return state, restored['data']
+    return TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'])
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the params, placed on `abstract_params`' shardings."""

@@ -28,7 +28,7 @@ ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
-Source = Literal['embedded', 'text']
+Source = Literal['embedded', 'text', 'jsonl', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant']
 CausalFlops = Literal['half', 'full']
 
@@ -97,11 +97,21 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  source: Source = 'embedded'  # embedded (Python's own docs and stdlib) | text (files under `paths`)
-  paths: tuple[str, ...] = ()  # globs of UTF-8 text files for source=text
-  tokenizer: str = 'byte'  # a name in lm.data.tokenizers.TOKENIZERS
+  """Where documents come from, how they become tokens, and how the grain pipeline reads them."""
+  source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl (local `paths`) | tfds (`name`)
+  paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each) or JSONL (a document a line)
+  name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord)
+  data_dir: str | None = None  # tfds: a local path or a gs:// URI, passed through untouched
+  train_split: str = 'train'  # tfds splits
+  val_split: str = 'validation'
+  text_key: str = 'text'  # the feature (tfds) or field (jsonl) holding the text
+  tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
   seq_len: int = 256
-  val_fraction: float = 0.02  # documents held out, chosen by a hash of their name (seed-independent)
+  val_fraction: float = 0.02  # embedded/text/jsonl: documents held out by a hash of their name (seed-independent)
+  max_chars: int = 2048  # embedded/text: documents cut at line breaks into records of at most this many characters
+  streams: int = 16  # record streams read, tokenized and packed side by side, interleaved row by row
+  workers: int = 0  # grain worker processes packing and masking; 0: one background thread
+  prefetch: int = 8  # batches buffered ahead of the train step
 
 
 @dataclass(frozen=True)
@@ -319,13 +329,14 @@ def _get(config: Config, dotted: str) -> Any:
 
 def validate(config: Config) -> None:
   """Device-independent checks, then the family's own; mesh-dependent ones run when the mesh is built."""
-  from lm.data.tokenizers import get_tokenizer
+  from lm.data.tokenizers import check_spec
   from lm.models import get_family
 
   m, d, o, t = config.model, config.data, config.optim, config.train
   positive = {
     'model.vocab_size': m.vocab_size, 'model.d_model': m.d_model, 'model.num_layers': m.num_layers,
     'model.num_heads': m.num_heads, 'model.max_len': m.max_len, 'data.seq_len': d.seq_len,
+    'data.max_chars': d.max_chars,
     'train.steps': t.steps, 'train.global_batch': t.global_batch, 'train.microbatches': t.microbatches,
     'train.log_every': t.log_every, 'train.eval_every': t.eval_every, 'train.keep_checkpoints': t.keep_checkpoints,
   }
@@ -363,13 +374,18 @@ def validate(config: Config) -> None:
   if m.attention_impl == 'tpu_splash' and m.position == 'relative':
     raise ConfigError('model.attention_impl=tpu_splash takes no bias, which T5 relative positions need; '
                       'use model.attention_impl=flash or tpu_flash')
-  if d.source == 'text' and not d.paths:
-    raise ConfigError('data.source=text needs data.paths (globs of text files), e.g. data.paths=[corpus/*.txt]')
+  if d.source in ('text', 'jsonl') and not d.paths:
+    raise ConfigError(f'data.source={d.source} needs data.paths (globs of local files), e.g. '
+                      f'data.paths=[corpus/*.{"txt" if d.source == "text" else "jsonl"}]')
+  if d.source == 'tfds' and not d.name:
+    raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
+  if d.streams < 1 or d.workers < 0 or d.prefetch < 1:
+    raise ConfigError('data.streams and data.prefetch must be >= 1, data.workers >= 0')
   for key in ('mesh.data', 'mesh.fsdp', 'mesh.tensor'):
     value = _get(config, key)
     if value == 0 or value < -1:
       raise ConfigError(f'{key}={value} must be a positive size or -1 (fill the remaining devices)')
   if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
     raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
-  get_tokenizer(d.tokenizer)
+  check_spec(d.tokenizer)
   get_family(m.family).validate(config)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
+from lm.data.objectives import span_sentinels
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.models import FAMILIES, build_model, get_family
 from lm.models.family import Decoding
@@ -223,31 +224,42 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[Config
 _SENTINEL = re.compile(r'<extra_id_(\d+)>')
 
 
+def _sentinels(config: Config, tokenizer: Tokenizer) -> np.ndarray:
+  """An encoder-decoder's span sentinel ids (<extra_id_N> is entry N); none for decoders or small vocabularies."""
+  if decoding(config.model) != 'encoder_decoder':
+    return np.zeros(0, np.int64)
+  try:
+    return span_sentinels(tokenizer, config.model.vocab_size)
+  except ValueError:
+    return np.zeros(0, np.int64)
+
+
 def encode_prompt(config: Config, tokenizer: Tokenizer, text: str) -> list[int]:
   """Prompt ids as training saw them: decoder-only documents open with BOS; encoder inputs end with EOS
-  and may name span sentinels as <extra_id_N> (id vocab_size - 1 - N)."""
+  and may name span sentinels as <extra_id_N>."""
   if not text:
     raise ConfigError('a prompt is empty; pass some text with --prompt')
   if decoding(config.model) == 'decoder':
     return [tokenizer.bos_id, *tokenizer.encode(text).tolist()]
-  parts = _SENTINEL.split(text)  # text, sentinel number, text, ...
+  sentinels = _sentinels(config, tokenizer)
   ids = []
-  for i, part in enumerate(parts):
-    ids += [config.model.vocab_size - 1 - int(part)] if i % 2 else tokenizer.encode(part).tolist()
+  for i, part in enumerate(_SENTINEL.split(text)):  # text, sentinel number, text, ...
+    if i % 2 and int(part) >= len(sentinels):
+      raise ConfigError(f'<extra_id_{part}> is beyond the {len(sentinels)} sentinels of this model')
+    ids += [int(sentinels[int(part)])] if i % 2 else tokenizer.encode(part).tolist()
   return ids + [tokenizer.eos_id]
 
 
 def decode_ids(config: Config, tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-  """Text of generated ids; an encoder-decoder's ids beyond the tokenizer's are span sentinels, shown as
-  <extra_id_N>."""
-  sentinels = decoding(config.model) == 'encoder_decoder'
+  """Text of generated ids; an encoder-decoder's span sentinels are shown as <extra_id_N>."""
+  names = {int(s): f'<extra_id_{n}>' for n, s in enumerate(_sentinels(config, tokenizer))}
   text, run = [], []
   for i in ids:
-    if i < tokenizer.vocab_size:
-      run.append(i)
-    elif sentinels:
-      text += [tokenizer.decode(run), f'<extra_id_{config.model.vocab_size - 1 - i}>']
+    if i in names:
+      text += [tokenizer.decode(run), names[i]]
       run = []
+    else:
+      run.append(i)
   return ''.join(text + [tokenizer.decode(run)])
 
 

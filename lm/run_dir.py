@@ -5,6 +5,7 @@
   RUN/metrics.jsonl         one JSON record per logged step (training)
   RUN/tensorboard/          TensorBoard events (training)
   RUN/hf_config.json        the config.json of an imported model, so an export keeps every HF field
+  RUN/tokenizer/            an imported model's tokenizer files (data.tokenizer=hf:RUN/tokenizer)
 
 `lm train` writes it; `lm convert --from-hf` writes the same layout with one params-only checkpoint
 at step 0 and `train.init_from` pointing at itself, so `lm train --config RUN/config.yaml
@@ -13,6 +14,7 @@ train.run_dir=NEW` fine-tunes the imported weights, and `lm generate --run RUN` 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ from lm.parallel.mesh import make_mesh
 CONFIG = 'config.yaml'
 CHECKPOINTS = 'checkpoints'
 HF_CONFIG = 'hf_config.json'
+TOKENIZER = 'tokenizer'
+HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
+                      'vocab.txt', 'vocab.json', 'merges.txt', 'spiece.model')
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -99,11 +104,20 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
     raise ConfigError(f'{run_dir} already holds a run ({CONFIG} or {CHECKPOINTS}/); convert into a new directory')
   hf_config = read_hf_config(hf_dir)
   cfg, params = load_params(hf_dir, one_device_mesh())
+  tokenizer_files = [Path(hf_dir) / name for name in HF_TOKENIZER_FILES if (Path(hf_dir) / name).is_file()]
+  tokenizer = f'hf:{run_dir / TOKENIZER}' if tokenizer_files else 'byte'
+  if not tokenizer_files:
+    print(f'warning: {hf_dir} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); the run uses '
+          f'data.tokenizer=byte until you set data.tokenizer=hf:PATH', flush=True)
   config = Config(name=run_dir.name or 'converted', model=cfg,
-                  data=DataConfig(seq_len=min(DataConfig.seq_len, cfg.max_len)),
+                  data=DataConfig(seq_len=min(DataConfig.seq_len, cfg.max_len), tokenizer=tokenizer),
                   train=TrainConfig(run_dir=str(run_dir), init_from=str(run_dir.absolute())))
   config = from_dict(config.to_dict())  # validated like any loaded config
   run_dir.mkdir(parents=True, exist_ok=True)
+  if tokenizer_files:
+    (run_dir / TOKENIZER).mkdir()
+    for file in tokenizer_files:
+      shutil.copyfile(file, run_dir / TOKENIZER / file.name)
   saver = Checkpointer(run_dir / CHECKPOINTS, keep=1, async_save=False)
   try:
     saver.save_params(0, params, config.to_dict())

@@ -116,7 +116,8 @@ def test_sample_logits_keeps_top_k_and_nucleus_sets():
 
 def test_t5_prompts_name_sentinels_and_outputs_show_them():
   config = load_config('t5_tiny', OVERRIDES['t5_tiny'])
-  tokenizer, top = ByteTokenizer(), config.model.vocab_size - 1
+  tokenizer = ByteTokenizer()
+  top = tokenizer.vocab_size + 99  # T5's convention: <extra_id_N> is V + 99 - N above a plain vocabulary of V
   assert encode_prompt(config, tokenizer, 'a<extra_id_0>b<extra_id_1>') == [101, top, 102, top - 1, 2]
   assert decode_ids(config, tokenizer, [top, 101, 102, top - 2, 2]) == '<extra_id_0>ab<extra_id_2>'
 

@@ -1,9 +1,11 @@
 """Run directories: `lm convert` both ways, and `load_params` from our runs and HF directories onto a mesh."""
 import json
 
+import grain
 import jax
 import numpy as np
 import pytest
+import tokenizers
 import torch
 import transformers
 
@@ -12,6 +14,9 @@ from lm.assembly import assemble
 from lm.checkpoint import Checkpointer
 from lm.config import ConfigError, load_config
 from lm.convert.hf import load_hf
+from lm.data.sources import embedded_documents
+from lm.data.tokenizers import get_tokenizer
+from lm.generate import encode_prompt
 from lm.parallel.mesh import make_mesh
 from lm.run_dir import load_params, one_device_mesh
 from tests.convert.test_hf import assert_same_tensors, save_hf_model
@@ -48,7 +53,7 @@ def test_a_training_checkpoint_exports_to_transformers(small_config, tmp_path):
   rng = np.random.default_rng(0)
   state = jax.tree.map(lambda a: (0.2 * rng.normal(size=a.shape)).astype(a.dtype), assembly.abstract_state)
   checkpoints = Checkpointer(config.run_dir / 'checkpoints', keep=1, async_save=False)
-  checkpoints.save(7, state, {}, config.to_dict())
+  checkpoints.save(7, state, iter(grain.MapDataset.range(3).to_iter_dataset()), config.to_dict())
   checkpoints.close()
   (config.run_dir / 'config.yaml').write_text(config.to_yaml())
   assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(config.run_dir)]) == 0
@@ -85,3 +90,44 @@ def test_neither_kind_of_directory_is_named(tmp_path):
   (tmp_path / 'config.yaml').write_text(load_config('gpt_tiny').to_yaml())
   with pytest.raises(ConfigError, match='holds no checkpoint yet'):
     load_params(tmp_path, one_device_mesh())
+
+
+def _bpe(directory, vocab_size, specials):
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator([text for _, text in embedded_documents()[::60]], vocab_size=vocab_size,
+                          special_tokens=specials)
+  return bpe
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 't5'])
+def test_imported_models_bring_their_tokenizer_to_generation(kind, tmp_path, capsys):
+  """GPT-2 with vocab.json + merges.txt, T5 with a tokenizer.json holding <extra_id_N>: the run keeps the files
+  and `lm generate` encodes and decodes with them."""
+  hf, run = tmp_path / 'hf', tmp_path / 'run'
+  if kind == 'gpt2':
+    bpe = _bpe(hf, 300, ['<|endoftext|>'])
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=64))
+    model.save_pretrained(hf, safe_serialization=True)
+    bpe.save_model(str(hf))
+  else:
+    bpe = _bpe(hf, 300, ['<pad>', '</s>', '<unk>'] + [f'<extra_id_{i}>' for i in range(100)])
+    config = transformers.T5Config(vocab_size=416, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   feed_forward_proj='gated-gelu', tie_word_embeddings=False)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(hf, safe_serialization=True)
+    bpe.save(str(hf / 'tokenizer.json'))
+    (hf / 'special_tokens_map.json').write_text(json.dumps({'eos_token': '</s>', 'pad_token': '<pad>',
+                                                            'unk_token': '<unk>'}))
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 0
+  config = load_config(str(run / 'config.yaml'))
+  assert config.data.tokenizer == f'hf:{run}/tokenizer' and (run / 'tokenizer').is_dir()
+  tok = get_tokenizer(config.data.tokenizer)
+  prompt = 'def area(r):<extra_id_0> 3.14' if kind == 't5' else 'def area(r):'
+  ids = encode_prompt(config, tok, prompt)
+  if kind == 'gpt2':
+    assert ids == [bpe.token_to_id('<|endoftext|>')] + bpe.encode('def area(r):').ids
+  else:  # the tokenizer's own sentinel, then EOS
+    assert bpe.token_to_id('<extra_id_0>') in ids and ids[-1] == bpe.token_to_id('</s>')
+  capsys.readouterr()
+  assert cli.main(['generate', '--run', str(run), '--prompt', prompt, '--max-new-tokens', '6']) == 0
+  assert capsys.readouterr().out.startswith(f'--- {prompt!r}\n')

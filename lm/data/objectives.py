@@ -1,65 +1,73 @@
-"""Pretraining objectives on packed rows: causal LM, BERT masked LM, T5 span corruption.
+"""Pretraining objectives on packed rows: causal LM, BERT masked LM (and NSP pairs), T5 span corruption.
 
-Each turns token windows into model features; every one ends as (inputs, targets, weights)
-so one cross-entropy serves all three families. Randomness comes from an explicit
-`np.random.Generator`, derived by the pipeline from (seed, epoch, row), so it is reproducible.
+Each turns a batch of packed rows (`Rows`) into model features; every one ends as (inputs, targets,
+weights) so one cross-entropy serves all families. Randomness comes from one `np.random.Generator`
+per row, seeded by the pipeline from (seed, the row's first record, its offset in that record), so
+a row is masked the same way wherever and whenever it is built (any process count, after resume).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
-
-from lm.data.packing import TokenStream
 
 Features = dict[str, np.ndarray]
 
 
-class Objective(Protocol):
-  """Turns stream rows into features. Rows are `row_len` tokens with stride `row_len - overlap`."""
-  row_len: int
-  overlap: int
-  with_bos: bool  # whether documents in the stream open with BOS (span corruption joins them by EOS only)
+@dataclass(frozen=True)
+class Rows:
+  """Packed rows [n, row_len]: documents concatenated, then split into rows (see `lm.data.pipeline`).
 
-  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
-    """`keys` [n, k] ints seed one generator per row (seed, step, index in the global batch)."""
+  Segment ids number the documents of a row from 1 (0 would be padding); positions restart at each
+  document and at the row start, so attention never crosses documents.
+  """
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+
+
+class Objective(Protocol):
+  """Turns packed rows of `row_len` tokens into features."""
+  row_len: int
+  with_bos: bool  # whether documents open with BOS (span corruption joins them by EOS only)
+
+  def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
+    """`keys` [n, k] ints seed one generator per row."""
     ...
 
 
 @dataclass(frozen=True)
 class CausalLM:
-  """Next-token prediction: inputs are stream[o:o+S], targets stream[o+1:o+S+1].
-
-  A target from another document (the step over a boundary) gets weight 0.
-  """
+  """Next-token prediction: inputs are row[:-1], targets row[1:]; a target from another document gets weight 0."""
   seq_len: int
+  with_bos = True
 
   @property
   def row_len(self) -> int:
     return self.seq_len + 1
 
-  overlap = 1
-  with_bos = True
-
-  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
-    tokens, offsets = stream.windows(rows, self.row_len, self.overlap)
-    segment_ids, positions = stream.segments(offsets[:, :-1])
-    docs = stream.doc_ids[offsets]
+  def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
+    tokens, seg = rows.tokens, rows.segment_ids
     return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-            'weights': (docs[:, :-1] == docs[:, 1:]).astype(np.float32),
-            'segment_ids': segment_ids, 'positions': positions}
+            'weights': ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float32),
+            'segment_ids': seg[:, :-1], 'positions': rows.positions[:, :-1]}
 
 
-def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, first_regular_id: int, vocab_size: int,
+def regular_ids(vocab_size: int, special_ids: np.ndarray) -> np.ndarray:
+  """The ids masked LM may choose and draw as random replacements: all but the specials."""
+  return np.setdiff1d(np.arange(vocab_size), special_ids).astype(np.int32)
+
+
+def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, special: np.ndarray, regular: np.ndarray,
              mask_id: int, rate: float = 0.15, mask_frac: float = 0.8, random_frac: float = 0.1
              ) -> tuple[np.ndarray, np.ndarray]:
   """BERT masking of one row: choose round(rate * eligible) tokens; 80% -> [MASK], 10% random, 10% kept.
 
-  Ids below `first_regular_id` (padding and special tokens) are never chosen; random replacements are
-  regular ids. Returns (inputs, weights) with weight 1 exactly at the chosen positions.
+  `special` ids (padding, [CLS], [SEP], ...) are never chosen; random replacements are drawn from
+  `regular` ids. Returns (inputs, weights) with weight 1 exactly at the chosen positions.
   """
-  eligible = np.flatnonzero(tokens >= first_regular_id)
+  eligible = np.flatnonzero(~np.isin(tokens, special))
   count = int(round(rate * len(eligible)))
   chosen = rng.permutation(eligible)[:count]
   roll = rng.random(count)
@@ -67,7 +75,7 @@ def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, first_regular_id: 
   to_mask = chosen[roll < mask_frac]
   to_random = chosen[(roll >= mask_frac) & (roll < mask_frac + random_frac)]
   inputs[to_mask] = mask_id
-  inputs[to_random] = rng.integers(first_regular_id, vocab_size, size=len(to_random))
+  inputs[to_random] = regular[rng.integers(0, len(regular), size=len(to_random))]
   weights = np.zeros(tokens.shape, np.float32)
   weights[chosen] = 1.0
   return inputs, weights
@@ -92,13 +100,28 @@ def random_spans_noise_mask(length: int, noise_density: float, mean_span_length:
   return np.cumsum(starts) % 2 == 1
 
 
-def spans_to_sentinels(tokens: np.ndarray, mask: np.ndarray, first_sentinel: int) -> np.ndarray:
-  """Each run of masked tokens becomes one sentinel: first_sentinel, first_sentinel - 1, ..."""
+def spans_to_sentinels(tokens: np.ndarray, mask: np.ndarray, sentinels: np.ndarray) -> np.ndarray:
+  """Each run of masked tokens becomes one sentinel: sentinels[0] for the first run, sentinels[1] ..."""
   prev = np.concatenate([[False], mask[:-1]])
   span_start = mask & ~prev
-  sentinels = first_sentinel + 1 - np.cumsum(span_start)
-  out = np.where(span_start, sentinels, tokens)
+  out = np.where(span_start, sentinels[np.maximum(np.cumsum(span_start) - 1, 0)], tokens)
   return out[~mask | span_start]
+
+
+EXTRA_IDS = 100  # T5's sentinels: <extra_id_0> ... <extra_id_99>
+
+
+def span_sentinels(tokenizer: Any, model_vocab: int, count: int = EXTRA_IDS) -> np.ndarray:
+  """Ids of <extra_id_0> ... <extra_id_{count-1}>: the tokenizer's own when it has them, else T5's
+  convention for a plain vocabulary of V ids: <extra_id_N> is V + 99 - N, so the model's vocabulary
+  must hold V + 100 ids (T5's 32000-piece SentencePiece model: 32099 - N, as in its checkpoints)."""
+  own = tokenizer.sentinel_ids(count)
+  if own is not None:
+    return own
+  if count > EXTRA_IDS or tokenizer.vocab_size + EXTRA_IDS > model_vocab:
+    raise ValueError(f'needs T5\'s {EXTRA_IDS} sentinel ids above the tokenizer\'s {tokenizer.vocab_size} '
+                     f'(this row length uses {count})')
+  return tokenizer.vocab_size + EXTRA_IDS - 1 - np.arange(count)
 
 
 @dataclass(frozen=True)
@@ -122,95 +145,92 @@ def span_lengths(inputs_length: int, noise_density: float = 0.15, mean_span_leng
   return SpanLengths(raw=raw, inputs=inputs, targets=targets, spans=spans)
 
 
-def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, first_sentinel: int, eos_id: int,
+def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, sentinels: np.ndarray, eos_id: int,
                     noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
   """(inputs, targets) of one raw window: inputs keep the text with a sentinel per dropped span,
   targets list each sentinel followed by the span it replaced; both end in EOS."""
   noise = random_spans_noise_mask(len(tokens), noise_density, mean_span_length, rng)
-  inputs = spans_to_sentinels(tokens, noise, first_sentinel)
-  targets = spans_to_sentinels(tokens, ~noise, first_sentinel)
+  inputs = spans_to_sentinels(tokens, noise, sentinels)
+  targets = spans_to_sentinels(tokens, ~noise, sentinels)
   return np.append(inputs, eos_id), np.append(targets, eos_id)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MaskedLM:
   """BERT/RoBERTa masked LM on packed rows, masks drawn afresh each time a row is used (dynamic)."""
   seq_len: int
-  first_regular_id: int
-  vocab_size: int  # the tokenizer's: random replacements come from [first_regular_id, vocab_size)
+  special: np.ndarray = field(repr=False)  # the tokenizer's special ids
+  regular: np.ndarray = field(repr=False)  # `regular_ids` of the tokenizer
   mask_id: int
   rate: float = 0.15
-  overlap = 0
   with_bos = True
 
   @property
   def row_len(self) -> int:
     return self.seq_len
 
-  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
-    tokens, offsets = stream.windows(rows, self.row_len)
-    segment_ids, positions = stream.segments(offsets)
-    masked = [mlm_mask(row, np.random.default_rng(key), first_regular_id=self.first_regular_id,
-                       vocab_size=self.vocab_size, mask_id=self.mask_id, rate=self.rate)
-              for row, key in zip(tokens, keys, strict=True)]
-    return {'inputs': np.stack([m[0] for m in masked]), 'targets': tokens,
-            'weights': np.stack([m[1] for m in masked]), 'segment_ids': segment_ids, 'positions': positions}
+  def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
+    masked = [mlm_mask(row, np.random.default_rng(key), special=self.special, regular=self.regular,
+                       mask_id=self.mask_id, rate=self.rate) for row, key in zip(rows.tokens, keys, strict=True)]
+    return {'inputs': np.stack([m[0] for m in masked]), 'targets': rows.tokens,
+            'weights': np.stack([m[1] for m in masked]), 'segment_ids': rows.segment_ids,
+            'positions': rows.positions}
 
 
 @dataclass(frozen=True)
 class NextSentencePairs:
   """BERT's original rows: [CLS] A [SEP] B [SEP] with token types 0/1, MLM on top, and an NSP label:
-  0 when B is the text that follows A (half the time), 1 when B comes from a random place."""
+  0 when B is the text that follows A in its row (half the time), 1 when B comes from another row."""
   masked_lm: MaskedLM
   cls_id: int
   sep_id: int
-  overlap = 0
   with_bos = True
 
   @property
   def row_len(self) -> int:
     return self.masked_lm.seq_len
 
-  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
-    seq_len = self.row_len
+  def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
+    seq_len, n = self.row_len, len(rows.tokens)
     budget = seq_len - 3
-    tokens, _ = stream.windows(rows, seq_len)
     m = self.masked_lm
     out: dict[str, list] = {k: [] for k in ('inputs', 'targets', 'weights', 'token_types', 'nsp_labels')}
-    for window, key in zip(tokens, keys, strict=True):
+    for i, (window, key) in enumerate(zip(rows.tokens, keys, strict=True)):
       rng = np.random.default_rng(key)
       a_len = int(rng.integers(1, budget))
       b_len = budget - a_len
-      is_next = rng.random() < 0.5
+      is_next = n == 1 or rng.random() < 0.5  # a lone row has nowhere else to draw B from
       if is_next:
         b = window[a_len:a_len + b_len]
       else:
-        start = int(rng.integers(0, len(stream.tokens) - b_len))
-        b = stream.tokens[start:start + b_len]
+        other = rows.tokens[(i + 1 + int(rng.integers(n - 1))) % n]
+        start = int(rng.integers(0, seq_len - b_len + 1))
+        b = other[start:start + b_len]
       row = np.concatenate([[self.cls_id], window[:a_len], [self.sep_id], b, [self.sep_id]]).astype(np.int32)
-      inputs, weights = mlm_mask(row, rng, first_regular_id=m.first_regular_id, vocab_size=m.vocab_size,
-                                 mask_id=m.mask_id, rate=m.rate)
+      inputs, weights = mlm_mask(row, rng, special=m.special, regular=m.regular, mask_id=m.mask_id, rate=m.rate)
       out['inputs'].append(inputs)
       out['targets'].append(row)
       out['weights'].append(weights)
       out['token_types'].append(np.repeat(np.array([0, 1], np.int32), [a_len + 2, b_len + 1]))
       out['nsp_labels'].append(np.int32(0 if is_next else 1))
     features = {k: np.stack(v) for k, v in out.items()}
-    features['segment_ids'] = np.ones((len(rows), seq_len), np.int32)
-    features['positions'] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (len(rows), seq_len)).copy()
+    features['segment_ids'] = np.ones((n, seq_len), np.int32)
+    features['positions'] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (n, seq_len)).copy()
     return features
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SpanCorruption:
-  """T5 span corruption of fixed raw windows (documents joined by EOS, as in the T5 paper)."""
+  """T5 span corruption of fixed raw windows (documents joined by EOS, as in the T5 paper).
+
+  `sentinels` holds the ids of <extra_id_0>, <extra_id_1>, ... for as many spans as a row has.
+  """
   inputs_length: int
-  first_sentinel: int
+  sentinels: np.ndarray = field(repr=False)
   eos_id: int
-  decoder_start_id: int
+  pad_id: int  # pads inputs and targets, and starts the decoder (T5's convention)
   noise_density: float = 0.15
   mean_span_length: float = 3.0
-  overlap = 0
   with_bos = False
 
   @property
@@ -221,18 +241,20 @@ class SpanCorruption:
   def row_len(self) -> int:
     return self.lengths.raw
 
-  def __call__(self, stream: TokenStream, rows: np.ndarray, keys: np.ndarray) -> Features:
-    tokens, _ = stream.windows(rows, self.row_len)
+  def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
     lengths = self.lengths
-    n = len(tokens)
-    inputs = np.zeros((n, self.inputs_length), np.int32)
-    targets = np.zeros((n, lengths.targets), np.int32)
-    for i, (row, key) in enumerate(zip(tokens, keys, strict=True)):
-      x, y = span_corruption(row, np.random.default_rng(key), first_sentinel=self.first_sentinel,
-                             eos_id=self.eos_id, noise_density=self.noise_density,
-                             mean_span_length=self.mean_span_length)
+    n = len(rows.tokens)
+    inputs = np.full((n, self.inputs_length), self.pad_id, np.int32)
+    targets = np.full((n, lengths.targets), self.pad_id, np.int32)
+    input_len, target_len = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for i, (row, key) in enumerate(zip(rows.tokens, keys, strict=True)):
+      x, y = span_corruption(row, np.random.default_rng(key), sentinels=self.sentinels, eos_id=self.eos_id,
+                             noise_density=self.noise_density, mean_span_length=self.mean_span_length)
       inputs[i, :len(x)], targets[i, :len(y)] = x, y
-    decoder_inputs = np.concatenate([np.full((n, 1), self.decoder_start_id, np.int32), targets[:, :-1]], axis=1)
-    return {'inputs': inputs, 'segment_ids': (inputs != 0).astype(np.int32),
-            'decoder_inputs': decoder_inputs, 'targets': targets, 'weights': (targets != 0).astype(np.float32),
-            'decoder_segment_ids': (targets != 0).astype(np.int32)}
+      input_len[i], target_len[i] = len(x), len(y)
+    real_input = np.arange(self.inputs_length)[None] < input_len[:, None]
+    real_target = np.arange(lengths.targets)[None] < target_len[:, None]
+    decoder_inputs = np.concatenate([np.full((n, 1), self.pad_id, np.int32), targets[:, :-1]], axis=1)
+    return {'inputs': inputs, 'segment_ids': real_input.astype(np.int32), 'decoder_inputs': decoder_inputs,
+            'targets': targets, 'weights': real_target.astype(np.float32),
+            'decoder_segment_ids': real_target.astype(np.int32)}

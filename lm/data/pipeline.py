@@ -1,22 +1,39 @@
-"""Global batches from a token stream: deterministic order, resumable, built per process.
+"""Global batches from a grain pipeline: shuffled records, per-process shards, tokenized, packed, masked.
 
-Batch `step` holds rows `perm_epoch[i*B:(i+1)*B]` of a permutation drawn from (seed, epoch),
-so the position in the data is just the number of batches served. Each process builds only
-the rows its devices hold and assembles the global array with
-`jax.make_array_from_process_local_data`, so the same code runs on one host or many.
+Per process, for one split:
+  documents (`lm.data.sources`)        random access, read when asked for
+  -> shuffle(seed), repeat             training only: a global permutation of the records, new each epoch
+  -> [process_index::process_count]    each host reads only its share of the records
+  -> data.streams streams, each:       every S-th of those records, tokenized ([BOS] + ids + [EOS], with
+     tokenize, concat-then-split       each token's record and offset) and packed end to end into rows
+  -> interleave the streams row by row
+  -> batch (this process's rows) -> objective (causal LM, MLM with optional NSP, span corruption)
+  -> prefetch                          a background thread, or data.workers processes
+and `jax.make_array_from_process_local_data` assembles the global batch.
+
+Packing is concat-then-split (grain's `ConcatThenSplitIterDataset`): every row is full, so no
+compute goes to padding, and a document longer than a row continues in the next one. Segment ids
+and positions restart at each document and at each row start, so attention never crosses
+documents (the semantics of the earlier in-memory packer). Packing several record streams and
+interleaving their rows keeps a long document (a stdlib module spans hundreds of rows) from
+filling whole batches: consecutive rows come from different documents. Each row's randomness is keyed by
+(seed, its first record, the offset there): the same row is masked the same way on any host
+layout. The iterator's state (grain's, one JSON file per process) goes into every checkpoint, so a
+resumed run reads on from the exact record.
 """
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Iterator
 
+import grain
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError
-from lm.data.objectives import Objective
-from lm.data.packing import TokenStream
-from lm.data.sources import load_documents, split_documents
+from lm.data.objectives import Objective, Rows
+from lm.data.sources import Documents, Split, open_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.models import get_family
 from lm.parallel.rules import batch_sharding
@@ -34,85 +51,157 @@ def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, in
   return lo, hi
 
 
-class Batches:
-  """Iterator of global batches (dicts of jax.Array [B, ...]) with `get_state`/`set_state`."""
-
-  def __init__(self, stream: TokenStream, objective: Objective, global_batch: int, seed: int,
-               mesh: Mesh, name: str = 'train'):
-    num_rows = stream.num_rows(objective.row_len, objective.overlap)
-    if num_rows < global_batch:
-      raise ConfigError(f'the {name} split has {num_rows} rows, fewer than train.global_batch={global_batch}; '
-                        f'lower the batch or data.seq_len, or add data')
-    self.stream, self.objective, self.num_rows = stream, objective, num_rows
-    self.global_batch, self.seed, self.mesh = global_batch, seed, mesh
-    self.batches_per_epoch = num_rows // global_batch
-    self.local_rows = local_row_range(batch_sharding(mesh, 1), global_batch)
-    self.step = 0
-    self._epoch_permutation: tuple[int, np.ndarray] = (-1, np.empty(0))
-
-  def rows(self, step: int) -> np.ndarray:
-    """Global row ids of batch `step`."""
-    epoch, index = divmod(step, self.batches_per_epoch)
-    if self._epoch_permutation[0] != epoch:
-      self._epoch_permutation = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
-    return self._epoch_permutation[1][index * self.global_batch:(index + 1) * self.global_batch]
-
-  def batch(self, step: int) -> dict[str, jax.Array]:
-    lo, hi = self.local_rows
-    keys = np.stack([np.full(hi - lo, self.seed), np.full(hi - lo, step), np.arange(lo, hi)], axis=1)
-    local = self.objective(self.stream, self.rows(step)[lo:hi], keys)
-    return {key: jax.make_array_from_process_local_data(batch_sharding(self.mesh, value.ndim), value,
-                                                        (self.global_batch, *value.shape[1:]))
-            for key, value in local.items()}
-
-  def __iter__(self) -> 'Batches':
-    return self
-
-  def __next__(self) -> dict[str, jax.Array]:
-    batch = self.batch(self.step)
-    self.step += 1
-    return batch
-
-  def get_state(self) -> dict[str, Any]:
-    return {'step': self.step, 'seed': self.seed, 'num_rows': self.num_rows}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    if state['seed'] != self.seed or state['num_rows'] != self.num_rows:
-      raise ConfigError(f'the checkpoint\'s data position (seed {state["seed"]}, {state["num_rows"]} rows) does not '
-                        f'match this run (seed {self.seed}, {self.num_rows} rows); resume with the same data and seed')
-    self.step = int(state['step'])
-
-
-def tokenize(docs: list[tuple[str, str]], tokenizer: Tokenizer, order_seed: int | None,
-             with_bos: bool = True) -> TokenStream:
-  """Documents in a seeded random order (or as given when `order_seed` is None), packed end to end."""
-  order = np.arange(len(docs)) if order_seed is None else np.random.default_rng(order_seed).permutation(len(docs))
-  return TokenStream.from_documents([tokenizer.encode(docs[i][1]) for i in order],
-                                    tokenizer.bos_id if with_bos else None, tokenizer.eos_id)
-
-
 def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
   """The pretraining objective the config's family declares (causal LM, masked LM, span corruption)."""
   return get_family(config.model.family).objective(config, tokenizer)
 
 
-def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-  """Per-row shape and dtype of every feature the config's objective produces."""
+def _with_index(index: int, text: str) -> tuple[int, str]:
+  return index, text
+
+
+class _Tokenize:
+  """(stream index, text) -> tokens with, per token, its record (the stream index) and its offset in it."""
+
+  def __init__(self, tokenizer: Tokenizer, with_bos: bool):
+    self.tokenizer, self.with_bos = tokenizer, with_bos
+
+  def __call__(self, record: tuple[int, str]) -> dict[str, np.ndarray]:
+    index, text = record
+    t = self.tokenizer
+    tokens = np.concatenate([[t.bos_id] if self.with_bos else [], t.encode(text), [t.eos_id]]).astype(np.int32)
+    return {'tokens': tokens, 'record': np.full(len(tokens), index, np.int64),
+            'offset': np.arange(len(tokens), dtype=np.int64)}
+
+
+def _full_row(row: dict[str, np.ndarray]) -> bool:
+  """False only for the padded last row of a finite split."""
+  return bool(row['tokens_segment_ids'][-1] != 0)
+
+
+class _Features:
+  """A batch of packed rows -> the objective's features, each row's randomness keyed by where it starts."""
+
+  def __init__(self, objective: Objective, seed: int):
+    self.objective, self.seed = objective, seed
+
+  def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    rows = Rows(batch['tokens'], batch['tokens_segment_ids'], batch['tokens_positions'])
+    keys = np.stack([np.full(len(rows.tokens), self.seed), batch['record'][:, 0], batch['offset'][:, 0]], axis=1)
+    return self.objective(rows, keys)
+
+
+def records(documents: Documents, shuffle_seed: int | None, process_index: int, process_count: int
+            ) -> grain.MapDataset:
+  """(stream index, text) of the records this process reads. With `shuffle_seed` (training) the documents
+  are shuffled and repeated forever, every epoch in a new order; without, read once in order. Process p of
+  P takes stream positions p, p + P, ...: within each epoch the processes' shares are disjoint and cover
+  every document once."""
+  ds = grain.MapDataset.source(documents)
+  if shuffle_seed is not None:
+    ds = ds.shuffle(seed=shuffle_seed).repeat()
+  return ds.map_with_index(_with_index)[process_index::process_count]
+
+
+def batch_dataset(documents: Documents, tokenizer: Tokenizer, objective: Objective, *, shuffle_seed: int | None,
+                  key_seed: int, local_batch: int, streams: int = 16, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+  """This process's batches of features [local_batch, ...] before prefetching; rows keyed from `key_seed`."""
+  shard = records(documents, shuffle_seed, process_index, process_count)
+  tokenize = _Tokenize(tokenizer, objective.with_bos)
+  lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset')}
+
+  def packed(stream: int) -> grain.IterDataset:
+    ds = shard[stream::streams].map(tokenize).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths).filter(_full_row)
+  rows = grain.experimental.InterleaveIterDataset([packed(s) for s in range(streams)], cycle_length=streams)
+  return rows.batch(local_batch, drop_remainder=True).map(_Features(objective, key_seed))
+
+
+class Batches:
+  """Global batches (dicts of jax.Array [B, ...]) of one split, each process building only its rows.
+
+  `iterator` is the grain iterator whose state checkpoints save and restore.
+  """
+
+  def __init__(self, dataset: grain.IterDataset, mesh: Mesh, global_batch: int, workers: int, prefetch: int):
+    if workers:
+      from absl import flags
+      if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags; we take their defaults
+        flags.FLAGS.mark_as_parsed()
+      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
+                                                                 per_worker_buffer_size=prefetch))
+    else:
+      dataset = grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
+    self.dataset, self.mesh, self.global_batch = dataset, mesh, global_batch
+    self.iterator = iter(dataset)
+    # Stop the prefetching thread or processes when these batches are dropped, or at exit at the latest.
+    weakref.finalize(self, self.iterator.close)
+
+  def _global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {key: jax.make_array_from_process_local_data(batch_sharding(self.mesh, value.ndim), value,
+                                                        (self.global_batch, *value.shape[1:]))
+            for key, value in local.items()}
+
+  def __iter__(self) -> Batches:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    return self._global(next(self.iterator))
+
+  def first(self, count: int) -> Iterator[dict[str, jax.Array]]:
+    """Up to `count` batches from the start of the split (a fresh iterator: evaluation sees the same rows)."""
+    iterator = iter(self.dataset)
+    try:
+      for _, local in zip(range(count), iterator):
+        yield self._global(local)
+    finally:
+      iterator.close()
+
+
+
+def build_batches(config: Config, mesh: Mesh, process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[Tokenizer, Batches, Batches | None]:
+  """Tokenizer, training batches (shuffled from the seed, endless) and validation batches (in order), or
+  None for validation when `train.eval_batches` is 0. Process index and count default to JAX's."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   objective = make_objective(config, tokenizer)
-  doc = np.full(2 * objective.row_len, tokenizer.first_regular_id, np.int32)
-  stream = TokenStream.from_documents([doc], tokenizer.bos_id, tokenizer.eos_id)
-  features = objective(stream, np.zeros(1, np.int64), np.zeros((1, 3), np.int64))
+  lo, hi = local_row_range(batch_sharding(mesh, 1), config.train.global_batch)
+  process = (jax.process_index() if process_index is None else process_index,
+             jax.process_count() if process_count is None else process_count)
+  d, seed = config.data, config.train.seed
+
+  def batches(split: Split) -> Batches:
+    documents = open_documents(d, split)
+    if len(documents) == 0:
+      raise ConfigError(f'the {split} split of data.source={d.source} holds no documents; add data')
+    # Validation: in order and masked from seed 0 whatever the run's seed, so runs compare.
+    train = split == 'train'
+    dataset = batch_dataset(documents, tokenizer, objective, shuffle_seed=seed if train else None,
+                            key_seed=seed if train else 0, local_batch=hi - lo, streams=d.streams,
+                            process_index=process[0], process_count=process[1])
+    return Batches(dataset, mesh, config.train.global_batch, d.workers if train else 0, d.prefetch)
+  val = None
+  if config.train.eval_batches:
+    val = batches('validation')
+    if next(val.first(1), None) is None:
+      raise ConfigError(f'the validation split yields no full batch of {hi - lo} rows of {objective.row_len} '
+                        f'tokens; lower train.global_batch or data.seq_len, or add validation data')
+  return tokenizer, batches('train'), val
+
+
+class _ShapeTokenizer:
+  """Stands in for the tokenizer where only feature shapes matter (they depend on lengths alone)."""
+  vocab_size, pad_id, bos_id, eos_id, mask_id = 1, 0, 0, 0, 0
+  special_ids = np.zeros(1, np.int64)
+
+  def sentinel_ids(self, count: int) -> None:
+    return None
+
+
+def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Per-row shape and dtype of every feature the config's objective produces (no tokenizer files needed)."""
+  objective = make_objective(config, _ShapeTokenizer())
+  zeros = np.zeros((2, objective.row_len), np.int32)
+  features = objective(Rows(zeros, zeros + 1, zeros), np.zeros((2, 3), np.int64))
   return {k: (v.shape[1:], v.dtype) for k, v in features.items()}
-
-
-def build_batches(config: Config, mesh: Mesh) -> tuple[Tokenizer, Batches, Batches]:
-  """Tokenizer, training batches (shuffled from the seed) and validation batches (fixed order)."""
-  tokenizer = get_tokenizer(config.data.tokenizer)
-  objective = make_objective(config, tokenizer)
-  train_docs, val_docs = split_documents(load_documents(config.data), config.data.val_fraction)
-  batch, seed, with_bos = config.train.global_batch, config.train.seed, objective.with_bos
-  train = Batches(tokenize(train_docs, tokenizer, seed, with_bos), objective, batch, seed, mesh)
-  # Validation rows (and their masks): a fixed order from seed 0 whatever the run's seed, so runs compare.
-  val = Batches(tokenize(val_docs, tokenizer, None, with_bos), objective, batch, 0, mesh, 'validation')
-  return tokenizer, train, val

@@ -1,26 +1,48 @@
-"""Document sources: the embedded corpus (Python's own docs and stdlib) and local text files."""
+"""Document sources as random-access sequences of text: what grain reads records from.
+
+`data.source` picks one: the embedded corpus (Python's own docs and stdlib, no download), local
+text files (one document each), local JSONL (one document per line, under `data.text_key`), or a
+TFDS dataset prepared as ArrayRecord (`tfds.data_source`, no TensorFlow at run time). Local files
+are read when a record is asked for, never all at once; the embedded corpus and local files hold
+out a fixed validation set chosen by a hash of each document's name, TFDS uses its own splits.
+
+The embedded corpus and text files are cut at line breaks into records of at most
+`data.max_chars` characters (a stdlib module would otherwise fill hundreds of consecutive rows and
+the shuffle could not mix it with others); JSONL lines and TFDS records are taken as they are.
+"""
 from __future__ import annotations
 
+import functools
 import glob
+import json
 import os
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Literal, Protocol, Sequence
+
+import numpy as np
 
 from lm.config import ConfigError, DataConfig
 
-Document = tuple[str, str]  # (stable name, text)
-
+Split = Literal['train', 'validation']
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test'}
 
 
-def embedded_documents() -> list[Document]:
-  """English text on every machine with Python, no download: the pydoc topics and stdlib sources.
+class Documents(Protocol):
+  """grain's RandomAccessDataSource: `len` and the text of record `i`."""
 
-  `pydoc_data.topics` holds the language reference that `help()` shows; the stdlib
-  modules add docstrings, comments and code. Test suites are left out (fixtures, odd encodings).
-  """
-  docs: list[Document] = []
+  def __len__(self) -> int: ...
+
+  def __getitem__(self, index: int) -> str: ...
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_documents() -> list[tuple[str, str]]:
+  """(name, text) of English text on every machine with Python, no download: the pydoc topics and stdlib
+  sources. `pydoc_data.topics` holds the language reference that `help()` shows; the stdlib modules add
+  docstrings, comments and code. Test suites are left out (fixtures, odd encodings)."""
+  docs: list[tuple[str, str]] = []
   try:
     from pydoc_data.topics import topics
     docs += [(f'pydoc/{key}', text) for key, text in sorted(topics.items())]
@@ -38,30 +60,174 @@ def embedded_documents() -> list[Document]:
   return docs
 
 
-def text_documents(patterns: tuple[str, ...]) -> list[Document]:
-  """One document per UTF-8 file matched by the globs, in sorted order."""
-  paths = sorted({p for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                  if os.path.isfile(p)})
-  if not paths:
-    raise ConfigError(f'data.paths={list(patterns)} matched no files; check the globs')
-  return [(p, Path(p).read_text('utf-8', errors='replace')) for p in paths]
-
-
-def load_documents(cfg: DataConfig) -> list[Document]:
-  if cfg.source == 'embedded':
-    return embedded_documents()
-  return text_documents(cfg.paths)
-
-
 def is_validation(name: str, fraction: float) -> bool:
   """Fixed held-out split by a hash of the document name: the same for every seed and run."""
   return zlib.crc32(name.encode('utf-8')) % 10_000 < fraction * 10_000
 
 
-def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+def split_documents(docs: list[tuple[str, str]], val_fraction: float
+                    ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
   train = [d for d in docs if not is_validation(d[0], val_fraction)]
   val = [d for d in docs if is_validation(d[0], val_fraction)]
-  if not val or not train:
-    raise ConfigError(f'data.val_fraction={val_fraction} leaves {len(train)} training and {len(val)} validation '
-                      f'documents of {len(docs)}; choose a fraction that leaves both non-empty')
+  _check_split(len(train), len(val), len(docs), val_fraction)
   return train, val
+
+
+def _check_split(train: int, val: int, total: int, fraction: float) -> None:
+  if not val or not train:
+    raise ConfigError(f'data.val_fraction={fraction} leaves {train} training and {val} validation '
+                      f'documents of {total}; choose a fraction that leaves both non-empty')
+
+
+def _files(patterns: Sequence[str]) -> list[str]:
+  paths = sorted({p for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                  if os.path.isfile(p)})
+  if not paths:
+    raise ConfigError(f'data.paths={list(patterns)} matched no files; check the globs')
+  return paths
+
+
+class TextList:
+  """Documents held in memory (the embedded corpus)."""
+
+  def __init__(self, texts: list[str]):
+    self.texts = texts
+
+  def __len__(self) -> int:
+    return len(self.texts)
+
+  def __getitem__(self, index: int) -> str:
+    return self.texts[index]
+
+
+def chunk_bounds(data: bytes | str, max_size: int) -> list[tuple[int, int]]:
+  """[start, end) pieces of `data` of at most `max_size`, cut after line breaks where a line allows it."""
+  newline = b'\n' if isinstance(data, bytes) else '\n'
+  bounds, start, end = [], 0, 0
+  while end < len(data):
+    line_end = data.find(newline, end)
+    line_end = len(data) if line_end < 0 else line_end + 1
+    if line_end - start <= max_size:
+      end = line_end
+      continue
+    if end == start:  # one line longer than a piece: cut it (on a UTF-8 character boundary)
+      end = start + max_size
+      while isinstance(data, bytes) and end > start + 1 and data[end] & 0xC0 == 0x80:
+        end -= 1
+    bounds.append((start, end))
+    start = end
+  if start < len(data):
+    bounds.append((start, len(data)))
+  return bounds
+
+
+class TextFiles:
+  """UTF-8 files, each cut into pieces (byte ranges) of at most `max_chars` bytes, read when asked for."""
+
+  def __init__(self, paths: list[str], max_chars: int):
+    self.paths = paths
+    pieces = [(f, start, end) for f, path in enumerate(paths)
+              for start, end in chunk_bounds(Path(path).read_bytes(), max_chars)]
+    self.file = np.array([p[0] for p in pieces], np.int32)
+    self.bounds = np.array([p[1:] for p in pieces], np.int64).reshape(-1, 2)
+
+  def __len__(self) -> int:
+    return len(self.file)
+
+  def __getitem__(self, index: int) -> str:
+    start, end = self.bounds[index]
+    with open(self.paths[self.file[index]], 'rb') as f:
+      f.seek(start)
+      return f.read(end - start).decode('utf-8', errors='replace')
+
+
+class JsonLines:
+  """One JSON object per line of local files; the document is its `text_key` field, read when asked for.
+
+  Only the byte offset of each line is kept (8 bytes a document), so memory stays flat as files grow.
+  """
+
+  def __init__(self, paths: list[str], lines: list[tuple[int, int]], text_key: str):
+    self.paths, self.text_key = paths, text_key
+    self.file = np.array([f for f, _ in lines], np.int32)
+    self.offset = np.array([o for _, o in lines], np.int64)
+
+  def __len__(self) -> int:
+    return len(self.offset)
+
+  def __getitem__(self, index: int) -> str:
+    path = self.paths[self.file[index]]
+    with open(path, 'rb') as f:
+      f.seek(self.offset[index])
+      line = f.readline()
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f'{path}: a line at byte {self.offset[index]} is not JSON ({e.msg})') from None
+    if not isinstance(record, dict) or self.text_key not in record:
+      keys = ', '.join(record) if isinstance(record, dict) else type(record).__name__
+      raise ConfigError(f'{path}: a record at byte {self.offset[index]} has no {self.text_key!r} field '
+                        f'(it has: {keys}); set data.text_key')
+    return str(record[self.text_key])
+
+
+def jsonl_lines(paths: list[str]) -> list[tuple[str, int, int]]:
+  """(name, file index, byte offset) of every non-empty line."""
+  out = []
+  for f, path in enumerate(paths):
+    with open(path, 'rb') as handle:
+      offset = 0
+      for n, line in enumerate(handle):
+        if line.strip():
+          out.append((f'{path}:{n}', f, offset))
+        offset += len(line)
+  return out
+
+
+class TfdsDocuments:
+  """A TFDS split prepared as ArrayRecord, read with `tfds.data_source`; the document is `text_key`."""
+
+  def __init__(self, cfg: DataConfig, split: str):
+    import tensorflow_datasets as tfds
+    where = f'data.name={cfg.name}' + (f' in data.data_dir={cfg.data_dir}' if cfg.data_dir else '')
+    try:
+      self.source = tfds.data_source(cfg.name, split=split, data_dir=cfg.data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ConfigError(f'{where}: no such prepared dataset; check data.name (with its config and version, '
+                        f'e.g. c4/en:3.1.0) and data.data_dir, or prepare it (lm data build for local files)') from None
+    except ValueError as e:
+      message = str(e).splitlines()[0]
+      raise ConfigError(f'{where}: {message}; set data.train_split / data.val_split') from None
+    except FileNotFoundError as e:
+      raise ConfigError(f'{where}: {e}; prepare the dataset in ArrayRecord format') from None
+    features = list(self.source.dataset_info.features.keys())
+    if cfg.text_key not in features:
+      raise ConfigError(f'data.text_key={cfg.text_key!r} is not a feature of {cfg.name}; its features: '
+                        f'{", ".join(features)}')
+    self.text_key = cfg.text_key
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index: int) -> str:
+    value = self.source[index][self.text_key]
+    return value.decode('utf-8', errors='replace') if isinstance(value, bytes) else str(value)
+
+
+def open_documents(cfg: DataConfig, split: Split) -> Documents:
+  """The documents of one split of the configured source."""
+  if cfg.source == 'tfds':
+    return TfdsDocuments(cfg, cfg.train_split if split == 'train' else cfg.val_split)
+  if cfg.source == 'embedded':
+    train, val = split_documents(embedded_documents(), cfg.val_fraction)
+    return TextList([text[a:b] for _, text in (train if split == 'train' else val)
+                     for a, b in chunk_bounds(text, cfg.max_chars)])
+  paths = _files(cfg.paths)
+  if cfg.source == 'text':
+    held = [is_validation(p, cfg.val_fraction) for p in paths]
+    _check_split(held.count(False), held.count(True), len(paths), cfg.val_fraction)
+    return TextFiles([p for p, v in zip(paths, held) if v == (split == 'validation')], cfg.max_chars)
+  lines = jsonl_lines(paths)
+  held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]
+  _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
+  return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key)

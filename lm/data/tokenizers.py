@@ -1,45 +1,206 @@
-"""Tokenizers behind one interface; SentencePiece plugs in beside the byte tokenizer."""
+"""Tokenizers behind one interface: bytes, SentencePiece models and Hugging Face tokenizers.
+
+`data.tokenizer` names one: `byte`; `sentencepiece:PATH` (a .model file); or `hf:PATH`, a
+`tokenizer.json` or an HF model directory holding tokenizer.json, vocab.txt (WordPiece),
+vocab.json + merges.txt (byte-level BPE) or spiece.model. Special ids (pad, BOS/[CLS], EOS/[SEP],
+[MASK], T5's <extra_id_N> sentinels) come from the tokenizer's own vocabulary and files.
+"""
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+import json
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from lm.config import ConfigError
 
+SCHEMES = ('byte', 'sentencepiece:PATH', 'hf:PATH')
+
 
 class Tokenizer(Protocol):
   vocab_size: int
   pad_id: int
-  bos_id: int  # also BERT's [CLS]
-  eos_id: int  # also BERT's [SEP]
-  mask_id: int
-  first_regular_id: int  # ids below this are special: never masked, never a random replacement
+  bos_id: int  # opens a document; BERT's [CLS]
+  eos_id: int  # ends a document; BERT's [SEP]
+  mask_id: int | None  # masked LM's replacement token, if the vocabulary has one
+  special_ids: np.ndarray  # sorted: never masked, never drawn as a random replacement
 
   def encode(self, text: str) -> np.ndarray: ...
 
   def decode(self, ids: np.ndarray | list[int]) -> str: ...
 
+  def sentinel_ids(self, count: int) -> np.ndarray | None:
+    """Ids of <extra_id_0> ... <extra_id_{count-1}>, or None when the vocabulary has too few."""
+    ...
+
 
 class ByteTokenizer:
   """UTF-8 bytes shifted past four specials (pad 0, bos 1, eos 2, mask 3): vocabulary 260."""
   pad_id, bos_id, eos_id, mask_id = 0, 1, 2, 3
-  offset = first_regular_id = 4
+  offset = 4
   vocab_size = 256 + offset
+  special_ids = np.arange(offset)
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32) + self.offset
 
   def decode(self, ids: np.ndarray | list[int]) -> str:
     ids = np.asarray(ids, dtype=np.int64)
-    data = (ids[ids >= self.offset] - self.offset).astype(np.uint8).tobytes()
+    data = (ids[(ids >= self.offset) & (ids < self.vocab_size)] - self.offset).astype(np.uint8).tobytes()
     return data.decode('utf-8', errors='replace')
 
+  def sentinel_ids(self, count: int) -> np.ndarray | None:
+    return None
 
-TOKENIZERS = {'byte': ByteTokenizer}
+
+def _lookup(ids: dict[str, int], *names: str | None) -> int | None:
+  for name in names:
+    if name is not None and name in ids:
+      return ids[name]
+  return None
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-  if name not in TOKENIZERS:
-    raise ConfigError(f'data.tokenizer={name!r} is unknown; choose one of: {", ".join(TOKENIZERS)}')
-  return TOKENIZERS[name]()
+class _Vocabulary:
+  """What SentencePiece and HF tokenizers share: specials resolved from token strings."""
+  pad_id: int
+  bos_id: int
+  eos_id: int
+  mask_id: int | None
+  special_ids: np.ndarray
+  vocab_size: int
+  _sentinels: dict[int, int]
+
+  def _resolve(self, where: str, ids: dict[str, int], special: set[int], *, pad: Any, bos: Any, eos: Any,
+               mask: Any) -> None:
+    """Sets the special ids from candidate token strings (first found wins)."""
+    bos_id, eos_id = _lookup(ids, *bos), _lookup(ids, *eos)
+    if eos_id is None:
+      raise ConfigError(f'tokenizer {where} has no end-of-document token (looked for {", ".join(filter(None, eos))}); '
+                        f'use a vocabulary with one')
+    self.bos_id = eos_id if bos_id is None else bos_id  # vocabularies without BOS (T5) separate by EOS alone
+    self.eos_id = eos_id
+    pad_id = _lookup(ids, *pad)
+    self.pad_id = eos_id if pad_id is None else pad_id
+    self.mask_id = _lookup(ids, *mask)
+    self._sentinels = {int(name[10:-1]): i for name, i in ids.items()
+                       if name.startswith('<extra_id_') and name.endswith('>') and name[10:-1].isdigit()}
+    special |= {self.pad_id, self.bos_id, self.eos_id, *self._sentinels.values()}
+    if self.mask_id is not None:
+      special.add(self.mask_id)
+    self.special_ids = np.array(sorted(special), np.int64)
+
+  def sentinel_ids(self, count: int) -> np.ndarray | None:
+    if any(n not in self._sentinels for n in range(count)):
+      return None
+    return np.array([self._sentinels[n] for n in range(count)], np.int64)
+
+
+class SentencePieceTokenizer(_Vocabulary):
+  """A SentencePiece model: specials from its pad/bos/eos/unk ids, control and user-defined pieces."""
+
+  def __init__(self, path: str | Path):
+    import sentencepiece as spm
+    self.path = str(path)
+    self.processor = spm.SentencePieceProcessor(model_file=self.path)
+    sp = self.processor
+    self.vocab_size = sp.get_piece_size()
+    ids = {sp.id_to_piece(i): i for i in range(self.vocab_size)}
+    named = {'pad': sp.pad_id(), 'bos': sp.bos_id(), 'eos': sp.eos_id()}
+    for role, i in named.items():
+      if i >= 0:
+        ids[f'<lm {role}>'] = i
+    special = {i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)}
+    self._resolve(f'sentencepiece:{path}', ids, special, pad=('<lm pad>',), bos=('<lm bos>',),
+                  eos=('<lm eos>', '</s>'), mask=('[MASK]', '<mask>'))
+
+  def __reduce__(self) -> tuple:  # rebuilt from the file in grain worker processes
+    return SentencePieceTokenizer, (self.path,)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self.processor.encode(text), np.int32)
+
+  def decode(self, ids: np.ndarray | list[int]) -> str:
+    ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and int(i) not in set(self.special_ids.tolist())]
+    return self.processor.decode(ids)
+
+
+def _token_string(value: Any) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+  if isinstance(value, dict):
+    return value.get('content')
+  return value if isinstance(value, str) else None
+
+
+class HFTokenizer(_Vocabulary):
+  """A Hugging Face tokenizer (the `tokenizers` library), from tokenizer.json or the classic vocabulary files."""
+
+  def __init__(self, path: str | Path):
+    self.path = str(path)
+    path = Path(path)
+    self.tokenizer, directory = _load_hf(path)
+    settings: dict[str, Any] = {}
+    for name in ('special_tokens_map.json', 'tokenizer_config.json'):
+      if (directory / name).is_file():
+        settings.update(json.loads((directory / name).read_text()))
+    token = lambda key: _token_string(settings.get(key))
+    self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = self.tokenizer.get_vocab(with_added_tokens=True)
+    special = {i for i, added in self.tokenizer.get_added_tokens_decoder().items() if added.special}
+    special |= {i for key in ('unk_token', 'cls_token', 'sep_token') if (i := _lookup(ids, token(key))) is not None}
+    self._resolve(f'hf:{path}', ids, special, pad=(token('pad_token'), '[PAD]', '<pad>'),
+                  bos=(token('bos_token'), token('cls_token'), '<s>', '[CLS]', '<|endoftext|>'),
+                  eos=(token('eos_token'), token('sep_token'), '</s>', '[SEP]', '<|endoftext|>'),
+                  mask=(token('mask_token'), '[MASK]', '<mask>'))
+
+  def __reduce__(self) -> tuple:
+    return HFTokenizer, (self.path,)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids: np.ndarray | list[int]) -> str:
+    return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True)
+
+
+def _load_hf(path: Path) -> tuple[Any, Path]:
+  """(a `tokenizers.Tokenizer`, the directory of its settings files) from a file or a model directory."""
+  import tokenizers
+  if path.is_file() and path.suffix == '.json':
+    return tokenizers.Tokenizer.from_file(str(path)), path.parent
+  if (path / 'tokenizer.json').is_file():
+    return tokenizers.Tokenizer.from_file(str(path / 'tokenizer.json')), path
+  if (path / 'vocab.txt').is_file():
+    settings = path / 'tokenizer_config.json'
+    lowercase = json.loads(settings.read_text()).get('do_lower_case', True) if settings.is_file() else True
+    wordpiece = tokenizers.BertWordPieceTokenizer(str(path / 'vocab.txt'), lowercase=lowercase)
+    return wordpiece._tokenizer, path  # noqa: SLF001  (the implementation classes wrap a Tokenizer)
+  if (path / 'vocab.json').is_file() and (path / 'merges.txt').is_file():
+    bpe = tokenizers.ByteLevelBPETokenizer(str(path / 'vocab.json'), str(path / 'merges.txt'))
+    return bpe._tokenizer, path  # noqa: SLF001
+  raise ConfigError(f'data.tokenizer=hf:{path}: no tokenizer.json, vocab.txt or vocab.json + merges.txt there; '
+                    f'pass an HF model directory or a tokenizer.json')
+
+
+def check_spec(spec: str) -> None:
+  """A ConfigError unless `spec` has one of the SCHEMES forms (files are checked when loaded)."""
+  kind, sep, path = spec.partition(':')
+  if spec != 'byte' and not (kind in ('sentencepiece', 'hf') and sep and path):
+    raise ConfigError(f'data.tokenizer={spec!r} is not a tokenizer; write one of: {", ".join(SCHEMES)}')
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(spec: str) -> Tokenizer:
+  """The tokenizer `data.tokenizer` names; a ConfigError naming the path when it cannot be read."""
+  check_spec(spec)
+  if spec == 'byte':
+    return ByteTokenizer()
+  kind, _, path = spec.partition(':')
+  if not Path(path).exists():
+    raise ConfigError(f'data.tokenizer={spec}: {path} does not exist; train one with lm tokenizer train or '
+                      f'point at an existing {"SentencePiece model" if kind == "sentencepiece" else "HF tokenizer"}')
+  if kind == 'sentencepiece' or (kind == 'hf' and (Path(path) / 'spiece.model').is_file()
+                                 and not (Path(path) / 'tokenizer.json').is_file()):
+    return SentencePieceTokenizer(Path(path) / 'spiece.model' if kind == 'hf' else path)
+  return HFTokenizer(path)

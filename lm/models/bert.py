@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.config import Config, ConfigError, ModelConfig
-from lm.data.objectives import MaskedLM, NextSentencePairs
+from lm.data.objectives import MaskedLM, NextSentencePairs, regular_ids
 from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
 from lm.models.transformer import Stack, default_positions
@@ -102,8 +102,11 @@ class BERTFamily(Encoder):
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)
-    masked_lm = MaskedLM(config.data.seq_len, first_regular_id=tokenizer.first_regular_id,
-                         vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id)
+    if tokenizer.mask_id is None:
+      raise ConfigError(f'masked LM needs a mask token, which data.tokenizer={config.data.tokenizer} lacks; '
+                        f'use a vocabulary with [MASK] (lm tokenizer train adds one)')
+    masked_lm = MaskedLM(config.data.seq_len, special=tokenizer.special_ids, mask_id=tokenizer.mask_id,
+                         regular=regular_ids(tokenizer.vocab_size, tokenizer.special_ids))
     if config.model.nsp:
       return NextSentencePairs(masked_lm, cls_id=tokenizer.bos_id, sep_id=tokenizer.eos_id)
     return masked_lm

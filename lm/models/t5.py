@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax
 
 from lm.config import ConfigError, ModelConfig
-from lm.data.objectives import SpanCorruption, span_lengths
+from lm.data.objectives import EXTRA_IDS, SpanCorruption, span_lengths, span_sentinels
 from lm.models.family import EncoderDecoder, check_vocabulary
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, sinusoidal_positions
 from lm.models.transformer import Stack, default_positions
@@ -79,14 +79,14 @@ class T5Family(EncoderDecoder):
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)
     m, seq_len = config.model, config.data.seq_len
-    objective = SpanCorruption(seq_len, first_sentinel=m.vocab_size - 1, eos_id=tokenizer.eos_id,
-                               decoder_start_id=tokenizer.pad_id)
-    spans = objective.lengths.spans
-    if m.vocab_size - spans < tokenizer.vocab_size:
-      raise ConfigError(f'span corruption of {seq_len}-token inputs needs {spans} sentinel ids above the '
-                        f'tokenizer\'s {tokenizer.vocab_size}, but model.vocab_size={m.vocab_size}; '
-                        f'raise model.vocab_size to at least {tokenizer.vocab_size + spans}')
-    return objective
+    spans = span_lengths(seq_len).spans
+    try:
+      sentinels = span_sentinels(tokenizer, m.vocab_size, spans)
+    except ValueError as e:
+      raise ConfigError(f'span corruption of {seq_len}-token inputs {e}, but model.vocab_size={m.vocab_size}; '
+                        f'raise model.vocab_size to at least {tokenizer.vocab_size + EXTRA_IDS} or use a '
+                        f'tokenizer with <extra_id_N> tokens') from None
+    return SpanCorruption(seq_len, sentinels=sentinels, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   def target_length(self, seq_len: int) -> int:
     return span_lengths(seq_len).targets

@@ -43,8 +43,8 @@ class Trainer:
   def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
     """Mean NLL per target token over the first `num_batches` validation batches."""
     nll, weight = 0.0, 0.0
-    for i in range(num_batches):
-      out = jax.device_get(self.eval_step(params, batches.batch(i)))
+    for batch in batches.first(num_batches):
+      out = jax.device_get(self.eval_step(params, batch))
       nll, weight = nll + float(out['nll']), weight + float(out['weight'])
     return nll / max(weight, 1.0)
 
@@ -65,8 +65,7 @@ class Trainer:
             (f'; new: {", ".join(start.fresh)}' if start.fresh else '') +
             (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
       return start.state
-    state, data_state = checkpoints.restore(latest, self.assembly.abstract_state, cfg.to_dict())
-    self.train_batches.set_state(data_state)
+    state = checkpoints.restore(latest, self.assembly.abstract_state, cfg.to_dict(), self.train_batches.iterator)
     print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
     return state
 
@@ -110,7 +109,7 @@ class Trainer:
             emit({'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
             timer = time.perf_counter()
           if (t.checkpoint_every and done % t.checkpoint_every == 0) or last:
-            checkpoints.save(done, state, self.train_batches.get_state(), cfg.to_dict())
+            checkpoints.save(done, state, self.train_batches.iterator, cfg.to_dict())
           if preempted.is_set():
             print(f'stopped by SIGTERM after step {done}; checkpoint saved, continue with --resume', flush=True)
             break

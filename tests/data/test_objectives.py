@@ -2,9 +2,12 @@
 import numpy as np
 import pytest
 
-from lm.data.objectives import mlm_mask, random_spans_noise_mask, span_corruption, span_lengths
+from lm.data.objectives import (MaskedLM, NextSentencePairs, Rows, mlm_mask, random_spans_noise_mask, regular_ids,
+                                span_corruption, span_lengths)
 
 PAD, BOS, EOS, MASK, FIRST, VOCAB = 0, 1, 2, 3, 4, 260
+SPECIAL = np.arange(FIRST)
+REGULAR = regular_ids(VOCAB, SPECIAL)
 
 
 def test_mlm_rates_over_100k_tokens():
@@ -15,7 +18,7 @@ def test_mlm_rates_over_100k_tokens():
     row[rng.random(256) < 0.1] = PAD
     row[::37] = BOS
     row[5::41] = EOS
-    inputs, weights = mlm_mask(row, rng, first_regular_id=FIRST, vocab_size=VOCAB, mask_id=MASK)
+    inputs, weights = mlm_mask(row, rng, special=SPECIAL, regular=REGULAR, mask_id=MASK)
     pick = weights > 0
     assert np.all(row[pick] >= FIRST), 'special and padding tokens are never chosen'
     np.testing.assert_array_equal(inputs[~pick], row[~pick])
@@ -37,14 +40,30 @@ def test_mlm_rates_over_100k_tokens():
 
 def test_mlm_is_reproducible_from_the_generator():
   row = np.arange(FIRST, FIRST + 200)
-  a = mlm_mask(row, np.random.default_rng(5), first_regular_id=FIRST, vocab_size=VOCAB, mask_id=MASK)
-  b = mlm_mask(row, np.random.default_rng(5), first_regular_id=FIRST, vocab_size=VOCAB, mask_id=MASK)
+  a = mlm_mask(row, np.random.default_rng(5), special=SPECIAL, regular=REGULAR, mask_id=MASK)
+  b = mlm_mask(row, np.random.default_rng(5), special=SPECIAL, regular=REGULAR, mask_id=MASK)
   np.testing.assert_array_equal(a[0], b[0])
   np.testing.assert_array_equal(a[1], b[1])
 
 
-def reconstruct(inputs, targets, first_sentinel, num_sentinels):
-  is_sentinel = lambda t: first_sentinel - num_sentinels < t <= first_sentinel
+def test_special_ids_need_not_be_the_lowest():
+  """GPT-2's <|endoftext|> is its last id: special ids anywhere are never chosen nor drawn."""
+  special = np.array([0, 5, 259])
+  regular = regular_ids(VOCAB, special)
+  rng = np.random.default_rng(3)
+  for _ in range(200):
+    row = rng.choice([0, 5, 259, 7, 8, 9, 100], size=64)
+    inputs, weights = mlm_mask(row, rng, special=special, regular=regular, mask_id=MASK)
+    assert not np.any(np.isin(row[weights > 0], special))
+    replaced = (weights > 0) & (inputs != MASK)
+    assert not np.any(np.isin(inputs[replaced], special))
+
+
+SENTINELS = np.array([511, 300, 420, 299] + list(range(600, 700)))  # any ids: the tokenizer's own, unordered
+
+
+def reconstruct(inputs, targets, sentinels):
+  is_sentinel = lambda t: t in set(sentinels.tolist())
   spans, current = {}, None
   for t in targets[:-1]:
     if is_sentinel(t):
@@ -60,12 +79,13 @@ def reconstruct(inputs, targets, first_sentinel, num_sentinels):
 @pytest.mark.parametrize('length', [20, 113, 568])
 def test_span_corruption_reconstructs_the_original(length):
   rng = np.random.default_rng(length)
-  sentinel = 511
   for _ in range(50):
-    tokens = rng.integers(FIRST, 300, size=length)
-    inputs, targets = span_corruption(tokens, rng, first_sentinel=sentinel, eos_id=EOS)
+    tokens = rng.integers(FIRST, 290, size=length)
+    inputs, targets = span_corruption(tokens, rng, sentinels=SENTINELS, eos_id=EOS)
     assert inputs[-1] == EOS and targets[-1] == EOS
-    np.testing.assert_array_equal(reconstruct(inputs, targets, sentinel, 100), tokens)
+    used = [t for t in targets if t in set(SENTINELS.tolist())]
+    np.testing.assert_array_equal(used, SENTINELS[:len(used)])  # <extra_id_0>, <extra_id_1>, ... in order
+    np.testing.assert_array_equal(reconstruct(inputs, targets, SENTINELS), tokens)
 
 
 def test_span_statistics_match_the_settings():
@@ -86,29 +106,28 @@ def test_span_lengths_fit_t5_defaults():
   lengths = span_lengths(512)
   assert (lengths.raw, lengths.inputs, lengths.targets) == (568, 512, 114)
   rng = np.random.default_rng(0)
-  inputs, targets = span_corruption(np.full(lengths.raw, 9), rng, first_sentinel=999, eos_id=EOS)
+  inputs, targets = span_corruption(np.full(lengths.raw, 9), rng, sentinels=SENTINELS, eos_id=EOS)
   assert len(inputs) == lengths.inputs and len(targets) == lengths.targets
 
 
 def test_next_sentence_pairs():
-  from lm.data.objectives import MaskedLM, NextSentencePairs
-  from lm.data.packing import TokenStream
   rng = np.random.default_rng(0)
-  docs = [rng.integers(FIRST, VOCAB, size=n) for n in rng.integers(50, 400, size=60)]
-  stream = TokenStream.from_documents(docs, bos_id=BOS, eos_id=EOS)
-  objective = NextSentencePairs(MaskedLM(64, first_regular_id=FIRST, vocab_size=VOCAB, mask_id=MASK),
-                                cls_id=BOS, sep_id=EOS)
-  n = 400
-  rows = np.arange(n) % stream.num_rows(64)
-  f = objective(stream, rows, np.stack([np.zeros(n, int), np.zeros(n, int), np.arange(n)], 1))
+  n, seq = 400, 64
+  tokens = rng.integers(FIRST, VOCAB, size=(n, seq)).astype(np.int32)
+  rows = Rows(tokens, np.ones_like(tokens), np.tile(np.arange(seq), (n, 1)))
+  objective = NextSentencePairs(MaskedLM(seq, special=SPECIAL, regular=REGULAR, mask_id=MASK), cls_id=BOS, sep_id=EOS)
+  f = objective(rows, np.stack([np.zeros(n, int), np.arange(n), np.zeros(n, int)], 1))
   assert abs(f['nsp_labels'].mean() - 0.5) < 0.07
   for i in range(n):
     t, types = f['targets'][i], f['token_types'][i]
     sep = np.flatnonzero(types)[0] - 1  # [CLS] A [SEP] take type 0, B [SEP] type 1
     assert t[0] == BOS and t[sep] == EOS and t[-1] == EOS and np.all(types[sep + 1:] == 1)
     a, b = t[1:sep], t[sep + 1:-1]
-    window, _ = stream.windows(rows[i:i + 1], 64)
-    np.testing.assert_array_equal(a, window[0, :len(a)])
-    if f['nsp_labels'][i] == 0:  # B is what follows A in the corpus
-      np.testing.assert_array_equal(b, window[0, len(a):len(a) + len(b)])
+    np.testing.assert_array_equal(a, tokens[i, :len(a)])
+    if f['nsp_labels'][i] == 0:  # B is what follows A in its row
+      np.testing.assert_array_equal(b, tokens[i, len(a):len(a) + len(b)])
+    else:  # B is a run of another row
+      others = [j for j in range(n) if j != i and any(np.array_equal(b, tokens[j, k:k + len(b)])
+                                                       for k in range(seq - len(b) + 1))]
+      assert others
     assert np.all(f['weights'][i][[0, sep, 63]] == 0), 'special tokens are never masked'

@@ -5,8 +5,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ConfigError, load_config
-from lm.data.pipeline import build_batches, local_row_range, make_objective
-from lm.data.sources import embedded_documents, is_validation, split_documents
+from lm.data.pipeline import build_batches, local_row_range, make_objective, records
+from lm.data.sources import TextList, embedded_documents, is_validation, split_documents
 from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import make_mesh
 
@@ -42,37 +42,51 @@ def test_same_seed_same_batches_other_seed_other_batches(small_config):
     x, y, z = next(a), next(b), next(c)
     np.testing.assert_array_equal(x['inputs'], y['inputs'])
     assert not np.array_equal(x['inputs'], z['inputs'])
-  # Validation rows do not depend on the training seed.
-  np.testing.assert_array_equal(val_a.batch(0)['inputs'], val_c.batch(0)['inputs'])
+  # Validation rows do not depend on the training seed, and every evaluation sees the same ones.
+  first = [np.asarray(batch['inputs']) for batch in val_a.first(2)]
+  np.testing.assert_array_equal(first[0], next(val_c.first(1))['inputs'])
+  np.testing.assert_array_equal(first[1], [np.asarray(batch['inputs']) for batch in val_a.first(2)][1])
 
 
-def test_state_round_trip_resumes_the_stream(small_config):
+def test_iterator_state_resumes_the_stream(small_config):
   _, a, _ = one_device_batches(small_config())
   for _ in range(5):
     next(a)
-  state = a.get_state()
-  expected = [next(a)['targets'] for _ in range(3)]
+  state = a.iterator.get_state()
+  expected = [next(a) for _ in range(3)]
   _, b, _ = one_device_batches(small_config())
-  b.set_state(state)
+  b.iterator.set_state(state)
   for want in expected:
-    np.testing.assert_array_equal(next(b)['targets'], want)
-  _, other, _ = one_device_batches(small_config('train.seed=7'))
-  with pytest.raises(ConfigError, match='does not match this run'):
-    other.set_state(state)
+    got = next(b)
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
 
 
-def test_epochs_cover_every_row_once(small_config):
-  _, train, _ = one_device_batches(small_config())
-  rows = np.concatenate([train.rows(s) for s in range(train.batches_per_epoch)])
-  assert len(np.unique(rows)) == len(rows) == train.batches_per_epoch * train.global_batch
-  assert not np.array_equal(train.rows(0), train.rows(train.batches_per_epoch))
+def texts(n):
+  return TextList([f'document {i}' for i in range(n)])
 
 
-def test_each_process_builds_only_its_rows():
-  mesh = jax.make_mesh((4, 2), ('data', 'tensor'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  sharding = NamedSharding(mesh, PartitionSpec('data'))
-  # In one process every device is addressable: the whole batch is local.
-  assert local_row_range(sharding, 16) == (0, 16)
+def test_epochs_cover_every_record_once_in_a_new_order():
+  n = 101
+  stream = records(texts(n), shuffle_seed=3, process_index=0, process_count=1)
+  epoch = lambda e: [stream[i][1] for i in range(e * n, (e + 1) * n)]
+  first, second = epoch(0), epoch(1)
+  assert sorted(first) == sorted(second) == sorted(texts(n).texts)
+  assert first != second
+  assert [stream[i][0] for i in range(5)] == list(range(5)), 'records carry their stream position'
+
+
+@pytest.mark.parametrize('processes', [2, 3])
+def test_process_shards_are_disjoint_and_cover_every_record_once_per_epoch(processes):
+  """Each host reads only its share of the record index (every P-th shuffled record)."""
+  n = 100
+  seen = []
+  for p in range(processes):
+    shard = records(texts(n), shuffle_seed=7, process_index=p, process_count=processes)
+    taken = [shard[k] for k in range(-(-(n - p) // processes))]  # this process's positions < n: epoch 0
+    assert all(index % processes == p for index, _ in taken)
+    seen.append({text for _, text in taken})
+  assert sum(len(s) for s in seen) == n and set().union(*seen) == set(texts(n).texts)
 
 
 def test_global_batch_is_sharded_over_data_axes(small_config):
@@ -85,19 +99,27 @@ def test_global_batch_is_sharded_over_data_axes(small_config):
   assert shard_rows == {4}
 
 
+def test_each_process_builds_only_its_rows():
+  mesh = jax.make_mesh((4, 2), ('data', 'tensor'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = NamedSharding(mesh, PartitionSpec('data'))
+  # In one process every device is addressable: the whole batch is local.
+  assert local_row_range(sharding, 16) == (0, 16)
+
+
 def test_vocab_smaller_than_tokenizer_is_refused(small_config):
   with pytest.raises(ConfigError, match='model.vocab_size=200 is smaller than the byte tokenizer'):
     one_device_batches(small_config('model.vocab_size=200'))
 
 
-def test_too_few_rows_for_a_batch(small_config, tmp_path):
+def test_a_validation_split_too_small_for_a_batch_is_refused(small_config, tmp_path):
   for i in range(20):
     (tmp_path / f'{i}.txt').write_text(f'short text {i}')
-  with pytest.raises(ConfigError, match='rows, fewer than train.global_batch=16'):
+  with pytest.raises(ConfigError, match='validation split yields no full batch of 16 rows of 33 tokens'):
     one_device_batches(small_config('data.source=text', f'data.paths=[{tmp_path}/*.txt]', 'data.val_fraction=0.5'))
 
 
 def test_a_vocabulary_without_room_for_the_sentinels_is_refused():
-  config = load_config('t5_tiny', ['model.vocab_size=264'])  # 260 tokenizer ids + 4: too few for ~13 spans
-  with pytest.raises(ConfigError, match=r'needs \d+ sentinel ids above the tokenizer.s 260.*raise model.vocab_size'):
+  config = load_config('t5_tiny', ['model.vocab_size=264'])  # 260 byte ids + 4: no room for T5's 100 sentinels
+  with pytest.raises(ConfigError, match=r"needs T5's 100 sentinel ids above the tokenizer's 260 .*raise "
+                                        r'model.vocab_size to at least 360'):
     make_objective(config, get_tokenizer('byte'))
