@@ -23,6 +23,7 @@ resumed run reads on from the exact record.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterator
 
@@ -184,7 +185,9 @@ def build_batches(config: Config, mesh: Mesh, process_index: int | None = None,
   val = None
   if config.train.eval_batches:
     val = batches('validation')
-    if next(val.first(1), None) is None:
+    with contextlib.closing(val.first(1)) as first:
+      empty = next(first, None) is None
+    if empty:
       raise ConfigError(f'the validation split yields no full batch of {hi - lo} rows of {objective.row_len} '
                         f'tokens; lower train.global_batch or data.seq_len, or add validation data')
   return tokenizer, batches('train'), val

@@ -114,6 +114,7 @@ class SentencePieceTokenizer(_Vocabulary):
     special = {i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)}
     self._resolve(f'sentencepiece:{path}', ids, special, pad=('<lm pad>',), bos=('<lm bos>',),
                   eos=('<lm eos>', '</s>'), mask=('[MASK]', '<mask>'))
+    self._special = frozenset(self.special_ids.tolist())
 
   def __reduce__(self) -> tuple:  # rebuilt from the file in grain worker processes
     return SentencePieceTokenizer, (self.path,)
@@ -122,7 +123,7 @@ class SentencePieceTokenizer(_Vocabulary):
     return np.asarray(self.processor.encode(text), np.int32)
 
   def decode(self, ids: np.ndarray | list[int]) -> str:
-    ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and int(i) not in set(self.special_ids.tolist())]
+    ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and int(i) not in self._special]
     return self.processor.decode(ids)
 
 
