@@ -8,15 +8,19 @@ reads both alike.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import warnings
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lm.config import ConfigError
+from lm.distributed import all_processes, barrier
 from lm.train.state import TrainState
+
+UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
 
 
 _ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
@@ -25,21 +29,24 @@ _ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not wh
 class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
-  def __init__(self, directory: str | Path, keep: int = 1, async_save: bool = True, create: bool = True):
+  def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True):
     """`create=False` only reads: a missing directory then holds no steps instead of being made."""
-    self.directory = Path(directory).absolute()
-    self.manager = ocp.CheckpointManager(
-      self.directory,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                           enable_async_checkpointing=async_save))
+    self.directory = epath.Path(directory)
+    if '://' not in str(self.directory):
+      self.directory = self.directory.absolute()
+    self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state: TrainState, data: grain.DatasetIterator, config: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
-      optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state}),
+      optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
       data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True)
 
   def save_params(self, step: int, params: Any, config: dict) -> None:
@@ -52,6 +59,11 @@ class Checkpointer:
 
   def has_optimizer(self, step: int) -> bool:
     return (self.directory / str(step) / 'optimizer').is_dir()
+
+  def is_params_only(self) -> bool:
+    """Whether every checkpoint holds params alone (an imported model: nothing to resume)."""
+    steps = self.all_steps()
+    return bool(steps) and not any(self.has_optimizer(s) for s in steps)
 
   def restore(self, step: int, abstract_state: TrainState, config: dict, data: grain.DatasetIterator) -> TrainState:
     """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
@@ -72,7 +84,7 @@ class Checkpointer:
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(a.params),
-        optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state}),
+        optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
         data=grain.checkpoint.CheckpointRestore(data)))
     except ValueError as e:
       if 'process_' not in str(e):
@@ -81,7 +93,34 @@ class Checkpointer:
                         f'({jax.process_index()} of {jax.process_count()}); resume with as many processes as '
                         f'wrote it') from None
     optimizer = restored['optimizer']
-    return TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'])
+    return TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
+                      skipped=optimizer['skipped'])
+
+  def restore_latest(self, abstract_state: TrainState, config: dict, data: grain.DatasetIterator
+                     ) -> tuple[int, TrainState] | None:
+    """The newest checkpoint that restores on every process, or None. One that does not (truncated or
+    missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in a warning."""
+    for step in reversed(self.all_steps()):
+      error = None if self.has_optimizer(step) else FileNotFoundError('its optimizer state is missing')
+      try:
+        state = None if error else self.restore(step, abstract_state, config, data)
+      except ConfigError:
+        raise
+      except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
+        error = e
+      if all_processes(error is None):
+        return step, state
+      aside = self.directory / f'{step}{UNRESTORABLE}'
+      why = str(error).splitlines()[0][:200] if error else 'on another process'
+      warnings.warn(f'checkpoint {self.directory}/{step} does not restore ({why}); kept as {aside}, trying the one '
+                    f'before', stacklevel=2)
+      if jax.process_index() == 0:
+        (self.directory / str(step)).rename(aside)
+      barrier(f'set_aside_{step}')
+      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt.
+      self.manager.close()
+      self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+    return None
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the params, placed on `abstract_params`' shardings."""

@@ -93,7 +93,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
   from lm.compile import compile_report, does_not_fit_message, format_report
-  report = compile_report(_config(args), args.topology, args.mfu, args.save)
+  report = compile_report(_config(args), args.topology, args.mfu, args.save, args.num_slices)
   print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
   if not report['fits']:
     print(does_not_fit_message(report), file=sys.stderr, flush=True)
@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
   common(aot)
   aot.add_argument('--topology', required=True, help='TPU slice: v5p-1024, v5e-256, v4-128, v6e-64 or v5e:2x2')
   aot.add_argument('--mfu', type=float, default=0.5, help='assumed MFU for the predicted step time (default 0.5)')
+  aot.add_argument('--num-slices', type=int, default=1, help='slices joined by the data-center network (multislice)')
   aot.add_argument('--save', metavar='PATH', help='write the serialized executable (and PATH.json with the report)')
   aot.add_argument('--json', action='store_true', help='print the report as JSON')
   aot.set_defaults(fn=cmd_compile)
@@ -215,15 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+DEVICE_COMMANDS = ('train', 'info', 'convert', 'generate')  # join a multi-process job first (lm.distributed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   from lm.parallel.chips import quiet_libtpu
   quiet_libtpu()  # before anything starts JAX's backends
   args = build_parser().parse_args(argv)
   try:
+    if args.command in DEVICE_COMMANDS:
+      from lm.distributed import initialize
+      initialize()
     return args.fn(args)
   except ConfigError as e:
     print(f'lm: error: {e}', file=sys.stderr)
     return 2
+  except RuntimeError as e:
+    from lm.train.loop import TrainingError
+    if not isinstance(e, TrainingError):
+      raise
+    print(f'lm: error: {e}', file=sys.stderr)
+    return 1
 
 
 if __name__ == '__main__':

@@ -7,6 +7,7 @@ tokens/s they imply at the chip's peak and at an assumed MFU. Nothing is allocat
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -23,13 +24,17 @@ from lm.report import format_bytes, format_lines
 from lm.train.accounting import count_params, shard_bytes
 from lm.train.step import compile_train_step
 
-def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None
-                   ) -> dict[str, Any]:
-  """Compiles the train step for `topology` and returns memory, FLOPs and predicted speed per step."""
+def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
+                   num_slices: int = 1) -> dict[str, Any]:
+  """Compiles the train step for `num_slices` slices of `topology` (joined by the data-center network, data
+  parallel across them: mesh.slices) and returns memory, FLOPs and predicted speed per step."""
   if not 0 < assumed_mfu <= 1:
     raise ConfigError(f'--mfu {assumed_mfu} must lie in (0, 1]')
+  if num_slices < 1:
+    raise ConfigError(f'--num-slices {num_slices} must be at least 1')
   physical = physical_topology(topology)
-  devices = topology_devices(physical)
+  devices = topology_devices(physical, num_slices)
+  config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
   peak, hbm = peak_flops(devices[0]), hbm_bytes(devices[0])
   if peak is None or hbm is None:
     raise ConfigError(f'no peak FLOP/s or HBM size on record for {devices[0].device_kind}; add it to '
@@ -59,7 +64,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   flops = flops_per_token * tokens
   at_peak = flops / (peak * len(devices))
   report = {
-    'config': config.name, 'topology': topology, 'physical_topology': physical,
+    'config': config.name, 'topology': topology, 'physical_topology': physical, 'num_slices': num_slices,
     'chips': len(devices), 'device_kind': devices[0].device_kind,
     'mesh': {**sizes, 'strategy': strategy_name(sizes)}, 'remat': m.remat, 'scan_layers': m.scan_layers,
     'attention_impl': m.attention_impl, 'dtype': m.dtype, 'global_batch': t.global_batch,
@@ -116,8 +121,10 @@ def format_report(r: dict[str, Any]) -> str:
   mem, mesh = r['memory_per_device'], r['mesh']
   lines = [
     ('config', f'{r["config"]} ({r["params"]["total"] / 1e9:,.3f}B params)'),
-    ('topology', f'{r["topology"]} = {r["physical_topology"]}: {r["chips"]} x {r["device_kind"]}'),
-    ('mesh', f'data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} ({mesh["strategy"]})'),
+    ('topology', f'{r["num_slices"]} x ' * (r['num_slices'] > 1) +
+     f'{r["topology"]} = {r["physical_topology"]}: {r["chips"]} x {r["device_kind"]}'),
+    ('mesh', f'slice={mesh["slice"]} data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} '
+             f'({mesh["strategy"]})'),
     ('remat / scan / attention', f'{r["remat"]} / {r["scan_layers"]} / {r["attention_impl"]}, {r["dtype"]}'),
     ('batch', f'{r["global_batch"]} x {r["seq_len"]} tokens in {r["microbatches"]} microbatch(es)'),
   ]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from etils import epath
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / 'configs'
 
@@ -31,6 +32,7 @@ Init = Literal['scaled_normal', 'fan_in']
 Source = Literal['embedded', 'text', 'jsonl', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant']
 CausalFlops = Literal['half', 'full']
+NonFinite = Literal['stop', 'skip']
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh sizes; -1 takes all devices left over. Which axes exceed 1 picks the strategy."""
+  """Device mesh sizes; -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy."""
+  slices: int = 1  # TPU slices joined over the data-center network: data parallel across them
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
@@ -147,6 +150,7 @@ class TrainConfig:
   peak_flops: float | None = None  # per device, for MFU; default from the device kind
   causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
   init_from: str | None = None  # start from these params (our run dir or an HF model directory), fresh optimizer
+  on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
 
 
 @dataclass(frozen=True)
@@ -159,8 +163,9 @@ class Config:
   train: TrainConfig = field(default_factory=TrainConfig)
 
   @property
-  def run_dir(self) -> Path:
-    return Path(self.train.run_dir.format(name=self.name))
+  def run_dir(self) -> epath.Path:
+    """A local path or a URI (gs://...): run-dir I/O goes through etils.epath."""
+    return epath.Path(self.train.run_dir.format(name=self.name))
 
   def to_dict(self) -> dict[str, Any]:
     return _plain(dataclasses.asdict(self))
@@ -259,14 +264,14 @@ def _merge(base: dict, update: dict) -> dict:
   return out
 
 
-def preset_path(name_or_path: str) -> Path:
-  """Resolves `gpt_tiny`, `gpt_tiny.yaml` or a path to an existing YAML file."""
-  path = Path(name_or_path)
+def preset_path(name_or_path: str) -> epath.Path:
+  """Resolves `gpt_tiny`, `gpt_tiny.yaml` or a path (or URI) to an existing YAML file."""
+  path = epath.Path(name_or_path)
   if path.suffix in ('.yaml', '.yml') and path.exists():
     return path
   candidate = CONFIG_DIR / f'{path.stem if path.suffix else name_or_path}.yaml'
   if candidate.exists():
-    return candidate
+    return epath.Path(candidate)
   known = ', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))
   raise ConfigError(f'config file {name_or_path!r} not found; pass a path to a YAML file or one of: {known}')
 
@@ -385,6 +390,8 @@ def validate(config: Config) -> None:
     value = _get(config, key)
     if value == 0 or value < -1:
       raise ConfigError(f'{key}={value} must be a positive size or -1 (fill the remaining devices)')
+  if config.mesh.slices < 1:
+    raise ConfigError(f'mesh.slices={config.mesh.slices} must be a positive number of TPU slices')
   if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
     raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
   check_spec(d.tokenizer)

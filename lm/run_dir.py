@@ -14,12 +14,12 @@ train.run_dir=NEW` fine-tunes the imported weights, and `lm generate --run RUN` 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh
 
 from lm.assembly import assemble
@@ -35,8 +35,8 @@ HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens
                       'vocab.txt', 'vocab.json', 'merges.txt', 'spiece.model')
 
 
-def is_run_dir(path: str | Path) -> bool:
-  return (Path(path) / CONFIG).is_file()
+def is_run_dir(path: str | epath.PathLike) -> bool:
+  return (epath.Path(path) / CONFIG).is_file()
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -48,12 +48,12 @@ def read_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
   if not is_run_dir(run_dir):
     raise ConfigError(f'{run_dir} has no {CONFIG}; pass the train.run_dir of a training run or a directory '
                       f'written by lm convert --from-hf')
-  return load_config(str(Path(run_dir) / CONFIG), overrides)
+  return load_config(str(epath.Path(run_dir) / CONFIG), overrides)
 
 
 def checkpoints(run_dir: str | Path, keep: int = 1) -> Checkpointer:
   """The run's checkpoints, read-only (nothing is created)."""
-  return Checkpointer(Path(run_dir) / CHECKPOINTS, keep=keep, async_save=False, create=False)
+  return Checkpointer(epath.Path(run_dir) / CHECKPOINTS, keep=keep, async_save=False, create=False)
 
 
 def load_params(path: str | Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
@@ -63,14 +63,14 @@ def load_params(path: str | Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
   more than its shards. The model config is the one the params were written with.
   """
   if is_run_dir(path):
-    return _run_params(Path(path), mesh)
+    return _run_params(epath.Path(path), mesh)
   if is_hf_dir(path):
     return _hf_params(Path(path), mesh)
   raise ConfigError(f'{path} is neither a run directory (with {CONFIG}) nor a Hugging Face model directory '
                     f'(with config.json); pass one of those')
 
 
-def _run_params(run_dir: Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
+def _run_params(run_dir: epath.Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
   saved = checkpoints(run_dir)
   try:
     step = saved.latest_step()
@@ -99,7 +99,7 @@ def one_device_mesh() -> Mesh:
 def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
   """Writes HF directory `hf_dir` as a new run directory; returns the run's config."""
   from lm.convert.hf import read_hf_config
-  run_dir = Path(run_dir)
+  run_dir = epath.Path(run_dir)
   if (run_dir / CHECKPOINTS).exists() or is_run_dir(run_dir):
     raise ConfigError(f'{run_dir} already holds a run ({CONFIG} or {CHECKPOINTS}/); convert into a new directory')
   hf_config = read_hf_config(hf_dir)
@@ -117,7 +117,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
   if tokenizer_files:
     (run_dir / TOKENIZER).mkdir()
     for file in tokenizer_files:
-      shutil.copyfile(file, run_dir / TOKENIZER / file.name)
+      epath.Path(file).copy(run_dir / TOKENIZER / file.name)
   saver = Checkpointer(run_dir / CHECKPOINTS, keep=1, async_save=False)
   try:
     saver.save_params(0, params, config.to_dict())
@@ -131,7 +131,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
 def export_hf(run_dir: str | Path, hf_dir: str | Path) -> Path:
   """Writes the run's latest params (trained or imported) as HF directory `hf_dir`."""
   from lm.convert.hf import save_hf
-  run_dir = Path(run_dir)
+  run_dir = epath.Path(run_dir)
   if not is_run_dir(run_dir):
     raise ConfigError(f'{run_dir}/{CONFIG} not found; pass a run directory written by lm train or lm convert')
   cfg, params = load_params(run_dir, one_device_mesh())

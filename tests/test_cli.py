@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lm import cli
-from lm.train.loop import read_metrics
+from lm.train.logging import read_metrics
 
 
 def test_info_json_reports_counts_flops_mesh_memory(capsys):

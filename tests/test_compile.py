@@ -68,3 +68,17 @@ def test_scanned_layers_lower_to_a_program_whose_size_does_not_grow_with_depth()
   """What XLA compiles is one layer body in a loop, so compile time stays flat as depth grows."""
   assert _dots_in_lowered_step(2, scan=True) == _dots_in_lowered_step(48, scan=True)
   assert _dots_in_lowered_step(8, scan=False) > 3 * _dots_in_lowered_step(2, scan=False)
+
+
+@needs_libtpu
+def test_two_slices_compile_with_data_parallelism_across_them():
+  config = load_config('gpt_tiny', ['model.dtype=bfloat16', 'train.global_batch=16'])
+  one = compile_report(config, 'v5e:2x2')
+  two = compile_report(config, 'v5e:2x2', num_slices=2)
+  assert two['chips'] == 8 and two['num_slices'] == 2 and two['mesh']['slice'] == 2 and two['mesh']['data'] == 4
+  assert 'multislice' in two['mesh']['strategy']
+  # The state is replicated alike; the batch (5 int32/float32 features of 16 x 256) now splits 8 ways, not 4.
+  batch_bytes = 5 * 16 * 256 * 4
+  assert one['memory_per_device']['arguments'] - two['memory_per_device']['arguments'] == batch_bytes // 4 - \
+      batch_bytes // 8
+  assert two['fits'] and two['flops_per_step'] == one['flops_per_step']

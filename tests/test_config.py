@@ -67,7 +67,7 @@ def test_mesh_product_must_equal_device_count():
 def test_batch_must_divide_over_data_parallel():
   cfg = load_config('gpt_tiny', ['mesh.data=8', 'train.global_batch=12'])
   with pytest.raises(ConfigError, match=r'gives 12 rows, not divisible by the data-parallel size '
-                                        r'mesh.data\*mesh.fsdp=8; use a global batch that is a multiple of 8'):
+                                        r'mesh.data=8; use a global batch that is a multiple of 8'):
     make_train_step(assemble(cfg, jax.devices()))
 
 

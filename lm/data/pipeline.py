@@ -1,22 +1,24 @@
 """Global batches from a grain pipeline: shuffled records, per-process shards, tokenized, packed, masked.
 
-Per process, for one split:
+A global batch of B rows is S streams x B/S consecutive rows. Stream k reads every S-th record of
+the shuffled record sequence, so streams read disjoint records. Process p of P holds rows
+[pB/P, (p+1)B/P) and so runs only streams [pS/P, (p+1)S/P): each host reads only its share of the
+records, and the global batch is the same for any number of processes (up to S). Per stream:
   documents (`lm.data.sources`)        random access, read when asked for
   -> shuffle(seed), repeat             training only: a global permutation of the records, new each epoch
-  -> [process_index::process_count]    each host reads only its share of the records
-  -> data.streams streams, each:       every S-th of those records, tokenized ([BOS] + ids + [EOS], with
-     tokenize, concat-then-split       each token's record and offset) and packed end to end into rows
-  -> interleave the streams row by row
-  -> batch (this process's rows) -> objective (causal LM, MLM with optional NSP, span corruption)
-  -> prefetch                          a background thread, or data.workers processes
-and `jax.make_array_from_process_local_data` assembles the global batch.
+  -> [k::S]                            this stream's records
+  -> tokenize                          [BOS] + ids + [EOS], with each token's record and offset in it
+  -> concat-then-split                 documents packed end to end into rows of the objective's length
+  -> batch(B/S)
+then the process's streams are zipped into its rows, the objective applied (causal LM, MLM with
+optional NSP, span corruption), batches prefetched by a background thread or data.workers
+processes, and `jax.make_array_from_process_local_data` assembles the global batch.
 
 Packing is concat-then-split (grain's `ConcatThenSplitIterDataset`): every row is full, so no
 compute goes to padding, and a document longer than a row continues in the next one. Segment ids
 and positions restart at each document and at each row start, so attention never crosses
-documents (the semantics of the earlier in-memory packer). Packing several record streams and
-interleaving their rows keeps a long document (a stdlib module spans hundreds of rows) from
-filling whole batches: consecutive rows come from different documents. Each row's randomness is keyed by
+documents (the semantics of the earlier in-memory packer). Packing several streams side by side
+keeps one long document from filling a whole batch. Each row's randomness is keyed by
 (seed, its first record, the offset there): the same row is masked the same way on any host
 layout. The iterator's state (grain's, one JSON file per process) goes into every checkpoint, so a
 resumed run reads on from the exact record.
@@ -92,31 +94,45 @@ class _Features:
     return self.objective(rows, keys)
 
 
-def records(documents: Documents, shuffle_seed: int | None, process_index: int, process_count: int
-            ) -> grain.MapDataset:
-  """(stream index, text) of the records this process reads. With `shuffle_seed` (training) the documents
-  are shuffled and repeated forever, every epoch in a new order; without, read once in order. Process p of
-  P takes stream positions p, p + P, ...: within each epoch the processes' shares are disjoint and cover
-  every document once."""
+def records(documents: Documents, shuffle_seed: int | None, stream: int, streams: int) -> grain.MapDataset:
+  """(sequence position, text) of the records stream `stream` of `streams` reads. With `shuffle_seed`
+  (training) the documents are shuffled and repeated forever, every epoch in a new order; without, read
+  once in order. Stream k takes positions k, k + S, ...: within each epoch the streams' shares are disjoint
+  and cover every document once."""
   ds = grain.MapDataset.source(documents)
   if shuffle_seed is not None:
     ds = ds.shuffle(seed=shuffle_seed).repeat()
-  return ds.map_with_index(_with_index)[process_index::process_count]
+  return ds.map_with_index(_with_index)[stream::streams]
+
+
+def stream_layout(global_batch: int, streams: int, process_index: int, process_count: int) -> tuple[range, int]:
+  """(the streams this process runs, how many streams there are): the most streams, at most `streams`
+  (or the process count if larger), that divide the global batch and split evenly over the processes."""
+  total = max(s for s in range(1, global_batch + 1)
+              if global_batch % s == 0 and s % process_count == 0 and s <= max(streams, process_count))
+  per_process = total // process_count
+  return range(process_index * per_process, (process_index + 1) * per_process), total
+
+
+def _concatenate(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+  return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
 def batch_dataset(documents: Documents, tokenizer: Tokenizer, objective: Objective, *, shuffle_seed: int | None,
-                  key_seed: int, local_batch: int, streams: int = 16, process_index: int = 0,
+                  key_seed: int, global_batch: int, streams: int = 16, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
-  """This process's batches of features [local_batch, ...] before prefetching; rows keyed from `key_seed`."""
-  shard = records(documents, shuffle_seed, process_index, process_count)
+  """This process's rows of each global batch, as features, before prefetching; rows keyed from `key_seed`."""
+  mine, total = stream_layout(global_batch, streams, process_index, process_count)
   tokenize = _Tokenize(tokenizer, objective.with_bos)
   lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset')}
 
-  def packed(stream: int) -> grain.IterDataset:
-    ds = shard[stream::streams].map(tokenize).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
-    return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths).filter(_full_row)
-  rows = grain.experimental.InterleaveIterDataset([packed(s) for s in range(streams)], cycle_length=streams)
-  return rows.batch(local_batch, drop_remainder=True).map(_Features(objective, key_seed))
+  def stream_rows(stream: int) -> grain.IterDataset:
+    ds = records(documents, shuffle_seed, stream, total).map(tokenize)
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths).filter(_full_row)
+    return ds.batch(global_batch // total, drop_remainder=True)
+  rows = grain.experimental.ZipIterDataset([stream_rows(s) for s in mine], strict=False).map(_concatenate)
+  return rows.map(_Features(objective, key_seed))
 
 
 class Batches:
@@ -167,9 +183,12 @@ def build_batches(config: Config, mesh: Mesh, process_index: int | None = None,
   None for validation when `train.eval_batches` is 0. Process index and count default to JAX's."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   objective = make_objective(config, tokenizer)
-  lo, hi = local_row_range(batch_sharding(mesh, 1), config.train.global_batch)
   process = (jax.process_index() if process_index is None else process_index,
              jax.process_count() if process_count is None else process_count)
+  lo, hi = local_row_range(batch_sharding(mesh, 1), config.train.global_batch)
+  if (lo, hi) != (process[0] * (hi - lo), (process[0] + 1) * (hi - lo)):
+    raise ConfigError(f'process {process[0]} of {process[1]} holds batch rows [{lo}, {hi}), not its equal share in '
+                      f'process order; build the mesh with the data axes outermost across hosts')
   d, seed = config.data, config.train.seed
 
   def batches(split: Split) -> Batches:
@@ -179,7 +198,9 @@ def build_batches(config: Config, mesh: Mesh, process_index: int | None = None,
     # Validation: in order and masked from seed 0 whatever the run's seed, so runs compare.
     train = split == 'train'
     dataset = batch_dataset(documents, tokenizer, objective, shuffle_seed=seed if train else None,
-                            key_seed=seed if train else 0, local_batch=hi - lo, streams=d.streams,
+                            key_seed=seed if train else 0, global_batch=config.train.global_batch,
+                            # a finite split cannot feed more streams than it has records
+                            streams=d.streams if train else min(d.streams, len(documents)),
                             process_index=process[0], process_count=process[1])
     return Batches(dataset, mesh, config.train.global_batch, d.workers if train else 0, d.prefetch)
   val = None

@@ -200,7 +200,8 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
   def blocks(outer, inner):
     i, j = (inner, outer) if kv_outer else (outer, inner)
     if causal and not kv_outer:  # clamp to the last visible kv-block: skipped steps fetch nothing new
-      j = jnp.minimum(j, jax.lax.div(i * bq + bq - 1, bk))  # lax.div: no floor-division sign ops in Mosaic
+      # lax.div: no floor-division sign ops in Mosaic; int32 operands also under jax_enable_x64
+      j = jnp.minimum(j, jax.lax.div(i * bq + bq - 1, jnp.int32(bk)))
     return i, j
 
   def q_map(b, h, o, n):

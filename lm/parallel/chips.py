@@ -103,13 +103,15 @@ def physical_topology(name: str) -> str:
   return f'{generation}:{"x".join(str(s) for s in shape)}'
 
 
-def topology_devices(physical: str) -> list[jax.Device]:
-  """Compile-only devices of a TPU slice given as `physical_topology` writes it (needs libtpu: the `tpu` extra)."""
+def topology_devices(physical: str, num_slices: int = 1) -> list[jax.Device]:
+  """Compile-only devices of `num_slices` TPU slices of the shape `physical_topology` writes (needs libtpu: the
+  `tpu` extra); with several, each device knows its `slice_index`."""
   if importlib.util.find_spec('libtpu') is None:
     raise ConfigError('compiling for a TPU topology needs libtpu: pip install -e ".[tpu]"')
   from jax.experimental import topologies
   quiet_libtpu()
   try:
-    return list(topologies.get_topology_desc(platform='tpu', topology_name=physical).devices)
+    slices = {'num_slices': num_slices} if num_slices > 1 else {}
+    return list(topologies.get_topology_desc(platform='tpu', topology_name=physical, **slices).devices)
   except Exception as e:  # libtpu rejects shapes it does not know with a runtime error
     raise ConfigError(f'libtpu cannot describe topology {physical}: {str(e).splitlines()[0]}') from None

@@ -28,7 +28,7 @@ from lm.config import ConfigError
 LogicalRules = tuple[tuple[str, Any], ...]
 
 RULES: LogicalRules = (
-  ('batch', ('data', 'fsdp')),
+  ('batch', ('slice', 'data', 'fsdp')),
   ('vocab', 'tensor'),
   ('heads', 'tensor'),
   ('kv_heads', 'tensor'),
@@ -47,6 +47,8 @@ AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'head
                'kv_heads': 'model.num_kv_heads', 'mlp': 'model.d_ff', 'embed': 'model.d_model',
                'length': 'data.seq_len'}
 
+MESH_FIELDS = {'slice': 'mesh.slices'}  # mesh axes whose config field is not mesh.<axis>
+
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
   'lm_sharding', default=None)
 
@@ -61,7 +63,7 @@ class UnevenShardingError(ConfigError):
 
   @property
   def mesh_product(self) -> str:
-    return f'{"*".join(f"mesh.{a}" for a in self.mesh_axes)}={self.shards}'
+    return f'{"*".join(MESH_FIELDS.get(a, f"mesh.{a}") for a in self.mesh_axes)}={self.shards}'
 
 
 @contextlib.contextmanager
@@ -84,14 +86,16 @@ def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules = RULES) -> 
   return nn.logical_to_mesh_axes(tuple(axes), rules)
 
 
-def _as_tuple(entry: Any) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _mesh_axes(entry: Any, mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes of one spec entry that this mesh has and that split it (size > 1)."""
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
 def axis_size(mesh: Mesh, logical: str, rules: LogicalRules = RULES) -> int:
   """Devices one dimension named `logical` is split over on `mesh` (1 when it is replicated)."""
   spec = logical_to_spec((logical,), rules)
-  return math.prod(mesh.shape[a] for a in _as_tuple(spec[0]))
+  return math.prod(mesh.shape[a] for a in _mesh_axes(spec[0], mesh))
 
 
 def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
@@ -100,10 +104,10 @@ def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
   spec = logical_to_spec(axes, rules)
   out = []
   for size, logical, entry in zip(shape, axes, tuple(spec) + (None,) * (len(axes) - len(spec))):
-    mesh_axes = _as_tuple(entry)
+    mesh_axes = _mesh_axes(entry, mesh)
     shards = math.prod(mesh.shape[a] for a in mesh_axes)
     if size % shards == 0:
-      out.append(entry)
+      out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes or None)
     elif size == 1 or logical in REPLICATED_WHEN_UNEVEN:
       out.append(None)
     else:
@@ -118,7 +122,7 @@ def sharding_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = RULES) -> NamedSharding:
   """Batch rows over the data-parallel axes; the rest of each row stays whole."""
-  return NamedSharding(mesh, logical_to_spec(('batch',) + (None,) * (ndim - 1), rules))
+  return NamedSharding(mesh, PartitionSpec(_mesh_axes(logical_to_spec(('batch',), rules)[0], mesh) or None))
 
 
 def check_batch(mesh: Mesh, global_batch: int, microbatches: int, rules: LogicalRules = RULES) -> None:

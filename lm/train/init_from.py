@@ -56,8 +56,8 @@ def initial_state(assembly: Assembly, source: str) -> Initialised:
     loaded.update(_fresh_params(assembly, {name: want[name].sharding for name in fresh}))
   params = traverse_util.unflatten_dict(loaded, sep='/')
   opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(assembly.abstract_state.opt_state))(params)
-  step = jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
-  state = TrainState(step=step, params=params, opt_state=opt_state)
+  zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
+  state = TrainState(step=zero(), params=params, opt_state=opt_state, skipped=zero())  # two buffers: both are donated
   return Initialised(state, tuple(fresh), tuple(sorted(set(have) - set(want))))
 
 

@@ -1,15 +1,23 @@
-"""Run outputs: metrics.jsonl (one JSON object per logged step), TensorBoard events, progress bar."""
+"""Run outputs: metrics.jsonl (one JSON object per logged step), TensorBoard events, progress bar.
+
+All run-dir I/O goes through `etils.epath`, so a run dir may be a local path or a URI such as
+gs://bucket/run. Object stores cannot append: there metrics.jsonl is rewritten whole at each log,
+and TensorBoard events are written locally and copied up.
+"""
 from __future__ import annotations
 
 import json
 import math
 import sys
-from pathlib import Path
+import tempfile
 from typing import Any
 
+from etils import epath
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
+METRICS = 'metrics.jsonl'
+TENSORBOARD = 'tensorboard'
 
 _SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('learning_rate', 'lr {:.3g}'),
           ('grad_norm', 'grad_norm {:.3g}'), ('tokens_per_sec', '{:,.0f} tokens/s'), ('mfu', 'mfu {:.1%}'))
@@ -21,16 +29,34 @@ def format_record(record: dict[str, Any]) -> str:
   return ' | '.join(parts)
 
 
-class MetricsLogger:
-  """Writes every record to metrics.jsonl and TensorBoard; shows a bar on a terminal."""
+def is_local(path: epath.Path) -> bool:
+  return '://' not in str(path)
 
-  def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
+
+def read_metrics(run_dir: str | epath.PathLike) -> list[dict[str, Any]]:
+  path = epath.Path(run_dir) / METRICS
+  return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+class MetricsLogger:
+  """Writes every record to metrics.jsonl and TensorBoard; shows a bar on a terminal.
+
+  A run resumed from step S keeps the records up to S and drops later ones (written before a crash and
+  about to be written again); a run starting at step 0 starts a fresh file.
+  """
+
+  def __init__(self, run_dir: epath.Path, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
     self.enabled = enabled
     if not enabled:
       return
     run_dir.mkdir(parents=True, exist_ok=True)
-    self.jsonl = open(run_dir / 'metrics.jsonl', 'a')
-    self.tensorboard = SummaryWriter(str(run_dir / 'tensorboard'))
+    self.path, self.local = run_dir / METRICS, is_local(run_dir)
+    self.lines = [json.dumps(r) for r in read_metrics(run_dir) if start_step and r['step'] <= start_step]
+    self.path.write_text(''.join(line + '\n' for line in self.lines))
+    self.jsonl = self.path.open('a') if self.local else None
+    events = run_dir / TENSORBOARD
+    self.events_remote = None if self.local else events
+    self.tensorboard = SummaryWriter(str(events) if self.local else tempfile.mkdtemp(prefix='lm_tensorboard_'))
     self.bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True) \
       if progress and sys.stdout.isatty() else None
     self.shown: dict[str, str] = {}
@@ -39,8 +65,13 @@ class MetricsLogger:
     if not self.enabled:
       return
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    self.jsonl.write(json.dumps(clean) + '\n')
-    self.jsonl.flush()
+    line = json.dumps(clean)
+    if self.local:
+      self.jsonl.write(line + '\n')
+      self.jsonl.flush()
+    else:
+      self.lines.append(line)
+      self.path.write_text(''.join(line + '\n' for line in self.lines))
     for key, value in record.items():
       if key != 'step' and isinstance(value, (int, float)):
         self.tensorboard.add_scalar(key, value, record['step'])
@@ -55,8 +86,14 @@ class MetricsLogger:
       self.bar.update(steps)
 
   def close(self) -> None:
-    if self.enabled:
-      if self.bar is not None:
-        self.bar.close()
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.close()
+    if self.jsonl is not None:
       self.jsonl.close()
-      self.tensorboard.close()
+    self.tensorboard.close()
+    if self.events_remote is not None:  # copy the local event files up
+      self.events_remote.mkdir(parents=True, exist_ok=True)
+      for event_file in epath.Path(self.tensorboard.logdir).iterdir():
+        event_file.copy(self.events_remote / event_file.name, overwrite=True)

@@ -1,27 +1,29 @@
 """The training loop: build everything from a Config, then step, log, evaluate and checkpoint."""
 from __future__ import annotations
 
-import contextlib
-import json
-import signal
-import threading
+import math
 import time
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 
 from lm.assembly import assemble
-from lm.checkpoint import Checkpointer
+from lm.checkpoint import UNRESTORABLE, Checkpointer
 from lm.config import Config, ConfigError
 from lm.data.pipeline import Batches, build_batches
+from lm.distributed import is_main_process
 from lm.parallel.chips import peak_flops
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.accounting import mfu
 from lm.train.init_from import initial_state
 from lm.train.logging import MetricsLogger
+from lm.train.preemption import preemption
 from lm.train.state import TrainState
 from lm.train.step import make_eval_step, make_train_step
+
+
+class TrainingError(RuntimeError):
+  """The run cannot go on (e.g. a non-finite loss); the message names the step and what to change."""
 
 
 class Trainer:
@@ -50,75 +52,97 @@ class Trainer:
 
   def _restore_or_init(self, checkpoints: Checkpointer) -> TrainState:
     cfg = self.config
-    latest = checkpoints.latest_step()
-    if latest is not None and not checkpoints.has_optimizer(latest):
+    if checkpoints.is_params_only():
       raise ConfigError(f'{cfg.run_dir} holds an imported model (params only), which training would overwrite; '
                         f'train from it in a new directory: train.init_from={cfg.run_dir} train.run_dir=NEW_DIR')
-    if latest is not None and not cfg.train.resume:
-      raise ConfigError(f'{cfg.run_dir} already holds checkpoints (latest step {latest}); pass --resume '
+    steps = checkpoints.all_steps()
+    if steps and not cfg.train.resume:
+      raise ConfigError(f'{cfg.run_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume '
                         f'(train.resume=true) to continue, or choose another train.run_dir')
-    if latest is None:
-      if cfg.train.init_from is None:
-        return self.init_state()
-      start = initial_state(self.assembly, cfg.train.init_from)
-      print(f'initialised from {cfg.train.init_from}' +
-            (f'; new: {", ".join(start.fresh)}' if start.fresh else '') +
-            (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
-      return start.state
-    state = checkpoints.restore(latest, self.assembly.abstract_state, cfg.to_dict(), self.train_batches.iterator)
-    print(f'resumed from {checkpoints.directory}/{latest}', flush=True)
-    return state
+    if steps:
+      restored = checkpoints.restore_latest(self.assembly.abstract_state, cfg.to_dict(), self.train_batches.iterator)
+      if restored is None:
+        raise ConfigError(f'no checkpoint in {checkpoints.directory} restores (each is kept as '
+                          f'<step>{UNRESTORABLE}); start a new train.run_dir')
+      print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
+      return restored[1]
+    if cfg.train.init_from is None:
+      return self.init_state()
+    start = initial_state(self.assembly, cfg.train.init_from)
+    print(f'initialised from {cfg.train.init_from}' +
+          (f'; new: {", ".join(start.fresh)}' if start.fresh else '') +
+          (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
+    return start.state
 
   def run(self) -> list[dict[str, Any]]:
     """Trains to `train.steps`, resuming if asked; returns the logged records.
 
-    On SIGTERM (the preemption notice of TPU VMs and SLURM) it finishes the current step,
-    checkpoints and returns, so `--resume` continues exactly.
+    On SIGTERM to any process (the preemption notice of TPU VMs and SLURM) every process finishes
+    the same step, checkpoints and returns, so `--resume` continues exactly. Records are written
+    before each checkpoint, so after a crash (kill -9) a resumed run's metrics.jsonl matches an
+    uninterrupted one's. A non-finite loss or gradient stops the run (train.on_nonfinite=stop) before
+    any later checkpoint, or only withholds that step's update (skip).
     """
     cfg, t = self.config, self.config.train
-    is_main = jax.process_index() == 0
+    is_main = is_main_process()
     checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
-    state = self._restore_or_init(checkpoints)
-    if is_main:
-      cfg.run_dir.mkdir(parents=True, exist_ok=True)
-      (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-    start = int(jax.device_get(state.step))
-    logger = MetricsLogger(cfg.run_dir, t.steps, start, t.progress, enabled=is_main)
-    records: list[dict[str, Any]] = []
-
-    def emit(record: dict[str, Any]) -> None:
-      records.append(record)
-      logger.log(record)
-
-    if start == 0 and t.eval_batches:
-      emit({'step': 0, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
-    pending: list[tuple[int, Any]] = []
-    timer = time.perf_counter()
+    logger = None
     try:
-      with sigterm_flag() as preempted:
+      state = self._restore_or_init(checkpoints)
+      if is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
+      start = int(jax.device_get(state.step))
+      logger = MetricsLogger(cfg.run_dir, t.steps, start, t.progress, enabled=is_main)
+      records: list[dict[str, Any]] = []
+
+      def emit(new: list[dict[str, Any]]) -> None:
+        for record in new:
+          records.append(record)
+          logger.log(record)
+
+      if start == 0 and t.eval_batches:
+        emit([{'step': 0, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)}])
+      pending: list[tuple[int, Any]] = []
+      timer = time.perf_counter()
+      with preemption(checkpoints) as reached:
         for done in range(start + 1, t.steps + 1):
           state, step_metrics = self.train_step(state, next(self.train_batches))
           pending.append((done, step_metrics))
-          last = done == t.steps or preempted.is_set()
-          if done % t.log_every == 0 or last:
-            for record in self._records(pending, timer):
-              emit(record)
+          preempted = reached(done)
+          last = done == t.steps or preempted
+          save = bool(t.checkpoint_every and done % t.checkpoint_every == 0) or last
+          if done % t.log_every == 0 or last or save:  # every record up to a checkpoint is written before it
+            flushed = self._records(pending, timer)
+            emit(flushed)
             logger.advance(len(pending))
             pending, timer = [], time.perf_counter()
+            self._check_finite(flushed)
           if t.eval_batches and (done % t.eval_every == 0 or done == t.steps):
-            emit({'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)})
+            emit([{'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)}])
             timer = time.perf_counter()
-          if (t.checkpoint_every and done % t.checkpoint_every == 0) or last:
+          if save:
             checkpoints.save(done, state, self.train_batches.iterator, cfg.to_dict())
-          if preempted.is_set():
+          if preempted:
             print(f'stopped by SIGTERM after step {done}; checkpoint saved, continue with --resume', flush=True)
             break
       checkpoints.wait()
     finally:
       checkpoints.close()
-      logger.close()
+      if logger is not None:
+        logger.close()
     self.final_state = state
     return records
+
+  def _check_finite(self, records: list[dict[str, Any]]) -> None:
+    """Under train.on_nonfinite=stop, the first non-finite step ends the run (its state was never updated)."""
+    bad = next((r for r in records if r.get('nonfinite')), None)
+    if bad is None or self.config.train.on_nonfinite != 'stop':
+      return
+    metric = next((k for k in ('loss', 'z_loss', 'grad_norm') if not math.isfinite(bad[k])), 'grad_norm')
+    raise TrainingError(f'step {bad["step"]}: {metric} is {bad[metric]}; stopped with the state of step '
+                        f'{bad["step"] - 1} (no later checkpoint); lower optim.learning_rate, or set '
+                        f'train.on_nonfinite=skip to drop such steps')
 
   def _records(self, pending: list[tuple[int, Any]], since: float) -> list[dict[str, Any]]:
     """Metrics of the steps since the last log; the last one carries throughput over the interval."""
@@ -133,24 +157,5 @@ class Trainer:
     return records
 
 
-@contextlib.contextmanager
-def sigterm_flag() -> Iterator[threading.Event]:
-  """An event set on SIGTERM while the block runs (signals can only be caught on the main thread)."""
-  flag = threading.Event()
-  if threading.current_thread() is not threading.main_thread():
-    yield flag
-    return
-  previous = signal.signal(signal.SIGTERM, lambda *_: flag.set())
-  try:
-    yield flag
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-
-
 def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:
   return Trainer(config, devices).run()
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-  return [json.loads(line) for line in (Path(run_dir) / 'metrics.jsonl').read_text().splitlines() if line]
-

@@ -23,6 +23,7 @@ class TrainState(flax.struct.PyTreeNode):
   step: jax.Array
   params: Any
   opt_state: Any
+  skipped: jax.Array  # steps whose loss or gradient was not finite, so their update was withheld
 
 
 def abstract_params(family: Family, model: nn.Module, mesh: Mesh | None = None) -> Any:
@@ -48,8 +49,9 @@ def abstract_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) ->
   opt_shardings = optax.tree_map_params(tx, lambda _, sharding: sharding, opt_state, param_shardings,
                                         transform_non_params=lambda _: replicated)
   with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=params,
-                    opt_state=jax.tree.map(with_sharding, opt_state, opt_shardings))
+  scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  return TrainState(step=scalar, params=params, opt_state=jax.tree.map(with_sharding, opt_state, opt_shardings),
+                    skipped=scalar)
 
 
 def make_init_fn(family: Family, model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
@@ -59,5 +61,6 @@ def make_init_fn(family: Family, model: nn.Module, tx: optax.GradientTransformat
     # No sharding context: the dummy forward pass only creates params (XLA drops its activations),
     # and its batch of 1 need not divide over the data axes.
     params = nn.unbox(family.init(model, rng, length))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=tx.init(params), skipped=zero)
   return jax.jit(init, out_shardings=shardings)

@@ -36,6 +36,7 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
 def make_train_step(assembly: Assembly) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   config, family, model, tx, mesh = assembly.config, assembly.family, assembly.model, assembly.tx, assembly.mesh
   k, z_loss, seed = config.train.microbatches, config.train.z_loss, config.train.seed
+  stop_at_nonfinite = config.train.on_nonfinite == 'stop'
   check_batch(mesh, config.train.global_batch, k)
   heads, schedule = family.active_heads(config.model), assembly.schedule
 
@@ -65,12 +66,19 @@ def make_train_step(assembly: Assembly) -> Callable[[TrainState, Batch], tuple[T
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
+      # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
+      finite = jnp.isfinite(sums['nll']) & jnp.isfinite(sums['z']) & jnp.isfinite(grad_norm)
+      apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite
+      params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
+                                       (state.params, state.opt_state))
+      skipped = state.skipped + (~finite).astype(jnp.int32)
     metrics = {'loss': sums['nll'] / total_weight, 'z_loss': sums['z'] / total_weight, 'grad_norm': grad_norm,
-               'learning_rate': schedule(state.step), 'target_tokens': total_weight}
+               'learning_rate': schedule(state.step), 'target_tokens': total_weight,
+               'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
     for head in heads:
       metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals[1]
       metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals[1]
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped), metrics
 
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
   shardings = assembly.shardings

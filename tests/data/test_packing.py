@@ -14,8 +14,8 @@ def test_rows_reconstruct_documents_and_never_cross_them():
   expected = [np.concatenate([[tok.bos_id], tok.encode(t), [tok.eos_id]]) for t in texts]
   stream = np.concatenate(expected)
   doc_of = np.repeat(np.arange(len(expected)), [len(e) for e in expected])
-  batches = list(batch_dataset(TextList(texts), tok, CausalLM(seq), shuffle_seed=None, key_seed=0, local_batch=2,
-                                streams=1))
+  batches = list(batch_dataset(TextList(texts), tok, CausalLM(seq), shuffle_seed=None, key_seed=0, global_batch=2,
+                               streams=1))
   rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
   inputs, targets, weights, seg, pos = (rows[k] for k in ('inputs', 'targets', 'weights', 'segment_ids', 'positions'))
   n = len(inputs)

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ConfigError, load_config
-from lm.data.pipeline import build_batches, local_row_range, make_objective, records
+from lm.data.pipeline import batch_dataset, build_batches, local_row_range, make_objective, records, stream_layout
 from lm.data.sources import TextList, embedded_documents, is_validation, split_documents
 from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import make_mesh
@@ -68,25 +68,47 @@ def texts(n):
 
 def test_epochs_cover_every_record_once_in_a_new_order():
   n = 101
-  stream = records(texts(n), shuffle_seed=3, process_index=0, process_count=1)
+  stream = records(texts(n), shuffle_seed=3, stream=0, streams=1)
   epoch = lambda e: [stream[i][1] for i in range(e * n, (e + 1) * n)]
   first, second = epoch(0), epoch(1)
   assert sorted(first) == sorted(second) == sorted(texts(n).texts)
   assert first != second
-  assert [stream[i][0] for i in range(5)] == list(range(5)), 'records carry their stream position'
+  assert [stream[i][0] for i in range(5)] == list(range(5)), 'records carry their sequence position'
 
 
 @pytest.mark.parametrize('processes', [2, 3])
 def test_process_shards_are_disjoint_and_cover_every_record_once_per_epoch(processes):
-  """Each host reads only its share of the record index (every P-th shuffled record)."""
-  n = 100
+  """Each host runs only its streams, which read every S-th shuffled record: its share of the record index."""
+  n, batch = 100, 12
   seen = []
   for p in range(processes):
-    shard = records(texts(n), shuffle_seed=7, process_index=p, process_count=processes)
-    taken = [shard[k] for k in range(-(-(n - p) // processes))]  # this process's positions < n: epoch 0
-    assert all(index % processes == p for index, _ in taken)
-    seen.append({text for _, text in taken})
+    mine, total = stream_layout(batch, 16, p, processes)
+    assert total == 12 and len(mine) == total // processes
+    texts_read = set()
+    for stream in mine:
+      shard = records(texts(n), shuffle_seed=7, stream=stream, streams=total)
+      taken = [shard[k] for k in range(-(-(n - stream) // total))]  # this stream's positions < n: epoch 0
+      assert all(position % total == stream for position, _ in taken)
+      texts_read |= {text for _, text in taken}
+    seen.append(texts_read)
   assert sum(len(s) for s in seen) == n and set().union(*seen) == set(texts(n).texts)
+
+
+def test_the_global_batch_is_the_same_for_any_number_of_processes():
+  """The rows each simulated process builds, stacked in process order, equal the one-process batch."""
+  docs = TextList([text for _, text in embedded_documents()[:300]])
+  objective = make_objective(load_config('bert_tiny', ['data.seq_len=32', 'model.max_len=32']), get_tokenizer('byte'))
+
+  def batches(processes):
+    parts = [batch_dataset(docs, get_tokenizer('byte'), objective, shuffle_seed=5, key_seed=5, global_batch=8,
+                           process_index=p, process_count=processes) for p in range(processes)]
+    return [{k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
+            for rows in zip(*[[next(it) for _ in range(3)] for it in map(iter, parts)])]
+  one = batches(1)
+  for processes in (2, 4):
+    for got, want in zip(batches(processes), one):
+      for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_global_batch_is_sharded_over_data_axes(small_config):
@@ -94,7 +116,7 @@ def test_global_batch_is_sharded_over_data_axes(small_config):
   _, train, _ = build_batches(config, make_mesh(config.mesh))
   batch = next(train)
   assert batch['inputs'].shape == (16, 32)
-  assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')
+  assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')  # the size-1 slice and tensor axes split nothing
   shard_rows = {s.data.shape[0] for s in batch['inputs'].addressable_shards}
   assert shard_rows == {4}
 

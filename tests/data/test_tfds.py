@@ -11,7 +11,8 @@ import pytest
 from lm import cli
 from lm.config import load_config
 from lm.data.sources import embedded_documents
-from lm.train.loop import Trainer, read_metrics
+from lm.train.logging import read_metrics
+from lm.train.loop import Trainer
 from tests.conftest import SMALL
 
 

@@ -99,3 +99,15 @@ def test_fsdp_splits_params_and_optimizer_state_eight_ways(tmp_path):
   eight = compile_train_step(assemble(config('mesh.fsdp=8'), jax.devices())).memory_analysis()
   ratio = eight.argument_size_in_bytes / one.argument_size_in_bytes
   assert ratio <= 1 / 8 * 1.05, ratio
+
+
+def test_a_two_slice_mesh_trains_like_one_device(tmp_path, reference):
+  """Data parallel across two (simulated) slices, fsdp and tensor within each: the slice axis enters through
+  the rules table alone (the batch splits over slice x data x fsdp)."""
+  config = family_config('gpt', tmp_path, 'mesh.slices=2', 'mesh.data=1', 'mesh.fsdp=2', 'mesh.tensor=2')
+  assert strategy_name(mesh_shape(config.mesh, 8)) == 'multislice+fsdp+tp'
+  losses, params = run_steps(config, jax.devices())
+  want_losses, want_params = reference(family='gpt')
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  assert rel(flat(params), flat(want_params)) < 1e-5

@@ -6,7 +6,8 @@ import pytest
 from lm import cli
 from lm.config import ConfigError, load_config
 from lm.train.init_from import initial_state
-from lm.train.loop import Trainer, read_metrics
+from lm.train.logging import read_metrics
+from lm.train.loop import Trainer
 from tests.conftest import SMALL
 
 

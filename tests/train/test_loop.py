@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from lm.config import ConfigError
-from lm.train.loop import Trainer, read_metrics
+from lm.train.logging import read_metrics
+from lm.train.loop import Trainer
 
 
 def train_losses(records):

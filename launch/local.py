@@ -1,0 +1,103 @@
+"""Runs a command as N local CPU processes forming one JAX job (gloo collectives): for tests and laptops.
+
+  python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4
+
+Each process gets LM_COORDINATOR_ADDRESS, LM_NUM_PROCESSES and LM_PROCESS_ID (read by
+`lm.distributed`) and K simulated CPU devices. Process 0's output is shown here; the others' goes to
+LOG_DIR/process_<i>.log. If a process fails, the others are stopped and the launcher exits with its
+status; SIGTERM and SIGINT are passed on to every process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def process_env(index: int, processes: int, devices: int, port: int) -> dict[str, str]:
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform')]
+  return {**os.environ, 'LM_COORDINATOR_ADDRESS': f'localhost:{port}', 'LM_NUM_PROCESSES': str(processes),
+          'LM_PROCESS_ID': str(index), 'JAX_PLATFORMS': 'cpu',
+          'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count={devices}'])}
+
+
+def stop(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.terminate()
+  deadline = time.monotonic() + grace
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int, log_dir: Path) -> int:
+  """Runs `command` as `processes` processes; returns the first non-zero exit status, or 0."""
+  port = free_port()
+  log_dir.mkdir(parents=True, exist_ok=True)
+  procs, logs = [], []
+  for i in range(processes):
+    log = None if i == 0 else open(log_dir / f'process_{i}.log', 'w')
+    logs.append(log)
+    procs.append(subprocess.Popen(list(command), env=process_env(i, processes, devices_per_process, port),
+                                  stdout=log, stderr=subprocess.STDOUT if log else None))
+  forward = lambda signum, _: [p.send_signal(signum) for p in procs if p.poll() is None]
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        index, code = failed[0]
+        where = 'above' if index == 0 else f'in {log_dir / f"process_{index}.log"}'
+        print(f'launch: process {index} exited with status {code} (its output is {where}); stopping the others',
+              file=sys.stderr, flush=True)
+        stop(procs)
+        return code
+      if all(c == 0 for c in codes):
+        return 0
+      time.sleep(0.1)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    for log in logs:
+      if log is not None:
+        log.close()
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """(launcher arguments, the command after --)."""
+  argv = list(argv)
+  return (argv[:argv.index('--')], argv[argv.index('--') + 1:]) if '--' in argv else (argv, [])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--processes', type=int, required=True)
+  parser.add_argument('--devices-per-process', type=int, default=1)
+  parser.add_argument('--log-dir', type=Path, default=None, help='where processes 1.. write (default: a temp dir)')
+  own, command = split_command(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(own)
+  if not command or args.processes < 1 or args.devices_per_process < 1:
+    parser.error('give --processes N >= 1, --devices-per-process K >= 1 and a command after --')
+  log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix='lm_launch_'))
+  return launch(command, args.processes, args.devices_per_process, log_dir)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

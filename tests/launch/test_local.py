@@ -1,0 +1,117 @@
+"""launch/local.py: several local processes are one JAX job; they train like one process with all the devices."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LAUNCH = Path(__file__).resolve().parents[2] / 'launch'
+sys.path.insert(0, str(LAUNCH))
+from local import free_port, process_env  # noqa: E402
+
+LM = [sys.executable, '-m', 'lm.cli']
+TINY = ['--config', 'gpt_tiny', 'model.d_model=64', 'model.num_layers=2', 'data.seq_len=32', 'model.max_len=32',
+        'train.global_batch=16', 'train.log_every=1', 'train.eval_batches=1', 'train.progress=false']
+
+
+def clean_env(**extra):
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS',)}
+  return {**env, 'JAX_PLATFORMS': 'cpu', **extra}
+
+
+def records(run_dir):
+  return [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines()]
+
+
+def test_two_processes_train_like_one_process_with_all_devices(tmp_path):
+  """2 processes x 4 devices equal 1 process x 8 devices on the same mesh: every loss (1e-6) and the final
+  params; the checkpoint then restores in one process on one device."""
+  train = ['train', *TINY, 'train.steps=6', 'train.eval_every=3', 'mesh.data=2', 'mesh.fsdp=4']
+  two = subprocess.run([sys.executable, str(LAUNCH / 'local.py'), '--processes', '2', '--devices-per-process', '4',
+                        '--log-dir', str(tmp_path / 'logs'), '--', *LM, *train, f'train.run_dir={tmp_path}/two'],
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
+  assert two.returncode == 0, two.stderr[-2000:]
+  one = subprocess.run([*LM, *train, f'train.run_dir={tmp_path}/one'], capture_output=True, text=True, timeout=600,
+                       env=clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'))
+  assert one.returncode == 0, one.stderr[-2000:]
+  a, b = records(tmp_path / 'one'), records(tmp_path / 'two')
+  assert [r['step'] for r in a] == [r['step'] for r in b]
+  for x, y in zip(a, b):
+    key = 'loss' if 'loss' in x else 'val_loss'
+    assert abs(x[key] - y[key]) <= 1e-6 * abs(x[key]), (x, y)
+
+  check = f'''
+import jax, numpy as np
+from lm.run_dir import load_params, one_device_mesh
+(_, a), (_, b) = load_params("{tmp_path}/one", one_device_mesh()), load_params("{tmp_path}/two", one_device_mesh())
+flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
+print(np.linalg.norm(flat(a) - flat(b)) / np.linalg.norm(flat(b)))
+'''
+  restored = subprocess.run([sys.executable, '-c', check], env=clean_env(), capture_output=True, text=True,
+                            timeout=300)
+  assert restored.returncode == 0, restored.stderr[-2000:]
+  assert float(restored.stdout.strip().splitlines()[-1]) <= 1e-6
+
+
+def test_a_failing_process_stops_the_others(tmp_path):
+  script = 'import os, sys, time\nif os.environ["LM_PROCESS_ID"] == "1": sys.exit(3)\ntime.sleep(120)'
+  start = time.monotonic()
+  out = subprocess.run([sys.executable, str(LAUNCH / 'local.py'), '--processes', '3', '--log-dir', str(tmp_path),
+                        '--', sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 3 and time.monotonic() - start < 60
+  assert 'process 1 exited with status 3' in out.stderr
+
+
+def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
+  """The preemption notice reaches one host; every process saves the same step and exits 0."""
+  port = free_port()
+  command = [*LM, 'train', *TINY, 'train.steps=2000', 'train.eval_batches=0', 'train.checkpoint_every=10000',
+             'mesh.data=2', 'mesh.fsdp=2', f'train.run_dir={tmp_path}/run']
+  logs = [open(tmp_path / f'{i}.log', 'w') for i in range(2)]
+  procs = [subprocess.Popen(command, env=process_env(i, 2, 2, port), stdout=logs[i], stderr=subprocess.STDOUT)
+           for i in range(2)]
+  try:
+    deadline = time.monotonic() + 300
+    while not ((tmp_path / 'run' / 'metrics.jsonl').exists() and
+               len((tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()) >= 5):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs), 'training did not start'
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for log in logs:
+      log.close()
+  stopped = [[line for line in (tmp_path / f'{i}.log').read_text().splitlines() if 'stopped by SIGTERM' in line]
+             for i in range(2)]
+  assert len(stopped[0]) == len(stopped[1]) == 1 and stopped[0] == stopped[1]
+  step = int(stopped[0][0].split('after step ')[1].split(';')[0])
+  assert sorted(p.name for p in (tmp_path / 'run' / 'checkpoints').iterdir()) == [str(step)]
+  assert 0 < step < 2000
+
+
+@pytest.mark.parametrize('kind', ['explicit', 'slurm'])
+def test_processes_find_each_other_from_explicit_settings_and_slurm(kind, tmp_path):
+  """`lm.distributed.initialize` joins the job from LM_* settings, or from SLURM's variables (faked on localhost)."""
+  port = free_port()
+  script = ('import jax\nfrom lm.distributed import initialize\n'
+            'print(initialize(), jax.process_count(), jax.device_count())')
+  procs = []
+  for i in range(2):
+    if kind == 'explicit':
+      env = process_env(i, 2, 2, port)
+    else:  # JAX's SLURM detection: coordinator = the first node, port = job id % 4096 + 61440
+      env = clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=2', SLURM_JOB_ID=str(port),
+                      SLURM_STEP_NODELIST='localhost', SLURM_NTASKS='2', SLURM_PROCID=str(i), SLURM_LOCALID='0')
+    procs.append(subprocess.Popen([sys.executable, '-c', script], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  outs = [p.communicate(timeout=120) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-2000:]
+    assert out.split() == [kind, '2', '4']

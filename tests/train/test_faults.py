@@ -1,0 +1,127 @@
+"""Faults: kill -9 and resume, damaged checkpoints, non-finite losses, another mesh on restore, x64."""
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from lm import cli
+from lm.checkpoint import Checkpointer
+from lm.run_dir import load_params, one_device_mesh
+from lm.train.logging import read_metrics
+from lm.train.loop import Trainer
+from tests.conftest import SMALL
+
+TIMING = ('tokens_per_sec', 'mfu')  # wall-clock figures differ between any two runs
+
+
+def without_timing(records):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(tmp_path):
+  train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
+           'train.eval_every=10', 'train.checkpoint_every=4', 'optim.decay_steps=30']
+  env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin'}
+  straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True, timeout=600)
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  kills = sorted(np.random.default_rng(2024).choice(np.arange(3, 28), size=3, replace=False).tolist())
+  run = tmp_path / 'killed'
+  for i, at in enumerate(kills):
+    proc = subprocess.Popen(train + [f'train.run_dir={run}'] + (['--resume'] if i else []), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not any(r.get('step', 0) >= at for r in read_metrics(run)):
+      assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))
+
+
+def damage(step_dir):
+  """Truncates every array file of a checkpoint, as a full disk or a bad copy would."""
+  files = [f for f in step_dir.rglob('*') if f.is_file() and f.stat().st_size > 200 and '/d/' in str(f)]
+  assert files, 'no array data files found'
+  for f in files:
+    f.write_bytes(f.read_bytes()[:100])
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(small_config, tmp_path):
+  config = lambda steps, *o: small_config(f'train.steps={steps}', 'train.checkpoint_every=5', 'optim.decay_steps=15',
+                                          'train.keep_checkpoints=3', *o)
+  Trainer(config(15), jax.devices()[:1]).run()
+  straight = without_timing(read_metrics(config(15).run_dir))
+  Trainer(config(15, f'train.run_dir={tmp_path}/b'), jax.devices()[:1]).run()
+  checkpoints = tmp_path / 'b' / 'checkpoints'
+  damage(checkpoints / '15')
+  (checkpoints / '10' / 'optimizer').rename(tmp_path / 'gone')  # and a missing item one step earlier
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    resumed = Trainer(config(15, f'train.run_dir={tmp_path}/b', 'train.resume=true'), jax.devices()[:1])
+    resumed.run()
+  messages = [str(w.message) for w in caught]
+  assert any(f'{checkpoints}/15 does not restore' in m for m in messages)
+  assert (checkpoints / '15.unrestorable').is_dir() and (checkpoints / '10.unrestorable').is_dir(), 'kept'
+  assert without_timing(read_metrics(tmp_path / 'b')) == straight  # resumed from step 5, redone exactly
+
+
+def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path, capsys):
+  argv = ['train', '--config', 'gpt_tiny', *SMALL, 'mesh.data=-1', 'optim.learning_rate=1e4', 'optim.warmup_steps=0',
+          'optim.grad_clip=0', 'train.steps=40', 'train.checkpoint_every=2', f'train.run_dir={tmp_path}']
+  assert cli.main(argv) == 1
+  err = capsys.readouterr().err
+  assert err.startswith('lm: error: step ') and err.count('\n') == 1 and ('is nan' in err or 'is inf' in err)
+  bad = int(err.split('step ')[1].split(':')[0])
+  metrics = read_metrics(tmp_path)
+  first = next(r for r in metrics if r.get('nonfinite'))
+  assert first['step'] == bad and all(not r.get('nonfinite') for r in metrics if r['step'] < bad)
+  saved = Checkpointer(tmp_path / 'checkpoints', create=False)
+  assert max(saved.all_steps()) < bad
+  _, params = load_params(tmp_path, one_device_mesh())
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
+
+
+def test_skip_drops_non_finite_updates_and_counts_them(small_config):
+  config = small_config('optim.learning_rate=1e4', 'optim.warmup_steps=0', 'optim.grad_clip=0', 'train.steps=20',
+                        'train.on_nonfinite=skip')
+  trainer = Trainer(config, jax.devices()[:1])
+  records = trainer.run()
+  steps = [r for r in records if 'loss' in r]
+  assert len(steps) == 20 and steps[-1]['skipped_steps'] == sum(r['nonfinite'] for r in steps) > 0
+  assert int(trainer.final_state.skipped) == steps[-1]['skipped_steps']
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(trainer.final_state.params))
+
+
+def test_restore_onto_other_meshes_and_device_counts(small_config, tmp_path):
+  """Saved on 8 devices (fsdp=8); restored on 4 (data=2 x tensor=2), then on 1: identical params."""
+  first = small_config('train.steps=2', 'mesh.data=1', 'mesh.fsdp=8')
+  trainer = Trainer(first, jax.devices())
+  trainer.run()
+  want = jax.device_get(trainer.final_state.params)
+  for devices, mesh in ((jax.devices()[:4], ['mesh.data=2', 'mesh.tensor=2']), (jax.devices()[:1], ['mesh.data=1'])):
+    again = Trainer(small_config('train.steps=2', 'train.resume=true', *mesh), devices)
+    state = again._restore_or_init(Checkpointer(first.run_dir / 'checkpoints'))
+    assert state.params['decoder']['layers']['mlp']['wi']['kernel'].sharding.mesh.devices.size == len(devices)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), want)
+
+
+def test_flash_attention_with_x64_enabled():
+  code = '''
+import jax, jax.numpy as jnp, numpy as np
+from lm.ops.attention import attention
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.normal(size=(1, 200, 2, 16)), jnp.float32) for _ in range(3))
+loss = lambda impl: lambda q, k, v: jnp.sum(attention(q, k, v, causal=True, impl=impl) ** 2)
+flash, xla = (jax.grad(loss(i), argnums=(0, 1, 2))(q, k, v) for i in ('flash', 'xla'))
+print(max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(flash, xla)))
+'''
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                       env={'JAX_PLATFORMS': 'cpu', 'JAX_ENABLE_X64': '1', 'PATH': '/usr/bin:/bin'})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(out.stdout.split()[-1]) < 1e-5
