@@ -55,6 +55,7 @@ class ModelConfig:
   scale_attention: bool = True  # divide logits by sqrt(head_dim) (T5 does not)
   init: Init = 'scaled_normal'  # N(0, init_std), residual outputs / sqrt(2 layers) | fan_in (Mesh-TF, T5)
   nsp: bool = False  # BERT: pretrain on next-sentence pairs with an NSP head beside masked LM
+  num_labels: int = 0  # fine-tuning: outputs of the family's sequence classifier (1: a regression score); 0: none
   norm: Norm = 'layernorm'
   norm_eps: float = 1e-5
   norm_position: NormPosition = 'pre'
@@ -254,11 +255,12 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
   return cls(**kwargs)
 
 
-def _merge(base: dict, update: dict) -> dict:
+def merge(base: dict, update: dict) -> dict:
+  """`update` laid over `base`, section by section."""
   out = dict(base)
   for key, value in update.items():
     if isinstance(value, dict) and isinstance(out.get(key), dict):
-      out[key] = _merge(out[key], value)
+      out[key] = merge(out[key], value)
     else:
       out[key] = value
   return out
@@ -291,7 +293,7 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
   if base is not None:
     parent = _load_yaml(str(base) if Path(str(base)).is_absolute() else str(base), seen + (str(path),))
     parent.pop('name', None)
-    values = _merge(parent, values)
+    values = merge(parent, values)
   return values
 
 
@@ -321,7 +323,7 @@ def from_dict(values: dict) -> Config:
 
 def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str, ...] = ()) -> Config:
   """Loads a preset by name or path, applies `key.sub=value` overrides, validates."""
-  values = _merge(_load_yaml(name_or_path), parse_overrides(overrides))
+  values = merge(_load_yaml(name_or_path), parse_overrides(overrides))
   return from_dict(values)
 
 
@@ -362,6 +364,8 @@ def validate(config: Config) -> None:
     raise ConfigError(
       f'data.seq_len={d.seq_len} is longer than the position table model.max_len={m.max_len}; '
       f'raise model.max_len or lower data.seq_len')
+  if m.num_labels < 0:
+    raise ConfigError(f'model.num_labels={m.num_labels} must be >= 0 (0: no classifier head)')
   for key in ('model.dropout', 'model.attention_dropout', 'data.val_fraction'):
     if not 0.0 <= _get(config, key) < 1.0:
       raise ConfigError(f'{key}={_get(config, key)} must lie in [0, 1)')

@@ -66,6 +66,9 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.
 def decoding(cfg: ModelConfig) -> Decoding:
   """How the family samples ('decoder' or 'encoder_decoder'); a ConfigError when it cannot."""
   mode = get_family(cfg.family).decoding
+  if cfg.num_labels:
+    raise ConfigError(f'this {cfg.family} model is a fine-tuned classifier (model.num_labels={cfg.num_labels}); it '
+                      f'scores sequences instead of generating text')
   if mode is None:
     able = [name for name, f in FAMILIES.items() if f.decoding]
     raise ConfigError(f'model.family={cfg.family!r} cannot generate text; generation needs one of: {", ".join(able)}')

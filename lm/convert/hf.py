@@ -62,9 +62,8 @@ def _family(hf: dict, where: Path) -> Family:
   return known[names[0]]
 
 
-def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-  """(model, float32 params) from a HF directory; `model.apply({'params': params}, ...)` gives its logits."""
-  path = Path(path)
+def _open(path: Path) -> tuple[ModelConfig, Checkpoint, Any]:
+  """(model config, the open weights file, the converter's tensor rules) of HF directory `path`."""
   hf = read_hf_config(path)
   family = _family(hf, path)
   weights = path / 'model.safetensors'
@@ -75,7 +74,18 @@ def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
   converter = family.converter()
   ckpt = Checkpoint(weights, converter.ARCHITECTURE)
   cfg, rules = converter.load(hf, ckpt)
-  model = build_model(dataclasses.replace(cfg, family=family.name))
+  return dataclasses.replace(cfg, family=family.name), ckpt, rules
+
+
+def hf_model_config(path: str | Path) -> ModelConfig:
+  """The model config of HF directory `path` (only the safetensors header is read)."""
+  return _open(Path(path))[0]
+
+
+def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+  """(model, float32 params) from a HF directory; `model.apply({'params': params}, ...)` gives its logits."""
+  cfg, ckpt, rules = _open(Path(path))
+  model = build_model(cfg)
   params = read_params(ckpt, rules, param_shapes(model))
   ckpt.warn_unused()
   return model, params

@@ -9,15 +9,15 @@ from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import MaskedLM, NextSentencePairs, regular_ids
 from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
+from lm.models.task_heads import Classifier
 from lm.models.transformer import Stack, default_positions
 from lm.parallel.rules import constrain
 
 
 class BERT(nn.Module):
   """Bidirectional encoder. `__call__` gives masked-LM logits; `encode`, `pooled`, `nsp_logits` and
-  `classify` (when `num_labels` > 0) give the other heads. `segment_ids` 0 marks padding."""
+  `classify` (when `model.num_labels` > 0) give the other heads. `segment_ids` 0 marks padding."""
   cfg: ModelConfig
-  num_labels: int = 0  # sequence classification (1: regression) head for fine-tuning
 
   def setup(self) -> None:
     cfg = self.cfg
@@ -38,8 +38,8 @@ class BERT(nn.Module):
     self.pooler = DenseGeneral(cfg.d_model, ('embed', 'mlp'), **dense)
     if cfg.nsp:
       self.nsp_head = DenseGeneral(2, ('mlp', None), **dense)
-    if self.num_labels:
-      self.classifier = DenseGeneral(self.num_labels, ('mlp', None), **dense)
+    if cfg.num_labels:
+      self.classifier = DenseGeneral(cfg.num_labels, ('mlp', None), **dense)
 
   def encode(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
              token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
@@ -54,8 +54,11 @@ class BERT(nn.Module):
                token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
     """Masked-LM logits [batch, length, vocab]: dense + GELU + LayerNorm, then the tied decoder plus a bias."""
     x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
-    if self.cfg.nsp and self.is_initializing():
-      self.nsp_logits(x)  # create the NSP head's params along with the rest
+    if self.is_initializing():  # create the heads' params along with the rest
+      if self.cfg.nsp:
+        self.nsp_logits(x)
+      if self.cfg.num_labels:
+        self.classifier(self.pooled(x))
     return self.mlm_logits(x)
 
   def mlm_logits(self, encoded: jax.Array) -> jax.Array:
@@ -78,7 +81,8 @@ class BERT(nn.Module):
 
   def classify(self, tokens: jax.Array, segment_ids: jax.Array | None = None, token_types: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
-    """[batch, num_labels] scores of the sequence (a regression value when num_labels is 1)."""
+    """[batch, num_labels] scores of the sequence (a regression value when num_labels is 1): pooled [CLS],
+    dropout, linear, as in BERT's run_classifier.py."""
     encoded = self.encode(tokens, segment_ids, token_types=token_types, deterministic=deterministic)
     return self.classifier(self.embed_dropout(self.pooled(encoded), deterministic=deterministic))
 
@@ -91,6 +95,7 @@ class BERTFamily(Encoder):
   module = BERT
   hf_converter = 'lm.convert.bert'
   heads = (NSP,)
+  task_head = Classifier(params=('pooler', 'classifier'), method='classify', token_types=True)
 
   def apply(self, model, params, batch, *, deterministic, rngs):
     kwargs = dict(segment_ids=batch.get('segment_ids'), positions=batch.get('positions'),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
+from lm.models.task_heads import Classifier, TaskHead, TextToText
 
 if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
@@ -63,6 +64,7 @@ class Family:
   hf_converter: ClassVar[str | None] = None  # module with ARCHITECTURE (the transformers class), load, save
   decoding: ClassVar[Decoding | None] = None  # how `lm.generate` samples from it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()
+  task_head: ClassVar[TaskHead | None] = None  # how it fine-tunes on sequence tasks (GLUE); None: it cannot
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
@@ -96,7 +98,10 @@ class Family:
     return tuple(h for h in self.heads if h.enabled(cfg))
 
   def per_sequence_params(self) -> frozenset[str]:
-    return frozenset(p for h in self.heads for p in h.params)
+    """Top-level param modules of the heads (pretraining and fine-tuning): they read one position per row,
+    and start fresh when a source checkpoint lacks them."""
+    task = self.task_head.params if self.task_head else ()
+    return frozenset(p for h in self.heads for p in h.params) | frozenset(task)
 
   def converter(self) -> ModuleType:
     if self.hf_converter is None:
@@ -116,8 +121,10 @@ def _attention_flops(cfg: ModelConfig, pairs: float) -> float:
 
 
 class DecoderOnly(Family):
-  """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)`."""
+  """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)`; with
+  `model.num_labels` the module is a classifier on the last real token."""
   decoding = 'decoder'
+  task_head = Classifier(params=('score',))
 
   def apply(self, model, params, batch, *, deterministic, rngs):
     return {'logits': model.apply({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
@@ -141,8 +148,9 @@ class Encoder(Family):
 
 class EncoderDecoder(Family):
   """Encoder-decoders (T5): `module(inputs, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)`,
-  with `encode` and `decode` methods for cached generation."""
+  with `encode` and `decode` methods for cached generation; fine-tuned text to text."""
   decoding = 'encoder_decoder'
+  task_head = TextToText()
 
   def init_inputs(self, length):
     tokens = jnp.zeros((1, length), jnp.int32)

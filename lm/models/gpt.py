@@ -7,7 +7,7 @@ import jax
 from lm.config import ModelConfig
 from lm.models.family import DecoderOnly
 from lm.models.layers import DTYPES, Embed
-from lm.models.transformer import Stack, default_positions, embed_positions, output_logits
+from lm.models.transformer import Stack, default_positions, embed_positions, last_token_scores, output_logits
 from lm.parallel.rules import constrain
 
 
@@ -15,6 +15,7 @@ class GPT(nn.Module):
   """Decoder-only causal LM: tokens [batch, length] -> logits [batch, length, vocab].
 
   `decode=True` runs on the key/value cache (see `lm.generate`); `positions` then count real tokens.
+  With `model.num_labels` > 0 it is a sequence classifier: scores [batch, num_labels] from the last real token.
   """
   cfg: ModelConfig
 
@@ -34,6 +35,8 @@ class GPT(nn.Module):
     x = constrain(x, ('batch', 'length', 'embed'))
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
       x, segment_ids, deterministic=deterministic, decode=decode, positions=positions)
+    if cfg.num_labels:  # a fine-tuned sequence classifier
+      return last_token_scores(cfg, x, segment_ids)
     return output_logits(cfg, embed, x)
 
 

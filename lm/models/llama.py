@@ -8,7 +8,7 @@ import jax
 from lm.config import Config, ConfigError, ModelConfig
 from lm.models.family import DecoderOnly
 from lm.models.layers import DTYPES, Embed
-from lm.models.transformer import Stack, default_positions, output_logits
+from lm.models.transformer import Stack, default_positions, last_token_scores, output_logits
 from lm.parallel.rules import constrain
 
 
@@ -16,6 +16,7 @@ class Llama(nn.Module):
   """Decoder-only causal LM with positions only inside attention: tokens [batch, length] -> logits.
 
   `positions` (default 0, 1, ...) rotate queries and keys; with `decode=True` they count real tokens.
+  With `model.num_labels` > 0 it is a sequence classifier: scores [batch, num_labels] from the last real token.
   """
   cfg: ModelConfig
 
@@ -31,6 +32,8 @@ class Llama(nn.Module):
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
       x, segment_ids, deterministic=deterministic, decode=decode,
       positions=default_positions(tokens) if positions is None else positions)
+    if cfg.num_labels:  # a fine-tuned sequence classifier
+      return last_token_scores(cfg, x, segment_ids)
     return output_logits(cfg, embed, x)
 
 

@@ -162,6 +162,22 @@ def output_logits(cfg: ModelConfig, embed: Embed, x: jax.Array) -> jax.Array:
   return constrain(logits, ('batch', 'length', 'vocab'))
 
 
+def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  """A decoder's sequence classifier (HF GPT2ForSequenceClassification): a bias-free linear map of the
+  hidden state [batch, length, embed] at each row's last real token -> [batch, num_labels].
+
+  The last token is found from the mask (segment id > 0), never from a token id: GPT-2 pads with EOS.
+  Call from a compact module: the head becomes its child `score`.
+  """
+  if segment_ids is None:
+    last = jnp.full((x.shape[0],), x.shape[1] - 1)
+  else:
+    last = jnp.max(jnp.where(segment_ids > 0, jnp.arange(x.shape[1])[None], 0), axis=1)
+  hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+  return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                      kernel_init=nn.initializers.normal(cfg.init_std), name='score')(hidden)
+
+
 def default_positions(tokens: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
 

@@ -1,12 +1,13 @@
 """Weighted token cross-entropy in float32, the loss every objective reduces to."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from lm.models.family import Head
+if TYPE_CHECKING:
+  from lm.models.family import Head
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
@@ -23,6 +24,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   nll = jnp.sum((log_z - target_logits) * weights)
   z = jnp.sum(z_loss * jnp.square(log_z) * weights)
   return nll, z, jnp.sum(weights)
+
+
+def squared_error(scores: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of weighted squared errors, sum of weights) of regression scores [batch] in float32."""
+  weights = weights.astype(jnp.float32)
+  error = scores.astype(jnp.float32) - labels.astype(jnp.float32)
+  return jnp.sum(jnp.square(error) * weights), jnp.sum(weights)
 
 
 def sequence_classification(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

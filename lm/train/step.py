@@ -1,7 +1,9 @@
 """The jitted train and eval steps: sharded in and out, state donated, microbatches scanned."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -33,25 +35,59 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def make_train_step(assembly: Assembly) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  config, family, model, tx, mesh = assembly.config, assembly.family, assembly.model, assembly.tx, assembly.mesh
-  k, z_loss, seed = config.train.microbatches, config.train.z_loss, config.train.seed
+class StepLoss(Protocol):
+  """What a train step minimises: a (micro)batch's loss normalised by whole-batch totals, so microbatch
+  losses and gradients add up exactly; `sums` are the pieces the metrics are made of."""
+
+  def totals(self, batch: Batch) -> dict[str, jax.Array]: ...
+
+  def __call__(self, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array]
+               ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+  def metrics(self, sums: dict[str, jax.Array], totals: dict[str, jax.Array]) -> Metrics: ...
+
+
+@dataclass(frozen=True)
+class PretrainingLoss:
+  """The family's objective: token cross-entropy (plus z-loss) per target token, and each active head's
+  loss per sequence (BERT's NSP)."""
+  assembly: Assembly
+
+  def totals(self, batch: Batch) -> dict[str, jax.Array]:
+    return {'weight': jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0),
+            'sequences': jnp.asarray(batch['targets'].shape[0], jnp.float32)}
+
+  def __call__(self, params, batch, rng, totals):
+    a = self.assembly
+    outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
+    return pretraining_loss(a.family.active_heads(a.config.model), outputs, batch, a.config.train.z_loss,
+                            totals['weight'], totals['sequences'])
+
+  def metrics(self, sums, totals):
+    metrics = {'loss': sums['nll'] / totals['weight'], 'z_loss': sums['z'] / totals['weight'],
+               'target_tokens': totals['weight']}
+    for head in self.assembly.family.active_heads(self.assembly.config.model):
+      metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals['sequences']
+      metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals['sequences']
+    return metrics
+
+
+def make_train_step(assembly: Assembly, loss: StepLoss | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """jit(step): gradients of `loss` (default: the family's pretraining objective) over `train.microbatches`,
+  one optimizer update, and the non-finite guard of `train.on_nonfinite`."""
+  config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
+  loss = PretrainingLoss(assembly) if loss is None else loss
+  k, seed = config.train.microbatches, config.train.seed
   stop_at_nonfinite = config.train.on_nonfinite == 'stop'
   check_batch(mesh, config.train.global_batch, k)
-  heads, schedule = family.active_heads(config.model), assembly.schedule
-
-  def loss_fn(params: Any, batch: Batch, rng: jax.Array, totals: tuple[jax.Array, jax.Array]
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    outputs = family.apply(model, params, batch, deterministic=False, rngs={'dropout': rng})
-    return pretraining_loss(heads, outputs, batch, z_loss, *totals)
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  schedule = assembly.schedule
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
-      total_weight = jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)
-      totals = (total_weight, jnp.asarray(batch['targets'].shape[0], jnp.float32))
+      totals = loss.totals(batch)
       if k == 1:
         (_, sums), grads = grad_fn(state.params, batch, rng, totals)
       else:
@@ -67,17 +103,13 @@ def make_train_step(assembly: Assembly) -> Callable[[TrainState, Batch], tuple[T
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
-      finite = jnp.isfinite(sums['nll']) & jnp.isfinite(sums['z']) & jnp.isfinite(grad_norm)
+      finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
       apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite
       params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
                                        (state.params, state.opt_state))
       skipped = state.skipped + (~finite).astype(jnp.int32)
-    metrics = {'loss': sums['nll'] / total_weight, 'z_loss': sums['z'] / total_weight, 'grad_norm': grad_norm,
-               'learning_rate': schedule(state.step), 'target_tokens': total_weight,
+    metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
-    for head in heads:
-      metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals[1]
-      metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals[1]
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped), metrics
 
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).

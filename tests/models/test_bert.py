@@ -11,9 +11,9 @@ from lm.models.bert import BERT
 SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=32', 'data.seq_len=32']
 
 
-def make(*overrides, **kw):
+def make(*overrides):
   cfg = load_config('bert_tiny', SMALL + list(overrides)).model
-  model = BERT(cfg, **kw) if kw else build_model(cfg)
+  model = build_model(cfg)
   params = nn.unbox(jax.jit(lambda r: init_params(model, r, 16))(jax.random.key(0)))
   return model, params
 
@@ -50,9 +50,10 @@ def test_post_ln_and_embedding_norm_and_tied_decoder():
 
 
 def test_classification_and_nsp_heads():
-  model, _ = make('model.nsp=true', num_labels=3)
+  model, params = make('model.nsp=true', 'model.num_labels=3')
+  assert {'pooler', 'nsp_head', 'classifier'} <= set(params), 'init creates every head'
   x = ids(4, (2, 16))
-  variables = jax.jit(lambda r: model.init(r, x, method=lambda m, x: (m(x), m.classify(x))))(jax.random.key(1))
+  variables = {'params': params}
   scores = model.apply(variables, x, method=BERT.classify)
   assert scores.shape == (2, 3)
   nsp = model.apply(variables, x, method=lambda m, x: m.nsp_logits(m.encode(x)))

@@ -1,0 +1,1 @@
+"""GLUE fine-tuning: tasks, data, metrics, the fine-tuning loop and leaderboard files."""

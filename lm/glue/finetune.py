@@ -1,0 +1,287 @@
+"""Fine-tuning one GLUE task: a pretrained model plus its family's task head, BERT's recipe, best-on-dev.
+
+The source (`--init`) is one of our run dirs or an HF model directory: it fixes the model and the
+tokenizer. The config is the source's (or `--config`'s) with the recipe's defaults layered under the
+user's overrides: AdamW (weight decay 0.01 off biases and norms, eps 1e-6, clip 1.0), 10% linear
+warmup then linear decay to 0, batch 32, 3 epochs, max_len 128 (`data.seq_len`). Batches cycle
+through seeded per-epoch shuffles, so a training set smaller than the batch still trains. Dev is
+evaluated every `train.eval_every` steps (default: each epoch); the params with the best main
+metric are checkpointed and predict the dev and test files.
+
+The task's folder `<run_dir>/<task>/` is a run dir (config.yaml, checkpoints/ with the best params,
+metrics.jsonl), so `train.init_from` and `lm convert --to-hf` read a fine-tuned model like any other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lm.assembly import Assembly, assemble
+from lm.checkpoint import Checkpointer
+from lm.config import Config, ConfigError, DataConfig, from_dict, load_config, merge, parse_overrides
+from lm.data.tokenizers import Tokenizer, get_tokenizer
+from lm.distributed import is_main_process
+from lm.generate import Sampling, decode_batch
+from lm.glue.data import SplitData
+from lm.glue.metrics import task_metrics
+from lm.glue.tasks import Task
+from lm.models import get_family
+from lm.models.task_heads import TaskHead
+from lm.parallel.rules import batch_sharding
+from lm.run_dir import CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
+from lm.train.init_from import initial_state
+from lm.train.logging import MetricsLogger
+from lm.train.loop import TrainingError
+from lm.train.step import make_train_step
+
+Features = dict[str, np.ndarray]
+
+# BERT's recipe (Devlin et al. 2019; run_classifier.py): what a GLUE run gets unless the user overrides it.
+RECIPE = {
+  'optim': {'learning_rate': 2e-5, 'schedule': 'linear', 'min_lr_ratio': 0.0, 'b1': 0.9, 'b2': 0.999, 'eps': 1e-6,
+            'weight_decay': 0.01, 'decay_exclude': ['bias', 'scale'], 'grad_clip': 1.0},
+  'train': {'global_batch': 32, 'log_every': 10, 'eval_batches': 0, 'checkpoint_every': 0, 'keep_checkpoints': 1,
+            'resume': False},
+  'data': {'seq_len': 128},
+}
+EPOCHS = 3
+
+
+def source_config(init: str) -> Config:
+  """The model and tokenizer of a run dir (its config) or an HF directory (its config.json and tokenizer files)."""
+  if is_run_dir(init):
+    return read_config(init)
+  if is_hf_dir(init):
+    from lm.convert.hf import hf_model_config
+    files = [name for name in HF_TOKENIZER_FILES if (epath.Path(init) / name).is_file()]
+    if not files:
+      raise ConfigError(f'--init {init} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); add the '
+                        f'model\'s tokenizer there, or pass data.tokenizer=hf:PATH')
+    return Config(name=epath.Path(init).name, model=hf_model_config(init), data=DataConfig(tokenizer=f'hf:{init}'))
+  raise ConfigError(f'--init {init} is neither a run directory (with {CONFIG}) nor a Hugging Face model directory '
+                    f'(with config.json); pass one of those')
+
+
+def default_run_dir(init: str) -> str:
+  """Where a fine-tune of `init` writes unless train.run_dir says otherwise."""
+  return _run_dir_of(source_config(init))
+
+
+def _run_dir_of(source: Config) -> str:
+  return f'runs/glue/{source.name}'
+
+
+def finetune_config(task: Task, init: str, preset: str | None, overrides: list[str], num_train: int,
+                    epochs: float = EPOCHS) -> Config:
+  """The run's config: `preset` (default: the source's config) + the recipe + `overrides`; the model and
+  tokenizer are the source's, with the task head's outputs; `train.steps` from epochs unless given."""
+  source = source_config(init)
+  values = load_config(preset).to_dict() if preset else source.to_dict()
+  values['model'] = {**source.to_dict()['model'], 'num_labels': task.num_outputs if _classifier(source) else 0}
+  values['data'] = {**values['data'], 'tokenizer': source.data.tokenizer}
+  values['name'] = f'{source.name}-{task.name}'
+  values['train'] = {**values['train'], 'init_from': init, 'run_dir': _run_dir_of(source)}
+  given = parse_overrides(overrides)
+  values = merge(merge(values, RECIPE), given)
+  values['data']['seq_len'] = min(values['data']['seq_len'], values['model']['max_len']) \
+    if values['model'].get('position', 'learned') == 'learned' else values['data']['seq_len']
+  batch = int(values['train']['global_batch'])
+  steps_per_epoch = max(math.ceil(num_train / batch), 1)
+  if 'steps' not in given.get('train', {}):
+    values['train']['steps'] = max(round(epochs * steps_per_epoch), 1)
+  steps = int(values['train']['steps'])
+  if 'warmup_steps' not in given.get('optim', {}):
+    values['optim']['warmup_steps'] = round(0.1 * steps)
+  if 'eval_every' not in given.get('train', {}):
+    values['train']['eval_every'] = min(steps_per_epoch, steps)
+  return from_dict(values)
+
+
+def _classifier(config: Config) -> bool:
+  head = get_family(config.model.family).task_head
+  if head is None:
+    raise ConfigError(f'the {config.model.family} family declares no task head; it cannot be fine-tuned on GLUE')
+  return head.kind == 'classifier'
+
+
+@dataclass(frozen=True)
+class TaskLoss:
+  """The head's loss per example (classifier) or per target token (text to text), over the whole batch."""
+  assembly: Assembly
+  head: TaskHead
+  regression: bool
+
+  def totals(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {'weight': jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)}
+
+  def __call__(self, params, batch, rng, totals):
+    outputs = self.head.apply(self.assembly.model, params, batch, deterministic=False, rngs={'dropout': rng})
+    total, _ = self.head.loss(outputs, batch, self.regression)
+    return total / totals['weight'], {'loss': total}
+
+  def metrics(self, sums, totals):
+    return {'loss': sums['loss'] / totals['weight']}
+
+
+def encode_examples(head: TaskHead, task: Task, tokenizer: Tokenizer, data: SplitData, max_len: int,
+                    target_len: int) -> Features:
+  """Fixed-length rows for every example: the head's layout, `labels` (class id or score; -1 / nan when the
+  split has none) and per-row `weights` (classifier) or per-token ones (text to text)."""
+  rows = []
+  for example in data.examples:
+    if head.kind == 'classifier':
+      row = head.encode(tokenizer, example.texts, max_len)
+      row['weights'] = np.float32(1.0)
+    else:
+      target = task.t5_target(example.label) if example.label is not None else ''
+      row = head.encode_pair(tokenizer, task.t5_input(example.texts), target, max_len, target_len)
+    row['labels'] = np.asarray(_missing(task) if example.label is None else example.label,
+                               np.float32 if task.regression else np.int32)
+    rows.append(row)
+  if not rows:
+    raise ConfigError(f'{data.task.name} {data.split.name} holds no examples; check the file')
+  return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def _missing(task: Task) -> float | int:
+  return float('nan') if task.regression else -1
+
+
+# A decoded output that names no label: class -1 (never right), score -1.0 (T5's string_to_float default).
+UNPARSEABLE = -1
+
+
+def target_length(task: Task, tokenizer: Tokenizer) -> int:
+  """Decoder tokens a text-to-text target needs: its longest label name, plus EOS."""
+  names = task.t5_labels or [f'{x / 5:.1f}' for x in range(26)]
+  return max(len(tokenizer.encode(name)) for name in names) + 1
+
+
+class FineTuner:
+  """Trains `config` on one task's encoded train split; evaluates and predicts the other splits."""
+
+  def __init__(self, config: Config, task: Task, train: Features, tokenizer: Tokenizer, target_len: int):
+    self.config, self.task, self.train, self.tokenizer, self.target_len = config, task, train, tokenizer, target_len
+    self.assembly = assemble(config)
+    self.head = self.assembly.family.task_head
+    self.train_step = make_train_step(self.assembly, TaskLoss(self.assembly, self.head, task.regression))
+    replicated = NamedSharding(self.assembly.mesh, PartitionSpec())
+    a = self.assembly
+    self._scores = jax.jit(lambda params, batch: self.head.apply(a.model, params, batch, deterministic=True, rngs={})
+                           .astype(jnp.float32), in_shardings=(a.shardings.params, None), out_shardings=replicated)
+    self.batch = config.train.global_batch
+    self.order = _epoch_orders(len(train['labels']), config.train.seed)
+
+  def _global(self, rows: Features) -> dict[str, jax.Array]:
+    """Host rows (the same on every process) -> global arrays split over the data axes."""
+    mesh = self.assembly.mesh
+    return {k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.ndim), lambda index, v=v: v[index])
+            for k, v in rows.items()}
+
+  def train_batch(self, step: int) -> dict[str, jax.Array]:
+    """Batch `step` (0-based) of the endless stream of seeded per-epoch shuffles."""
+    rows = self.order(step * self.batch, (step + 1) * self.batch)
+    return self._global({k: v[rows] for k, v in self.train.items()})
+
+  def predict(self, params: Any, features: Features) -> np.ndarray:
+    """Class ids (-1: a decoded output that is no label) or regression scores for every row."""
+    n, out = len(features['labels']), []
+    for start in range(0, n, self.batch):
+      rows = np.arange(start, start + self.batch) % n  # the last batch wraps: fixed shapes, one compile
+      batch = self._global({k: v[rows] for k, v in features.items()})
+      out.append(self._predict_batch(params, batch)[:min(self.batch, n - start)])
+    return np.concatenate(out)
+
+  def _predict_batch(self, params: Any, batch: dict[str, jax.Array]) -> np.ndarray:
+    if self.head.kind == 'classifier':
+      return self.head.predict(np.asarray(self._scores(params, batch)), self.task.regression)
+    tok = self.tokenizer
+    ids, _ = decode_batch(self.assembly.model, params, batch['inputs'], batch['segment_ids'], jax.random.key(0),
+                          max_new_tokens=self.target_len, sampling=Sampling(), eos_id=tok.eos_id, pad_id=tok.pad_id,
+                          decoder_start_id=tok.pad_id)
+    decoded = []
+    for row in np.asarray(ids).tolist():
+      value = self.task.from_t5(tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row))
+      decoded.append(UNPARSEABLE if value is None else value)
+    return np.asarray(decoded, np.float64 if self.task.regression else np.int64)
+
+  def run(self, init: str, dev: dict[str, Features]) -> dict[str, Any]:
+    """Trains, evaluating `dev` (split name -> features) every `train.eval_every` steps and at the end;
+    checkpoints the best params. Returns {'step', 'metrics', 'predictions', 'history', 'records'}."""
+    cfg, t = self.config, self.config.train
+    task_dir = cfg.run_dir / self.task.name
+    start = initial_state(self.assembly, init)
+    if start.fresh:
+      print(f'{self.task.name}: new head {", ".join(start.fresh)}', flush=True)
+    state = start.state
+    best: dict[str, Any] = {'step': None, 'metrics': None, 'predictions': None}
+    records: list[dict[str, Any]] = []
+    if is_main_process():
+      task_dir.mkdir(parents=True, exist_ok=True)
+      (task_dir / CONFIG).write_text(cfg.to_yaml())
+    saver = Checkpointer(task_dir / CHECKPOINTS, keep=1, async_save=False)
+    logger = MetricsLogger(task_dir, t.steps, 0, t.progress, enabled=is_main_process())
+    try:
+      for step in range(1, t.steps + 1):
+        state, metrics = self.train_step(state, self.train_batch(step - 1))
+        if step % t.log_every == 0 or step == t.steps:
+          record = {'step': step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+          self._check_finite(record)
+          records.append(record)
+          logger.log(record)
+        if step % t.eval_every == 0 or step == t.steps:
+          predictions = {name: self.predict(state.params, features) for name, features in dev.items()}
+          scores = task_metrics(self.task, predictions, {name: f['labels'] for name, f in dev.items()})
+          record = {'step': step, **{f'dev_{k}': v for k, v in scores.items()}}
+          records.append(record)
+          logger.log(record)
+          print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()), flush=True)
+          if best['metrics'] is None or scores[self.task.main_metric] > best['metrics'][self.task.main_metric]:
+            best = {'step': step, 'metrics': scores, 'predictions': predictions}
+            saver.save_params(step, state.params, cfg.to_dict())
+    finally:
+      saver.close()
+      logger.close()
+    return {**best, 'records': records}
+
+  def best_params(self) -> Any:
+    """The checkpointed best params, on this run's mesh."""
+    saved = Checkpointer(self.config.run_dir / self.task.name / CHECKPOINTS, create=False, async_save=False)
+    try:
+      return saved.restore_params(saved.latest_step(), self.assembly.abstract_params)
+    finally:
+      saved.close()
+
+  def _check_finite(self, record: dict[str, Any]) -> None:
+    if record.get('nonfinite') and self.config.train.on_nonfinite == 'stop':
+      raise TrainingError(f'{self.task.name} step {record["step"]}: the loss or gradient is not finite; lower '
+                        f'optim.learning_rate, or set train.on_nonfinite=skip to drop such steps')
+
+
+def _epoch_orders(n: int, seed: int):
+  """rows(begin, end): positions begin..end-1 of the concatenated per-epoch permutations of n rows."""
+  cache: dict[int, np.ndarray] = {}
+
+  def epoch(e: int) -> np.ndarray:
+    if e not in cache:
+      cache[e] = np.random.default_rng([seed, e]).permutation(n)
+    return cache[e]
+
+  def rows(begin: int, end: int) -> np.ndarray:
+    return np.array([epoch(i // n)[i % n] for i in range(begin, end)])
+  return rows
+
+
+def load_tokenizer(config: Config) -> Tokenizer:
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ConfigError(f'the tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} ids but the model only '
+                      f'{config.model.vocab_size}; pass the tokenizer the model was trained with (data.tokenizer=...)')
+  return tokenizer

@@ -1,0 +1,231 @@
+"""`lm finetune` end to end: pretrain each family on the embedded corpus, fine-tune on learnable synthetic
+tasks in GLUE's files, and check the metrics and every file the run writes."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import zipfile
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+from scipy import stats
+
+from lm import cli
+from lm.config import load_config
+from lm.glue.tasks import TASKS
+from tests.glue import synthetic
+from tests.glue.test_data import AX_LINES, FILES, write
+
+QUIET = ['train.progress=false']
+
+
+def lm(*argv: str) -> None:
+  """Runs `lm` as a user would: one process on the host's one CPU device, XLA fully optimising (the suite's
+  8 simulated devices at optimisation level 0 run these few hundred steps ~3x slower)."""
+  env = {**os.environ, 'XLA_FLAGS': ''}
+  done = subprocess.run([sys.executable, '-m', 'lm.cli', *argv], env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+# (preset, pretraining overrides, fine-tuning overrides): the fewest steps that learn the pair task with margin.
+FAMILIES = {
+  'bert': ('bert_tiny', ['train.steps=200', 'data.seq_len=64'],
+           ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=150', 'train.eval_every=50']),
+  'gpt': ('gpt_tiny', ['train.steps=60', 'data.seq_len=128'],
+          ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=250', 'train.eval_every=50']),
+  't5': ('t5_tiny', ['train.steps=60', 'data.seq_len=128'],
+         ['optim.learning_rate=3e-4', 'data.seq_len=64', 'train.steps=100', 'train.eval_every=50']),
+}
+
+
+@pytest.fixture(scope='module')
+def glue_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp('glue')
+  synthetic.write_rte(root)
+  synthetic.write_stsb(root)
+  return root
+
+
+def pretrain(family: str, run) -> str:
+  preset, overrides, _ = FAMILIES[family]
+  lm('train', '--config', preset, f'train.run_dir={run}', *QUIET, *overrides,
+     f'train.eval_every={overrides[0].split("=")[1]}')
+  return str(run)
+
+
+def read_tsv(path):
+  with open(path, newline='') as f:
+    return list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))
+
+
+def dev_labels(glue_dir, folder):
+  return [row[-1] for row in read_tsv(glue_dir / folder / 'dev.tsv')[1:]]
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_each_family_learns_the_pair_task_and_writes_glue_files(family, glue_dir, tmp_path):
+  """Pretrained on the embedded corpus, then fine-tuned: BERT's pooled [CLS], GPT's last token, T5 writing the
+  label's name. Neither sentence alone tells the label, so the model must compare the pair."""
+  out, init = tmp_path / 'ft', pretrain(family, tmp_path / 'pretrained')
+  lm('finetune', '--task', 'rte', '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
+     *FAMILIES[family][2])
+  if family == 't5':
+    check_regression(glue_dir, init, tmp_path / 'stsb')
+
+  results = json.loads((out / 'rte' / 'eval_results.json').read_text())
+  assert results['task'] == 'rte' and results['split'] == 'dev' and set(results['metrics']) == {'accuracy'}
+  rows = read_tsv(out / 'rte' / 'dev_predictions.tsv')
+  truth = dev_labels(glue_dir, 'RTE')
+  assert rows[0] == ['index', 'prediction', 'label'] and len(rows) == len(truth) + 1
+  assert [r[2] for r in rows[1:]] == truth and [r[0] for r in rows[1:]] == [str(i) for i in range(len(truth))]
+  accuracy = np.mean([r[1] == r[2] for r in rows[1:]])
+  assert results['metrics']['accuracy'] == pytest.approx(accuracy)  # the reported metric is the written predictions'
+  assert accuracy >= 0.9, f'{family}: dev accuracy {accuracy}'
+  # The best step is the one whose dev record is best; its checkpoint is the one kept.
+  records = [json.loads(line) for line in (out / 'rte' / 'metrics.jsonl').read_text().splitlines()]
+  dev = {r['step']: r['dev_accuracy'] for r in records if 'dev_accuracy' in r}
+  assert dev[results['step']] == max(dev.values())
+  assert [p.name for p in (out / 'rte' / 'checkpoints').iterdir()] == [str(results['step'])]
+
+  submission = read_tsv(out / 'submission' / 'RTE.tsv')
+  assert submission[0] == ['index', 'prediction'] and len(submission) == 21
+  assert {r[1] for r in submission[1:]} <= {'entailment', 'not_entailment'}
+  assert (out / 'rte' / 'curves.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def check_regression(glue_dir, init, out):
+  """T5 (sharing the pair test's pretraining) learns the overlap score as text on STS-B's 0.2 grid."""
+  lm('finetune', '--task', 'stsb', '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
+     *FAMILIES['t5'][2])
+  results = json.loads((out / 'stsb' / 'eval_results.json').read_text())
+  rows = read_tsv(out / 'stsb' / 'dev_predictions.tsv')[1:]
+  predicted, truth = np.array([[float(r[1]), float(r[2])] for r in rows]).T
+  np.testing.assert_allclose(truth, [float(y) for y in dev_labels(glue_dir, 'STS-B')])
+  assert results['metrics']['pearson'] == pytest.approx(stats.pearsonr(predicted, truth)[0])
+  assert results['metrics']['spearman'] == pytest.approx(stats.spearmanr(predicted, truth)[0])
+  assert results['metrics']['pearson'] >= 0.8
+  # T5 writes scores on its 0.2 grid, one decimal.
+  assert all(abs(5 * p - round(5 * p)) < 1e-9 for p in predicted)
+  scores = [float(r[1]) for r in read_tsv(out / 'submission' / 'STS-B.tsv')[1:]]
+  assert len(scores) == 20 and all(0 <= s <= 5 for s in scores)
+
+
+@pytest.fixture(scope='module')
+def hf_bert(tmp_path_factory):
+  """A BERT saved by transformers with a WordPiece vocab.txt that the `tokenizers` library trained on the
+  GLUE test files: what `--init` gets from the Hub, built offline."""
+  directory = tmp_path_factory.mktemp('hf_bert')
+  wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
+  texts = [text for lines, examples in FILES.values() for _, row, _ in examples for text in row]
+  wordpiece.train_from_iterator(texts * 4, vocab_size=200, min_frequency=1)
+  wordpiece.save_model(str(directory))
+  vocab = len((directory / 'vocab.txt').read_text().splitlines())
+  torch.manual_seed(0)
+  config = transformers.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, max_position_embeddings=64)
+  transformers.BertForMaskedLM(config).save_pretrained(directory, safe_serialization=True)
+  (directory / 'tokenizer_config.json').write_text(json.dumps({'do_lower_case': True}))
+  return directory
+
+
+@pytest.fixture(scope='module')
+def glue_files(tmp_path_factory):
+  """Every task's files in GLUE's layouts (tests/glue/test_data.py's), AX under diagnostic/."""
+  root = tmp_path_factory.mktemp('glue_files')
+  for file, (lines, _) in FILES.items():
+    write(root / file, lines)
+  write(root / 'diagnostic' / 'diagnostic.tsv', AX_LINES)
+  return root
+
+
+SUBMISSION = {  # leaderboard file -> (its test file, the predictions it may hold)
+  'CoLA': ('CoLA/test.tsv', {'0', '1'}), 'SST-2': ('SST-2/test.tsv', {'0', '1'}),
+  'MRPC': ('MRPC/test.tsv', {'0', '1'}), 'QQP': ('QQP/test.tsv', {'0', '1'}), 'WNLI': ('WNLI/test.tsv', {'0', '1'}),
+  'STS-B': ('STS-B/test.tsv', None), 'MNLI-m': ('MNLI/test_matched.tsv', set(TASKS['mnli'].labels)),
+  'MNLI-mm': ('MNLI/test_mismatched.tsv', set(TASKS['mnli'].labels)),
+  'QNLI': ('QNLI/test.tsv', {'entailment', 'not_entailment'}),
+  'RTE': ('RTE/test.tsv', {'entailment', 'not_entailment'}),
+  'AX': ('diagnostic/diagnostic.tsv', set(TASKS['mnli'].labels)),
+}
+METRICS = {'cola': {'matthews_corr'}, 'sst2': {'accuracy'}, 'mrpc': {'f1', 'accuracy'}, 'stsb': {'pearson', 'spearman'},
+           'qqp': {'f1', 'accuracy'}, 'mnli': {'accuracy_matched', 'accuracy_mismatched'}, 'qnli': {'accuracy'},
+           'rte': {'accuracy'}, 'wnli': {'accuracy'}}
+
+
+def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files, tmp_path):
+  """`--task glue` from an HF directory: nine tasks (STS-B through the regression head), AX with MNLI's model,
+  the leaderboard's file names and formats, the zip and the summary. Each training set is smaller than the
+  batch: it cycles."""
+  out = tmp_path / 'glue'
+  assert cli.main(['finetune', '--task', 'glue', '--data-dir', str(glue_files), '--init', str(hf_bert),
+                   f'train.run_dir={out}', 'train.steps=2', 'train.global_batch=8', 'data.seq_len=32',
+                   'train.log_every=1', *QUIET]) == 0
+  for task, keys in METRICS.items():
+    results = json.loads((out / task / 'eval_results.json').read_text())
+    assert results['task'] == task and results['split'] == 'dev' and set(results['metrics']) == keys
+    records = [json.loads(line) for line in (out / task / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in records if 'loss' in r] == [1, 2]
+  for split in ('matched', 'mismatched'):
+    rows = read_tsv(out / 'mnli' / f'dev_{split}_predictions.tsv')
+    assert rows[0] == ['index', 'prediction', 'label'] and len(rows) == 2
+  assert read_tsv(out / 'stsb' / 'dev_predictions.tsv')[1][2] == '3.800'  # as the dev file writes it
+  assert read_tsv(out / 'cola' / 'dev_predictions.tsv')[1][2] == '0'
+  for name, (test_file, allowed) in SUBMISSION.items():
+    rows = read_tsv(out / 'submission' / f'{name}.tsv')
+    expected = read_tsv(glue_files / test_file)[1:]
+    assert rows[0] == ['index', 'prediction'] and [r[0] for r in rows[1:]] == [r[0] for r in expected], name
+    if allowed is None:
+      assert all(0 <= float(r[1]) <= 5 for r in rows[1:])
+    else:
+      assert {r[1] for r in rows[1:]} <= allowed, name
+  with zipfile.ZipFile(out / 'submission.zip') as z:
+    assert sorted(z.namelist()) == sorted(f'{name}.tsv' for name in SUBMISSION)
+  summary = json.loads((out / 'glue_results.json').read_text())
+  assert set(summary['tasks']) == set(METRICS) and 0 <= summary['score'] <= 1
+
+
+def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path):
+  out = tmp_path / 'runs'
+  assert cli.main(['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert),
+                   '--sweep', 'optim.learning_rate=1e-4,1e-3', 'train.seed=0,1', f'train.run_dir={out}',
+                   'train.steps=1', 'train.global_batch=8', 'data.seq_len=32', *QUIET]) == 0
+  report = json.loads((out / 'sweep' / 'sweep_results.json').read_text())['rte']
+  points = {label: m['accuracy'] for label, m in report['points'].items()}
+  assert sorted(points) == ['learning_rate=1e-3,seed=0', 'learning_rate=1e-3,seed=1', 'learning_rate=1e-4,seed=0',
+                            'learning_rate=1e-4,seed=1']
+  for label, accuracy in points.items():
+    config = load_config(str(out / 'sweep' / label / 'rte' / 'config.yaml'))
+    assert f'learning_rate={config.optim.learning_rate:.0e}'.replace('e-0', 'e-') in label
+    assert f'seed={config.train.seed}' in label and config.train.steps == 1
+    assert json.loads((out / 'sweep' / label / 'rte' / 'eval_results.json').read_text())['metrics'] == \
+      {'accuracy': accuracy}
+  assert report['mean'] == pytest.approx(np.mean(list(points.values())))
+  assert report['std'] == pytest.approx(np.std(list(points.values()), ddof=1))
+  assert report['best'] == max(points.values()) and points[report['best_point']] == report['best']
+
+
+@pytest.mark.parametrize('problem, argv, message', [
+  ('no task folder', ['--task', 'mrpc'], 'MRPC'),
+  ('no split file', ['--task', 'rte', 'remove:RTE/dev.tsv'], 'dev.tsv'),
+  ('unknown task', ['--task', 'mnli2'], 'mnli2'),
+  ('wrong columns', ['--task', 'stsb', 'rte-as:STS-B/train.tsv'], 'columns'),
+])
+def test_bad_input_is_one_line_naming_the_fix(problem, argv, message, glue_dir, tmp_path, capsys):
+  import shutil
+  data = tmp_path / 'data'
+  shutil.copytree(glue_dir, data)
+  edits = [a for a in argv if ':' in a]
+  for edit in edits:
+    action, path = edit.split(':')
+    if action == 'remove':
+      (data / path).unlink()
+    else:
+      (data / path).write_text((data / 'RTE' / 'train.tsv').read_text())
+  args = [a for a in argv if a not in edits]
+  code = cli.main(['finetune', *args, '--data-dir', str(data), '--init', str(tmp_path / 'nowhere')])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1 and message in err, (problem, err)
+

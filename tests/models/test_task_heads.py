@@ -1,0 +1,93 @@
+"""Task heads: BERT's pair layout and truncation, a decoder's last-real-token classifier, the regression loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.config import load_config
+from lm.data.tokenizers import get_tokenizer
+from lm.models import build_model, get_family
+from lm.models.task_heads import Classifier, TextToText, truncate_longest_first
+from lm.train.state import abstract_params
+
+
+def reference_truncate(a, b, budget):
+  """BERT's run_classifier.py `_truncate_seq_pair`, verbatim in logic."""
+  a, b = list(a), list(b)
+  while len(a) + len(b) > budget:
+    if len(a) > len(b):
+      a.pop()
+    else:
+      b.pop()
+  return [a, b]
+
+
+@pytest.mark.parametrize('la, lb, budget', [(10, 3, 8), (3, 10, 8), (6, 6, 7), (5, 4, 20), (9, 9, 0)])
+def test_truncation_is_berts_longest_first(la, lb, budget):
+  a, b = list(range(la)), list(range(100, 100 + lb))
+  assert truncate_longest_first([a, b], budget) == reference_truncate(a, b, budget)
+
+
+def test_bert_pair_layout_and_token_types():
+  tok = get_tokenizer('byte')
+  head = get_family('bert').task_head
+  features = head.encode(tok, ('abcdef', 'xy'), 9)  # 9 - 3 specials = 6 text tokens: 'abcd' + 'xy'
+  a, x = tok.encode('abcd').tolist(), tok.encode('xy').tolist()
+  assert features['inputs'].tolist() == [tok.bos_id, *a, tok.eos_id, *x, tok.eos_id]
+  assert features['token_types'].tolist() == [0] * 6 + [1] * 3
+  assert features['segment_ids'].tolist() == [1] * 9
+  single = head.encode(tok, ('ab',), 6)
+  assert single['inputs'].tolist() == [tok.bos_id, *tok.encode('ab').tolist(), tok.eos_id, tok.pad_id, tok.pad_id]
+  assert single['token_types'].tolist() == [0] * 6 and single['segment_ids'].tolist() == [1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(family):
+  """Scores of a row are the same padded to 20 or 24 (GPT-2 pads with EOS, so the mask decides, not the ids),
+  and equal those of the unpadded row without a mask (its last position)."""
+  cfg = load_config(f'{family}_tiny', ['model.num_labels=3', 'model.d_model=64', 'model.num_layers=2',
+                                       'model.num_heads=4', 'model.max_len=32', 'model.scan_layers=false',
+                                       'data.seq_len=32']).model
+  head = get_family(family).task_head
+  model = build_model(cfg)
+  family_record = get_family(family)
+  params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, s.dtype) * 0.05,
+                        abstract_params(family_record, model))
+  tok = get_tokenizer('byte')
+  rows = [head.encode(tok, ('hello there', 'hi'), n) for n in (20, 24)]
+  for row in rows:
+    row['inputs'] = np.where(row['segment_ids'] > 0, row['inputs'], tok.eos_id)  # pad with EOS, as GPT-2 does
+  scores = [np.asarray(head.apply(model, params, {k: jnp.asarray(v[None]) for k, v in row.items()},
+                                  deterministic=True, rngs={})) for row in rows]
+  np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-6)
+  real = int(rows[0]['segment_ids'].sum())
+  unpadded = model.apply({'params': params}, jnp.asarray(rows[0]['inputs'][None, :real]))
+  np.testing.assert_allclose(scores[0], np.asarray(unpadded), rtol=1e-5, atol=1e-6)
+  assert scores[0].shape == (1, 3)
+
+
+def test_regression_loss_is_squared_error_and_classification_is_cross_entropy():
+  head = Classifier(params=())
+  rng = np.random.default_rng(0)
+  scores = rng.normal(size=(5, 3)).astype(np.float32)
+  labels, weights = np.array([0, 2, 1, 1, 0]), np.array([1, 1, 1, 0, 1], np.float32)
+  total, weight = head.loss(jnp.asarray(scores), {'labels': jnp.asarray(labels), 'weights': jnp.asarray(weights)},
+                            regression=False)
+  s = scores.astype(np.float64)
+  nll = np.log(np.exp(s).sum(-1)) - s[np.arange(5), labels]
+  assert float(total) == pytest.approx((nll * weights).sum(), rel=1e-5) and float(weight) == 4
+  targets = rng.uniform(0, 5, size=5).astype(np.float32)
+  total, weight = head.loss(jnp.asarray(scores[:, :1]), {'labels': jnp.asarray(targets),
+                                                        'weights': jnp.asarray(weights)}, regression=True)
+  assert float(total) == pytest.approx((((s[:, 0] - targets) ** 2) * weights).sum(), rel=1e-5)
+  np.testing.assert_array_equal(head.predict(scores, regression=False), scores.argmax(-1))
+
+
+def test_text_to_text_targets_end_in_eos_and_the_decoder_starts_from_pad():
+  tok = get_tokenizer('byte')
+  row = TextToText().encode_pair(tok, 'rte sentence1: a sentence2: b', 'entailment', 40, 12)
+  target = tok.encode('entailment').tolist()
+  assert row['targets'].tolist() == target + [tok.eos_id, tok.pad_id]
+  assert row['decoder_inputs'].tolist() == [tok.pad_id] + target + [tok.pad_id]
+  assert row['weights'].tolist() == [1.0] * 11 + [0.0]
+  assert row['inputs'][row['segment_ids'] > 0].tolist()[-1] == tok.eos_id
