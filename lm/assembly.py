@@ -16,12 +16,12 @@ import optax
 from jax.sharding import Mesh
 
 from lm.config import Config
-from lm.models import get_family
+from lm.models import abstract_params, check_config, get_family
 from lm.models.family import Family
 from lm.parallel.mesh import make_mesh
 from lm.train import accounting
 from lm.train.optim import make_optimizer
-from lm.train.state import TrainState, abstract_params, abstract_state, make_init_fn, shardings_of
+from lm.train.state import TrainState, abstract_state, make_init_fn, shardings_of
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class Assembly:
 
 def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None) -> Assembly:
   """Builds everything but data for `config` on `devices` (default: all), or on an existing `mesh`."""
-  family = get_family(config.model.family)
+  family = get_family(check_config(config).model.family)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
   tx, schedule = make_optimizer(config.optim, config.train.steps)
-  state = abstract_state(abstract_params(family, model, mesh), tx, mesh)
+  state = abstract_state(abstract_params(model, mesh), tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state)

@@ -12,7 +12,9 @@ from lm.config import Config, ConfigError, load_config
 
 
 def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
-  return load_config(args.config, list(args.overrides) + list(extra))
+  """The config of --config and the overrides, with its family's checks."""
+  from lm.models import check_config
+  return check_config(load_config(args.config, list(args.overrides) + list(extra)))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

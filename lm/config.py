@@ -335,10 +335,8 @@ def _get(config: Config, dotted: str) -> Any:
 
 
 def validate(config: Config) -> None:
-  """Device-independent checks, then the family's own; mesh-dependent ones run when the mesh is built."""
-  from lm.data.tokenizers import check_spec
-  from lm.models import get_family
-
+  """Device-independent checks that need no family or tokenizer: the family's own run where the model is
+  assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
   m, d, o, t = config.model, config.data, config.optim, config.train
   positive = {
     'model.vocab_size': m.vocab_size, 'model.d_model': m.d_model, 'model.num_layers': m.num_layers,
@@ -398,5 +396,14 @@ def validate(config: Config) -> None:
     raise ConfigError(f'mesh.slices={config.mesh.slices} must be a positive number of TPU slices')
   if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
     raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
-  check_spec(d.tokenizer)
-  get_family(m.family).validate(config)
+  check_tokenizer_spec(d.tokenizer)
+
+
+TOKENIZER_SPECS = ('byte', 'sentencepiece:PATH', 'hf:PATH')
+
+
+def check_tokenizer_spec(spec: str) -> None:
+  """A ConfigError unless `spec` has one of the TOKENIZER_SPECS forms (files are checked when loaded)."""
+  kind, sep, path = spec.partition(':')
+  if spec != 'byte' and not (kind in ('sentencepiece', 'hf') and sep and path):
+    raise ConfigError(f'data.tokenizer={spec!r} is not a tokenizer; write one of: {", ".join(TOKENIZER_SPECS)}')

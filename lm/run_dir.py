@@ -22,7 +22,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
-from lm.assembly import assemble
+from lm.models import abstract_params, build_model, check_config
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, from_dict, load_config
 from lm.parallel.mesh import make_mesh
@@ -78,7 +78,7 @@ def _run_params(run_dir: epath.Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
       raise ConfigError(f'{run_dir} holds no checkpoint yet; train it first (lm train ... train.run_dir={run_dir}) '
                         f'or import a model into it with lm convert --from-hf')
     config = from_dict(saved.saved_config(step))
-    return config.model, saved.restore_params(step, assemble(config, mesh=mesh).abstract_params)
+    return config.model, saved.restore_params(step, abstract_params(build_model(check_config(config).model), mesh))
   finally:
     saved.close()
 
@@ -89,7 +89,7 @@ def _hf_params(hf_dir: Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
 
   def place(target: jax.ShapeDtypeStruct, array: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(target.shape, target.sharding, lambda index: array[index])
-  return model.cfg, jax.tree.map(place, assemble(Config(model=model.cfg), mesh=mesh).abstract_params, params)
+  return model.cfg, jax.tree.map(place, abstract_params(model, mesh), params)
 
 
 def one_device_mesh() -> Mesh:

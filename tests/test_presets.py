@@ -2,9 +2,8 @@
 import pytest
 
 from lm.config import CONFIG_DIR, load_config
-from lm.models import build_model, get_family
+from lm.models import abstract_params, build_model
 from lm.train.accounting import count_params
-from lm.train.state import abstract_params
 
 # preset: (published parameters, relative tolerance, source)
 PUBLISHED = {
@@ -47,7 +46,7 @@ PUBLISHED = {
 
 def params_of(name: str) -> int:
   config = load_config(name)
-  return count_params(abstract_params(get_family(config.model.family), build_model(config.model)))['total']
+  return count_params(abstract_params(build_model(config.model)))['total']
 
 
 @pytest.mark.parametrize('name', sorted(PUBLISHED))

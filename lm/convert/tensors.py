@@ -17,8 +17,7 @@ from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 
 from lm.config import ConfigError
-from lm.models import get_family
-from lm.train.state import abstract_params
+from lm.models import abstract_params
 
 Shape = tuple[int, ...]
 
@@ -109,7 +108,7 @@ class Checkpoint:
 
 def param_shapes(model: nn.Module) -> dict[str, Shape]:
   """'a/b/kernel' -> shape of every param the model creates."""
-  params = abstract_params(get_family(model.cfg.family), model)
+  params = abstract_params(model)
   return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(params, sep='/').items()}
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grain
 import jax
@@ -38,7 +38,6 @@ from lm.config import Config, ConfigError
 from lm.data.objectives import Objective, Rows
 from lm.data.sources import Documents, Split, open_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
-from lm.models import get_family
 from lm.parallel.rules import batch_sharding
 
 
@@ -54,9 +53,8 @@ def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, in
   return lo, hi
 
 
-def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
-  """The pretraining objective the config's family declares (causal LM, masked LM, span corruption)."""
-  return get_family(config.model.family).objective(config, tokenizer)
+# The caller's objective for a tokenizer (the family's pretraining objective): data/ knows no model.
+ObjectiveFor = Callable[[Tokenizer], Objective]
 
 
 def _with_index(index: int, text: str) -> tuple[int, str]:
@@ -177,12 +175,13 @@ class Batches:
 
 
 
-def build_batches(config: Config, mesh: Mesh, process_index: int | None = None,
+def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
                   process_count: int | None = None) -> tuple[Tokenizer, Batches, Batches | None]:
   """Tokenizer, training batches (shuffled from the seed, endless) and validation batches (in order), or
-  None for validation when `train.eval_batches` is 0. Process index and count default to JAX's."""
+  None for validation when `train.eval_batches` is 0, of the objective `objective_for` gives for the
+  config's tokenizer. Process index and count default to JAX's."""
   tokenizer = get_tokenizer(config.data.tokenizer)
-  objective = make_objective(config, tokenizer)
+  objective = objective_for(tokenizer)
   process = (jax.process_index() if process_index is None else process_index,
              jax.process_count() if process_count is None else process_count)
   lo, hi = local_row_range(batch_sharding(mesh, 1), config.train.global_batch)
@@ -223,9 +222,9 @@ class _ShapeTokenizer:
     return None
 
 
-def feature_specs(config: Config) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """Per-row shape and dtype of every feature the config's objective produces (no tokenizer files needed)."""
-  objective = make_objective(config, _ShapeTokenizer())
+def feature_specs(objective_for: ObjectiveFor) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Per-row shape and dtype of every feature the objective produces (no tokenizer files needed)."""
+  objective = objective_for(_ShapeTokenizer())
   zeros = np.zeros((2, objective.row_len), np.int32)
   features = objective(Rows(zeros, zeros + 1, zeros), np.zeros((2, 3), np.int64))
   return {k: (v.shape[1:], v.dtype) for k, v in features.items()}

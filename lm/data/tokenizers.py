@@ -14,9 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lm.config import ConfigError
-
-SCHEMES = ('byte', 'sentencepiece:PATH', 'hf:PATH')
+from lm.config import ConfigError, check_tokenizer_spec
 
 
 class Tokenizer(Protocol):
@@ -184,17 +182,10 @@ def _load_hf(path: Path) -> tuple[Any, Path]:
                     f'pass an HF model directory or a tokenizer.json')
 
 
-def check_spec(spec: str) -> None:
-  """A ConfigError unless `spec` has one of the SCHEMES forms (files are checked when loaded)."""
-  kind, sep, path = spec.partition(':')
-  if spec != 'byte' and not (kind in ('sentencepiece', 'hf') and sep and path):
-    raise ConfigError(f'data.tokenizer={spec!r} is not a tokenizer; write one of: {", ".join(SCHEMES)}')
-
-
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(spec: str) -> Tokenizer:
   """The tokenizer `data.tokenizer` names; a ConfigError naming the path when it cannot be read."""
-  check_spec(spec)
+  check_tokenizer_spec(spec)
   if spec == 'byte':
     return ByteTokenizer()
   kind, _, path = spec.partition(':')

@@ -3,12 +3,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import flax.linen as nn
 import jax
+from jax.sharding import Mesh
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import Config, ConfigError, ModelConfig
 from lm.models import bert, gpt, llama, t5
 from lm.models.family import Family
+from lm.parallel.rules import tree_shardings
+
+if TYPE_CHECKING:
+  from lm.data.objectives import Objective
+  from lm.data.tokenizers import Tokenizer
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY)}
 
@@ -21,6 +29,28 @@ def get_family(name: str) -> Family:
 
 def build_model(cfg: ModelConfig) -> nn.Module:
   return get_family(cfg.family).build(cfg)
+
+
+def check_config(config: Config) -> Config:
+  """The family's own checks beyond `lm.config.validate` (which knows no family); `config` when they pass."""
+  get_family(config.model.family).validate(config)
+  return config
+
+
+def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
+  """The pretraining objective the config's family declares (causal LM, masked LM, span corruption)."""
+  return get_family(config.model.family).objective(config, tokenizer)
+
+
+def abstract_params(model: nn.Module, mesh: Mesh | None = None) -> Any:
+  """The params as ShapeDtypeStructs (nothing allocated: works for 175B models), carrying their
+  NamedShardings on `mesh` when given; an uneven split is a ConfigError naming the field to change."""
+  boxed = jax.eval_shape(lambda rng: get_family(model.cfg.family).init(model, rng, 1), jax.random.key(0))
+  params = nn.unbox(boxed)
+  if mesh is None:
+    return params
+  shardings = tree_shardings(nn.get_partition_spec(boxed), params, mesh)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
 
 
 def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:

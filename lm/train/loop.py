@@ -1,6 +1,7 @@
 """The training loop: build everything from a Config, then step, log, evaluate and checkpoint."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Sequence
@@ -37,7 +38,8 @@ class Trainer:
     self.eval_step = make_eval_step(self.assembly)
     self.flops_per_token = self.assembly.flops_per_token()
     self.peak_flops = config.train.peak_flops or peak_flops(self.mesh.devices.flat[0])
-    self.tokenizer, self.train_batches, self.val_batches = build_batches(config, self.mesh)
+    self.tokenizer, self.train_batches, self.val_batches = build_batches(
+      config, self.mesh, functools.partial(self.assembly.family.objective, config))
 
   def init_state(self) -> TrainState:
     return self.assembly.init_state()

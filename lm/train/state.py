@@ -16,7 +16,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.models.family import Family
-from lm.parallel.rules import tree_shardings
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -24,17 +23,6 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any
   opt_state: Any
   skipped: jax.Array  # steps whose loss or gradient was not finite, so their update was withheld
-
-
-def abstract_params(family: Family, model: nn.Module, mesh: Mesh | None = None) -> Any:
-  """The params as ShapeDtypeStructs (nothing allocated: works for 175B models), carrying their
-  NamedShardings on `mesh` when given; an uneven split is a ConfigError naming the field to change."""
-  boxed = jax.eval_shape(lambda rng: family.init(model, rng, 1), jax.random.key(0))
-  params = nn.unbox(boxed)
-  if mesh is None:
-    return params
-  shardings = tree_shardings(nn.get_partition_spec(boxed), params, mesh)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
 
 
 def shardings_of(tree: Any) -> Any:

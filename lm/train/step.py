@@ -22,9 +22,10 @@ Metrics = dict[str, jax.Array]
 def abstract_batch(assembly: Assembly) -> Batch:
   """Shapes, dtypes and shardings of a training batch, for ahead-of-time lowering."""
   config = assembly.config
+  specs = feature_specs(functools.partial(assembly.family.objective, config))
   return {k: jax.ShapeDtypeStruct((config.train.global_batch, *shape), dtype,
                                   sharding=batch_sharding(assembly.mesh, 1 + len(shape)))
-          for k, (shape, dtype) in feature_specs(config).items()}
+          for k, (shape, dtype) in specs.items()}
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:

@@ -12,8 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from lm.config import ConfigError, ModelConfig
 from lm.convert.hf import load_hf, read_hf_config, save_hf
-from lm.models import build_model, get_family
-from lm.train.state import abstract_params
+from lm.models import abstract_params, build_model
 
 VOCAB, BATCH, LEN = 96, 3, 12
 
@@ -247,7 +246,7 @@ def test_unsupported_setting_is_named(gpt2_dir, tmp_path):
 def test_export_names_what_the_architecture_cannot_express(tmp_path):
   cfg = ModelConfig(family='gpt', vocab_size=16, d_model=8, num_layers=1, num_heads=2, max_len=8, norm='rmsnorm',
                     scan_layers=False)
-  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(get_family('gpt'), build_model(cfg)))
+  params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(build_model(cfg)))
   with pytest.raises(ConfigError, match=r"as GPT2LMHeadModel: model.norm='rmsnorm' \(needs 'layernorm'\)"):
     save_hf(cfg, params, tmp_path)
   with pytest.raises(ConfigError, match=r'params do not match the model config \(decoder/final_norm/scale \(8,\) != '

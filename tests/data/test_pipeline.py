@@ -1,13 +1,16 @@
 """Batches: deterministic from the seed, resumable, split per process; the embedded corpus is real text."""
+from functools import partial
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ConfigError, load_config
-from lm.data.pipeline import batch_dataset, build_batches, local_row_range, make_objective, records, stream_layout
+from lm.data.pipeline import batch_dataset, build_batches, local_row_range, records, stream_layout
 from lm.data.sources import TextList, embedded_documents, is_validation, split_documents
 from lm.data.tokenizers import get_tokenizer
+from lm.models import make_objective
 from lm.parallel.mesh import make_mesh
 
 
@@ -31,7 +34,7 @@ def test_validation_split_is_fixed_and_disjoint():
 
 
 def one_device_batches(config):
-  return build_batches(config, make_mesh(config.mesh, jax.devices()[:1]))
+  return build_batches(config, make_mesh(config.mesh, jax.devices()[:1]), partial(make_objective, config))
 
 
 def test_same_seed_same_batches_other_seed_other_batches(small_config):
@@ -113,7 +116,7 @@ def test_the_global_batch_is_the_same_for_any_number_of_processes():
 
 def test_global_batch_is_sharded_over_data_axes(small_config):
   config = small_config('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')
-  _, train, _ = build_batches(config, make_mesh(config.mesh))
+  _, train, _ = build_batches(config, make_mesh(config.mesh), partial(make_objective, config))
   batch = next(train)
   assert batch['inputs'].shape == (16, 32)
   assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')  # the size-1 slice and tensor axes split nothing

@@ -5,7 +5,7 @@ import tokenizers
 
 from lm import cli
 from lm.config import ConfigError, load_config
-from lm.data.pipeline import make_objective
+from lm.models import make_objective
 from lm.data.sources import embedded_documents
 from lm.data.tokenizers import ByteTokenizer, get_tokenizer
 

@@ -1,7 +1,7 @@
 """Learnable synthetic GLUE tasks written in GLUE's own file formats, for end-to-end fine-tuning tests.
 
-Pair task (RTE's layout, labels entailment / not_entailment): is sentence B a word-shuffle of A
-(entailment), or made of other words (not_entailment)? Neither sentence alone tells: the model must
+Pair task (RTE's layout, labels entailment / not_entailment; or MRPC's, labels 1 / 0): is sentence B a
+word-shuffle of A (entailment, 1), or made of other words (not_entailment, 0)? Neither sentence alone tells: the model must
 compare them. Regression (STS-B's layout): B keeps k of A's three words, shuffled, among others; the
 score is 5k/3.
 """
@@ -59,6 +59,19 @@ def write_rte(data_dir: Path, train: int = 2000, dev: int = 200, test: int = 20)
       lines = ['index\tsentence1\tsentence2'] + [f'{i}\t{a}\t{b}' for i, (a, b, _) in enumerate(rows)]
     else:
       lines = ['index\tsentence1\tsentence2\tlabel'] + [f'{i}\t{a}\t{b}\t{y}' for i, (a, b, y) in enumerate(rows)]
+    (folder / f'{split}.tsv').write_text('\n'.join(lines) + '\n')
+
+
+def write_mrpc(data_dir: Path, train: int = 2000, dev: int = 200, test: int = 20) -> None:
+  """DIR/MRPC/{train,dev,test}.tsv of the shuffle task in MRPC's five columns (label first, 1: a shuffle)."""
+  folder = data_dir / 'MRPC'
+  folder.mkdir(parents=True, exist_ok=True)
+  for split, n, seed in (('train', train, 6), ('dev', dev, 7), ('test', test, 8)):
+    rows = shuffle_pairs(n, seed)
+    first = 'index' if split == 'test' else 'Quality'
+    lines = [f'{first}\t#1 ID\t#2 ID\t#1 String\t#2 String']
+    for i, (a, b, y) in enumerate(rows):
+      lines.append(f'{i if split == "test" else int(y == "entailment")}\t{2 * i}\t{2 * i + 1}\t{a}\t{b}')
     (folder / f'{split}.tsv').write_text('\n'.join(lines) + '\n')
 
 

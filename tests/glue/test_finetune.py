@@ -14,6 +14,7 @@ import tokenizers
 import torch
 import transformers
 from scipy import stats
+from sklearn.metrics import f1_score
 
 from lm import cli
 from lm.config import load_config
@@ -30,6 +31,8 @@ def lm(*argv: str) -> None:
   env = {**os.environ, 'XLA_FLAGS': ''}
   done = subprocess.run([sys.executable, '-m', 'lm.cli', *argv], env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 # (preset, pretraining overrides, fine-tuning overrides): the fewest steps that learn the pair task with margin.
 FAMILIES = {
   'bert': ('bert_tiny', ['train.steps=200', 'data.seq_len=64'],
@@ -45,6 +48,7 @@ FAMILIES = {
 def glue_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp('glue')
   synthetic.write_rte(root)
+  synthetic.write_mrpc(root)
   synthetic.write_stsb(root)
   return root
 
@@ -65,50 +69,64 @@ def dev_labels(glue_dir, folder):
   return [row[-1] for row in read_tsv(glue_dir / folder / 'dev.tsv')[1:]]
 
 
+# Pair task per family (BERT in MRPC's layout, the decoders in RTE's), and whether STS-B's regression is checked too.
+PAIR_TASK = {'bert': ('mrpc', 'MRPC', {'0', '1'}), 'gpt': ('rte', 'RTE', {'entailment', 'not_entailment'}),
+             't5': ('rte', 'RTE', {'entailment', 'not_entailment'})}
+REGRESSION = ('bert', 't5')
+
+
 @pytest.mark.parametrize('family', list(FAMILIES))
 def test_each_family_learns_the_pair_task_and_writes_glue_files(family, glue_dir, tmp_path):
   """Pretrained on the embedded corpus, then fine-tuned: BERT's pooled [CLS], GPT's last token, T5 writing the
   label's name. Neither sentence alone tells the label, so the model must compare the pair."""
+  task, folder, labels = PAIR_TASK[family]
   out, init = tmp_path / 'ft', pretrain(family, tmp_path / 'pretrained')
-  lm('finetune', '--task', 'rte', '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
+  lm('finetune', '--task', task, '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
      *FAMILIES[family][2])
-  if family == 't5':
-    check_regression(glue_dir, init, tmp_path / 'stsb')
+  if family in REGRESSION:
+    check_regression(family, glue_dir, init, tmp_path / 'stsb')
 
-  results = json.loads((out / 'rte' / 'eval_results.json').read_text())
-  assert results['task'] == 'rte' and results['split'] == 'dev' and set(results['metrics']) == {'accuracy'}
-  rows = read_tsv(out / 'rte' / 'dev_predictions.tsv')
-  truth = dev_labels(glue_dir, 'RTE')
+  results = json.loads((out / task / 'eval_results.json').read_text())
+  assert results['task'] == task and results['split'] == 'dev'
+  assert set(results['metrics']) == {'accuracy'} | ({'f1'} if task == 'mrpc' else set())
+  rows = read_tsv(out / task / 'dev_predictions.tsv')
+  truth = [row[0] for row in read_tsv(glue_dir / 'MRPC' / 'dev.tsv')[1:]] if task == 'mrpc' \
+    else dev_labels(glue_dir, folder)
   assert rows[0] == ['index', 'prediction', 'label'] and len(rows) == len(truth) + 1
   assert [r[2] for r in rows[1:]] == truth and [r[0] for r in rows[1:]] == [str(i) for i in range(len(truth))]
   accuracy = np.mean([r[1] == r[2] for r in rows[1:]])
   assert results['metrics']['accuracy'] == pytest.approx(accuracy)  # the reported metric is the written predictions'
   assert accuracy >= 0.9, f'{family}: dev accuracy {accuracy}'
+  if task == 'mrpc':
+    assert results['metrics']['f1'] == pytest.approx(f1_score([r[2] for r in rows[1:]], [r[1] for r in rows[1:]],
+                                                               pos_label='1'))
   # The best step is the one whose dev record is best; its checkpoint is the one kept.
-  records = [json.loads(line) for line in (out / 'rte' / 'metrics.jsonl').read_text().splitlines()]
-  dev = {r['step']: r['dev_accuracy'] for r in records if 'dev_accuracy' in r}
+  main = 'f1' if task == 'mrpc' else 'accuracy'
+  records = [json.loads(line) for line in (out / task / 'metrics.jsonl').read_text().splitlines()]
+  dev = {r['step']: r[f'dev_{main}'] for r in records if f'dev_{main}' in r}
   assert dev[results['step']] == max(dev.values())
-  assert [p.name for p in (out / 'rte' / 'checkpoints').iterdir()] == [str(results['step'])]
+  assert [p.name for p in (out / task / 'checkpoints').iterdir()] == [str(results['step'])]
 
-  submission = read_tsv(out / 'submission' / 'RTE.tsv')
+  submission = read_tsv(out / 'submission' / f'{folder}.tsv')
   assert submission[0] == ['index', 'prediction'] and len(submission) == 21
-  assert {r[1] for r in submission[1:]} <= {'entailment', 'not_entailment'}
-  assert (out / 'rte' / 'curves.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert {r[1] for r in submission[1:]} <= labels
+  assert (out / task / 'curves.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
-def check_regression(glue_dir, init, out):
-  """T5 (sharing the pair test's pretraining) learns the overlap score as text on STS-B's 0.2 grid."""
+def check_regression(family, glue_dir, init, out):
+  """The family (sharing the pair test's pretraining) learns the overlap score: BERT through the one-output
+  regression head (MSE), T5 as text on STS-B's 0.2 grid."""
   lm('finetune', '--task', 'stsb', '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
-     *FAMILIES['t5'][2])
+     *FAMILIES[family][2])
   results = json.loads((out / 'stsb' / 'eval_results.json').read_text())
   rows = read_tsv(out / 'stsb' / 'dev_predictions.tsv')[1:]
   predicted, truth = np.array([[float(r[1]), float(r[2])] for r in rows]).T
   np.testing.assert_allclose(truth, [float(y) for y in dev_labels(glue_dir, 'STS-B')])
-  assert results['metrics']['pearson'] == pytest.approx(stats.pearsonr(predicted, truth)[0])
-  assert results['metrics']['spearman'] == pytest.approx(stats.spearmanr(predicted, truth)[0])
+  assert results['metrics']['pearson'] == pytest.approx(stats.pearsonr(predicted, truth)[0], abs=1e-3)
+  assert results['metrics']['spearman'] == pytest.approx(stats.spearmanr(predicted, truth)[0], abs=1e-3)
   assert results['metrics']['pearson'] >= 0.8
-  # T5 writes scores on its 0.2 grid, one decimal.
-  assert all(abs(5 * p - round(5 * p)) < 1e-9 for p in predicted)
+  if family == 't5':  # T5 writes scores on its 0.2 grid, one decimal
+    assert all(abs(5 * p - round(5 * p)) < 1e-9 for p in predicted)
   scores = [float(r[1]) for r in read_tsv(out / 'submission' / 'STS-B.tsv')[1:]]
   assert len(scores) == 20 and all(0 <= s <= 5 for s in scores)
 
@@ -212,20 +230,26 @@ def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path):
   ('no split file', ['--task', 'rte', 'remove:RTE/dev.tsv'], 'dev.tsv'),
   ('unknown task', ['--task', 'mnli2'], 'mnli2'),
   ('wrong columns', ['--task', 'stsb', 'rte-as:STS-B/train.tsv'], 'columns'),
+  ('init is no model', ['--task', 'rte', 'init:empty'], 'neither a run directory'),
+  ('init holds no params', ['--task', 'rte', 'init:untrained'], 'holds no checkpoint yet'),
 ])
 def test_bad_input_is_one_line_naming_the_fix(problem, argv, message, glue_dir, tmp_path, capsys):
   import shutil
-  data = tmp_path / 'data'
+  data, init, out = tmp_path / 'data', tmp_path / 'init', tmp_path / 'out'
   shutil.copytree(glue_dir, data)
+  init.mkdir()
   edits = [a for a in argv if ':' in a]
   for edit in edits:
     action, path = edit.split(':')
     if action == 'remove':
       (data / path).unlink()
-    else:
+    elif action == 'init' and path == 'untrained':  # a run dir with its config but no checkpoint
+      (init / 'config.yaml').write_text(load_config('bert_tiny').to_yaml())
+    elif action == 'rte-as':
       (data / path).write_text((data / 'RTE' / 'train.tsv').read_text())
   args = [a for a in argv if a not in edits]
-  code = cli.main(['finetune', *args, '--data-dir', str(data), '--init', str(tmp_path / 'nowhere')])
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*'))
+  code = cli.main(['finetune', *args, '--data-dir', str(data), '--init', str(init), f'train.run_dir={out}', *QUIET])
   err = capsys.readouterr().err.strip()
   assert code == 2 and len(err.splitlines()) == 1 and message in err, (problem, err)
-
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before  # nothing written anywhere

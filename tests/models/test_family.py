@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from lm import cli
+from lm.assembly import assemble
 from lm.config import ConfigError, load_config
-from lm.models import FAMILIES, get_family
+from lm.models import FAMILIES, check_config, get_family
 
 LM = Path(__file__).resolve().parents[2] / 'lm'
 RECORDS = {LM / 'models' / f'{name}.py' for name in [*FAMILIES, 'family', '__init__']}
@@ -27,11 +29,22 @@ def test_every_family_declares_what_generic_code_needs():
     assert config.model.family == name
 
 
-def test_an_unknown_family_lists_the_registered_ones():
-  with pytest.raises(ConfigError, match="model.family='rnn' is not supported; choose one of: gpt, bert, t5, llama"):
-    load_config('gpt_tiny', ['model.family=rnn'])
-  with pytest.raises(ConfigError, match='model.nsp=true .* set model.type_vocab_size=2'):
-    load_config('bert_tiny', ['model.nsp=true', 'model.type_vocab_size=0'])
-  with pytest.raises(ConfigError, match='a llama model has no position table'):
-    load_config('llama_tiny', ['model.position=learned'])
+@pytest.mark.parametrize('preset, override, message', [
+  ('gpt_tiny', 'model.family=rnn', "model.family='rnn' is not supported; choose one of: gpt, bert, t5, llama"),
+  ('bert_tiny', 'model.nsp=true', 'model.nsp=true .* set model.type_vocab_size=2'),
+  ('llama_tiny', 'model.position=learned', 'a llama model has no position table'),
+])
+def test_family_checks_run_where_the_model_is_assembled(preset, override, message, capsys):
+  """`load_config` knows no family; `check_config`, `assemble` and every CLI command run the family's checks."""
+  overrides = [override] + (['model.type_vocab_size=0'] if 'nsp' in override else [])
+  config = load_config(preset, overrides)
+  for check in (check_config, assemble):
+    with pytest.raises(ConfigError, match=message):
+      check(config)
+  assert cli.main(['info', '--config', preset, *overrides]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_decoding_is_declared():
   assert get_family('llama').decoding == 'decoder' and get_family('bert').decoding is None

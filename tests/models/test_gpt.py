@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from lm.config import load_config
-from lm.models import build_model, get_family
+from lm.models import abstract_params, build_model
 from lm.train.accounting import count_params
-from lm.train.state import abstract_params
 
 SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=24', 'data.seq_len=24',
          'model.scan_layers=true']
@@ -64,7 +63,7 @@ def test_param_count_matches_formula(preset_overrides):
   mlp = (3 * d * f + 2 * f + d) if cfg.activation == 'swiglu' else (2 * d * f + f + d)
   per_layer = 2 * 2 * d + 4 * d * d + 4 * d + mlp
   want = v * d + p * d + n * per_layer + 2 * d + (0 if cfg.tie_embeddings else v * d)
-  counts = count_params(abstract_params(get_family(cfg.family), build_model(cfg)))
+  counts = count_params(abstract_params(build_model(cfg)))
   assert counts['total'] == want
   assert counts['non_embedding'] == want - v * d - p * d
 

@@ -6,9 +6,8 @@ import pytest
 
 from lm.config import load_config
 from lm.data.tokenizers import get_tokenizer
-from lm.models import build_model, get_family
+from lm.models import abstract_params, build_model, get_family
 from lm.models.task_heads import Classifier, TextToText, truncate_longest_first
-from lm.train.state import abstract_params
 
 
 def reference_truncate(a, b, budget):
@@ -50,9 +49,8 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(famil
                                        'data.seq_len=32']).model
   head = get_family(family).task_head
   model = build_model(cfg)
-  family_record = get_family(family)
   params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, s.dtype) * 0.05,
-                        abstract_params(family_record, model))
+                        abstract_params(model))
   tok = get_tokenizer('byte')
   rows = [head.encode(tok, ('hello there', 'hi'), n) for n in (20, 24)]
   for row in rows:
