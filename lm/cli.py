@@ -1,4 +1,4 @@
-"""`lm train | finetune | info | compile | convert | generate | tokenizer train | data build`: the command line.
+"""`lm train | finetune | scaling | info | compile | convert | generate | tokenizer | data`: the command line.
 
 Config problems exit with one line naming the fix."""
 from __future__ import annotations
@@ -135,6 +135,22 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_fit(args: argparse.Namespace) -> int:
+  from lm.scaling.laws import fit
+  from lm.scaling.points import read_points
+  from lm.scaling.report import format_fit
+  if args.bootstrap < 0:
+    raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
+  if any(not c > 0 for c in args.budget):
+    raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
+  result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
+  print(json.dumps(result, indent=2) if args.json else format_fit(result))
+  if args.out:
+    from pathlib import Path
+    Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+  return 0
+
+
 def _data_config(args: argparse.Namespace) -> Config:
   """The config's data section, or local files named by --from (JSONL when every glob ends in .jsonl)."""
   extra = []
@@ -241,6 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
   train_tok.add_argument('--max-lines', type=int, default=2_000_000, help='lines sampled for training')
   train_tok.add_argument('--out', required=True, help='model path (PATH.model and PATH.vocab are written)')
   train_tok.set_defaults(fn=cmd_tokenizer_train)
+
+  scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
+  fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')
+  fit.add_argument('points', help='CSV of lm scaling collect, or any with params,tokens,loss columns')
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop'), default='chinchilla',
+                   help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
+                   'compute frontier; isoflop: parabolas per budget (approach 2)')
+  fit.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to fit')
+  fit.add_argument('--bootstrap', type=int, default=0, metavar='N', help='chinchilla: N resamples for 95%% intervals')
+  fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
+                   help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
+  fit.add_argument('--json', action='store_true', help='print the fit as JSON')
+  fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
+  fit.set_defaults(fn=cmd_scaling_fit)
 
   data = sub.add_parser('data', help='datasets').add_subparsers(dest='action', required=True)
   build = data.add_parser('build', help='local JSONL or text files -> a TFDS dataset (ArrayRecord)')

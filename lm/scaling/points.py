@@ -1,0 +1,79 @@
+"""Scaling points: one row per (run, evaluation) in a CSV that `lm scaling collect` writes and `fit` reads.
+
+The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
+carry `run, step, non_embedding_params, flops_6nd`.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lm.config import ConfigError
+
+COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss')
+REQUIRED = ('params', 'tokens', 'loss')
+
+
+@dataclass(frozen=True)
+class Points:
+  """Arrays of equal length: parameters N (total or non-embedding, as chosen), tokens D, compute C, loss L."""
+  params: np.ndarray
+  tokens: np.ndarray
+  flops: np.ndarray
+  loss: np.ndarray
+  run: tuple[str, ...]
+
+  def __len__(self) -> int:
+    return len(self.loss)
+
+  def take(self, rows: np.ndarray) -> Points:
+    return Points(self.params[rows], self.tokens[rows], self.flops[rows], self.loss[rows],
+                  tuple(self.run[i] for i in rows))
+
+
+def read_points(path: str | Path, params: str = 'total') -> Points:
+  """The CSV's points, N from `params` ('total': the params column, or 'non_embedding'); a ConfigError
+  naming the file, the row and the fix for a missing column or a value that is not a positive number."""
+  path = Path(path)
+  if not path.is_file():
+    raise ConfigError(f'{path} does not exist; write it with lm scaling collect RUN_DIRS... --out {path}')
+  with path.open(newline='') as f:
+    reader = csv.DictReader(f)
+    columns = reader.fieldnames or []
+    n_column = 'params' if params == 'total' else 'non_embedding_params'
+    needed = (n_column, 'tokens', 'loss')
+    missing = [c for c in needed if c not in columns]
+    if missing:
+      raise ConfigError(f'{path} has no column {", ".join(missing)} (it has: {", ".join(columns) or "nothing"}); '
+                        f'a points CSV needs {",".join(needed)} (flops optional)')
+    rows = list(reader)
+  if not rows:
+    raise ConfigError(f'{path} holds no points; collect some with lm scaling collect')
+  values = {c: np.empty(len(rows)) for c in (*needed, 'flops')}
+  for i, row in enumerate(rows):
+    for column in needed + (('flops',) if row.get('flops') else ()):
+      try:
+        value = float(row[column])
+      except (TypeError, ValueError):
+        value = float('nan')
+      if not value > 0 or not np.isfinite(value):
+        raise ConfigError(f'{path} row {i + 2}: {column}={row[column]!r} is not a positive number; fix or drop '
+                          f'that row')
+      values[column][i] = value
+    if not row.get('flops'):
+      values['flops'][i] = 6 * values[n_column][i] * values['tokens'][i]
+  return Points(values[n_column], values['tokens'], values['flops'], values['loss'],
+                tuple(row.get('run') or str(i) for i, row in enumerate(rows)))
+
+
+def write_points(path: str | Path, rows: list[dict]) -> None:
+  """Rows of COLUMNS as CSV (the parent directory is made)."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open('w', newline='') as f:
+    writer = csv.DictWriter(f, COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)

@@ -1,0 +1,31 @@
+"""Console lines for a fitted law (`lm scaling fit` without --json)."""
+from __future__ import annotations
+
+from typing import Any
+
+from lm.report import format_lines
+
+
+def _interval(fit: dict[str, Any], key: str) -> str:
+  ci = fit.get('ci', {}).get(key)
+  return f'  [{ci[0]:.4g}, {ci[1]:.4g}]' if ci else ''
+
+
+def format_fit(fit: dict[str, Any]) -> str:
+  """The law's parameters (with 95% bootstrap intervals when fitted), exponents and compute-optimal sizes."""
+  lines = [('law', f'{fit["law"]} on {fit["points"]} points')]
+  lines += [(name, f'{value:.6g}{_interval(fit, name)}') for name, value in fit['params'].items()]
+  for key in ('a', 'b'):
+    if key in fit:
+      lines.append((key, f'{fit[key]:.4f}{_interval(fit, key)}  (' +
+                    ('N_opt' if key == 'a' else 'D_opt') + f' grows as C^{key})'))
+  for budget in fit.get('budgets', []):
+    lines.append((f'C {budget["flops"]:.3g}', f'N_opt {budget["params_opt"]:.4g}, D_opt {budget["tokens_opt"]:.4g}, '
+                                              f'loss {budget["loss_opt"]:.4f} ({budget["points"]} runs)'))
+  for point in fit.get('frontier', []):
+    lines.append(('frontier', f'C {point["flops"]:.4g}  loss {point["loss"]:.4f}  {point["run"]}'))
+  for opt in fit.get('optimal', []):
+    lines.append((f'optimal at C {opt["flops"]:.3g}',
+                  f'N {opt["params"]:.4g}, D {opt["tokens"]:.4g}, {opt["tokens_per_param"]:.1f} tokens/param'
+                  + (f', loss {opt["loss"]:.4f}' if 'loss' in opt else '')))
+  return format_lines(lines)

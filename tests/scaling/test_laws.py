@@ -1,0 +1,153 @@
+"""Scaling-law fits recover the laws that generated their points (the simulations of Besiroglu et al.'s
+reanalysis), the compute-optimal allocation agrees with a direct minimisation, and bad input is one line."""
+import json
+
+import numpy as np
+import pytest
+from scipy import optimize
+
+from lm import cli
+from lm.scaling import laws
+from lm.scaling.points import Points
+
+# Hoffmann et al.'s approach-3 constants, unrounded.
+TRUE = {'E': 1.69337, 'A': 406.401, 'B': 410.723, 'alpha': 0.33917084, 'beta': 0.2849083}
+A_TRUE = TRUE['beta'] / (TRUE['alpha'] + TRUE['beta'])
+
+
+def law(n, d):
+  return TRUE['E'] + TRUE['A'] / n ** TRUE['alpha'] + TRUE['B'] / d ** TRUE['beta']
+
+
+def grid_points(sigma: float, seed: int) -> Points:
+  """7 x 7 runs, N from 1e7 to 1e10 and D from 1e9 to 1e12, losses times exp(N(0, sigma^2))."""
+  n, d = (x.ravel() for x in np.meshgrid(np.logspace(7, 10, 7), np.logspace(9, 12, 7)))
+  loss = law(n, d) * np.exp(np.random.default_rng(seed).normal(0, sigma, n.shape))
+  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))))
+
+
+def test_chinchilla_without_noise_returns_every_parameter():
+  fit = laws.fit_chinchilla(grid_points(0.0, 0))
+  for name, value in TRUE.items():
+    assert fit['params'][name] == pytest.approx(value, rel=1e-6), name
+  assert fit['a'] == pytest.approx(A_TRUE, rel=1e-6)
+
+
+@pytest.mark.parametrize('seed', range(10))
+def test_chinchilla_with_noise_is_within_the_published_recovery(seed):
+  fit = laws.fit_chinchilla(grid_points(0.005, seed))
+  p = fit['params']
+  assert abs(p['alpha'] - TRUE['alpha']) < 0.03 and abs(p['beta'] - TRUE['beta']) < 0.04
+  assert abs(p['E'] - TRUE['E']) < 0.09 and abs(fit['a'] - A_TRUE) < 0.04
+
+
+def test_compute_optimal_minimises_the_law_on_the_iso_compute_curve():
+  """N_opt from the closed form equals a direct 1-D minimisation of L(N, C/6N) over log N."""
+  for c in (1e19, 5.76e23):
+    optimal = laws.compute_optimal(TRUE, c)
+    direct = optimize.minimize_scalar(lambda x: law(np.exp(x), c / (6 * np.exp(x))), bounds=(0, 60),
+                                      method='bounded', options={'xatol': 1e-10})
+    assert optimal['params'] == pytest.approx(np.exp(direct.x), rel=1e-6)
+    assert 6 * optimal['params'] * optimal['tokens'] == pytest.approx(c)
+    assert optimal['loss'] == pytest.approx(direct.fun, rel=1e-12)
+
+
+def test_bootstrap_intervals_bracket_the_fit():
+  fit = laws.fit_chinchilla(grid_points(0.005, 1), bootstrap=40, budgets=[1e21])
+  for key in ('E', 'alpha', 'beta', 'a', 'params_opt@1e+21'):
+    lo, hi = fit['ci'][key]
+    value = fit['optimal'][0]['params'] if key.startswith('params_opt') else fit.get(key, fit['params'].get(key))
+    assert lo < value < hi, key
+  assert fit['ci']['alpha'][0] < TRUE['alpha'] < fit['ci']['alpha'][1]
+
+
+def kaplan_points(sigma: float, seed: int, alpha=0.076, n_c=8.8e13) -> Points:
+  """Seven sizes, each with three runs: the longest reaches L(N) = (N_c/N)^alpha (times noise), shorter ones
+  sit above it. Compute is 6ND."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for n in np.logspace(6, 9, 7):
+    for d, extra in ((2e8, 0.3), (1e9, 0.1), (5e9, 0.0)):
+      rows.append((n, d, (n_c / n) ** alpha * np.exp(rng.normal(0, sigma)) + extra))
+  n, d, loss = map(np.array, zip(*rows))
+  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))))
+
+
+@pytest.mark.parametrize('seed', range(5))
+def test_kaplan_recovers_alpha_n(seed):
+  fit = laws.fit_kaplan(kaplan_points(0.005, seed))
+  assert abs(fit['params']['alpha_N'] - 0.076) < 0.003
+
+
+def test_kaplan_without_noise_and_the_frontier():
+  points = kaplan_points(0.0, 0)
+  fit = laws.fit_kaplan(points)
+  assert fit['params']['alpha_N'] == pytest.approx(0.076, rel=1e-9)
+  assert fit['params']['N_c'] == pytest.approx(8.8e13, rel=1e-6)
+  # The frontier by its definition: no point of less or equal compute has lower loss.
+  expected = sorted(i for i in range(len(points)) if not any(
+    points.flops[j] <= points.flops[i] and points.loss[j] < points.loss[i] for j in range(len(points))))
+  assert sorted(laws.frontier(points).tolist()) == expected
+  assert [p['flops'] for p in fit['frontier']] == sorted(p['flops'] for p in fit['frontier'])
+
+
+def isoflop_points(sigma: float, seed: int, sizes: int = 15) -> Points:
+  """Five budgets 1e18..1e22, each with `sizes` models over 4x either side of the law's optimum, D = C/6N;
+  the recorded compute up to 2% above 6ND, as an exact count adds attention."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for c in np.logspace(18, 22, 5):
+    centre = laws.compute_optimal(TRUE, c)['params']
+    for n in centre * np.logspace(-np.log10(4), np.log10(4), sizes):
+      d = c / (6 * n)
+      rows.append((n, d, c * rng.uniform(1, 1.02), law(n, d) * np.exp(rng.normal(0, sigma))))
+  n, d, c, loss = map(np.array, zip(*rows))
+  return Points(n, d, c, loss, tuple(map(str, range(len(n)))))
+
+
+@pytest.mark.parametrize('seed', range(10))
+def test_isoflop_exponent(seed):
+  fit = laws.fit_isoflop(isoflop_points(0.005, seed))
+  assert len(fit['budgets']) == 5 and all(b['points'] == 15 for b in fit['budgets'])
+  assert abs(fit['a'] - A_TRUE) < 0.02
+  assert fit['a'] + fit['b'] == pytest.approx(1.0, abs=0.03)  # D_opt = C/6N_opt, C within 2% of 6ND
+
+
+def test_isoflop_without_noise_is_unbiased_in_the_exponent():
+  """The parabola's vertex is off by a constant factor (the notes' +1.4% at 4x), which the exponent ignores."""
+  fit = laws.fit_isoflop(isoflop_points(0.0, 0))
+  assert abs(fit['a'] - A_TRUE) < 0.003
+  for budget in fit['budgets']:
+    true_n = laws.compute_optimal(TRUE, budget['flops'])['params']
+    assert 1.0 < budget['params_opt'] / true_n < 1.06
+
+
+def write_csv(path, header, rows):
+  path.write_text('\n'.join([header] + [','.join(map(str, r)) for r in rows]) + '\n')
+  return str(path)
+
+
+def test_cli_fit_json_matches_the_library(tmp_path, capsys):
+  points = grid_points(0.005, 3)
+  csv_path = write_csv(tmp_path / 'p.csv', 'params,tokens,loss', zip(points.params, points.tokens, points.loss))
+  assert cli.main(['scaling', 'fit', csv_path, '--json', '--budget', '1e21', '--out', str(tmp_path / 'fit.json')]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed == json.loads((tmp_path / 'fit.json').read_text())
+  direct = laws.fit_chinchilla(points, budgets=[1e21])
+  assert printed['params'] == pytest.approx(direct['params'], rel=1e-6)
+  assert printed['optimal'][0]['tokens_per_param'] == pytest.approx(direct['optimal'][0]['tokens_per_param'], rel=1e-5)
+  assert set(printed) >= {'law', 'params', 'a', 'b', 'optimal'}
+
+
+@pytest.mark.parametrize('header, rows, argv, message', [
+  ('params,loss', [(1e7, 3.0)] * 6, [], 'has no column tokens'),
+  ('params,tokens,loss', [(1e7, 1e9, 3.0)] * 4, [], 'has 5 parameters but the points number 4'),
+  ('params,tokens,loss', [(1e7, 1e9, 3.0)] * 5 + [(1e7, -1, 3.0)], [], 'row 7: tokens=\'-1\' is not a positive'),
+  ('params,tokens,loss', [(1e7, 1e9, 3.0)] * 6, ['--law', 'kaplan'], 'at least two sizes'),
+  ('params,tokens,loss', [(1e7, 1e9, 3.0)] * 6, ['--params', 'non_embedding'], 'no column non_embedding_params'),
+])
+def test_bad_points_are_one_line(header, rows, argv, message, tmp_path, capsys):
+  csv_path = write_csv(tmp_path / 'p.csv', header, rows)
+  assert cli.main(['scaling', 'fit', csv_path, *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
