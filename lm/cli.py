@@ -135,6 +135,20 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_collect(args: argparse.Namespace) -> int:
+  from lm.scaling.collect import collect
+  from lm.scaling.points import write_points
+  runs = [item for item in args.runs if '=' not in item]
+  overrides = [item for item in args.runs if '=' in item]
+  if overrides and not args.evaluate:
+    raise ConfigError(f'{overrides[0]}: overrides only apply with --evaluate (e.g. another eval set); drop them '
+                      f'or add --evaluate')
+  rows = collect(runs, args.evaluate, overrides)
+  write_points(args.out, rows)
+  print(f'{len(rows)} points from {len(runs)} runs written to {args.out}', flush=True)
+  return 0
+
+
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
   from lm.scaling.laws import fit
   from lm.scaling.points import read_points
@@ -259,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
   train_tok.set_defaults(fn=cmd_tokenizer_train)
 
   scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
+  collect = scaling.add_parser('collect', help='run dirs -> points CSV (run, step, params, non_embedding_params, '
+                                                'tokens, flops, flops_6nd, loss)')
+  collect.add_argument('runs', nargs='+', metavar='RUN_DIR', help='run dirs (and, with --evaluate, key=value '
+                                                                  'overrides such as data.* for another eval set)')
+  collect.add_argument('--out', required=True, help='the CSV to write')
+  collect.add_argument('--evaluate', action='store_true', help='evaluate held-out loss from every checkpoint instead '
+                                                               'of reading metrics.jsonl')
+  collect.set_defaults(fn=cmd_scaling_collect, joins_job=True)  # --evaluate runs on the job's devices
+
   fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')
   fit.add_argument('points', help='CSV of lm scaling collect, or any with params,tokens,loss columns')
   fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop'), default='chinchilla',
@@ -293,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   quiet_libtpu()  # before anything starts JAX's backends
   args = build_parser().parse_args(argv)
   try:
-    if args.command in DEVICE_COMMANDS:
+    if args.command in DEVICE_COMMANDS or getattr(args, 'joins_job', False):
       from lm.distributed import initialize
       initialize()
     return args.fn(args)

@@ -1,0 +1,91 @@
+"""`lm scaling collect`: run dirs -> scaling points, one per (run, evaluation).
+
+A run's size comes from its checkpoint's config (the config.yaml when it has no checkpoint yet); its
+held-out losses from the `val_loss` records of metrics.jsonl, or with `evaluate`, from each checkpoint
+restored through orbax onto the devices present and evaluated on the run's validation split (or on
+another, through `data.*` overrides). Tokens are the row tokens trained on (step x batch x length);
+`flops` is our accounting's count for them and `flops_6nd` 6ND with N the total parameters. Step 0 is
+no point: an untrained model says nothing of a law.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from etils import epath
+
+from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
+from lm.models import abstract_params, build_model, check_config
+from lm.run_dir import checkpoints, read_config
+from lm.train import accounting
+from lm.train.logging import read_metrics
+
+DEFAULT_EVAL_BATCHES = 20  # --evaluate on a run that trained without evaluation
+
+
+def run_config(run_dir: epath.Path) -> Config:
+  """The config the run's latest checkpoint was written with, else its config.yaml."""
+  saved = checkpoints(run_dir)
+  try:
+    step = saved.latest_step()
+    return check_config(from_dict(saved.saved_config(step)) if step is not None else read_config(run_dir))
+  finally:
+    saved.close()
+
+
+def _sizes(config: Config) -> dict[str, float]:
+  """Total and non-embedding params, and training FLOPs per row token, from abstract params."""
+  params = abstract_params(build_model(config.model))
+  counts = accounting.count_params(params)
+  return {'params': counts['total'], 'non_embedding_params': counts['non_embedding'],
+          'flops_per_token': accounting.flops_per_token(params, config.model, config.data.seq_len,
+                                                        config.train.causal_attention_flops)}
+
+
+def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: float) -> dict[str, Any]:
+  tokens = step * config.train.global_batch * config.data.seq_len
+  return {'run': run, 'step': step, 'params': sizes['params'], 'non_embedding_params': sizes['non_embedding_params'],
+          'tokens': tokens, 'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['params'] * tokens,
+          'loss': loss}
+
+
+def recorded_losses(run_dir: epath.Path) -> dict[int, float]:
+  """step -> val_loss of metrics.jsonl (the last record of a step wins: a resumed run rewrites it)."""
+  return {int(r['step']): float(r['val_loss']) for r in read_metrics(run_dir) if 'val_loss' in r and r['step'] > 0}
+
+
+def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
+  """step -> held-out loss of every checkpoint, evaluated afresh on the devices present."""
+  from lm.train.loop import Trainer
+  if not config.train.eval_batches:
+    config = from_dict(merge(config.to_dict(), {'train': {'eval_batches': DEFAULT_EVAL_BATCHES}}))
+  saved = checkpoints(run_dir)
+  try:
+    steps = [s for s in saved.all_steps() if s > 0]
+    if not steps:
+      raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
+    trainer = Trainer(config)
+    return {step: trainer.evaluate(saved.restore_params(step, trainer.assembly.abstract_params),
+                                   trainer.val_batches, config.train.eval_batches) for step in steps}
+  finally:
+    saved.close()
+
+
+def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+  """Every run's points in the order given, by step. `overrides` (e.g. another eval set's `data.*`) apply
+  to the runs' configs when evaluating."""
+  rows = []
+  for name in run_dirs:
+    run_dir = epath.Path(name)
+    config = run_config(run_dir)
+    if evaluate:
+      if overrides:
+        config = check_config(from_dict(merge(config.to_dict(), parse_overrides(list(overrides)))))
+      losses = evaluated_losses(run_dir, config)
+    else:
+      losses = recorded_losses(run_dir)
+      if not losses:
+        raise ConfigError(f'{run_dir} has no val_loss records in metrics.jsonl; evaluate its checkpoints with '
+                          f'--evaluate, or train it with train.eval_batches > 0')
+    sizes = _sizes(config)
+    rows += [_row(str(run_dir), step, config, sizes, loss) for step, loss in sorted(losses.items())]
+  return rows

@@ -1,0 +1,68 @@
+"""`lm scaling collect`: points from run dirs, with sizes, tokens and FLOPs derived by hand, and losses that
+re-evaluating the checkpoints reproduces."""
+import csv
+import json
+
+import pytest
+
+from lm import cli
+
+WIDTHS = (32, 64)
+LAYERS, SEQ, BATCH, VOCAB, MAX_LEN = 2, 32, 8, 264, 256
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('ladder')
+  for width in WIDTHS:
+    assert cli.main(['train', '--config', 'gpt_tiny', f'model.d_model={width}', f'model.num_layers={LAYERS}',
+                     'model.num_heads=2', f'data.seq_len={SEQ}', f'train.global_batch={BATCH}', 'train.steps=4',
+                     'train.eval_every=2', 'train.checkpoint_every=2', 'train.keep_checkpoints=3',
+                     'train.eval_batches=2', 'train.progress=false', f'train.run_dir={root / str(width)}']) == 0
+  return root
+
+
+def read(path):
+  with open(path, newline='') as f:
+    return list(csv.DictReader(f))
+
+
+def test_points_carry_hand_derived_sizes_tokens_and_flops(runs, tmp_path):
+  out = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', *(str(runs / str(w)) for w in WIDTHS), '--out', str(out)]) == 0
+  rows = read(out)
+  assert [(r['run'], int(r['step'])) for r in rows] == [(str(runs / str(w)), s) for w in WIDTHS for s in (2, 4)]
+  for row in rows:
+    d, step = int(row['run'].rsplit('/', 1)[1]), int(row['step'])
+    non_embedding = LAYERS * (12 * d * d + 13 * d) + 2 * d  # per layer: 4d^2 + 8d^2 kernels, biases, 2 norms
+    tokens = step * BATCH * SEQ
+    assert int(row['non_embedding_params']) == non_embedding
+    assert int(row['params']) == non_embedding + VOCAB * d + MAX_LEN * d
+    assert int(row['tokens']) == tokens
+    matmul = LAYERS * 12 * d * d + VOCAB * d  # the tied output layer multiplies too
+    assert float(row['flops']) == pytest.approx((6 * matmul + 6 * LAYERS * SEQ * d) * tokens, rel=1e-12)
+    assert float(row['flops_6nd']) == 6 * int(row['params']) * tokens
+    records = [json.loads(line) for line in (runs / str(d) / 'metrics.jsonl').read_text().splitlines()]
+    assert float(row['loss']) == [r['val_loss'] for r in records if r.get('step') == step and 'val_loss' in r][-1]
+
+
+def test_evaluate_reproduces_the_recorded_losses_from_the_checkpoints(runs, tmp_path):
+  """A second path to the same numbers: params restored through orbax, the validation split read again."""
+  recorded, evaluated = tmp_path / 'recorded.csv', tmp_path / 'evaluated.csv'
+  paths = [str(runs / str(w)) for w in WIDTHS]
+  assert cli.main(['scaling', 'collect', *paths, '--out', str(recorded)]) == 0
+  assert cli.main(['scaling', 'collect', *paths, '--out', str(evaluated), '--evaluate']) == 0
+  want, got = read(recorded), read(evaluated)
+  assert [r['step'] for r in got] == [r['step'] for r in want]
+  for a, b in zip(want, got):
+    assert float(b['loss']) == pytest.approx(float(a['loss']), rel=1e-5)
+
+
+def test_a_run_without_metrics_is_one_line(runs, tmp_path, capsys):
+  bare = tmp_path / 'bare'
+  bare.mkdir()
+  (bare / 'config.yaml').write_text((runs / '32' / 'config.yaml').read_text())
+  assert cli.main(['scaling', 'collect', str(bare), '--out', str(tmp_path / 'p.csv')]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and 'no val_loss records' in err and '--evaluate' in err
+  assert not (tmp_path / 'p.csv').exists()
