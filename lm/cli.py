@@ -165,6 +165,24 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_plot(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from lm.scaling.plot import plot
+  from lm.scaling.points import read_points
+  fit = None
+  if args.fit:
+    try:
+      fit = json.loads(Path(args.fit).read_text())
+    except (OSError, ValueError):
+      fit = None
+    if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
+      raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
+                        f'lm scaling fit {args.points} --out FIT.json')
+  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit)}', flush=True)
+  return 0
+
+
 def _data_config(args: argparse.Namespace) -> Config:
   """The config's data section, or local files named by --from (JSONL when every glob ends in .jsonl)."""
   extra = []
@@ -294,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')
   fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
   fit.set_defaults(fn=cmd_scaling_fit)
+
+  plot = scaling.add_parser('plot', help='loss against compute, IsoFLOP profiles, compute-optimal N and D')
+  plot.add_argument('points', help='points CSV')
+  plot.add_argument('--out', required=True, help='the PNG to write')
+  plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
+  plot.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to plot')
+  plot.set_defaults(fn=cmd_scaling_plot)
 
   data = sub.add_parser('data', help='datasets').add_subparsers(dest='action', required=True)
   build = data.add_parser('build', help='local JSONL or text files -> a TFDS dataset (ArrayRecord)')

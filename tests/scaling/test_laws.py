@@ -151,3 +151,19 @@ def test_bad_points_are_one_line(header, rows, argv, message, tmp_path, capsys):
   assert cli.main(['scaling', 'fit', csv_path, *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_plot_draws_points_fit_and_isoflop_profiles(tmp_path, capsys):
+  points = isoflop_points(0.005, 0, sizes=5)
+  csv_path = write_csv(tmp_path / 'p.csv', 'run,params,tokens,flops,loss',
+                       zip(points.run, points.params, points.tokens, points.flops, points.loss))
+  assert cli.main(['scaling', 'fit', csv_path, '--law', 'isoflop', '--out', str(tmp_path / 'fit.json')]) == 0
+  assert cli.main(['scaling', 'plot', csv_path, '--fit', str(tmp_path / 'fit.json'), '--out',
+                   str(tmp_path / 'fig.png')]) == 0
+  assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  (tmp_path / 'bad.json').write_text('{"not": "a fit"}')
+  capsys.readouterr()
+  assert cli.main(['scaling', 'plot', csv_path, '--fit', str(tmp_path / 'bad.json'), '--out',
+                   str(tmp_path / 'fig2.png')]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and 'is not a fit' in err and not (tmp_path / 'fig2.png').exists()

@@ -1,0 +1,92 @@
+"""`lm scaling plot`: loss against compute with every run's curve, the frontier and the fitted law; IsoFLOP
+curves with their parabolas; N_opt and D_opt against compute with the fitted power laws (matplotlib, Agg)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm.config import ConfigError
+from lm.scaling import laws
+from lm.scaling.points import Points
+
+
+def _law_curve(fit: dict[str, Any], flops: np.ndarray) -> np.ndarray | None:
+  """The fitted law's loss along compute: L_opt(C) for chinchilla, (C_c/C)^alpha_C for kaplan."""
+  if fit['law'] == 'chinchilla':
+    return np.array([laws.compute_optimal(fit['params'], c)['loss'] for c in flops])
+  if fit['law'] == 'kaplan' and 'alpha_C' in fit['params']:
+    return (fit['params']['C_c'] / flops) ** fit['params']['alpha_C']
+  return None
+
+
+def _isoflop(points: Points, fit: dict[str, Any] | None) -> dict[str, Any] | None:
+  """The IsoFLOP fit to draw: the given one, else one fitted here when every budget allows it."""
+  if fit is not None and fit['law'] == 'isoflop':
+    return fit
+  try:
+    return laws.fit_isoflop(points)
+  except ConfigError:
+    return None
+
+
+def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None) -> Path:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  iso = _isoflop(points, fit)
+  optimal = fit is not None and fit['law'] == 'chinchilla' or iso is not None
+  panels = 1 + (iso is not None) + optimal
+  figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5), squeeze=False)
+  axes = list(axes[0])
+
+  ax = axes.pop(0)
+  for run in dict.fromkeys(points.run):
+    rows = np.array([i for i, r in enumerate(points.run) if r == run])
+    rows = rows[np.argsort(points.flops[rows])]
+    ax.plot(points.flops[rows], points.loss[rows], '-', color='tab:blue', alpha=0.35, lw=1)
+  edge = laws.frontier(points)
+  ax.plot(points.flops[edge], points.loss[edge], 'k.-', lw=1.5, label='frontier')
+  span = np.logspace(np.log10(points.flops.min()), np.log10(points.flops.max()) + 0.5, 100)
+  curve = _law_curve(fit, span) if fit else None
+  if curve is not None:
+    ax.plot(span, curve, 'r--', label=f'{fit["law"]} fit')
+  ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel='loss (nats/token)', title='loss against compute')
+  ax.legend()
+
+  if iso is not None:
+    ax = axes.pop(0)
+    colours = plt.cm.viridis(np.linspace(0, 0.9, len(iso['budgets'])))
+    for budget, rows, colour in zip(iso['budgets'], laws.budget_groups(points.flops), colours):
+      n = points.params[rows]
+      ax.plot(n, points.loss[rows], 'o', color=colour, ms=4, label=f'C {budget["flops"]:.2g}')
+      x = np.linspace(np.log(n.min()), np.log(n.max()), 100)
+      ax.plot(np.exp(x), np.polyval(budget['parabola'], x), '-', color=colour)
+      ax.plot(budget['params_opt'], budget['loss_opt'], '*', color=colour, ms=10)
+    ax.set(xscale='log', xlabel='parameters N', ylabel='loss', title='IsoFLOP profiles')
+    ax.legend(fontsize='small')
+
+  if optimal:
+    ax = axes.pop(0)
+    c = np.logspace(np.log10(points.flops.min()), np.log10(points.flops.max()) + 2, 50)
+    if iso is not None:
+      vertices = np.array([b['flops'] for b in iso['budgets']])
+      ax.plot(vertices, [b['params_opt'] for b in iso['budgets']], 'o', color='tab:blue', label='IsoFLOP N_opt')
+      ax.plot(vertices, [b['tokens_opt'] for b in iso['budgets']], 's', color='tab:orange', label='IsoFLOP D_opt')
+      ax.plot(c, iso['params']['k_N'] * c ** iso['a'], ':', color='tab:blue', label=f'N ~ C^{iso["a"]:.2f}')
+      ax.plot(c, iso['params']['k_D'] * c ** iso['b'], ':', color='tab:orange', label=f'D ~ C^{iso["b"]:.2f}')
+    if fit is not None and fit['law'] == 'chinchilla':
+      best = [laws.compute_optimal(fit['params'], x) for x in c]
+      ax.plot(c, [o['params'] for o in best], '-', color='tab:blue', label=f'N_opt (approach 3, a={fit["a"]:.2f})')
+      ax.plot(c, [o['tokens'] for o in best], '-', color='tab:orange', label=f'D_opt (b={fit["b"]:.2f})')
+    ax.set(xscale='log', yscale='log', xlabel='compute C (FLOPs)', ylabel='N, D', title='compute-optimal allocation')
+    ax.legend(fontsize='small')
+
+  figure.tight_layout()
+  out = Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+  return out
