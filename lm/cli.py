@@ -135,6 +135,22 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_sweep(args: argparse.Namespace) -> int:
+  from lm.report import format_lines
+  from lm.scaling.sweep import DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep
+  base = _config(args)
+  sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
+  budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
+  tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
+  points = plan(base, sizes, tokens, budgets, args.evals)
+  print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps')
+                      for p in points]), flush=True)
+  if not args.dry_run:
+    sweep(base, args.out, points)
+    print(f'{len(points)} runs in {args.out}; next: lm scaling collect {args.out} --out points.csv', flush=True)
+  return 0
+
+
 def cmd_scaling_collect(args: argparse.Namespace) -> int:
   from lm.scaling.collect import collect
   from lm.scaling.points import write_points
@@ -291,6 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
   train_tok.set_defaults(fn=cmd_tokenizer_train)
 
   scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
+  sweep = scaling.add_parser('sweep', help='train a ladder of sizes x token budgets, or IsoFLOP budgets '
+                                            '(resumable: finished runs are skipped)')
+  sweep.add_argument('--config', default='gpt_tiny', help='the base preset or YAML every point starts from')
+  sweep.add_argument('--out', required=True, help='the sweep directory: one run dir per point and sweep.json')
+  sweep.add_argument('--sizes', default=None, metavar='WxL,...',
+                     help='model widths x depths (head size kept), default 32x2,64x2,96x3,128x4,192x4')
+  design = sweep.add_mutually_exclusive_group()
+  design.add_argument('--tokens', default=None, metavar='D1,D2', help='token budgets (default 1e5,3e5,1e6)')
+  design.add_argument('--budgets', default=None, metavar='C1,C2', help='IsoFLOP: compute budgets in FLOPs, '
+                                                                       'each size at D = C/6N')
+  sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
+  sweep.add_argument('--dry-run', action='store_true', help='print the points and stop')
+  sweep.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
+  sweep.set_defaults(fn=cmd_scaling_sweep, joins_job=True)
+
   collect = scaling.add_parser('collect', help='run dirs -> points CSV (run, step, params, non_embedding_params, '
                                                 'tokens, flops, flops_6nd, loss)')
   collect.add_argument('runs', nargs='+', metavar='RUN_DIR', help='run dirs (and, with --evaluate, key=value '

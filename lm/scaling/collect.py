@@ -15,7 +15,8 @@ from etils import epath
 
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
-from lm.run_dir import checkpoints, read_config
+from lm.run_dir import CONFIG, checkpoints, read_config
+from lm.scaling.sweep import sweep_runs
 from lm.train import accounting
 from lm.train.logging import read_metrics
 
@@ -70,11 +71,27 @@ def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
     saved.close()
 
 
+def _expand(paths: Sequence[str]) -> list[str]:
+  """Run dirs, a sweep's directory standing for its started runs."""
+  runs = []
+  for path in paths:
+    listed = sweep_runs(path)
+    if listed is None:
+      runs.append(path)
+      continue
+    started = [run for run in listed if (epath.Path(run) / CONFIG).is_file()]
+    if len(started) < len(listed):
+      print(f'{path}: {len(listed) - len(started)} of its {len(listed)} runs have not started; collected the rest',
+            flush=True)
+    runs += started
+  return runs
+
+
 def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
-  """Every run's points in the order given, by step. `overrides` (e.g. another eval set's `data.*`) apply
+  """Every run's points in the order given (a sweep's directory: its runs), by step. `overrides` (e.g. another eval set's `data.*`) apply
   to the runs' configs when evaluating."""
   rows = []
-  for name in run_dirs:
+  for name in _expand(run_dirs):
     run_dir = epath.Path(name)
     config = run_config(run_dir)
     if evaluate:

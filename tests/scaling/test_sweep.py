@@ -1,0 +1,80 @@
+"""`lm scaling sweep` end to end on the embedded corpus: plan, train, resume, collect, fit, plot."""
+import csv
+import json
+
+import pytest
+
+from lm import cli
+from lm.config import load_config
+from lm.scaling.sweep import plan
+
+BASE = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.log_every=5',
+        'train.progress=false']
+SIZES = '16x1,32x1,32x2'
+
+
+def test_plan_fits_each_schedule_to_its_budget():
+  base = load_config('gpt_tiny', BASE)
+  points = plan(base, [(32, 2), (64, 2)], tokens=[2560, 7680], evals=2)
+  assert {p.label for p in points} == {'d32_l2_t2.56e03', 'd32_l2_t7.68e03', 'd64_l2_t2.56e03',
+                                       'd64_l2_t7.68e03'}
+  for p in points:
+    steps = round(float(p.label.split('_t')[1]) / (8 * 32))
+    assert p.steps == steps and p.tokens == steps * 8 * 32
+    assert {f'train.steps={steps}', f'optim.decay_steps={steps}', f'train.eval_every={-(-steps // 2)}',
+            f'optim.warmup_steps={min(30, steps // 10)}', f'model.num_heads={p.width // 64 or 1}'} <= set(p.overrides)
+  iso = plan(base, [(32, 2), (64, 2)], budgets=[1e10])
+  for p in iso:  # D = C / 6N, rounded to whole batches
+    assert abs(p.tokens - 1e10 / (6 * p.params)) <= 8 * 32 / 2
+
+
+def test_sweep_collect_fit_plot(tmp_path, capsys):
+  out = tmp_path / 'sweep'
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE]
+  assert cli.main(argv) == 0
+  plan_ = json.loads((out / 'sweep.json').read_text())['points']
+  assert len(plan_) == 6
+  for point in plan_:
+    records = [json.loads(line) for line in (out / point['label'] / 'metrics.jsonl').read_text().splitlines()]
+    assert max(r['step'] for r in records) == point['steps']
+    assert load_config(str(out / point['label'] / 'config.yaml')).train.steps == point['steps']
+  capsys.readouterr()
+  assert cli.main(argv) == 0  # a second invocation trains nothing
+  log = capsys.readouterr().out
+  assert log.count('done, skipped') == 6
+
+  points = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', str(out), '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 6 * 2 and {r['run'] for r in rows} == {str(out / p['label']) for p in plan_}
+  fit = tmp_path / 'fit.json'
+  assert cli.main(['scaling', 'fit', str(points), '--law', 'kaplan', '--out', str(fit)]) == 0
+  assert cli.main(['scaling', 'plot', str(points), '--fit', str(fit), '--out', str(tmp_path / 'fig.png')]) == 0
+  assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_an_interrupted_point_resumes(tmp_path):
+  """A point stopped before its last step is continued from its checkpoint, not restarted."""
+  out = tmp_path / 'sweep'
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '2560', '--evals', '2', *BASE]
+  assert cli.main(argv) == 0
+  run = out / 'd16_l1_t2.56e03'
+  [final] = [p for p in (run / 'checkpoints').iterdir() if p.name == '10']
+  import shutil
+  shutil.rmtree(final)  # as if killed between the mid-run and the final checkpoint
+  assert cli.main(argv) == 0
+  records = [json.loads(line) for line in (run / 'metrics.jsonl').read_text().splitlines()]
+  assert sorted(p.name for p in (run / 'checkpoints').iterdir()) == ['10', '5']
+  assert [r['step'] for r in records if 'val_loss' in r] == [0, 5, 10]
+
+
+@pytest.mark.parametrize('argv, message', [
+  (['--sizes', '64by2'], 'is not WIDTHxDEPTH'),
+  (['--tokens', '1e5,-3'], 'is not a list of positive numbers'),
+  (['--sizes', '16x1', '--tokens', '10'], 'shorter than one batch'),
+])
+def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
+  assert cli.main(['scaling', 'sweep', '--out', str(tmp_path / 's'), '--dry-run', *argv, *BASE]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
