@@ -88,8 +88,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 
 def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
-  """Every run's points in the order given (a sweep's directory: its runs), by step. `overrides` (e.g. another eval set's `data.*`) apply
-  to the runs' configs when evaluating."""
+  """Every run's points in the order given (a sweep's directory: its runs), by step. `overrides` (e.g.
+  another eval set's `data.*`) apply to the runs' configs when evaluating."""
   rows = []
   for name in _expand(run_dirs):
     run_dir = epath.Path(name)
