@@ -161,7 +161,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
                       f'or add --evaluate')
   rows = collect(runs, args.evaluate, overrides)
   write_points(args.out, rows)
-  print(f'{len(rows)} points from {len(runs)} runs written to {args.out}', flush=True)
+  print(f'{len(rows)} points from {len({r["run"] for r in rows})} runs written to {args.out}', flush=True)
   return 0
 
 

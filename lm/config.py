@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -315,8 +316,35 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
   return out
 
 
+# Path-valued fields: `~` and $VARS expand as a shell would (it does not after `key=`); URIs stay as written.
+PATH_FIELDS = (('data', 'data_dir'), ('data', 'paths'), ('data', 'tokenizer'), ('train', 'run_dir'),
+               ('train', 'init_from'))
+
+
+def expand_path(value: str) -> str:
+  """`~/x`, `$HOME/x` -> absolute local paths; `gs://...` and other URIs unchanged; a tokenizer spec's path
+  (`hf:~/tok`) expanded after its scheme."""
+  scheme, sep, rest = value.partition(':')
+  if sep and scheme in ('sentencepiece', 'hf'):
+    return f'{scheme}:{expand_path(rest)}'
+  if '://' in value:
+    return value
+  return os.path.expandvars(os.path.expanduser(value))
+
+
+def _expand_paths(values: dict) -> dict:
+  values = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+  for section, key in PATH_FIELDS:
+    value = values.get(section, {}).get(key)
+    if isinstance(value, str):
+      values[section][key] = expand_path(value)
+    elif isinstance(value, list):
+      values[section][key] = [expand_path(v) if isinstance(v, str) else v for v in value]
+  return values
+
+
 def from_dict(values: dict) -> Config:
-  config = _build(Config, values, '')
+  config = _build(Config, _expand_paths(values), '')
   validate(config)
   return config
 

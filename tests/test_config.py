@@ -112,3 +112,16 @@ def test_cli_reports_one_line_error(argv, capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith('lm: error: ') and err.count('\n') == 1 and 'Traceback' not in err
+
+
+def test_paths_expand_home_and_variables_but_not_uris(monkeypatch):
+  """The shell leaves `~` after `key=` alone, so the config expands it (and $VARS) in every path field."""
+  monkeypatch.setenv('HOME', '/home/ada')
+  monkeypatch.setenv('CORPUS', '/data/corpus')
+  config = load_config('gpt_tiny', ['data.data_dir=~/tensorflow_datasets', 'data.source=text',
+                                    'data.paths=[$CORPUS/*.txt, gs://bucket/x/*.txt]', 'data.tokenizer=hf:~/tok',
+                                    'train.run_dir=~/runs/{name}', 'train.init_from=gs://bucket/run'])
+  assert config.data.data_dir == '/home/ada/tensorflow_datasets'
+  assert list(config.data.paths) == ['/data/corpus/*.txt', 'gs://bucket/x/*.txt']
+  assert config.data.tokenizer == 'hf:/home/ada/tok'
+  assert str(config.run_dir) == '/home/ada/runs/gpt_tiny' and config.train.init_from == 'gs://bucket/run'

@@ -158,6 +158,13 @@ def _missing(task: Task) -> float | int:
 UNPARSEABLE = -1
 
 
+def parse_outputs(task: Task, texts: list[str]) -> np.ndarray:
+  """Decoded texts -> class ids or scores, UNPARSEABLE where a text is no label."""
+  values = [task.from_t5(text) for text in texts]
+  return np.asarray([UNPARSEABLE if v is None else v for v in values],
+                    np.float64 if task.regression else np.int64)
+
+
 def target_length(task: Task, tokenizer: Tokenizer) -> int:
   """Decoder tokens a text-to-text target needs: its longest label name, plus EOS."""
   names = task.t5_labels or [f'{x / 5:.1f}' for x in range(26)]
@@ -206,11 +213,9 @@ class FineTuner:
     ids, _ = decode_batch(self.assembly.model, params, batch['inputs'], batch['segment_ids'], jax.random.key(0),
                           max_new_tokens=self.target_len, sampling=Sampling(), eos_id=tok.eos_id, pad_id=tok.pad_id,
                           decoder_start_id=tok.pad_id)
-    decoded = []
-    for row in np.asarray(ids).tolist():
-      value = self.task.from_t5(tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row))
-      decoded.append(UNPARSEABLE if value is None else value)
-    return np.asarray(decoded, np.float64 if self.task.regression else np.int64)
+    rows = np.asarray(ids).tolist()
+    return parse_outputs(self.task, [tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row)
+                                     for row in rows])
 
   def run(self, init: str, dev: dict[str, Features]) -> dict[str, Any]:
     """Trains, evaluating `dev` (split name -> features) every `train.eval_every` steps and at the end;
@@ -240,9 +245,14 @@ class FineTuner:
           predictions = {name: self.predict(state.params, features) for name, features in dev.items()}
           scores = task_metrics(self.task, predictions, {name: f['labels'] for name, f in dev.items()})
           record = {'step': step, **{f'dev_{k}': v for k, v in scores.items()}}
+          note = ''
+          if self.head.kind == 'text_to_text':  # outputs that are no label, counted wrong
+            record['dev_unparseable'] = sum(int(np.sum(p == UNPARSEABLE)) for p in predictions.values())
+            note = f' ({record["dev_unparseable"]} outputs were no label)' if record['dev_unparseable'] else ''
           records.append(record)
           logger.log(record)
-          print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()), flush=True)
+          print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()) + note,
+                flush=True)
           if best['metrics'] is None or scores[self.task.main_metric] > best['metrics'][self.task.main_metric]:
             best = {'step': step, 'metrics': scores, 'predictions': predictions}
             saver.save_params(step, state.params, cfg.to_dict())

@@ -14,7 +14,7 @@ from lm.glue.data import SplitData, read_split, split_path
 from lm.glue.finetune import (FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer,
                               target_length)
 from lm.glue.metrics import glue_score
-from lm.glue.outputs import (plot_curves, write_dev_predictions, write_eval_results, write_submission,
+from lm.glue.outputs import (EVAL_RESULTS, plot_curves, write_dev_predictions, write_eval_results, write_submission,
                              zip_submission)
 from lm.glue.tasks import AX, GLUE_ORDER, Task, get_task
 from lm.models import get_family
@@ -92,7 +92,7 @@ def finetune_glue(options: Options) -> dict[str, Any]:
   run_dir = epath.Path(results[GLUE_ORDER[0]]['run_dir'])
   summary = {'tasks': {name: r['metrics'] for name, r in results.items()},
              'score': glue_score({name: r['metrics'] for name, r in results.items()})}
-  (run_dir / 'glue_results.json').write_text(json.dumps(summary, indent=2) + '\n')
+  (run_dir / 'glue_summary.json').write_text(json.dumps(summary, indent=2) + '\n')
   if (run_dir / 'submission').exists():
     print(f'leaderboard files zipped in {zip_submission(run_dir)}', flush=True)
   print(format_table(summary), flush=True)
@@ -118,7 +118,8 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, ...]]:
 
 
 def sweep(names: Sequence[str], options: Options, grid: list[tuple[str, ...]]) -> dict[str, Any]:
-  """Each grid point a run dir under the sweep's; per task the main metric's mean, std and best point."""
+  """Each grid point a run dir under the sweep's; per task the main metric's mean, std and best point.
+  Points whose eval_results.json exists are finished: a rerun skips them."""
   root = epath.Path(parse_overrides(list(options.overrides)).get('train', {}).get('run_dir')
                     or default_run_dir(options.init)) / 'sweep'
   runs: dict[str, list[tuple[str, float, dict[str, float]]]] = {name: [] for name in names}
@@ -127,8 +128,13 @@ def sweep(names: Sequence[str], options: Options, grid: list[tuple[str, ...]]) -
     extra = tuple(point) + (f'train.run_dir={root / label}',)
     point_options = Options(**{**options.__dict__, 'overrides': tuple(options.overrides) + extra})
     for name in names:
-      result = finetune_task(name, point_options)
-      runs[name].append((label, result['metrics'][get_task(name).main_metric], result['metrics']))
+      done = root / label / name / EVAL_RESULTS
+      if done.exists():  # a finished point of an interrupted sweep
+        print(f'{label} {name}: done, skipped', flush=True)
+        metrics = json.loads(done.read_text())['metrics']
+      else:
+        metrics = finetune_task(name, point_options)['metrics']
+      runs[name].append((label, metrics[get_task(name).main_metric], metrics))
   report = {}
   for name, points in runs.items():
     values = [v for _, v, _ in points]

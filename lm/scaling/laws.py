@@ -203,10 +203,12 @@ def _enough(points: Points, count: int, what: str) -> None:
 
 
 def fit(points: Points, law: str, bootstrap: int = 0, budgets: Sequence[float] = ()) -> dict[str, Any]:
+  """`law` fitted to the points: Kaplan's to every evaluation (curves make the frontier), Chinchilla's and
+  IsoFLOP's to each run's final one."""
   if law == 'chinchilla':
-    return fit_chinchilla(points, bootstrap, budgets)
+    return fit_chinchilla(points.final(), bootstrap, budgets)
   if law == 'kaplan':
     return fit_kaplan(points)
   if law == 'isoflop':
-    return fit_isoflop(points, budgets)
+    return fit_isoflop(points.final(), budgets)
   raise ConfigError(f'--law {law} is not a law; choose chinchilla, kaplan or isoflop')

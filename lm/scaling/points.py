@@ -25,13 +25,23 @@ class Points:
   flops: np.ndarray
   loss: np.ndarray
   run: tuple[str, ...]
+  step: np.ndarray  # the evaluation's step within its run (0 when the CSV has no step column)
 
   def __len__(self) -> int:
     return len(self.loss)
 
   def take(self, rows: np.ndarray) -> Points:
     return Points(self.params[rows], self.tokens[rows], self.flops[rows], self.loss[rows],
-                  tuple(self.run[i] for i in rows))
+                  tuple(self.run[i] for i in rows), self.step[rows])
+
+  def final(self) -> Points:
+    """Each run's last evaluation: the one its schedule was fitted to (a point mid-way through a decaying
+    schedule is no model trained for that many tokens). Rows without a run name are each their own run."""
+    last: dict[str, int] = {}
+    for i, (run, step) in enumerate(zip(self.run, self.step)):
+      if run not in last or step >= self.step[last[run]]:
+        last[run] = i
+    return self.take(np.array(sorted(last.values()), int))
 
 
 def read_points(path: str | Path, params: str = 'total') -> Points:
@@ -65,8 +75,9 @@ def read_points(path: str | Path, params: str = 'total') -> Points:
       values[column][i] = value
     if not row.get('flops'):
       values['flops'][i] = 6 * values[n_column][i] * values['tokens'][i]
+  steps = np.array([float(row.get('step') or 0) for row in rows])
   return Points(values[n_column], values['tokens'], values['flops'], values['loss'],
-                tuple(row.get('run') or str(i) for i, row in enumerate(rows)))
+                tuple(row.get('run') or f'row {i}' for i, row in enumerate(rows)), steps)
 
 
 def write_points(path: str | Path, rows: list[dict]) -> None:

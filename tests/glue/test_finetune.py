@@ -203,15 +203,16 @@ def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files,
       assert {r[1] for r in rows[1:]} <= allowed, name
   with zipfile.ZipFile(out / 'submission.zip') as z:
     assert sorted(z.namelist()) == sorted(f'{name}.tsv' for name in SUBMISSION)
-  summary = json.loads((out / 'glue_results.json').read_text())
+  summary = json.loads((out / 'glue_summary.json').read_text())
   assert set(summary['tasks']) == set(METRICS) and 0 <= summary['score'] <= 1
 
 
-def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path):
+def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys):
   out = tmp_path / 'runs'
-  assert cli.main(['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert),
-                   '--sweep', 'optim.learning_rate=1e-4,1e-3', 'train.seed=0,1', f'train.run_dir={out}',
-                   'train.steps=1', 'train.global_batch=8', 'data.seq_len=32', *QUIET]) == 0
+  argv = ['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert),
+          '--sweep', 'optim.learning_rate=1e-4,1e-3', 'train.seed=0,1', f'train.run_dir={out}',
+          'train.steps=1', 'train.global_batch=8', 'data.seq_len=32', *QUIET]
+  assert cli.main(argv) == 0
   report = json.loads((out / 'sweep' / 'sweep_results.json').read_text())['rte']
   points = {label: m['accuracy'] for label, m in report['points'].items()}
   assert sorted(points) == ['learning_rate=1e-3,seed=0', 'learning_rate=1e-3,seed=1', 'learning_rate=1e-4,seed=0',
@@ -225,6 +226,10 @@ def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path):
   assert report['mean'] == pytest.approx(np.mean(list(points.values())))
   assert report['std'] == pytest.approx(np.std(list(points.values()), ddof=1))
   assert report['best'] == max(points.values()) and points[report['best_point']] == report['best']
+  capsys.readouterr()
+  assert cli.main(argv) == 0  # a rerun skips the finished points and reports the same
+  assert capsys.readouterr().out.count('done, skipped') == 4
+  assert json.loads((out / 'sweep' / 'sweep_results.json').read_text())['rte'] == report
 
 
 @pytest.mark.parametrize('problem, argv, message', [

@@ -113,3 +113,13 @@ def test_glue_score():
   close(glue_score({'mnli': {'accuracy_matched': 0.9, 'accuracy_mismatched': 0.7}}), 0.8)
   with pytest.raises(ValueError):
     glue_score({})
+
+
+def test_a_text_to_text_output_that_is_no_label_counts_wrong():
+  from lm.glue.finetune import UNPARSEABLE, parse_outputs
+  rte = TASKS['rte']
+  predicted = parse_outputs(rte, ['entailment', 'maybe', ' not_entailment ', 'Entailment'])
+  assert predicted.tolist() == [0, UNPARSEABLE, 1, UNPARSEABLE]
+  labels = np.array([0, 0, 1, 0])
+  assert task_metrics(rte, {'dev': predicted}, {'dev': labels})['accuracy'] == pytest.approx(0.5)
+  assert parse_outputs(TASKS['stsb'], ['3.2', 'five']).tolist() == [3.2, -1.0]

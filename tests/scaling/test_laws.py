@@ -8,7 +8,7 @@ from scipy import optimize
 
 from lm import cli
 from lm.scaling import laws
-from lm.scaling.points import Points
+from lm.scaling.points import Points, read_points
 
 # Hoffmann et al.'s approach-3 constants, unrounded.
 TRUE = {'E': 1.69337, 'A': 406.401, 'B': 410.723, 'alpha': 0.33917084, 'beta': 0.2849083}
@@ -23,7 +23,7 @@ def grid_points(sigma: float, seed: int) -> Points:
   """7 x 7 runs, N from 1e7 to 1e10 and D from 1e9 to 1e12, losses times exp(N(0, sigma^2))."""
   n, d = (x.ravel() for x in np.meshgrid(np.logspace(7, 10, 7), np.logspace(9, 12, 7)))
   loss = law(n, d) * np.exp(np.random.default_rng(seed).normal(0, sigma, n.shape))
-  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))))
+  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))), np.zeros(len(n)))
 
 
 def test_chinchilla_without_noise_returns_every_parameter():
@@ -70,7 +70,7 @@ def kaplan_points(sigma: float, seed: int, alpha=0.076, n_c=8.8e13) -> Points:
     for d, extra in ((2e8, 0.3), (1e9, 0.1), (5e9, 0.0)):
       rows.append((n, d, (n_c / n) ** alpha * np.exp(rng.normal(0, sigma)) + extra))
   n, d, loss = map(np.array, zip(*rows))
-  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))))
+  return Points(n, d, 6 * n * d, loss, tuple(map(str, range(len(n)))), np.zeros(len(n)))
 
 
 @pytest.mark.parametrize('seed', range(5))
@@ -102,7 +102,7 @@ def isoflop_points(sigma: float, seed: int, sizes: int = 15) -> Points:
       d = c / (6 * n)
       rows.append((n, d, c * rng.uniform(1, 1.02), law(n, d) * np.exp(rng.normal(0, sigma))))
   n, d, c, loss = map(np.array, zip(*rows))
-  return Points(n, d, c, loss, tuple(map(str, range(len(n)))))
+  return Points(n, d, c, loss, tuple(map(str, range(len(n)))), np.zeros(len(n)))
 
 
 @pytest.mark.parametrize('seed', range(10))
@@ -167,3 +167,19 @@ def test_plot_draws_points_fit_and_isoflop_profiles(tmp_path, capsys):
                    str(tmp_path / 'fig2.png')]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and 'is not a fit' in err and not (tmp_path / 'fig2.png').exists()
+
+
+def test_chinchilla_and_isoflop_fit_each_runs_final_evaluation(tmp_path):
+  """Mid-run evaluations (under a schedule fitted to a longer budget) would bias approach 3: a CSV with
+  curves fits as its final points alone; Kaplan keeps the curves for the frontier."""
+  final = grid_points(0.0, 0)
+  rows = [(f'r{i}', 100, n, d, loss) for i, (n, d, loss) in enumerate(zip(final.params, final.tokens, final.loss))]
+  rows += [(f'r{i}', 50, n, d / 2, loss + 0.5) for i, (n, d, loss) in enumerate(zip(final.params, final.tokens,
+                                                                                     final.loss))]
+  path = write_csv(tmp_path / 'curves.csv', 'run,step,params,tokens,loss', rows)
+  points = read_points(path)
+  assert len(points) == 98 and len(points.final()) == 49
+  fitted = laws.fit(points, 'chinchilla')
+  for name, value in TRUE.items():
+    assert fitted['params'][name] == pytest.approx(value, rel=1e-6), name
+  assert laws.fit(points, 'kaplan')['points'] == 98
