@@ -233,7 +233,7 @@ def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys
 
 
 @pytest.mark.parametrize('problem, argv, message', [
-  ('no task folder', ['--task', 'mrpc'], 'MRPC'),
+  ('no task folder', ['--task', 'cola'], 'CoLA'),
   ('no split file', ['--task', 'rte', 'remove:RTE/dev.tsv'], 'dev.tsv'),
   ('unknown task', ['--task', 'mnli2'], 'mnli2'),
   ('wrong columns', ['--task', 'stsb', 'rte-as:STS-B/train.tsv'], 'columns'),
