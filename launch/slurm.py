@@ -7,7 +7,8 @@ One task per GPU (JAX then gives each process its GPU: `lm.distributed` joins th
 SLURM's variables). SLURM sends SIGTERM `--signal-seconds` before the time limit, on which every
 process checkpoints the same step and exits; the job may be requeued (`--requeue`) after a
 preemption or node failure, and the command runs with train.resume=true so it continues from
-the last checkpoint. --dry-run prints the script instead of submitting it.
+the last checkpoint. --dry-run prints, as shell, what a launch does: create the log directory (SLURM opens
+--output before the script runs), write the script, submit it.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ def script(args: argparse.Namespace) -> str:
     directives.append(f'--partition={args.partition}')
   command = shlex.join([*args.command, 'train.resume=true'])
   return '\n'.join(['#!/bin/bash', *[f'#SBATCH {d}' for d in directives], 'set -euo pipefail',
-                    f'mkdir -p {args.log_dir}',
                     f'srun --kill-on-bad-exit=1 --output={args.log_dir}/%x-%j-%t.out {command}', ''])
 
 
@@ -60,10 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not args.command:
     raise SystemExit('slurm needs the command to run after --, e.g. -- lm train --config gpt3_1_3b')
   text = script(args)
-  if args.dry_run:
-    print(text, end='')
-    return 0
   path = Path(args.script or f'{args.job_name}.sbatch')
+  if args.dry_run:  # what a real launch does, as shell
+    print(f"mkdir -p {shlex.quote(args.log_dir)}\ncat > {shlex.quote(str(path))} <<'EOF'\n{text}EOF\n"
+          f"sbatch {shlex.quote(str(path))}")
+    return 0
+  # SLURM opens --output before the script runs: the directory must exist at submission.
+  Path(args.log_dir).mkdir(parents=True, exist_ok=True)
   path.write_text(text)
   return subprocess.run(['sbatch', str(path)]).returncode
 

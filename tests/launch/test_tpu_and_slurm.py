@@ -45,7 +45,9 @@ def test_tpu_run_ships_installs_and_runs_on_every_worker_of_every_slice():
 def test_slurm_script():
   assert dry_run('slurm.py', '--job-name', 'gpt', '--nodes', '4', '--gpus-per-node', '8', '--partition', 'gpu',
                  '--time', '12:00:00', '--signal-seconds', '600', '--dry-run', '--', 'lm', 'train', '--config',
-                 'gpt3_1_3b', 'mesh.fsdp=32') == '''#!/bin/bash
+                 'gpt3_1_3b', 'mesh.fsdp=32') == '''mkdir -p logs/slurm
+cat > gpt.sbatch <<'EOF'
+#!/bin/bash
 #SBATCH --job-name=gpt
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
@@ -58,6 +60,7 @@ def test_slurm_script():
 #SBATCH --output=logs/slurm/%x-%j.out
 #SBATCH --partition=gpu
 set -euo pipefail
-mkdir -p logs/slurm
 srun --kill-on-bad-exit=1 --output=logs/slurm/%x-%j-%t.out lm train --config gpt3_1_3b mesh.fsdp=32 train.resume=true
+EOF
+sbatch gpt.sbatch
 '''
