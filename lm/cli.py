@@ -20,6 +20,9 @@ def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
 def cmd_train(args: argparse.Namespace) -> int:
   from lm.train.loop import Trainer
   config = _config(args, ['train.resume=true'] if args.resume else [])
+  if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
+    raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '
+                      f'a new run there')
   print(config.to_yaml(), flush=True)
   trainer = Trainer(config)
   records = trainer.run()

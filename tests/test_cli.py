@@ -34,7 +34,22 @@ def test_train_command_runs_and_logs(tmp_path, capsys):
   assert 'model:' in out and 'final val_loss' in out
   losses = [r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r]
   assert len(losses) == 4 and np.all(np.isfinite(losses))
-  assert cli.main(argv + ['--resume']) == 0  # already at the last step: resumes and stops at once
+  capsys.readouterr()
+  assert cli.main(argv + ['--resume']) == 0  # already at the last step: says so and stops at once
+  assert 'run already complete at step 4 (train.steps=4)' in capsys.readouterr().out
+  assert len([r for r in read_metrics(tmp_path / 'run') if 'loss' in r]) == 4
+
+
+def test_resume_says_what_it_resumes(tmp_path, capsys):
+  """--resume of a missing run dir stops (a typo should not start a new run); of an empty one it says it starts."""
+  argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',
+          'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8', 'train.steps=1', 'train.eval_batches=0']
+  assert cli.main(argv + [f'train.run_dir={tmp_path}/typo', '--resume']) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and 'typo does not exist' in err and not (tmp_path / 'typo').exists()
+  (tmp_path / 'empty').mkdir()
+  assert cli.main(argv + [f'train.run_dir={tmp_path}/empty', '--resume']) == 0
+  assert f'no checkpoint in {tmp_path}/empty/checkpoints; starting at step 0' in capsys.readouterr().out
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')

@@ -66,8 +66,14 @@ class Trainer:
       if restored is None:
         raise ConfigError(f'no checkpoint in {checkpoints.directory} restores (each is kept as '
                           f'<step>{UNRESTORABLE}); start a new train.run_dir')
-      print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
+      if restored[0] >= cfg.train.steps:
+        print(f'run already complete at step {restored[0]} (train.steps={cfg.train.steps}); raise train.steps '
+              f'to train on', flush=True)
+      else:
+        print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
       return restored[1]
+    if cfg.train.resume:
+      print(f'no checkpoint in {checkpoints.directory}; starting at step 0', flush=True)
     if cfg.train.init_from is None:
       return self.init_state()
     start = initial_state(self.assembly, cfg.train.init_from)
