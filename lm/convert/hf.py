@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,10 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
     raise ConfigError(f'cannot write HF dtype {dtype_name!r}; choose one of: {", ".join(DTYPES)}')
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  save_file(write_tensors(rules, flat, DTYPES[dtype_name]), str(path / 'model.safetensors'),
-            metadata={'format': 'pt'})
+  weights = path / 'model.safetensors'
+  save_file(write_tensors(rules, flat, DTYPES[dtype_name]), str(weights), metadata={'format': 'pt'})
+  umask = os.umask(0)
+  os.umask(umask)
+  weights.chmod(0o666 & ~umask)  # safetensors writes 0600; give it the mode any other file gets
   (path / 'config.json').write_text(json.dumps(hf, indent=2, sort_keys=True) + '\n')
   return path

@@ -1,6 +1,7 @@
 """Hugging Face conversion: logits parity with transformers on padded batches, exact export, clear errors."""
 import dataclasses
 import json
+import os
 import shutil
 
 import jax
@@ -123,6 +124,8 @@ def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
 
   save_hf(model, params, tmp_path / 'out')
   assert_same_tensors(tmp_path / 'hf', tmp_path / 'out')
+  modes = {name: os.stat(tmp_path / 'out' / name).st_mode & 0o777 for name in ('model.safetensors', 'config.json')}
+  assert modes['model.safetensors'] == modes['config.json']  # the umask's mode, not safetensors' 0600
   reloaded = MODELS[kind].from_pretrained(tmp_path / 'out').eval()  # the exported config.json loads in transformers
   assert compare(reloaded, model, params, kind) < 1e-4
 
