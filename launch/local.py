@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,19 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
         log.close()
 
 
+def resolve(command: list[str]) -> list[str]:
+  """The command with its program found on PATH, or else beside this Python (`lm` in a venv that is not
+  activated); a SystemExit naming the fix when it is in neither place."""
+  program = command[0]
+  if os.sep in program or shutil.which(program):
+    return command
+  beside = Path(sys.executable).parent / program
+  if beside.is_file() and os.access(beside, os.X_OK):
+    return [str(beside), *command[1:]]
+  raise SystemExit(f'launch: {program} is not on PATH nor beside {sys.executable}; activate the venv that has it '
+                   f'(source .venv/bin/activate) or give its full path')
+
+
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   """(launcher arguments, the command after --)."""
   argv = list(argv)
@@ -96,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not command or args.processes < 1 or args.devices_per_process < 1:
     parser.error('give --processes N >= 1, --devices-per-process K >= 1 and a command after --')
   log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix='lm_launch_'))
-  return launch(command, args.processes, args.devices_per_process, log_dir)
+  return launch(resolve(command), args.processes, args.devices_per_process, log_dir)
 
 
 if __name__ == '__main__':

@@ -11,7 +11,7 @@ import pytest
 
 LAUNCH = Path(__file__).resolve().parents[2] / 'launch'
 sys.path.insert(0, str(LAUNCH))
-from local import free_port, process_env  # noqa: E402
+from local import free_port, process_env, resolve  # noqa: E402
 
 LM = [sys.executable, '-m', 'lm.cli']
 TINY = ['--config', 'gpt_tiny', 'model.d_model=64', 'model.num_layers=2', 'data.seq_len=32', 'model.max_len=32',
@@ -115,3 +115,17 @@ def test_processes_find_each_other_from_explicit_settings_and_slurm(kind, tmp_pa
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err[-2000:]
     assert out.split() == [kind, '2', '4']
+
+
+def test_lm_is_found_beside_python_when_the_venv_is_not_activated(monkeypatch, tmp_path):
+  """`python launch/local.py -- lm train ...` with a venv's python but its bin/ not on PATH."""
+  bin_dir = tmp_path / 'venv' / 'bin'
+  bin_dir.mkdir(parents=True)
+  (bin_dir / 'lm').write_text('#!/bin/sh\n')
+  (bin_dir / 'lm').chmod(0o755)
+  monkeypatch.setattr(sys, 'executable', str(bin_dir / 'python'))
+  monkeypatch.setenv('PATH', str(tmp_path / 'empty'))
+  assert resolve(['lm', 'train', '--config', 'gpt_tiny']) == [str(bin_dir / 'lm'), 'train', '--config', 'gpt_tiny']
+  with pytest.raises(SystemExit, match='launch: lmx is not on PATH nor beside .*; activate the venv'):
+    resolve(['lmx', 'train'])
+  assert resolve([sys.executable, '-m', 'lm.cli']) == [sys.executable, '-m', 'lm.cli']  # a path stays as given
