@@ -23,8 +23,8 @@ def cmd_train(args: argparse.Namespace) -> int:
   if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
     raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '
                       f'a new run there')
+  trainer = Trainer(config)  # data and mesh problems stop here, before the config is printed
   print(config.to_yaml(), flush=True)
-  trainer = Trainer(config)
   records = trainer.run()
   evals = [r for r in records if 'val_loss' in r]
   if evals:
