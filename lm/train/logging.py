@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -17,6 +18,7 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 METRICS = 'metrics.jsonl'
+MIN_BAR_COLUMNS = 40
 TENSORBOARD = 'tensorboard'
 
 _SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('learning_rate', 'lr {:.3g}'),
@@ -57,8 +59,9 @@ class MetricsLogger:
     events = run_dir / TENSORBOARD
     self.events_remote = None if self.local else events
     self.tensorboard = SummaryWriter(str(events) if self.local else tempfile.mkdtemp(prefix='lm_tensorboard_'))
+    # A bar only on a terminal wide enough to draw it (some report 0 columns): else the step lines print.
     self.bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True) \
-      if progress and sys.stdout.isatty() else None
+      if progress and sys.stdout.isatty() and shutil.get_terminal_size((0, 0)).columns >= MIN_BAR_COLUMNS else None
     self.shown: dict[str, str] = {}
 
   def log(self, record: dict[str, Any]) -> None:

@@ -1,4 +1,7 @@
 """Run outputs through etils.epath: a gs:// run dir keeps its URI, and metrics and events reach it."""
+import sys
+
+import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
@@ -25,3 +28,17 @@ def test_a_gs_run_dir_keeps_its_uri_and_receives_metrics_and_events(tmp_path):
   events = list((tmp_path / 'runs' / 'gpt_tiny' / 'tensorboard').iterdir())
   assert events and events[0].name.startswith('events.out.tfevents')
   assert epath.Path(str(tmp_path)).exists()
+
+
+@pytest.mark.parametrize('columns, bar', [(0, False), (20, False), (120, True)])
+def test_step_lines_print_unless_a_bar_fits(columns, bar, tmp_path, monkeypatch, capsys):
+  """On a terminal that reports no (or too few) columns there is no bar, and the step lines print."""
+  import os
+  import shutil
+  monkeypatch.setattr(sys.stdout, 'isatty', lambda: True, raising=False)
+  monkeypatch.setattr(shutil, 'get_terminal_size', lambda fallback=None: os.terminal_size((columns, 24)))
+  logger = MetricsLogger(tmp_path, total_steps=2, start_step=0, progress=True)
+  logger.log({'step': 1, 'loss': 2.5, 'tokens_per_sec': 100.0})
+  logger.close()
+  assert (logger.bar is not None) == bar
+  assert ('step 1 | loss 2.5' in capsys.readouterr().out) == (not bar)
