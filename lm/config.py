@@ -112,7 +112,8 @@ class DataConfig:
   text_key: str = 'text'  # the feature (tfds) or field (jsonl) holding the text
   tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
   seq_len: int = 256
-  val_fraction: float = 0.02  # embedded/text/jsonl: documents held out by a hash of their name (seed-independent)
+  val_fraction: float = 0.02  # held out by a hash of each document's name (seed-independent); text files too few to
+  # split that way hold out their last pieces instead; 0: no validation split
   max_chars: int = 2048  # embedded/text: documents cut at line breaks into records of at most this many characters
   streams: int = 16  # record streams read, tokenized and packed side by side, interleaved row by row
   workers: int = 0  # grain worker processes packing and masking; 0: one background thread

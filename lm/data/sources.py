@@ -12,6 +12,7 @@ the shuffle could not mix it with others); JSONL lines and TFDS records are take
 """
 from __future__ import annotations
 
+import copy
 import functools
 import glob
 import json
@@ -125,7 +126,7 @@ class TextFiles:
   """UTF-8 files, each cut into pieces (byte ranges) of at most `max_chars` bytes, read when asked for."""
 
   def __init__(self, paths: list[str], max_chars: int):
-    self.paths = paths
+    self.paths, self.max_chars = paths, max_chars
     pieces = [(f, start, end) for f, path in enumerate(paths)
               for start, end in chunk_bounds(Path(path).read_bytes(), max_chars)]
     self.file = np.array([p[0] for p in pieces], np.int32)
@@ -133,6 +134,19 @@ class TextFiles:
 
   def __len__(self) -> int:
     return len(self.file)
+
+  def split_tail(self, fraction: float, split: Split) -> TextFiles:
+    """The pieces of one split when there are too few files to split by file: the last
+    max(1, round(fraction x pieces)) pieces are held out, the rest train."""
+    held = max(1, round(fraction * len(self)))
+    if held >= len(self):
+      raise ConfigError(f'data.paths holds {len(self)} piece(s) of data.max_chars={self.max_chars}, too few to hold '
+                        f'some out for validation; add text, lower data.max_chars, or set train.eval_batches=0 and '
+                        f'data.val_fraction=0')
+    rows = slice(len(self) - held, None) if split == 'validation' else slice(0, len(self) - held)
+    part = copy.copy(self)
+    part.file, part.bounds = self.file[rows], self.bounds[rows]
+    return part
 
   def __getitem__(self, index: int) -> str:
     start, end = self.bounds[index]
@@ -225,7 +239,10 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
   paths = _files(cfg.paths)
   if cfg.source == 'text':
     held = [is_validation(p, cfg.val_fraction) for p in paths]
-    _check_split(held.count(False), held.count(True), len(paths), cfg.val_fraction)
+    if cfg.val_fraction == 0 or all(held) or not any(held):  # too few files to split by file: split pieces
+      if cfg.val_fraction == 0:
+        return TextFiles(paths if split == 'train' else [], cfg.max_chars)
+      return TextFiles(paths, cfg.max_chars).split_tail(cfg.val_fraction, split)
     return TextFiles([p for p, v in zip(paths, held) if v == (split == 'validation')], cfg.max_chars)
   lines = jsonl_lines(paths)
   held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]

@@ -148,3 +148,25 @@ def test_a_vocabulary_without_room_for_the_sentinels_is_refused():
   with pytest.raises(ConfigError, match=r"needs T5's 100 sentinel ids above the tokenizer's 260 .*raise "
                                         r'model.vocab_size to at least 360'):
     make_objective(config, get_tokenizer('byte'))
+
+
+def test_one_small_text_file_trains_with_validation_held_out_from_its_tail(tmp_path):
+  """Too few files to split by file: the last pieces are held out, disjoint from the training pieces."""
+  from lm import cli
+  from lm.data.sources import chunk_bounds, open_documents
+  from lm.train.logging import read_metrics
+  text = ''.join(f'line {i}: the quick brown fox jumps over the lazy dog\n' for i in range(400))  # ~20 KB
+  (tmp_path / 'one.txt').write_text(text)
+  overrides = ['data.source=text', f'data.paths=[{tmp_path}/one.txt]', 'data.max_chars=1024']
+  config = load_config('gpt_tiny', overrides + ['data.val_fraction=0.1'])
+  train, val = open_documents(config.data, 'train'), open_documents(config.data, 'validation')
+  assert len(val) == 2 and len(train) + len(val) == len(chunk_bounds(text.encode(), 1024))  # round(0.1 x 22)
+  assert ''.join(train[i] for i in range(len(train))) + ''.join(val[i] for i in range(len(val))) == text
+  tiny = ['model.num_layers=1', 'model.d_model=32', 'model.num_heads=2', 'data.seq_len=32', 'train.global_batch=8',
+          'train.steps=2', 'train.eval_every=2', 'train.progress=false', 'train.eval_batches=1']
+  assert cli.main(['train', '--config', 'gpt_tiny', *overrides, *tiny, f'train.run_dir={tmp_path}/a']) == 0
+  assert [r['step'] for r in read_metrics(tmp_path / 'a') if 'val_loss' in r] == [0, 2]
+  assert cli.main(['train', '--config', 'gpt_tiny', *overrides, *tiny, 'train.eval_batches=0', 'data.val_fraction=0',
+                   f'train.run_dir={tmp_path}/b']) == 0
+  records = read_metrics(tmp_path / 'b')
+  assert not [r for r in records if 'val_loss' in r] and max(r['step'] for r in records) == 2
