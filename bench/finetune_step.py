@@ -1,0 +1,74 @@
+"""GLUE fine-tuning step time: a classifier head (BERT's pooled [CLS], a decoder's last token) on random rows
+at the recipe's batch and length; median step time after compilation; prints a table, writes JSON.
+
+  python bench/finetune_step.py --config bert_base [key=value ...] [--steps 5] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from lm.assembly import assemble
+from lm.config import load_config
+from lm.glue.finetune import RECIPE, TaskLoss
+from lm.parallel.rules import batch_sharding
+from lm.report import format_lines
+from lm.train.step import make_train_step
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', default='bert_base')
+  parser.add_argument('--steps', type=int, default=5, help='timed steps after one warm-up step')
+  parser.add_argument('--out', default=None, help='JSON path (default bench/results/finetune_step_<config>.json)')
+  parser.add_argument('overrides', nargs='*')
+  args = parser.parse_args()
+
+  recipe = [f'train.global_batch={RECIPE["train"]["global_batch"]}', f'data.seq_len={RECIPE["data"]["seq_len"]}']
+  config = load_config(args.config, ['model.num_labels=2', *recipe, *args.overrides])
+  assembly = assemble(config)
+  head = assembly.family.task_head
+  step = make_train_step(assembly, TaskLoss(assembly, head, regression=False))
+  batch_size, length = config.train.global_batch, config.data.seq_len
+  rng = np.random.default_rng(0)
+  rows = {'inputs': rng.integers(1, config.model.vocab_size, (batch_size, length), dtype=np.int32),
+          'segment_ids': np.ones((batch_size, length), np.int32),
+          'labels': rng.integers(0, 2, batch_size, dtype=np.int32), 'weights': np.ones(batch_size, np.float32)}
+  if getattr(head, 'token_types', False):
+    rows['token_types'] = (np.arange(length)[None] >= length // 2).astype(np.int32).repeat(batch_size, 0)
+  batch = {k: jax.device_put(v, batch_sharding(assembly.mesh, v.ndim)) for k, v in rows.items()}
+  state = assembly.init_state()
+  t0 = time.perf_counter()
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(args.steps):
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times)
+  m = config.model
+  result = {'config': config.name, 'overrides': args.overrides, 'backend': jax.default_backend(),
+            'devices': jax.device_count(), 'layers': m.num_layers, 'd_model': m.d_model, 'batch': batch_size,
+            'seq_len': length, 'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
+            'min_step_s': min(times), 'examples_per_sec': batch_size / step_s}
+  print(format_lines([('config', config.name), ('layers x d_model', f'{m.num_layers} x {m.d_model}'),
+                      ('batch x length', f'{batch_size} x {length}'), ('dtype', m.dtype),
+                      ('devices', f'{jax.device_count()} {jax.default_backend()}'),
+                      ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.3f}'),
+                      ('examples/s', f'{result["examples_per_sec"]:.2f}')]))
+  out = Path(args.out or Path(__file__).parent / 'results' / f'finetune_step_{config.name}.json')
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + '\n')
+
+
+if __name__ == '__main__':
+  main()
