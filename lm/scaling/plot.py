@@ -70,7 +70,8 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None) -> 
 
   if optimal:
     ax = axes.pop(0)
-    c = np.logspace(np.log10(points.flops.min()), np.log10(points.flops.max()) + 2, 50)
+    budgets = [o['flops'] for o in fit.get('optimal', [])] if fit else []
+    c = np.logspace(np.log10(points.flops.min()), max(np.log10(points.flops.max()) + 2, *np.log10(budgets or [1])), 50)
     if iso is not None:
       vertices = np.array([b['flops'] for b in iso['budgets']])
       ax.plot(vertices, [b['params_opt'] for b in iso['budgets']], 'o', color='tab:blue', label='IsoFLOP N_opt')
@@ -81,6 +82,11 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None) -> 
       best = [laws.compute_optimal(fit['params'], x) for x in c]
       ax.plot(c, [o['params'] for o in best], '-', color='tab:blue', label=f'N_opt (approach 3, a={fit["a"]:.2f})')
       ax.plot(c, [o['tokens'] for o in best], '-', color='tab:orange', label=f'D_opt (b={fit["b"]:.2f})')
+      for opt in fit.get('optimal', []):  # each --budget with its bootstrap interval
+        for key, colour in (('params', 'tab:blue'), ('tokens', 'tab:orange')):
+          lo, hi = fit.get('ci', {}).get(f'{key}_opt@{opt["flops"]:g}', (opt[key], opt[key]))
+          ax.errorbar(opt['flops'], opt[key], yerr=[[opt[key] - lo], [hi - opt[key]]], fmt='o', color=colour,
+                      capsize=3)
     ax.set(xscale='log', yscale='log', xlabel='compute C (FLOPs)', ylabel='N, D', title='compute-optimal allocation')
     ax.legend(fontsize='small')
 
