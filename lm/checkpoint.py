@@ -8,7 +8,10 @@ reads both alike.
 """
 from __future__ import annotations
 
-import warnings
+import contextlib
+import gc
+import inspect
+import sys
 from typing import Any
 
 import grain
@@ -24,6 +27,30 @@ UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it di
 
 
 _ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
+
+
+def _reason(error: BaseException | None) -> str:
+  """The first sentence of a restore error, without TensorStore's spec dump."""
+  if error is None:
+    return 'it fails on another process'
+  text = str(error).split(' See full TensorStore details')[0].splitlines()[0]
+  return text if len(text) <= 160 else text[:157] + '...'
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+  """Drops the 'Exception ignored' reports of orbax's read coroutines abandoned by a failed restore."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    obj = unraisable.object
+    if not (inspect.iscoroutine(obj) and 'orbax' in obj.cr_code.co_filename):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
 
 
 class Checkpointer:
@@ -99,7 +126,9 @@ class Checkpointer:
   def restore_latest(self, abstract_state: TrainState, config: dict, data: grain.DatasetIterator
                      ) -> tuple[int, TrainState] | None:
     """The newest checkpoint that restores on every process, or None. One that does not (truncated or
-    missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in a warning."""
+    missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in one line on stderr
+    (and the one resumed in another)."""
+    set_aside = False
     for step in reversed(self.all_steps()):
       error = None if self.has_optimizer(step) else FileNotFoundError('its optimizer state is missing')
       try:
@@ -109,17 +138,22 @@ class Checkpointer:
       except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
         error = e
       if all_processes(error is None):
+        if set_aside:
+          print(f'resuming from {self.directory}/{step}', file=sys.stderr, flush=True)
         return step, state
+      set_aside = True
       aside = self.directory / f'{step}{UNRESTORABLE}'
-      why = str(error).splitlines()[0][:200] if error else 'on another process'
-      warnings.warn(f'checkpoint {self.directory}/{step} does not restore ({why}); kept as {aside}, trying the one '
-                    f'before', stacklevel=2)
       if jax.process_index() == 0:
         (self.directory / str(step)).rename(aside)
       barrier(f'set_aside_{step}')
-      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt.
-      self.manager.close()
+      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt. Its
+      # abandoned reads are collected here, quietly: each would print a traceback with a TensorStore spec.
+      with _quiet_abandoned_reads():
+        self.manager.close()
+        gc.collect()
       self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+      print(f'checkpoint {self.directory}/{step} does not restore ({_reason(error)}); kept as {aside}; trying the '
+            f'one before', file=sys.stderr, flush=True)
     return None
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
