@@ -17,6 +17,7 @@ import numpy as np
 from lm.assembly import assemble
 from lm.config import load_config
 from lm.glue.finetune import RECIPE, TaskLoss
+from lm.parallel.chips import quiet_libtpu
 from lm.parallel.rules import batch_sharding
 from lm.report import format_lines
 from lm.train.step import make_train_step
@@ -29,6 +30,7 @@ def main() -> None:
   parser.add_argument('--out', default=None, help='JSON path (default bench/results/finetune_step_<config>.json)')
   parser.add_argument('overrides', nargs='*')
   args = parser.parse_args()
+  quiet_libtpu()  # before JAX starts its backends
 
   recipe = [f'train.global_batch={RECIPE["train"]["global_batch"]}', f'data.seq_len={RECIPE["data"]["seq_len"]}']
   config = load_config(args.config, ['model.num_labels=2', *recipe, *args.overrides])
