@@ -215,8 +215,11 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
   from lm.data.sources import open_documents
   from lm.data.tokenizer_training import train_sentencepiece
   documents = open_documents(_data_config(args).data, 'train')
+  print(f'training a {args.model_type} SentencePiece model of {args.vocab_size:,} pieces on {len(documents):,} '
+        f'documents (at most {args.max_lines:,} lines)', flush=True)
   path = train_sentencepiece((documents[i] for i in range(len(documents))), args.out, vocab_size=args.vocab_size,
-                             model_type=args.model_type, sentinels=args.sentinels, max_lines=args.max_lines)
+                             model_type=args.model_type, sentinels=args.sentinels, max_lines=args.max_lines,
+                             report=lambda message: print(message, flush=True))
   print(f'wrote {path}; use it with data.tokenizer=sentencepiece:{path}', flush=True)
   return 0
 

@@ -8,24 +8,34 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 from lm.config import ConfigError
 
 SPECIALS = dict(pad_id=0, eos_id=1, unk_id=2, bos_id=3)
 
 
-def _lines(documents: Iterable[str]) -> Iterator[str]:
+REPORT_EVERY = 200_000  # lines between progress lines
+
+
+def _lines(documents: Iterable[str], report: Callable[[str], None]) -> Iterator[str]:
+  """Non-blank lines, with a progress line every REPORT_EVERY and when reading is done (training follows)."""
+  count = 0
   for document in documents:
     for line in document.splitlines():
       if line.strip():
+        count += 1
+        if count % REPORT_EVERY == 0:
+          report(f'read {count:,} lines')
         yield line
+  report(f'read {count:,} lines; learning the pieces')
 
 
 def train_sentencepiece(documents: Iterable[str], out: str | Path, *, vocab_size: int,
                         model_type: Literal['unigram', 'bpe'] = 'unigram', sentinels: int = 0,
-                        max_lines: int = 2_000_000) -> Path:
-  """Trains on up to `max_lines` lines (a random sample when there are more); writes OUT.model and OUT.vocab."""
+                        max_lines: int = 2_000_000, report: Callable[[str], None] = lambda message: None) -> Path:
+  """Trains on up to `max_lines` lines (a random sample when there are more); writes OUT.model and OUT.vocab.
+  `report` gets progress lines while the text is read (SentencePiece itself is silent)."""
   import sentencepiece as spm
   if model_type not in ('unigram', 'bpe'):
     raise ConfigError(f'--model-type {model_type!r}: choose unigram or bpe')
@@ -38,7 +48,7 @@ def train_sentencepiece(documents: Iterable[str], out: str | Path, *, vocab_size
   Path(prefix).parent.mkdir(parents=True, exist_ok=True)
   try:
     spm.SentencePieceTrainer.train(
-      sentence_iterator=_lines(documents), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+      sentence_iterator=_lines(documents, report), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
       user_defined_symbols=symbols, normalization_rule_name='identity', remove_extra_whitespaces=False,
       byte_fallback=True, allow_whitespace_only_pieces=True, split_digits=True, input_sentence_size=max_lines,
       shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2, **SPECIALS)

@@ -116,3 +116,12 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_one_line(sentencepiece_model
   assert cli.main(['train', '--config', 'gpt_tiny', f'data.tokenizer={sentencepiece_model}']) == 2
   err = capsys.readouterr().err
   assert 'model.vocab_size=264 is smaller than the' in err and '1200 ids; raise model.vocab_size' in err
+
+
+def test_tokenizer_training_reports_progress_while_it_reads(tmp_path, monkeypatch):
+  from lm.data import tokenizer_training
+  monkeypatch.setattr(tokenizer_training, 'REPORT_EVERY', 100)
+  documents = ['\n\n'.join(f'line {i} of document {d}' for i in range(60)) for d in range(5)]  # 300 lines
+  messages = []
+  tokenizer_training.train_sentencepiece(documents, tmp_path / 'sp', vocab_size=270, report=messages.append)
+  assert messages == ['read 100 lines', 'read 200 lines', 'read 300 lines', 'read 300 lines; learning the pieces']
