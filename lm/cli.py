@@ -293,9 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument('--run', required=True, help='a run directory with a checkpoint (trained or imported)')
   gen.add_argument('--prompt', action='append', required=True, help='prompt text (T5: the encoder input); repeatable')
   gen.add_argument('--max-new-tokens', type=int, default=200)
-  gen.add_argument('--temperature', type=float, default=0.0, help='softmax temperature; 0 decodes greedily (default %(default)s)')
-  gen.add_argument('--top-k', type=int, default=None, help='sample among the k likeliest tokens (default %(default)s: all)')
-  gen.add_argument('--top-p', type=float, default=None, help='sample among the likeliest tokens holding mass p (default %(default)s: all)')
+  gen.add_argument('--temperature', type=float, default=0.0,
+                   help='softmax temperature; 0 decodes greedily (default %(default)s)')
+  gen.add_argument('--top-k', type=int, default=None,
+                   help='sample among the k likeliest tokens (default %(default)s: all)')
+  gen.add_argument('--top-p', type=float, default=None,
+                   help='sample among the likeliest tokens holding mass p (default %(default)s: all)')
   gen.add_argument('--seed', type=int, default=0)
   gen.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides, e.g. mesh.tensor=2')
   gen.set_defaults(fn=cmd_generate)

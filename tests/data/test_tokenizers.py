@@ -123,5 +123,5 @@ def test_tokenizer_training_reports_progress_while_it_reads(tmp_path, monkeypatc
   monkeypatch.setattr(tokenizer_training, 'REPORT_EVERY', 100)
   documents = ['\n\n'.join(f'line {i} of document {d}' for i in range(60)) for d in range(5)]  # 300 lines
   messages = []
-  tokenizer_training.train_sentencepiece(documents, tmp_path / 'sp', vocab_size=270, report=messages.append)
+  tokenizer_training.train_sentencepiece(documents, tmp_path / 'sp', vocab_size=283, report=messages.append)
   assert messages == ['read 100 lines', 'read 200 lines', 'read 300 lines', 'read 300 lines; learning the pieces']
