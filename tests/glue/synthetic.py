@@ -2,8 +2,8 @@
 
 Pair task (RTE's layout, labels entailment / not_entailment; or MRPC's, labels 1 / 0): is sentence B a
 word-shuffle of A (entailment, 1), or made of other words (not_entailment, 0)? Neither sentence alone
-tells: the model must compare them. Regression (STS-B's layout): B keeps k of A's three words, shuffled, among others; the
-score is 5k/3.
+tells: the model must compare them. Regression (STS-B's layout): B keeps k of A's three words, shuffled,
+among others; the score is 5k/3.
 """
 from __future__ import annotations
 
