@@ -19,7 +19,7 @@ from etils import epath
 
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
-from lm.run_dir import checkpoints
+from lm.run_dir import CHECKPOINTS, checkpoints
 from lm.train import accounting
 
 SWEEP = 'sweep.json'
@@ -106,7 +106,7 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
 
 def finished(run_dir: epath.Path, steps: int) -> bool:
   """The run has its last step's checkpoint."""
-  if not (run_dir / 'checkpoints').exists():
+  if not (run_dir / CHECKPOINTS).exists():
     return False
   saved = checkpoints(run_dir)
   try:

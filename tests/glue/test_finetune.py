@@ -124,8 +124,10 @@ def check_regression(family, glue_dir, init, out):
   rows = read_tsv(out / 'stsb' / 'dev_predictions.tsv')[1:]
   predicted, truth = np.array([[float(r[1]), float(r[2])] for r in rows]).T
   np.testing.assert_allclose(truth, [float(y) for y in dev_labels(glue_dir, 'STS-B')])
-  assert results['metrics']['pearson'] == pytest.approx(stats.pearsonr(predicted, truth)[0], abs=1e-3)
-  assert results['metrics']['spearman'] == pytest.approx(stats.spearmanr(predicted, truth)[0], abs=1e-3)
+  # BERT's scores are written with 3 decimals (T5's exactly, on the 0.2 grid): the file's correlations match to that.
+  tolerance = {'abs': 1e-3} if family == 'bert' else {}
+  assert results['metrics']['pearson'] == pytest.approx(stats.pearsonr(predicted, truth)[0], **tolerance)
+  assert results['metrics']['spearman'] == pytest.approx(stats.spearmanr(predicted, truth)[0], **tolerance)
   assert results['metrics']['pearson'] >= 0.8
   if family == 't5':  # T5 writes scores on its 0.2 grid, one decimal
     assert all(abs(5 * p - round(5 * p)) < 1e-9 for p in predicted)
