@@ -4,22 +4,27 @@
 
 Each process gets LM_COORDINATOR_ADDRESS, LM_NUM_PROCESSES and LM_PROCESS_ID (read by
 `lm.distributed`) and K simulated CPU devices. Process 0's output is shown here; the others' goes to
-LOG_DIR/process_<i>.log. If a process fails, the others are stopped and the launcher exits with its
-status; SIGTERM and SIGINT are passed on to every process.
+LOG_DIR/process_<i>.log; gloo's per-connection notices are left out of both. If a process fails, the
+others are stopped and the launcher exits with its status; SIGTERM and SIGINT are passed on to every process.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import pty
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import termios
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 
 def free_port() -> int:
@@ -47,16 +52,56 @@ def stop(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
       p.kill()
 
 
+# gloo's notice for each connection, printed on stdout by every process for every device group from several
+# threads at once, so one notice can land inside another: removing whole notices until none is left takes both.
+NOTICE = re.compile(rb'\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. '
+                    rb'Expected number of connected peer ranks is : \d+\r?\n')
+
+
+def relay(source: int, sink: BinaryIO) -> None:
+  """Copies the file descriptor `source` to `sink` line by line (a line ends in \\n or \\r, so progress bars
+  pass at once) without gloo's notices, until EOF."""
+  pending = b''
+  while True:
+    try:
+      chunk = os.read(source, 1 << 16)
+    except OSError:  # a pseudo-terminal whose process has exited
+      chunk = b''
+    text, count = pending + chunk, 1
+    while count:
+      text, count = NOTICE.subn(b'', text)
+    *lines, pending = re.split(rb'(?<=\n)|(?<=\r)(?!\n)', text)  # \r\n stays one line
+    sink.write(b''.join(lines if chunk else [*lines, pending]))
+    sink.flush()
+    if not chunk:
+      os.close(source)
+      return
+
+
+def output_pipe() -> tuple[int, int]:
+  """(read end, write end) for process 0's stdout: a pseudo-terminal of this terminal's size when stdout is
+  one (so `lm` still draws its progress bar), else a pipe."""
+  if not sys.stdout.isatty():
+    return os.pipe()
+  reader, writer = pty.openpty()
+  fcntl.ioctl(writer, termios.TIOCSWINSZ, fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, bytes(8)))
+  return reader, writer
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int, log_dir: Path) -> int:
   """Runs `command` as `processes` processes; returns the first non-zero exit status, or 0."""
   port = free_port()
   log_dir.mkdir(parents=True, exist_ok=True)
-  procs, logs = [], []
+  procs, logs, relays = [], [], []
   for i in range(processes):
-    log = None if i == 0 else open(log_dir / f'process_{i}.log', 'w')
+    log = None if i == 0 else open(log_dir / f'process_{i}.log', 'wb')
     logs.append(log)
+    reader, writer = output_pipe() if i == 0 else os.pipe()
     procs.append(subprocess.Popen(list(command), env=process_env(i, processes, devices_per_process, port),
-                                  stdout=log, stderr=subprocess.STDOUT if log else None))
+                                  stdout=writer, stderr=None if i == 0 else writer))
+    os.close(writer)
+    relays.append(threading.Thread(target=relay, args=(reader, log or sys.stdout.buffer), daemon=True))
+    relays[-1].start()
   forward = lambda signum, _: [p.send_signal(signum) for p in procs if p.poll() is None]
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
@@ -76,6 +121,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+    for thread in relays:
+      thread.join(timeout=10)
     for log in logs:
       if log is not None:
         log.close()

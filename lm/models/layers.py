@@ -67,6 +67,13 @@ class DenseGeneral(nn.Module):
     return y
 
 
+def gathered(table: jax.Array, axes: tuple[str | None, str]) -> jax.Array:
+  """A lookup table with its feature axis whole (gathered over fsdp, as a dense layer's weight is) before a
+  gather by token: rows sharded on features cannot take the batch-sharded gradient of the lookup without
+  a full copy (XLA's "involuntary full rematerialization"); the row axis keeps its sharding."""
+  return constrain(table, (axes[0], None))
+
+
 class Embed(nn.Module):
   """Token embedding table [vocab, embed]; `attend` reuses it as the tied output layer."""
   num_embeddings: int
@@ -82,7 +89,7 @@ class Embed(nn.Module):
       (self.num_embeddings, self.features), self.param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+    return jnp.take(gathered(self.embedding, self.axes), ids, axis=0).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """'b l d, v d -> b l v' logits against the embedding table."""
@@ -325,7 +332,7 @@ class LearnedPositions(nn.Module):
     table = self.param('embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
                                                                  ('length', 'embed')),
                        (self.max_len, self.features), self.param_dtype)
-    return jnp.take(table, positions, axis=0).astype(self.dtype)
+    return jnp.take(gathered(table, ('length', 'embed')), positions, axis=0).astype(self.dtype)
 
 
 def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 1e4) -> jax.Array:

@@ -64,10 +64,13 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize('family', list(FAMILIES))
 @pytest.mark.parametrize('name', list(MESHES))
-def test_sharded_training_equals_one_device(family, name, tmp_path, reference):
+def test_sharded_training_equals_one_device(family, name, tmp_path, reference, capfd):
+  """... and XLA honours every sharding: no "involuntary full rematerialization" (a replicated copy of a
+  tensor, which on a pod costs memory and bandwidth) while the step compiles."""
   config = family_config(family, tmp_path, 'mesh.data=1', *MESHES[name])
   assert strategy_name(mesh_shape(config.mesh, 8)) == name.replace('_', '+')
   losses, params = run_steps(config, jax.devices())
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   want_losses, want_params = reference(family=family)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert losses[-1] < losses[0]
