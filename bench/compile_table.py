@@ -79,7 +79,8 @@ def remat_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--only', nargs='*', default=None, help='presets to compile (default: the whole table)')
+  parser.add_argument('--only', nargs='*', default=None, choices=list(PLAN), metavar='PRESET',
+                      help='presets to compile (default: the whole table)')
   parser.add_argument('--out', default='docs/scaling_table.md')
   parser.add_argument('--json', default='bench/results/compile_table.json')
   args = parser.parse_args()

@@ -18,16 +18,19 @@ def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+  from lm.distributed import is_main_process
   from lm.train.loop import Trainer
   config = _config(args, ['train.resume=true'] if args.resume else [])
   if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
     raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '
                       f'a new run there')
   trainer = Trainer(config)  # data and mesh problems stop here, before the config is printed
-  print(config.to_yaml(), flush=True)
+  main = is_main_process()
+  if main:
+    print(config.to_yaml(), flush=True)
   records = trainer.run()
   evals = [r for r in records if 'val_loss' in r]
-  if evals:
+  if main and evals and trainer.stopped_at is None:
     print(f'final val_loss {evals[-1]["val_loss"]:.4f} at step {evals[-1]["step"]}; '
           f'outputs in {config.run_dir}', flush=True)
   return 0
@@ -158,11 +161,14 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
   from lm.scaling.collect import collect
   from lm.scaling.points import write_points
   runs = [item for item in args.runs if '=' not in item]
-  overrides = [item for item in args.runs if '=' in item]
-  if overrides and not args.evaluate:
+  overrides = [item for item in args.runs if '=' in item] + (args.evaluate or [])
+  if overrides and args.evaluate is None:
     raise ConfigError(f'{overrides[0]}: overrides only apply with --evaluate (e.g. another eval set); drop them '
                       f'or add --evaluate')
-  rows = collect(runs, args.evaluate, overrides)
+  if bad := [item for item in overrides if '=' not in item]:
+    raise ConfigError(f'--evaluate {bad[0]}: takes key=value overrides (e.g. data.paths=[held_out/*.txt]); put run '
+                      f'dirs before --evaluate')
+  rows = collect(runs, args.evaluate is not None, overrides)
   write_points(args.out, rows)
   print(f'{len(rows)} points from {len({r["run"] for r in rows})} runs written to {args.out}', flush=True)
   return 0
@@ -336,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
   collect.add_argument('runs', nargs='+', metavar='RUN_DIR', help='run dirs (and, with --evaluate, key=value '
                                                                   'overrides such as data.* for another eval set)')
   collect.add_argument('--out', required=True, help='the CSV to write')
-  collect.add_argument('--evaluate', action='store_true', help='evaluate held-out loss from every checkpoint instead '
-                                                               'of reading metrics.jsonl')
+  collect.add_argument('--evaluate', nargs='*', metavar='KEY=VALUE', default=None,
+                       help='evaluate held-out loss from every checkpoint instead of reading metrics.jsonl, with '
+                            'these overrides (e.g. data.* for another eval set)')
   collect.set_defaults(fn=cmd_scaling_collect, joins_job=True)  # --evaluate runs on the job's devices
 
   fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')

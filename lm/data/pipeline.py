@@ -209,7 +209,8 @@ def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, proce
       empty = next(first, None) is None
     if empty:
       raise ConfigError(f'the validation split yields no full batch of {hi - lo} rows of {objective.row_len} '
-                        f'tokens; lower train.global_batch or data.seq_len, or add validation data')
+                        f'tokens; raise data.val_fraction (now {config.data.val_fraction}), lower '
+                        f'train.global_batch or data.seq_len, add validation data, or set train.eval_batches=0')
   return tokenizer, batches('train'), val
 
 

@@ -106,6 +106,14 @@ def write(path, lines, newline='\n', bom=False):
   path.write_bytes(('\ufeff' if bom else '').encode() + (newline.join(lines) + newline).encode('utf-8'))
 
 
+def write_glue_files(root):
+  """Every task's files in GLUE's layouts (FILES), AX under diagnostic/: a GLUE data dir."""
+  for file, (lines, _) in FILES.items():
+    write(root / file, lines)
+  write(root / 'diagnostic' / 'diagnostic.tsv', AX_LINES)
+  return root
+
+
 def triples(data):
   return [(ex.index, ex.texts, ex.label) for ex in data.examples]
 

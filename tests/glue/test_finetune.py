@@ -20,7 +20,7 @@ from lm import cli
 from lm.config import load_config
 from lm.glue.tasks import TASKS
 from tests.glue import synthetic
-from tests.glue.test_data import AX_LINES, FILES, write
+from tests.glue.test_data import FILES, write_glue_files
 
 QUIET = ['train.progress=false']
 
@@ -135,11 +135,10 @@ def check_regression(family, glue_dir, init, out):
   assert len(scores) == 20 and all(0 <= s <= 5 for s in scores)
 
 
-@pytest.fixture(scope='module')
-def hf_bert(tmp_path_factory):
+def save_hf_bert(directory):
   """A BERT saved by transformers with a WordPiece vocab.txt that the `tokenizers` library trained on the
   GLUE test files: what `--init` gets from the Hub, built offline."""
-  directory = tmp_path_factory.mktemp('hf_bert')
+  directory.mkdir(parents=True, exist_ok=True)
   wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
   texts = [text for lines, examples in FILES.values() for _, row, _ in examples for text in row]
   wordpiece.train_from_iterator(texts * 4, vocab_size=200, min_frequency=1)
@@ -154,13 +153,13 @@ def hf_bert(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
+def hf_bert(tmp_path_factory):
+  return save_hf_bert(tmp_path_factory.mktemp('hf_bert'))
+
+
+@pytest.fixture(scope='module')
 def glue_files(tmp_path_factory):
-  """Every task's files in GLUE's layouts (tests/glue/test_data.py's), AX under diagnostic/."""
-  root = tmp_path_factory.mktemp('glue_files')
-  for file, (lines, _) in FILES.items():
-    write(root / file, lines)
-  write(root / 'diagnostic' / 'diagnostic.tsv', AX_LINES)
-  return root
+  return write_glue_files(tmp_path_factory.mktemp('glue_files'))
 
 
 SUBMISSION = {  # leaderboard file -> (its test file, the predictions it may hold)

@@ -1,0 +1,129 @@
+"""Every fenced command of the README, run in order as a new user would, in a fresh working directory.
+
+The directory holds what the README's commands name and a user would bring (a YAML config, text and JSONL
+files, an HF GPT-2 and BERT saved by transformers, GLUE files), with `launch/` and `bench/`
+copied from this checkout. Commands run as written, with `lm` and `python` from this venv; the only
+changes are SHORTER's (fewer steps and smaller sweeps, so the whole README runs in minutes) and `--dry-run`
+on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; each entry must still
+match a README command, so neither list outlives the README.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+
+from lm.config import load_config
+from tests.glue.test_data import write_glue_files
+from tests.glue.test_finetune import save_hf_bert
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint_every=2',
+            'train.log_every=1', 'optim.warmup_steps=1']
+# (a regex on the command, what replaces each match): shorter runs, same commands.
+SHORTER = [
+  (r'^\.venv/bin/', lambda m: ''),  # the set-up's first command, from the venv that is on PATH here
+  (r'^(lm (train|finetune) .*|python launch/local\.py .* -- lm train .*)$', lambda m: m[0] + ' ' + ' '.join(TRAINING)),
+  (r'^lm scaling sweep (.*)$', lambda m: 'lm scaling sweep ' + re.sub(r' --budgets \S+', '', m[1])
+   + ' --sizes 64x1,128x1,192x1' + (' --budgets 2e9,4e9' if '--budgets' in m[1] else ' --tokens 4096,8192')),
+  (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 20000{m[2]}'),
+  (r'^(lm train .*data\.tokenizer=sentencepiece:.*) model\.vocab_size=16000(.*)$',
+   lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
+  (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),
+  (r'^python bench/train_throughput\.py .*$', lambda m: m[0] + ' --steps 2'),
+  (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
+  (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),
+  (r'^python bench/compile_table\.py.*$', lambda m: m[0] + ' --only transformer_base'),
+]
+OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
+  'python3 -m venv': 'the set-up: CI runs it (.ci/run)',
+  '.venv/bin/pip install': 'the set-up: CI runs it (.ci/run)',
+  '.venv/bin/python -m pytest': 'the test suite: this test is part of it',
+  'lm train --config gpt3_125m data.source=tfds data.name=c4/en:3.1.0 data.data_dir=gs://':
+    'C4 in a cloud bucket; the same path runs on a local TFDS dataset below',
+  'lm finetune --task sst2 --source tfds': 'TFDS glue/sst2 must be downloaded to be prepared',
+}
+
+
+def logical_lines(markdown: str) -> list[str]:
+  """The commands of the ```bash blocks as written (bash expands `~` and globs as it would for a user):
+  continuation lines joined, comments and blank lines dropped, `a; b` and `a && b` split."""
+  lines, block = [], None
+  for line in markdown.splitlines():
+    if line.startswith('```'):
+      block = (line == '```bash') if block is None else None
+    elif block:
+      lines.append(line)
+  joined = re.sub(r'\\\n\s*', ' ', '\n'.join(lines))
+  uncommented = (re.sub(r'(^|\s)#.*$', '', line).strip() for line in joined.splitlines())
+  return [part.strip() for line in uncommented for part in re.split(r';|&&', line) if part.strip()]
+
+
+def as_run(command: str) -> str:
+  """The command with its [optional parts] taken, and SHORTER applied."""
+  command = re.sub(r'\[(--[^\]=]*)\]', r'\1', command)  # `[--json] [--num-slices 2]`; not `data.paths=[...]`
+  for pattern, replace in SHORTER:
+    command = re.sub(pattern, replace, command)
+  return command
+
+
+def user_files(cwd: Path) -> None:
+  """What the README's commands expect a user to have in their working directory."""
+  for folder in ('launch', 'bench'):
+    shutil.copytree(ROOT / folder, cwd / folder, ignore=shutil.ignore_patterns('results', '__pycache__'))
+  (cwd / 'docs').mkdir()
+  tiny = load_config('gpt_tiny')
+  (cwd / 'path/to').mkdir(parents=True)
+  (cwd / 'path/to/my.yaml').write_text(yaml.safe_dump({**tiny.to_dict(), 'train': {**tiny.to_dict()['train'],
+                                                                                   'run_dir': 'runs/my'}}))
+  # An HF GPT-2 of gpt_tiny's shape (so `--config gpt_tiny train.init_from=` takes it), random weights.
+  torch.manual_seed(0)
+  transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    vocab_size=tiny.model.vocab_size, n_embd=tiny.model.d_model, n_layer=tiny.model.num_layers,
+    n_head=tiny.model.num_heads, n_positions=tiny.model.max_len, activation_function='gelu_new', bos_token_id=0,
+    eos_token_id=0,
+  )).save_pretrained(cwd / 'path/to/hf_model', safe_serialization=True)
+  save_hf_bert(cwd / 'path/to/bert-base-uncased')
+  # A corpus: the largest modules of Python's standard library, as text files and as JSONL paragraphs.
+  stdlib = sorted(Path(sysconfig.get_paths()['stdlib']).glob('*.py'), key=lambda f: -f.stat().st_size)[:12]
+  for i, module in enumerate(stdlib):
+    text = module.read_text(encoding='utf-8')
+    (cwd / f'corpus/part{i % 3}').mkdir(parents=True, exist_ok=True)
+    (cwd / f'corpus/part{i % 3}/{module.stem}.txt').write_text(text)
+    (cwd / f'corpus/{module.stem}.jsonl').write_text(''.join(json.dumps({'text': para}) + '\n'
+                                                             for para in text.split('\n\n') if para.strip()))
+  write_glue_files(cwd / 'glue_data')
+
+
+def test_commands_name_every_exception():
+  """Each SHORTER and OFFLINE_ONLY entry still matches a README command."""
+  commands = logical_lines((ROOT / 'README.md').read_text())
+  for pattern, _ in SHORTER:
+    assert any(re.search(pattern, c) for c in commands), f'SHORTER {pattern!r} matches no README command'
+  for start in OFFLINE_ONLY:
+    assert any(c.startswith(start) for c in commands), f'OFFLINE_ONLY {start!r} matches no README command'
+
+
+def test_every_readme_command_runs(tmp_path):
+  cwd, home = tmp_path / 'work', tmp_path / 'home'
+  cwd.mkdir()
+  home.mkdir()
+  user_files(cwd)
+  venv = str(Path(sys.executable).parent)
+  env = {**os.environ, 'HOME': str(home), 'PATH': venv + os.pathsep + os.environ['PATH'], 'XLA_FLAGS': '',
+         'COLUMNS': '100'}
+  seen = set()
+  for command in logical_lines((ROOT / 'README.md').read_text()):
+    run = as_run(command)
+    if run in seen or any(command.startswith(start) for start in OFFLINE_ONLY):
+      continue
+    seen.add(run)
+    done = subprocess.run(['bash', '-c', run], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f'{run}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
