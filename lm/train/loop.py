@@ -12,13 +12,13 @@ from lm.assembly import assemble
 from lm.checkpoint import UNRESTORABLE, Checkpointer
 from lm.config import Config, ConfigError
 from lm.data.pipeline import Batches, build_batches
-from lm.distributed import is_main_process
+from lm.distributed import barrier, is_main_process
 from lm.parallel.chips import peak_flops
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.accounting import mfu
 from lm.train.init_from import initial_state
 from lm.train.logging import MetricsLogger
-from lm.train.preemption import preemption
+from lm.train.preemption import ask_requeue, preemption
 from lm.train.state import TrainState
 from lm.train.step import make_eval_step, make_train_step
 
@@ -93,6 +93,7 @@ class Trainer:
     """
     cfg, t = self.config, self.config.train
     is_main = is_main_process()
+    self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
     logger = None
     try:
@@ -132,9 +133,13 @@ class Trainer:
           if save:
             checkpoints.save(done, state, self.train_batches.iterator, cfg.to_dict())
           if preempted:
-            print(f'stopped by SIGTERM after step {done}; checkpoint saved, continue with --resume', flush=True)
+            self.stopped_at = done
             break
       checkpoints.wait()
+      if self.stopped_at is not None:
+        barrier('stopped')  # every process has written its part of the checkpoint
+        then = ask_requeue() if is_main else 'continue with --resume'
+        print(f'stopped by SIGTERM after step {self.stopped_at}; checkpoint saved, {then}', flush=True)
     finally:
       checkpoints.close()
       if logger is not None:

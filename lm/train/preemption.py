@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
 
 import jax
 
@@ -31,3 +33,17 @@ def preemption(checkpoints: Checkpointer) -> Iterator[Callable[[int], bool]]:
     yield lambda step: flag.is_set()
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+REQUEUE = 'LM_SLURM_REQUEUE'  # launch/slurm.py's job script: a file to create when the job should requeue
+
+
+def ask_requeue(env: Mapping[str, str] = os.environ) -> str:
+  """After a stop by SIGTERM, in a job script that asks for it (launch/slurm.py), creates the file REQUEUE
+  names: once every task has exited the script requeues the job, which resumes from the checkpoint just
+  written. Returns what happens next, for the log."""
+  path = env.get(REQUEUE)
+  if not path:
+    return 'continue with --resume'
+  Path(path).write_text('stopped by SIGTERM\n')
+  return 'the job requeues and resumes from it'

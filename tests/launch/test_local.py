@@ -112,7 +112,8 @@ def test_processes_find_each_other_from_explicit_settings_and_slurm(kind, tmp_pa
       env = process_env(i, 2, 2, port)
     else:  # JAX's SLURM detection: coordinator = the first node, port = job id % 4096 + 61440
       env = clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=2', SLURM_JOB_ID=str(port),
-                      SLURM_STEP_NODELIST='localhost', SLURM_NTASKS='2', SLURM_PROCID=str(i), SLURM_LOCALID='0')
+                      SLURM_STEP_NODELIST='localhost', SLURM_NTASKS='2', SLURM_PROCID=str(i),
+                      SLURM_LOCALID=str(i))
     procs.append(subprocess.Popen([sys.executable, '-c', script], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True))
   outs = [p.communicate(timeout=120) for p in procs]

@@ -1,4 +1,4 @@
-"""launch/tpu.py and launch/slurm.py --dry-run print exactly the commands and script they would run."""
+"""launch/tpu.py and launch/slurm.py --dry-run print the commands and script they would run."""
 import subprocess
 import sys
 from pathlib import Path
@@ -42,25 +42,39 @@ def test_tpu_run_ships_installs_and_runs_on_every_worker_of_every_slice():
   assert out.splitlines() == expected + ['wait']
 
 
-def test_slurm_script():
-  assert dry_run('slurm.py', '--job-name', 'gpt', '--nodes', '4', '--gpus-per-node', '8', '--partition', 'gpu',
-                 '--time', '12:00:00', '--signal-seconds', '600', '--dry-run', '--', 'lm', 'train', '--config',
-                 'gpt3_1_3b', 'mesh.fsdp=32') == '''mkdir -p logs/slurm
-cat > gpt.sbatch <<'EOF'
-#!/bin/bash
-#SBATCH --job-name=gpt
-#SBATCH --nodes=4
-#SBATCH --ntasks-per-node=8
-#SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=8
-#SBATCH --time=12:00:00
-#SBATCH --signal=TERM@600
-#SBATCH --requeue
-#SBATCH --open-mode=append
-#SBATCH --output=logs/slurm/%x-%j.out
-#SBATCH --partition=gpu
-set -euo pipefail
-srun --kill-on-bad-exit=1 --output=logs/slurm/%x-%j-%t.out lm train --config gpt3_1_3b mesh.fsdp=32 train.resume=true
-EOF
-sbatch gpt.sbatch
-'''
+def slurm_dry_run(*argv):
+  """(shell lines around the script, the sbatch script's lines) of `launch/slurm.py --dry-run`."""
+  out = dry_run('slurm.py', '--job-name', 'gpt', '--dry-run', *argv)
+  head, script = out.split("<<'EOF'\n")
+  script, tail = script.split('EOF\n')
+  return [line.strip() for line in head.splitlines() + tail.splitlines()], script.splitlines()
+
+
+def test_slurm_gpu_and_cpu_scripts():
+  around, script = slurm_dry_run('--nodes', '4', '--gpus-per-node', '8', '--partition', 'gpu', '--time', '12:00:00',
+                                 '--signal-seconds', '600', '--', 'lm', 'train', '--config', 'gpt3_1_3b',
+                                 'mesh.fsdp=32')
+  assert around == ['mkdir -p logs/slurm', 'cat > gpt.sbatch', 'sbatch gpt.sbatch']  # the log dir before sbatch
+  for directive in ('--nodes=4', '--ntasks-per-node=8', '--gpus-per-node=8', '--time=12:00:00',
+                    '--signal=B:TERM@600', '--requeue', '--partition=gpu', '--output=logs/slurm/%x-%j.out'):
+    assert f'#SBATCH {directive}' in script
+  assert not any('--cpus-per-task' in line for line in script)  # the cluster's default unless asked
+  srun = next(line for line in script if line.startswith('setsid srun '))
+  lm = str(Path(sys.executable).parent / 'lm')  # absolute: the job does not need the submitter's PATH
+  assert f'{lm} train --config gpt3_1_3b train.resume=true mesh.fsdp=32' in srun  # the user's overrides win
+
+  _, cpu = slurm_dry_run('--nodes', '2', '--ntasks-per-node', '3', '--cpus-per-task', '4', '--', 'lm', 'train')
+  assert '#SBATCH --ntasks-per-node=3' in cpu and '#SBATCH --cpus-per-task=4' in cpu
+  assert not any('gpus' in line for line in cpu)
+  _, one = slurm_dry_run('--nodes', '1', '--', 'lm', 'train')
+  assert '#SBATCH --ntasks-per-node=1' in one and f'{lm} train train.resume=true &' in '\n'.join(one)
+
+
+def test_slurm_bad_arguments_are_one_line():
+  for argv, message in ((['--nodes', '1', '--gpus-per-node', '-1', '--', 'lm'], '--gpus-per-node must be 0'),
+                        (['--nodes', '0', '--', 'lm'], '--nodes must be at least 1'),
+                        (['--nodes', '1'], 'give the command to run after --'),
+                        (['--nodes', '1', '--', 'no_such_program_here'], 'no_such_program_here is not on PATH')):
+    out = subprocess.run([sys.executable, str(LAUNCH / 'slurm.py'), '--job-name', 'x', '--dry-run', *argv],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and message in out.stderr and out.stderr.strip().splitlines()[-1].count('\n') == 0
