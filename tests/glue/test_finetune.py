@@ -10,9 +10,11 @@ import zipfile
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import tokenizers
 import torch
 import transformers
+import yaml
 from scipy import stats
 from sklearn.metrics import f1_score
 
@@ -39,6 +41,8 @@ FAMILIES = {
            ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=150', 'train.eval_every=50']),
   'gpt': ('gpt_tiny', ['train.steps=60', 'data.seq_len=128'],
           ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=250', 'train.eval_every=50']),
+  'llama': ('llama_tiny', ['train.steps=60', 'data.seq_len=128'],
+            ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=250', 'train.eval_every=50']),
   't5': ('t5_tiny', ['train.steps=60', 'data.seq_len=128'],
          ['optim.learning_rate=3e-4', 'data.seq_len=64', 'train.steps=100', 'train.eval_every=50']),
 }
@@ -71,6 +75,7 @@ def dev_labels(glue_dir, folder):
 
 # Pair task per family (BERT in MRPC's layout, the decoders in RTE's), and whether STS-B's regression is checked too.
 PAIR_TASK = {'bert': ('mrpc', 'MRPC', {'0', '1'}), 'gpt': ('rte', 'RTE', {'entailment', 'not_entailment'}),
+             'llama': ('rte', 'RTE', {'entailment', 'not_entailment'}),
              't5': ('rte', 'RTE', {'entailment', 'not_entailment'})}
 # STS-B fine-tuning overrides: BERT's regression head learns the graded overlap more slowly than the pair task.
 REGRESSION = {'bert': ['optim.learning_rate=1e-4', 'data.seq_len=32', 'train.steps=600', 'train.eval_every=200'],
@@ -79,8 +84,8 @@ REGRESSION = {'bert': ['optim.learning_rate=1e-4', 'data.seq_len=32', 'train.ste
 
 @pytest.mark.parametrize('family', list(FAMILIES))
 def test_each_family_learns_the_pair_task_and_writes_glue_files(family, glue_dir, tmp_path):
-  """Pretrained on the embedded corpus, then fine-tuned: BERT's pooled [CLS], GPT's last token, T5 writing the
-  label's name. Neither sentence alone tells the label, so the model must compare the pair."""
+  """Pretrained on the embedded corpus, then fine-tuned: BERT's pooled [CLS], GPT's and Llama's last token, T5
+  writing the label's name. Neither sentence alone tells the label, so the model must compare the pair."""
   task, folder, labels = PAIR_TASK[family]
   out, init = tmp_path / 'ft', pretrain(family, tmp_path / 'pretrained')
   lm('finetune', '--task', task, '--data-dir', str(glue_dir), '--init', init, f'train.run_dir={out}', *QUIET,
@@ -261,3 +266,38 @@ def test_bad_input_is_one_line_naming_the_fix(problem, argv, message, glue_dir, 
   err = capsys.readouterr().err.strip()
   assert code == 2 and len(err.splitlines()) == 1 and message in err, (problem, err)
   assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob('*')) == before  # nothing written anywhere
+
+
+def save_hf_t5(directory, version):
+  """A T5 as transformers saves it, with a SentencePiece spiece.model (T5's ids: pad 0, eos 1, unk 2) trained
+  on the synthetic tasks' words and T5's GLUE prefixes: v1.0 (ReLU, tied embeddings) or v1.1 (gated GELU,
+  untied head), as `google/t5-v1_1-*` on the Hub."""
+  directory.mkdir(parents=True)
+  words = [*synthetic.WORDS, 'rte', 'sentence1:', 'sentence2:', 'entailment', 'not_entailment', 'stsb']
+  texts = [' '.join(np.random.default_rng(i).permutation(words)) for i in range(500)]
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(directory / 'spiece'),
+                                 vocab_size=40, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, model_type='unigram')
+  (directory / 'spiece.vocab').unlink()
+  (directory / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'T5Tokenizer'}))
+  torch.manual_seed(0)
+  config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                 feed_forward_proj='relu' if version == 'v1_0' else 'gated-gelu',
+                                 tie_word_embeddings=version == 'v1_0', decoder_start_token_id=0)
+  transformers.T5ForConditionalGeneration(config).save_pretrained(directory, safe_serialization=True)
+  return directory
+
+
+@pytest.mark.parametrize('version', ['v1_0', 'v1_1'])
+def test_an_hf_t5_directory_fine_tunes_text_to_text(version, glue_dir, tmp_path):
+  """`--init` an HF T5 directory: the run takes its architecture (v1.0 or v1.1) and its spiece.model, fine-tunes
+  text to text, and writes a label for every dev example."""
+  hf, out = save_hf_t5(tmp_path / 'hf', version), tmp_path / 'ft'
+  lm('finetune', '--task', 'rte', '--data-dir', str(glue_dir), '--init', str(hf), f'train.run_dir={out}', *QUIET,
+     'train.steps=4', 'train.eval_every=4', 'data.seq_len=64')
+  config = yaml.safe_load((out / 'rte' / 'config.yaml').read_text())
+  assert config['model']['family'] == 't5' and config['model']['vocab_size'] >= 64
+  assert config['model']['tie_embeddings'] == (version == 'v1_0')
+  assert config['model']['activation'] == ('relu' if version == 'v1_0' else 'geglu_tanh')
+  assert config['data']['tokenizer'].endswith('spiece.model') or 'hf:' in config['data']['tokenizer']
+  rows = read_tsv(out / 'rte' / 'dev_predictions.tsv')[1:]
+  assert len(rows) == 200 and {r[1] for r in rows} <= {'entailment', 'not_entailment'}  # no label: the first

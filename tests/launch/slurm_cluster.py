@@ -2,7 +2,8 @@
 
 Everything lives under one directory: a fresh munge key and socket, a generated slurm.conf with this
 machine's CPUs and free ports, the daemons' state, logs and PID files. `stop` ends the daemons by PID.
-Clients find the cluster through SLURM_CONF (`Cluster.env`).
+Clients find the cluster through SLURM_CONF (`Cluster.env`). `stop` cancels every job first, so no
+job step outlives the cluster.
 
   python tests/launch/slurm_cluster.py DIR     # start one by hand; `kill $(cat DIR/*.pid)` stops it
 """
@@ -38,6 +39,7 @@ class Cluster:
     self.root = root
     self.conf = root / 'slurm.conf'
     self.env = {**os.environ, 'SLURM_CONF': str(self.conf)}
+    self.pids: dict[str, int] = {}
 
   def start(self, timeout: float = 60) -> None:
     root = self.root
@@ -84,10 +86,12 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
       out = subprocess.run(['sinfo', '-h', '-o', '%T'], env=self.env, capture_output=True, text=True).stdout
-      if out.strip() == 'idle':
+      if out.strip() == 'idle':  # both daemons up, their PID files written
+        self.pids = {name: int((root / f'{name}.pid').read_text().split()[0]) for name in DAEMONS}
         return
       time.sleep(0.5)
-    self.stop()
+    self.pids = {name: int(f.read_text().split()[0]) for name in DAEMONS if (f := root / f'{name}.pid').exists()}
+    self.stop(grace=0)
     raise RuntimeError(f'the SLURM node did not come up in {timeout:.0f} s; see {root}/slurmctld.log, slurmd.log')
 
   def _run(self, program: str, *args: str) -> None:
@@ -96,14 +100,26 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     if done.returncode:
       raise RuntimeError(f'{program} did not start: {done.stderr.strip()}')
 
-  def stop(self) -> None:
+  def stop(self, grace: float = 60) -> None:
+    """Cancels every job (waiting up to `grace` s for their steps to end), then ends the daemons by PID."""
+    user = subprocess.run(['id', '-un'], capture_output=True, text=True).stdout.strip()
+    subprocess.run(['scancel', f'--user={user}'], env=self.env, capture_output=True)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and subprocess.run(['squeue', '-h'], env=self.env, capture_output=True,
+                                                         text=True).stdout.strip():
+      time.sleep(1)
     for name in reversed(DAEMONS):
-      pid_file = self.root / f'{name}.pid'
-      if pid_file.exists():
+      pid = self.pids.get(name)
+      if pid is None:
+        continue
+      for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
-          os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
-          pass
+          os.kill(pid, sig)
+        except ProcessLookupError:
+          break
+        end = time.monotonic() + wait
+        while time.monotonic() < end and Path(f'/proc/{pid}').exists():
+          time.sleep(0.2)
 
   def job(self, job_id: str) -> dict[str, str]:
     """`scontrol show job`'s fields (JobState, Restarts, ExitCode, ...)."""

@@ -68,6 +68,7 @@ def test_a_two_task_cpu_job_trains_from_a_fresh_checkout_with_its_default_port_t
     fields = cluster.wait(job, {'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL'}, timeout=300)
   logs = tmp_path / 'logs' / 'slurm'
   assert fields['JobState'] == 'COMPLETED', (fields, [p.read_text()[-1500:] for p in logs.iterdir()])
+  assert fields['Restarts'] == '0'  # a run that ends by itself is not requeued
   assert '--gpus-per-node' not in (tmp_path / 'two.sbatch').read_text()
   assert steps(tmp_path / 'run') == [1, 2, 3, 4, 5, 6]
   first, second = (logs / f'two-{job}-0.out').read_text(), (logs / f'two-{job}-1.out').read_text()
