@@ -13,7 +13,8 @@ Stopping and resuming: SLURM signals the batch script `--signal-seconds` before 
 `scancel --signal=TERM --full` does too. The script passes SIGTERM on to the tasks, every process
 checkpoints the same step and exits, process 0 leaving a note (the file LM_SLURM_REQUEUE names); the
 script then requeues the job, which resumes from that checkpoint. A run that ends by itself is not
-requeued. `--requeue` also brings the job back after a node failure or a preemption.
+requeued, nor one that `scancel JOB` cancels (its tasks still checkpoint). `--requeue` also brings the
+job back after a node failure or a preemption.
 
 The coordinator's port: the batch script takes a free port on the first node (JAX_COORDINATOR_PORT, which
 JAX reads; set it yourself to choose one). --dry-run prints, as shell, what a launch does: create the log
@@ -80,8 +81,12 @@ def script(args: argparse.Namespace) -> str:
     'wait $step; status=$?',
     'if [ -e "$LM_SLURM_REQUEUE" ]; then',
     '  rm -f "$LM_SLURM_REQUEUE"; trap "" TERM',
-    '  echo "stopped by SIGTERM with a checkpoint: requeueing job $SLURM_JOB_ID, which resumes from it"',
-    '  scontrol requeue "$SLURM_JOB_ID"',
+    '  if scontrol show job -o "$SLURM_JOB_ID" | grep -q JobState=RUNNING; then  # not when scancel ended it',
+    '    echo "stopped by SIGTERM with a checkpoint: requeueing job $SLURM_JOB_ID, which resumes from it"',
+    '    scontrol requeue "$SLURM_JOB_ID"',
+    '  else',
+    '    echo "stopped by SIGTERM with a checkpoint; job $SLURM_JOB_ID was cancelled, so it stays so"',
+    '  fi',
     'fi',
     'exit $status', ''])
 

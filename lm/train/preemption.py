@@ -46,4 +46,4 @@ def ask_requeue(env: Mapping[str, str] = os.environ) -> str:
   if not path:
     return 'continue with --resume'
   Path(path).write_text('stopped by SIGTERM\n')
-  return 'the job requeues and resumes from it'
+  return 'the job requeues and resumes from it unless it was cancelled'

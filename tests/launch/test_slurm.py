@@ -29,12 +29,13 @@ def cluster(tmp_path_factory):
   cluster.stop()
 
 
-def submit(cluster, cwd, name, *launcher_args, command):
-  """Submits through launch/slurm.py with the venv not on PATH (the job must not need it); the job id."""
+def submit(cluster, cwd, name, *launcher_args, command, tasks=2):
+  """Submits `tasks` tasks through launch/slurm.py with the venv not on PATH (the job must not need it); the
+  job id."""
   env = {k: v for k, v in cluster.env.items() if k not in ('XLA_FLAGS', 'VIRTUAL_ENV')}
   env['PATH'] = '/usr/local/bin:/usr/bin:/bin'
   done = subprocess.run([sys.executable, str(LAUNCH / 'slurm.py'), '--job-name', name, '--nodes', '1',
-                         '--ntasks-per-node', '2', *launcher_args, '--', 'lm', 'train', *command],
+                         '--ntasks-per-node', str(tasks), *launcher_args, '--', 'lm', 'train', *command],
                         cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
   assert done.returncode == 0, done.stderr
   return re.search(r'Submitted batch job (\d+)', done.stdout)[1]
@@ -96,8 +97,9 @@ def test_scancel_full_checkpoints_requeues_and_resumes_to_the_last_step(cluster,
 def test_the_time_limit_signal_checkpoints_and_requeues(cluster, tmp_path):
   """`--signal-seconds` before `--time`: SLURM signals the script, the tasks checkpoint, the job requeues and
   the next start resumes from that step (the run is longer than the limit: the test then cancels it). SLURM
-  may signal up to 60 s early, so the limit leaves the tasks time to start before the earliest signal."""
-  job = submit(cluster, tmp_path, 'limit', '--time', '00:03:00', '--signal-seconds', '60',
+  may signal up to 60 s early, so the limit leaves the tasks time to start before the earliest signal. One
+  task (the test above has two stop at one step): the run trains flat out for a minute or two."""
+  job = submit(cluster, tmp_path, 'limit', '--time', '00:03:00', '--signal-seconds', '60', tasks=1,
                command=[*TINY, 'train.steps=1000000', 'train.eval_every=1000000', 'train.log_every=10',
                         'train.checkpoint_every=1000000', 'train.run_dir=run'])
   log = tmp_path / 'logs' / 'slurm' / f'limit-{job}-0.out'
@@ -109,4 +111,6 @@ def test_the_time_limit_signal_checkpoints_and_requeues(cluster, tmp_path):
     assert stopped < int(resumed[1]) <= stopped + 10
   finally:
     subprocess.run(['scancel', job], env=cluster.env)
-  assert int(cluster.job(job)['Restarts']) >= 1
+  # scancel cancels: the tasks checkpoint, but the job is not requeued again.
+  fields = cluster.wait(job, {'CANCELLED', 'PENDING'}, timeout=120)
+  assert fields['JobState'] == 'CANCELLED' and fields['Restarts'] == '1', fields
