@@ -23,7 +23,6 @@ directory (SLURM opens --output before the script runs), write the script, submi
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import shutil
 import subprocess
@@ -31,19 +30,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from local import resolve as find_program  # launch/ is on the path of its own scripts
+
 FREE_PORT = shlex.join([sys.executable, '-c', 'import socket; s = socket.socket(); s.bind(("", 0)); '
                                                  'print(s.getsockname()[1])'])
 
 
 def resolve(program: str) -> str:
-  """`program` as an absolute path: from PATH, else beside this Python (a venv that is not activated)."""
-  if os.sep in program:
-    return str(Path(program).absolute())
-  found = shutil.which(program) or shutil.which(program, path=str(Path(sys.executable).parent))
-  if not found:
-    raise SystemExit(f'slurm: {program} is not on PATH nor beside {sys.executable}; activate the venv that has it '
-                     f'or give its full path')
-  return str(Path(found).absolute())
+  """`program` as an absolute path, found as launch/local.py finds it (PATH, else beside this Python)."""
+  found = find_program([program])[0]
+  return str(Path(shutil.which(found) or found).absolute())
 
 
 def with_resume(command: Sequence[str]) -> list[str]:
