@@ -19,9 +19,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lm.config import ConfigError
+from lm.config import EXECUTION_FIELDS, Config, ConfigError
 from lm.distributed import all_processes, barrier
-from lm.train.state import TrainState
+from lm.models.transformer import relayout
+from lm.train.state import TrainState, shardings_of
 
 UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
 
@@ -94,11 +95,15 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: TrainState, config: dict, data: grain.DatasetIterator) -> TrainState:
     """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
-    saved position in place."""
-    saved = self.saved_config(step)
+    saved position in place. Execution fields (`EXECUTION_FIELDS`) may differ: the params are converted to this
+    run's layer layout when `model.scan_layers` changed, and one line on stdout says what changed."""
+    # A field added since the checkpoint was written is missing from it: it was written with the default.
+    saved = {section: {**default, **self.saved_config(step).get(section, {})}
+             for section, default in Config().to_dict().items() if isinstance(default, dict)}
     for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'), ('train', ('seed',), 'seed')):
-      theirs, ours = saved.get(section, {}), config[section]
-      keys = keys or sorted((set(theirs) | set(ours)) - _ORDER_FREE)
+      theirs, ours = saved[section], config[section]
+      free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
+      keys = keys or sorted((set(theirs) | set(ours)) - free)
       diff = [k for k in keys if theirs.get(k) != ours.get(k)]
       if diff:
         raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different {what} (differs in '
@@ -107,7 +112,9 @@ class Checkpointer:
     if not self.has_optimizer(step):
       raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
                         f'resume; start a new run from it with train.init_from={self.directory.parent}')
-    a = abstract_state
+    scanned = config['model']['scan_layers']
+    saved_scanned = saved['model']['scan_layers']
+    a = abstract_state if saved_scanned == scanned else relayout(abstract_state, saved_scanned)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(a.params),
@@ -120,8 +127,17 @@ class Checkpointer:
                         f'({jax.process_index()} of {jax.process_count()}); resume with as many processes as '
                         f'wrote it') from None
     optimizer = restored['optimizer']
-    return TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
-                      skipped=optimizer['skipped'])
+    state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
+                       skipped=optimizer['skipped'])
+    if saved_scanned != scanned:
+      state = jax.jit(lambda s: relayout(s, scanned), out_shardings=shardings_of(abstract_state))(state)
+    show = lambda v: str(v).lower() if isinstance(v, bool) else v  # as written on the command line
+    changed = [f'model.{k}={show(saved["model"][k])} -> {show(config["model"][k])}' for k in EXECUTION_FIELDS
+               if saved['model'][k] != config['model'][k]]
+    if changed and jax.process_index() == 0:
+      print(f'checkpoint {self.directory}/{step} was written with other execution settings: {", ".join(changed)}',
+            flush=True)
+    return state
 
   def restore_latest(self, abstract_state: TrainState, config: dict, data: grain.DatasetIterator
                      ) -> tuple[int, TrainState] | None:

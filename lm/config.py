@@ -91,6 +91,11 @@ class ModelConfig:
     return self.num_decoder_layers or self.num_layers
 
 
+# Model fields that say how the step computes, not which params it trains: a resume may change them (another
+# slice, a memory fix); every other model field must match the checkpoint's.
+EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_block_k', 'scan_layers', 'remat')
+
+
 @dataclass(frozen=True)
 class MeshConfig:
   """Device mesh sizes; -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy."""

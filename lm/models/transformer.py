@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
 from lm.models.layers import (DTYPES, Attention, DenseGeneral, Embed, LearnedPositions, Mlp, RelativePositionBias,
@@ -182,23 +184,47 @@ def default_positions(tokens: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
 
 
+def _take(x: Any, i: int) -> Any:
+  """Layer `i` of a stacked array, or of a sharded ShapeDtypeStruct (the layer axis is never sharded)."""
+  if not isinstance(x, jax.ShapeDtypeStruct):
+    return x[i]
+  sharding = None if x.sharding is None else NamedSharding(x.sharding.mesh, PartitionSpec(*x.sharding.spec[1:]))
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+
+def _stack(*xs: Any) -> Any:
+  if not isinstance(xs[0], jax.ShapeDtypeStruct):
+    return jnp.stack(xs)
+  x = xs[0]
+  sharding = None if x.sharding is None else NamedSharding(x.sharding.mesh, PartitionSpec(None, *x.sharding.spec))
+  return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
+
+
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
   """Scanned params (a `layers` subtree with a leading layer axis) -> unrolled `layers_0`, `layers_1`, ..."""
   out = {}
   for key, value in params.items():
-    if key == 'layers' and isinstance(value, dict):
+    if key == 'layers' and isinstance(value, Mapping):
       n = jax.tree.leaves(value)[0].shape[0]
-      out.update({f'layers_{i}': jax.tree.map(lambda x, i=i: x[i], value) for i in range(n)})
+      out.update({f'layers_{i}': jax.tree.map(lambda x, i=i: _take(x, i), value) for i in range(n)})
     else:
-      out[key] = unstack_layers(value) if isinstance(value, dict) else value
+      out[key] = unstack_layers(value) if isinstance(value, Mapping) else value
   return out
 
 
 def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
   """Unrolled `layers_0`, `layers_1`, ... -> one scanned `layers` subtree with a leading layer axis."""
   numbered = sorted((int(k.removeprefix('layers_')), k) for k in params if re.fullmatch(r'layers_\d+', k))
-  out = {k: stack_layers(v) if isinstance(v, dict) else v for k, v in params.items()
+  out = {k: stack_layers(v) if isinstance(v, Mapping) else v for k, v in params.items()
          if not re.fullmatch(r'layers_\d+', k)}
   if numbered:
-    out['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for _, k in numbered))
+    out['layers'] = jax.tree.map(_stack, *(params[k] for _, k in numbered))
   return out
+
+
+def relayout(tree: Any, scanned: bool) -> Any:
+  """Every params-shaped mapping in `tree` (the params, the optimizer's moments) in the scanned or the unrolled
+  layout. Works on arrays (inside jit) and on sharded ShapeDtypeStructs."""
+  convert = stack_layers if scanned else unstack_layers
+  is_params = lambda x: isinstance(x, Mapping)
+  return jax.tree.map(lambda x: convert(x) if is_params(x) else x, tree, is_leaf=is_params)
