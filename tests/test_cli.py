@@ -40,6 +40,18 @@ def test_train_command_runs_and_logs(tmp_path, capsys):
   assert len([r for r in read_metrics(tmp_path / 'run') if 'loss' in r]) == 4
 
 
+def test_resume_from_the_command_line_continues_the_same_run(tmp_path):
+  argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',
+          'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8', 'train.eval_every=2', 'train.eval_batches=1',
+          'optim.warmup_steps=1', 'optim.decay_steps=4', 'train.progress=false']
+  assert cli.main(argv + ['train.steps=4', f'train.run_dir={tmp_path}/straight']) == 0
+  assert cli.main(argv + ['train.steps=2', f'train.run_dir={tmp_path}/resumed']) == 0
+  assert cli.main(argv + ['train.steps=4', f'train.run_dir={tmp_path}/resumed', '--resume']) == 0
+  straight, resumed = read_metrics(tmp_path / 'straight'), read_metrics(tmp_path / 'resumed')
+  pick = lambda records: [(r['step'], r.get('loss'), r.get('val_loss')) for r in records]
+  assert sorted(pick(resumed), key=str) == sorted(pick(straight), key=str) and len(straight) == 4 + 3
+
+
 def test_resume_says_what_it_resumes(tmp_path, capsys):
   """--resume of a missing run dir stops (a typo should not start a new run); of an empty one it says it starts."""
   argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',

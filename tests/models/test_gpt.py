@@ -99,8 +99,11 @@ def test_remat_keeps_gradients(policy):
 
 def test_bfloat16_compute_keeps_float32_params():
   cfg32, model32, params = make()
-  _, model16, _ = make('model.dtype=bfloat16')
-  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  _, model16, params16 = make('model.dtype=bfloat16')
+  assert jax.tree.structure(params16) == jax.tree.structure(params)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params16))
+  grads = jax.grad(lambda p: logits_fn(model16)(p, tokens(5)).astype(jnp.float32).sum())(params16)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   x = tokens(5)
   out16, out32 = logits_fn(model16)(params, x), logits_fn(model32)(params, x)
   assert out16.dtype == jnp.bfloat16

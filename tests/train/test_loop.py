@@ -106,5 +106,9 @@ def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
   resumed = Trainer(small_config('train.steps=10', run, 'train.resume=true'), jax.devices()[:1])
   resumed.run()
-  losses = train_losses(read_metrics(tmp_path / 'run'))
-  assert sorted(losses) == list(range(1, 11))
+  straight = Trainer(small_config('train.steps=10', f'train.run_dir={tmp_path}/straight'), jax.devices()[:1])
+  straight.run()
+  losses, expected = (train_losses(read_metrics(tmp_path / d)) for d in ('run', 'straight'))
+  assert sorted(losses) == list(range(1, 11)) and losses == expected
+  for x, y in zip(jax.tree.leaves(straight.final_state), jax.tree.leaves(resumed.final_state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
