@@ -67,8 +67,10 @@ def _splash_kernel(lq: int, lk: int, heads: int, causal: bool, block_q: int, blo
   head_mask = masks.CausalMask((lq, lk)) if causal else masks.FullMask((lq, lk))
   sizes = splash.BlockSizes(block_q=block_q, block_kv=block_k, block_kv_compute=block_k, block_q_dkv=block_q,
                             block_kv_dkv=block_k, block_kv_dkv_compute=block_k, block_q_dq=block_q, block_kv_dq=block_k)
-  return splash.make_splash_mha(masks.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
+  # Cached across traces: its mask arrays must be constants, not tracers of the jit that first built it.
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mha(masks.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
 
 
 def tpu_splash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, segment_ids: jax.Array | None,

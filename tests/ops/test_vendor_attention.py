@@ -12,13 +12,16 @@ KERNELS = {
   # name: (function, takes bias, needs TPU interpret mode around the jit on CPU)
   'tpu_flash': (vendor_attention.tpu_flash, True, True),
   'tpu_splash': (vendor_attention.tpu_splash, False, False),
-  'cudnn': (lambda *a, **kw: vendor_attention.cudnn(*a, implementation='xla', **kw), True, False),
+  # cuDNN needs a GPU: this runs our cudnn entry (padding, layout, masks) through jax.nn.dot_product_attention's
+  # XLA implementation, not the cuDNN kernel.
+  'cudnn_entry_via_xla': (lambda *a, **kw: vendor_attention.cudnn(*a, implementation='xla', **kw), True, False),
 }
 
 
 @pytest.mark.parametrize('name', list(KERNELS))
 @pytest.mark.parametrize('seed, causal, segments, with_bias', [
-  (0, True, False, False), (1, False, True, False), (2, True, True, True),
+  (0, True, None, False), (1, False, 'packed', False), (2, True, 'packed', True),
+  (3, True, 'padded', False), (4, False, 'padded', True),  # trailing segment 0: padding attends to nothing
 ])
 def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
   fn, takes_bias, interpret_ctx = KERNELS[name]
@@ -28,6 +31,8 @@ def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
   b, h, d, length = 2, 2, 64, int(rng.choice([128, 200]))
   q, k, v, do = (rng.normal(size=(b, length, h, d)) for _ in range(4))
   seg = np.sort(rng.integers(1, 4, size=(b, length)), axis=1) if segments else np.ones((b, length), np.int32)
+  if segments == 'padded':
+    seg[0, length - 37:], seg[1, length - 90:] = 0, 0
   bias = rng.normal(size=(1, h, length, length)) if with_bias else None
 
   def loss(q, k, v, bias):
@@ -47,3 +52,12 @@ def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
   assert rel(out, want[0]) < 1e-5
   for got, expected in zip(grads, want[1:], strict=False):
     assert rel(got, expected) < 1e-5
+
+
+def test_splash_kernel_is_reused_across_jits():
+  """The kernel is cached by shape: a second jit with the same shapes must not see the first one's tracers."""
+  q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 2, 64)), jnp.float32)
+  run = lambda q: vendor_attention.tpu_splash(q, q, q, causal=True, segment_ids=None, kv_segment_ids=None,
+                                              bias=None, scale=0.125, platform='cpu')
+  first, second = jax.jit(run)(q), jax.jit(lambda q: run(q) * 1.0)(q)
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
