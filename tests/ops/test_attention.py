@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lm.ops.attention as attention_module
 from lm.ops.attention import attention
 
 
@@ -75,3 +76,31 @@ def test_grouped_key_value_heads_match_float64(impl, kv_heads):
   seg = np.sort(rng.integers(1, 3, size=(b, s)), axis=1)
   got = attention(q, k, v, causal=True, segment_ids=seg, impl=impl)
   assert rel_err(got, reference(q, k, v, True, seg, None, d ** -0.5)) < 1e-5
+
+
+@pytest.mark.parametrize('length, blocks', [(64, 2), (96, 2), (256, 4)])
+def test_blocked_causal_path_matches_float64_forward_and_gradients(length, blocks, monkeypatch):
+  """Causal self-attention of 64+ tokens (every default CPU run) takes the blocked path: packed segments with
+  padding and a bias, against the float64 reference, values and gradients."""
+  from tests.kernels.test_flash_attention import reference as reference_with_grads
+  calls, blocked = [], attention_module.blocked_causal_attention
+  monkeypatch.setattr(attention_module, 'blocked_causal_attention',
+                      lambda *a, **kw: calls.append(kw['num_blocks']) or blocked(*a, **kw))
+  rng = np.random.default_rng(length)
+  b, h, d = 2, 2, 8
+  q, k, v, do = (rng.normal(size=(b, length, h, d)) for _ in range(4))
+  seg = np.sort(rng.integers(1, 4, size=(b, length)), axis=1).astype(np.int32)
+  seg[1, length - 11:] = 0  # padding at the end of the second row
+  bias = rng.normal(size=(1, h, length, length))
+
+  def loss(q, k, v, bias):
+    out = attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), bias=bias)
+    return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
+
+  f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias)]
+  grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*f32)
+  assert calls == [blocks]
+  want = reference_with_grads(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=bias, scale=d ** -0.5)
+  assert rel_err(out, want[0]) < 1e-5
+  for got, expected in zip(grads, want[1:], strict=True):
+    assert rel_err(got, expected) < 1e-5
