@@ -56,6 +56,8 @@ CASES = [  # (seed, causal, segments, bias, dtype, query heads per key/value hea
   (3, False, True, True, 'float32', 1), (4, True, True, True, 'float32', 1), (5, True, False, True, 'bfloat16', 1),
   (6, False, True, False, 'bfloat16', 1),
   (7, True, True, True, 'float32', 2), (8, False, False, False, 'float32', 4), (9, True, True, False, 'bfloat16', 3),
+  # cross-attention: queries and keys of other lengths, each with their own segment ids (and padding)
+  (10, False, 'cross', True, 'float32', 1), (11, False, 'cross', False, 'bfloat16', 2),
 ]
 
 
@@ -66,19 +68,23 @@ def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, 
   h = kv_heads * group
   d = int(rng.choice([16, 32, 64]))
   lq = int(rng.integers(40, 300))  # rarely a multiple of the blocks: exercises padding
-  lk = lq if causal or segments else int(rng.integers(40, 300))
+  lk = lq if causal or segments is True else int(rng.integers(40, 300))
   q = rng.normal(size=(b, lq, h, d))
   k, v = rng.normal(size=(b, lk, kv_heads, d)), rng.normal(size=(b, lk, kv_heads, d))
   do = rng.normal(size=(b, lq, h, d))
   q_seg = np.sort(rng.integers(0, 4, size=(b, lq)), axis=1) if segments else np.ones((b, lq), np.int32)
-  kv_seg = q_seg if segments else np.ones((b, lk), np.int32)
+  kv_seg = q_seg if segments is True else np.ones((b, lk), np.int32)
+  if segments == 'cross':
+    kv_seg = np.sort(rng.integers(0, 4, size=(b, lk)), axis=1)
   bias = rng.normal(size=(1, h, lq, lk)) if with_bias else None
   jdt = jnp.dtype(dtype)
   cast = lambda x: jnp.asarray(x, jdt)
   seg_arg = jnp.asarray(q_seg) if segments else None
+  kv_seg_arg = jnp.asarray(kv_seg) if segments == 'cross' else None
 
   def loss(q, k, v, bias):
-    out = flash_attention(q, k, v, causal=causal, segment_ids=seg_arg, bias=bias, block_q=64, block_k=128)
+    out = flash_attention(q, k, v, causal=causal, segment_ids=seg_arg, kv_segment_ids=kv_seg_arg, bias=bias,
+                          block_q=64, block_k=128)
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(do, jnp.float32)), out
 
   bias_arg = None if bias is None else jnp.asarray(bias, jnp.float32)
