@@ -125,3 +125,29 @@ def test_paths_expand_home_and_variables_but_not_uris(monkeypatch):
   assert list(config.data.paths) == ['/data/corpus/*.txt', 'gs://bucket/x/*.txt']
   assert config.data.tokenizer == 'hf:/home/ada/tok'
   assert str(config.run_dir) == '/home/ada/runs/gpt_tiny' and config.train.init_from == 'gs://bucket/run'
+
+
+@pytest.mark.parametrize('overrides, needle', [
+  (['mesh.data=1', 'mesh.tensor=8', 'model.vocab_size=260', 'model.num_heads=8'],
+   'model.vocab_size=260 is not divisible by mesh.tensor=8 (parameter token_embed/embedding); choose mesh sizes '
+   'that divide it or change model.vocab_size'),
+  (['mesh.slices=3'], 'mesh.slices=3 does not divide the 8 devices'),
+  (['mesh.data=-1', 'mesh.fsdp=3'], 'do not fit 8 devices per slice: 3 does not divide 8'),
+  (['mesh.data=8', 'train.global_batch=16', 'train.microbatches=4'],
+   'train.global_batch=16 over 4 microbatch(es) gives 4 rows, not divisible by the data-parallel size mesh.data=8; '
+   'use a global batch that is a multiple of 32'),
+  (['mesh.data=2', 'mesh.fsdp=4', 'train.global_batch=16', 'train.microbatches=4'],
+   'not divisible by the data-parallel size mesh.data*mesh.fsdp=8; use a global batch that is a multiple of 32'),
+])
+def test_sizes_that_do_not_divide_over_the_mesh_name_the_field(overrides, needle):
+  with pytest.raises(ConfigError) as info:
+    cfg = load_config('gpt_tiny', overrides)
+    make_train_step(assemble(cfg, jax.devices()))
+  assert needle in str(info.value)
+
+
+def test_a_size_that_divides_gives_no_error():
+  """The checks are not over-eager: the same settings made divisible assemble and build a step."""
+  cfg = load_config('gpt_tiny', ['mesh.data=2', 'mesh.fsdp=4', 'train.global_batch=32', 'train.microbatches=4',
+                                 'model.vocab_size=264'])
+  make_train_step(assemble(cfg, jax.devices()))

@@ -104,3 +104,20 @@ def test_blocked_causal_path_matches_float64_forward_and_gradients(length, block
   assert rel_err(out, want[0]) < 1e-5
   for got, expected in zip(grads, want[1:], strict=True):
     assert rel_err(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize('platform, expected', [('tpu', 'flash'), ('gpu', 'cudnn'), ('cpu', 'xla')])
+def test_auto_picks_the_platforms_kernel(platform, expected, monkeypatch):
+  """`auto` on a TPU runs our flash kernel, on a GPU cuDNN, elsewhere XLA; a mask or attention dropout (which
+  the kernels lack) sends every platform to XLA. The platform is given, the kernels are spied on, not run."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: platform)
+  ran = []
+  for name in attention_module.KERNELS:
+    monkeypatch.setitem(attention_module.KERNELS, name, lambda q, *a, name=name, **kw: ran.append(name) or q)
+  q = jnp.ones((1, 64, 2, 8))
+  attention(q, q, q, causal=True, impl='auto')
+  assert ran == ([] if expected == 'xla' else [expected])
+  ran.clear()
+  attention(q, q, q, mask=jnp.ones((1, 1, 64, 64), bool), impl='auto')
+  attention(q, q, q, impl='auto', dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  assert ran == []
