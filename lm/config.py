@@ -63,6 +63,8 @@ class ModelConfig:
   activation: Activation = 'gelu'
   use_bias: bool = True
   tie_embeddings: bool = True
+  scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
+  # layer then reads the table without its d_model^-0.5 rescale
   dropout: float = 0.0
   attention_dropout: float = 0.0
   init_std: float = 0.02
@@ -73,6 +75,10 @@ class ModelConfig:
   attention_block_k: int = 128
   scan_layers: bool = True
   remat: Remat = 'none'
+
+  @property
+  def embedding_scale(self) -> float:
+    return self.d_model ** 0.5 if self.scale_embeddings else 1.0
 
   @property
   def resolved_head_dim(self) -> int:

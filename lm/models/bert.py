@@ -24,7 +24,7 @@ class BERT(nn.Module):
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     common = dict(dtype=dtype, param_dtype=param_dtype)
     dense = dict(use_bias=True, kernel_init=nn.initializers.normal(cfg.init_std), **common)
-    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, **common)
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, scale=cfg.embedding_scale, **common)
     self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
     if cfg.type_vocab_size:
       self.type_embed = Embed(cfg.type_vocab_size, cfg.d_model, init_std=cfg.init_std, axes=(None, 'embed'), **common)

@@ -25,7 +25,7 @@ class GPT(nn.Module):
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
-                  name='token_embed')
+                  scale=cfg.embedding_scale, name='token_embed')
     x = embed(tokens)
     positions = default_positions(tokens) if positions is None else positions
     pos = embed_positions(cfg, positions)

@@ -82,6 +82,7 @@ class Embed(nn.Module):
   param_dtype: Dtype = jnp.float32
   init_std: float = 0.02
   axes: tuple[str | None, str] = ('vocab', 'embed')
+  scale: float = 1.0  # applied to looked-up rows only, not to the tied output layer
 
   def setup(self) -> None:
     self.embedding = self.param(
@@ -89,7 +90,8 @@ class Embed(nn.Module):
       (self.num_embeddings, self.features), self.param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    return jnp.take(gathered(self.embedding, self.axes), ids, axis=0).astype(self.dtype)
+    rows = jnp.take(gathered(self.embedding, self.axes), ids, axis=0)
+    return (rows * self.scale if self.scale != 1.0 else rows).astype(self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """'b l d, v d -> b l v' logits against the embedding table."""

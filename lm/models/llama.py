@@ -26,7 +26,7 @@ class Llama(nn.Module):
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
-                  name='token_embed')
+                  scale=cfg.embedding_scale, name='token_embed')
     x = nn.Dropout(cfg.dropout)(embed(tokens), deterministic=deterministic)
     x = constrain(x, ('batch', 'length', 'embed'))
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(

@@ -25,7 +25,7 @@ class T5(nn.Module):
   def setup(self) -> None:
     cfg = self.cfg
     common = dict(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
-    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, **common)
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, scale=cfg.embedding_scale, **common)
     self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
     self.decoder = Stack(cfg, causal=True, num_layers=cfg.resolved_decoder_layers, cross=True)
     self.dropout = nn.Dropout(cfg.dropout)
@@ -60,7 +60,7 @@ class T5(nn.Module):
                      deterministic=deterministic, decode=decode)
     y = self.dropout(y, deterministic=deterministic)
     if self.cfg.tie_embeddings:
-      logits = self.token_embed.attend(y * self.cfg.d_model ** -0.5)
+      logits = self.token_embed.attend(y if self.cfg.scale_embeddings else y * self.cfg.d_model ** -0.5)
     else:
       logits = self.lm_head(y)
     return constrain(logits, ('batch', 'length', 'vocab'))
