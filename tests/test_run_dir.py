@@ -6,7 +6,6 @@ import jax
 import numpy as np
 import pytest
 import tokenizers
-import torch
 import transformers
 
 from lm import cli
@@ -46,9 +45,21 @@ def test_convert_round_trip_through_a_run_dir(tmp_path, capsys):
   assert 'already holds a run' in err[0] and 'needs --to RUN_DIR' in err[1]
 
 
-def test_a_training_checkpoint_exports_to_transformers(small_config, tmp_path):
-  """A scanned-layer GPT checkpointed by lm's train loop loads as GPT2LMHeadModel with the same logits."""
-  config = small_config()
+HF_CLASSES = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
+              't5': transformers.T5ForConditionalGeneration, 'llama': transformers.LlamaForCausalLM}
+
+
+@pytest.mark.parametrize('preset, extra', [
+  ('gpt_tiny', []), ('bert_tiny', ['model.max_len=32']), ('t5_tiny', ['model.d_ff=128']),
+  ('llama_tiny', ['model.num_kv_heads=4']),
+])
+def test_a_training_checkpoint_exports_to_transformers(preset, extra, tmp_path):
+  """A scanned-layer checkpoint written by lm's train loop, every family, loads in transformers with the same
+  logits on a padded batch."""
+  from tests.conftest import SMALL
+  from tests.convert.test_hf import compare
+  config = load_config(preset, SMALL + extra + [f'train.run_dir={tmp_path}/run'])
+  assert config.model.scan_layers
   assembly = assemble(config, jax.devices()[:1])
   rng = np.random.default_rng(0)
   state = jax.tree.map(lambda a: (0.2 * rng.normal(size=a.shape)).astype(a.dtype), assembly.abstract_state)
@@ -58,12 +69,9 @@ def test_a_training_checkpoint_exports_to_transformers(small_config, tmp_path):
   (config.run_dir / 'config.yaml').write_text(config.to_yaml())
   assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(config.run_dir)]) == 0
 
-  hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
-  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, size=(2, 16))
-  with torch.no_grad():
-    theirs = hf_model(torch.as_tensor(tokens)).logits.numpy()
-  ours = np.asarray(assembly.model.apply({'params': state.params}, tokens))
-  assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
+  kind = json.loads((tmp_path / 'hf' / 'config.json').read_text())['model_type']
+  hf_model = HF_CLASSES[kind].from_pretrained(tmp_path / 'hf').eval()
+  assert compare(hf_model, assembly.model, state.params, kind) < 1e-4
 
 
 @pytest.mark.parametrize('source', ['hf', 'run'])
