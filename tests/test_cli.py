@@ -73,3 +73,23 @@ def test_commands_are_quiet_where_libtpu_is_installed_without_a_tpu():
   assert result.returncode == 0, result.stderr
   assert result.stderr == '', result.stderr
   assert result.stdout.startswith('config ')
+
+
+def test_info_simulates_devices_and_reports_the_compiled_step(tmp_path):
+  """`lm info --devices 4 --compile` plans on 4 simulated CPU devices (a fresh process, as a user runs it) and
+  reports the compiled step's memory: the same figures as compiling that step here on 4 of the 8 devices."""
+  import jax
+
+  from lm.assembly import assemble
+  from lm.compile import compiled_memory
+  from lm.config import load_config
+  from lm.train.step import compile_train_step
+  overrides = ['mesh.data=2', 'mesh.fsdp=2', 'model.num_layers=1', 'train.global_batch=8']
+  env = {**os.environ, 'XLA_FLAGS': os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')}
+  result = subprocess.run([sys.executable, '-m', 'lm.cli', 'info', '--config', 'gpt_tiny', '--devices', '4',
+                           '--compile', '--json', *overrides], env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report['mesh']['data'] == 2 and report['mesh']['fsdp'] == 2 and report['mesh']['strategy'] == 'dp+fsdp'
+  here = compiled_memory(compile_train_step(assemble(load_config('gpt_tiny', overrides), jax.devices()[:4])))
+  assert report['compiled_memory_per_device'] == here and here['arguments'] > 0
