@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import jax
@@ -41,11 +41,14 @@ from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.parallel.rules import batch_sharding
 
 
-def local_row_range(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
-  """The contiguous block of batch rows this process's devices hold under `sharding`."""
+def local_row_range(sharding: NamedSharding, global_batch: int,
+                    devices: Sequence[jax.Device] | None = None) -> tuple[int, int]:
+  """The contiguous block of batch rows this process's devices (or `devices`: one process's, simulated) hold
+  under `sharding`."""
   rows_only = NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if sharding.spec else None))
-  ranges = [idx[0].indices(global_batch)[:2]
-            for idx in rows_only.addressable_devices_indices_map((global_batch,)).values()]
+  index = rows_only.devices_indices_map((global_batch,))
+  ranges = [index[d][0].indices(global_batch)[:2] for d in (sharding.addressable_devices if devices is None
+                                                            else devices)]
   lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
   if len({i for start, stop in ranges for i in range(start, stop)}) != hi - lo:
     raise ValueError('this process holds a non-contiguous part of the batch; order the mesh so that '

@@ -131,6 +131,33 @@ def test_each_process_builds_only_its_rows():
   assert local_row_range(sharding, 16) == (0, 16)
 
 
+def simulated_processes(devices, per_process=2):
+  """Processes as a multi-host job has them: process p owns devices p*n ... p*n+n-1."""
+  return [devices[p:p + per_process] for p in range(0, len(devices), per_process)]
+
+
+@pytest.mark.parametrize('shape, axes, spec, rows', [
+  ((4, 2), ('data', 'tensor'), 'data', [(0, 4), (4, 8), (8, 12), (12, 16)]),  # a process: one data index
+  ((2, 4), ('data', 'fsdp'), ('data', 'fsdp'), [(0, 4), (4, 8), (8, 12), (12, 16)]),  # two of data x fsdp
+  ((2, 4), ('data', 'tensor'), 'data', [(0, 8), (0, 8), (8, 16), (8, 16)]),  # processes sharing a data index
+])
+def test_processes_hold_contiguous_blocks_of_rows(shape, axes, spec, rows):
+  devices = np.array(jax.devices()).reshape(shape)
+  sharding = NamedSharding(jax.sharding.Mesh(devices, axes), PartitionSpec(spec))
+  got = [local_row_range(sharding, 16, process) for process in simulated_processes(jax.devices())]
+  assert got == rows
+  covered = sorted({i for lo, hi in got for i in range(lo, hi)})
+  assert covered == list(range(16))
+
+
+def test_a_process_holding_rows_apart_is_refused():
+  """Devices ordered so that process 0 (devices 0 and 1) holds data indices 0 and 2: its rows are not one block."""
+  d = jax.devices()
+  mesh = jax.sharding.Mesh(np.array([[d[0], d[4]], [d[2], d[6]], [d[1], d[5]], [d[3], d[7]]]), ('data', 'tensor'))
+  with pytest.raises(ValueError, match='non-contiguous part of the batch; order the mesh'):
+    local_row_range(NamedSharding(mesh, PartitionSpec('data')), 16, simulated_processes(d)[0])
+
+
 def test_vocab_smaller_than_tokenizer_is_refused(small_config):
   with pytest.raises(ConfigError, match='model.vocab_size=200 is smaller than the byte tokenizer'):
     one_device_batches(small_config('model.vocab_size=200'))
