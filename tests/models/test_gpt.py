@@ -120,3 +120,27 @@ def test_post_ln_stack_ends_in_a_norm():
   out = jax.jit(lambda p, h: stack.apply({'params': p}, h))(params['decoder'], h)
   np.testing.assert_allclose(np.mean(out, -1), 0.0, atol=1e-4)
   np.testing.assert_allclose(np.std(out, -1), 1.0, rtol=1e-3)
+
+
+def test_hidden_dropout_drops_at_its_rate_and_rescales_the_rest():
+  """Every nn.Dropout in the model, intercepted: about a fraction p of its nonzero inputs become 0 (binomial,
+  5 sigma over all of them) and every kept value is its input / (1 - p)."""
+  p = 0.25
+  _, model, params = make(f'model.dropout={p}', 'model.scan_layers=false')  # unrolled: concrete values
+  seen = []
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if isinstance(context.module, nn.Dropout) and context.method_name == '__call__':
+      seen.append((np.asarray(args[0]), np.asarray(out)))
+    return out
+  with nn.intercept_methods(record):
+    model.apply({'params': params}, tokens(8), deterministic=False, rngs={'dropout': jax.random.key(0)})
+  assert len(seen) >= 5  # embeddings, and attention and MLP outputs of each layer
+  x = np.concatenate([a.ravel() for a, _ in seen])
+  y = np.concatenate([b.ravel() for _, b in seen])
+  live = x != 0
+  dropped = np.mean(y[live] == 0)
+  assert abs(dropped - p) < 5 * np.sqrt(p * (1 - p) / live.sum())
+  kept = live & (y != 0)
+  np.testing.assert_allclose(y[kept], x[kept] / (1 - p), rtol=1e-6)

@@ -121,3 +121,18 @@ def test_auto_picks_the_platforms_kernel(platform, expected, monkeypatch):
   attention(q, q, q, mask=jnp.ones((1, 1, 64, 64), bool), impl='auto')
   attention(q, q, q, impl='auto', dropout_rate=0.1, dropout_rng=jax.random.key(0))
   assert ran == []
+
+
+def test_attention_dropout_drops_at_its_rate_and_rescales_the_rest():
+  """Zero queries and keys give uniform probabilities 1/L; values one-hot per key read the dropped probability
+  matrix back: a fraction p is 0 (binomial, 5 sigma), the rest is (1/L) / (1 - p)."""
+  b, length, h, p = 2, 128, 2, 0.3
+  q = jnp.zeros((b, length, h, length))
+  v = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (b, length, h, length))
+  out = np.asarray(attention(q, q, v, impl='xla', dropout_rate=p, dropout_rng=jax.random.key(0)))
+  dropped = np.mean(out == 0)
+  n = out.size
+  assert abs(dropped - p) < 5 * np.sqrt(p * (1 - p) / n)
+  np.testing.assert_allclose(out[out != 0], 1 / length / (1 - p), rtol=1e-6)
+  again = np.asarray(attention(q, q, v, impl='xla', dropout_rate=p, dropout_rng=jax.random.key(1)))
+  assert np.mean((again == 0) != (out == 0)) > 0.3  # another key, another mask

@@ -87,11 +87,16 @@ def test_sharded_training_equals_one_device(family, name, tmp_path, reference, c
     assert rel(got, want_leaves[path]) < 1e-5, name
 
 
-def test_dropout_is_the_same_on_any_mesh(small_config, reference):
-  config = small_config('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'model.dropout=0.1')
-  losses, _ = run_steps(config, jax.devices(), steps=3)
-  want_losses, _ = reference('model.dropout=0.1')
+@pytest.mark.parametrize('mesh', [('mesh.data=8',), ('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')])
+def test_dropout_is_the_same_on_any_mesh(small_config, reference, mesh):
+  """Hidden and attention dropout draw the same masks on every mesh (the losses equal one device's), and they
+  do drop something (the losses differ from a run without dropout)."""
+  dropout = ('model.dropout=0.1', 'model.attention_dropout=0.1')
+  losses, _ = run_steps(small_config(*mesh, *dropout), jax.devices(), steps=3)
+  want_losses, _ = reference(*dropout)
   np.testing.assert_allclose(losses, want_losses[:3], rtol=1e-5)
+  no_dropout, _ = reference()
+  assert all(abs(a - b) > 1e-4 for a, b in zip(losses, no_dropout[:3]))
 
 
 def test_fsdp_splits_params_and_optimizer_state_eight_ways(tmp_path):
