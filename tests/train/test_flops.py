@@ -21,7 +21,42 @@ def test_flops_agree_with_xla_cost_analysis(name):
   xla = (cost[0] if isinstance(cost, list) else cost)['flops']
   # The XLA attention path computes every score of a causal square at this length: count 'full'.
   ours = flops_per_sequence(assembly.abstract_params, config.model, SEQ, 'full') * BATCH
-  assert abs(xla / ours - 1) < 0.05, (xla, ours)
+  # XLA also counts the elementwise work (norms, softmax, activations, the optimizer): 1.6-4.5% here, while
+  # the smallest matmul term (attention) is about 4%, so dropping a term or counting one twice fails.
+  assert 1.0 <= xla / ours < 1.05, (xla, ours)
+
+
+def hand_count(name: str, seq: int, target: int | None) -> float:
+  """Training FLOPs of one row written out from each architecture: 2 per weight per token it sees, forward;
+  attention 2 * 2 * heads * head_dim per query-key pair (scores, weighted values), the full square; x3 for
+  forward + backward."""
+  m = load_config(name, ['model.num_layers=2', 'model.num_decoder_layers=2']).model
+  d, vocab, layers = m.d_model, m.vocab_size, m.num_layers
+  hd, kv = m.num_heads * m.resolved_head_dim, m.resolved_kv_heads * m.resolved_head_dim
+  mlp = (3 if m.activation in ('swiglu', 'geglu', 'geglu_tanh') else 2) * d * m.resolved_d_ff
+  block = 2 * d * hd + 2 * d * kv + mlp  # query and output; key and value (fewer heads under GQA); the MLP
+  pair = 2 * 2 * hd
+  if name in ('gpt_tiny', 'llama_tiny'):  # decoder only; gpt ties the output layer to the table, llama does not
+    forward = 2 * seq * (layers * block + vocab * d) + layers * seq * seq * pair
+  elif name == 'bert_tiny':  # encoder, then the MLM transform (d x d) and the tied output at every position
+    forward = 2 * seq * (layers * block + d * d + vocab * d) + layers * seq * seq * pair
+  else:  # t5: an encoder on `seq` inputs; a decoder on `target` tokens whose cross-attention reads the encoder
+    dec_layers = m.resolved_decoder_layers
+    encoder = 2 * seq * layers * block + layers * seq * seq * pair
+    cross = 2 * (seq + target) * dec_layers * 2 * d * hd  # keys and values of the inputs; queries and output
+    decoder = 2 * target * (dec_layers * block + vocab * d) + dec_layers * (target * target + target * seq) * pair
+    forward = encoder + cross + decoder
+  return 3 * forward
+
+
+@pytest.mark.parametrize('name', ['gpt_tiny', 'bert_tiny', 't5_tiny', 't5_v1_0_tiny', 'llama_tiny'])
+def test_flops_equal_a_count_by_hand(name):
+  config = load_config(name, ['model.num_layers=2', 'model.num_decoder_layers=2', f'data.seq_len={SEQ}',
+                              f'model.max_len={SEQ}', 'mesh.data=1'])
+  assembly = assemble(config, jax.devices()[:1])
+  target = assembly.family.target_length(SEQ) if hasattr(assembly.family, 'target_length') else None
+  ours = flops_per_sequence(assembly.abstract_params, config.model, SEQ, 'full')
+  assert ours == hand_count(name, SEQ, target)
 
 
 def test_causal_half_counts_half_the_attention_and_mfu_divides_by_the_peak():
