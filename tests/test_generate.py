@@ -114,6 +114,47 @@ def test_sample_logits_keeps_top_k_and_nucleus_sets():
   assert set(draw(Sampling(1.0))) == {0, 1, 2, 3}
 
 
+def sampling_reference(logits, temperature, top_k=None, top_p=None):
+  """float64 NumPy: softmax(logits / T) over the top-k tokens, then the smallest likeliest set whose mass
+  reaches top_p, renormalised."""
+  z = np.asarray(logits, np.float64) / temperature
+  order = np.argsort(-z)
+  keep = np.zeros(len(z), bool)
+  keep[order[:top_k or len(z)]] = True
+  probs = np.where(keep, np.exp(z - z.max()), 0.0)
+  probs /= probs.sum()
+  if top_p is not None:
+    ranked = probs[order]
+    above = np.cumsum(ranked) - ranked
+    nucleus = np.zeros(len(z), bool)
+    nucleus[order[above < top_p]] = True
+    probs = np.where(nucleus, probs, 0.0)
+    probs /= probs.sum()
+  return probs
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [
+  (0.5, None, None), (2.0, None, None), (2.0, 4, None), (0.7, None, 0.8), (1.5, 5, 0.7),
+])
+def test_sampled_frequencies_follow_the_tempered_truncated_softmax(temperature, top_k, top_p):
+  """20,000 draws against the float64 reference: a chi-square test over its support (p > 1e-3; the seed is
+  fixed, so the outcome is too) and no draw outside it."""
+  from scipy.stats import chisquare
+  logits = np.array([2.0, 1.2, 0.9, 0.5, 0.1, -0.3, -1.0, -2.5])
+  n = 20_000
+  draws = np.asarray(sample_logits(jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1)), jax.random.key(0),
+                                   Sampling(temperature, top_k, top_p)))
+  want = sampling_reference(logits, temperature, top_k, top_p)
+  counts = np.bincount(draws, minlength=len(logits))
+  assert np.all(counts[want == 0] == 0)
+  support = want > 0
+  assert chisquare(counts[support], n * want[support]).pvalue > 1e-3
+  if temperature != 1:  # the temperature matters: the untempered distribution is rejected
+    untempered = sampling_reference(logits, 1.0, top_k, top_p)
+    if np.all(untempered[support] > 0) and np.all(untempered[~support] == 0):
+      assert chisquare(counts[support], n * untempered[support]).pvalue < 1e-6
+
+
 def test_t5_prompts_name_sentinels_and_outputs_show_them():
   config = load_config('t5_tiny', OVERRIDES['t5_tiny'])
   tokenizer = ByteTokenizer()
@@ -140,10 +181,17 @@ def test_cli_prints_continuations(trained_run, capsys):
   texts = generate_text(config, params, ['def ', 'The'], max_new_tokens=12)
   assert out == f"--- 'def '\n{texts[0]}\n--- 'The'\n{texts[1]}\n"
   assert any(texts)
-  sampled = argv + ['--temperature', '1.0', '--top-k', '20', '--top-p', '0.9', '--seed', '3']
+  sampled = argv + ['--temperature', '0.8', '--top-k', '20', '--top-p', '0.9', '--seed', '3']
   assert cli.main(sampled) == 0 and cli.main(sampled) == 0
   first, second = capsys.readouterr().out.split("--- 'def '")[1:]
   assert first == second
+  # The flags reach the sampler: the output is the library's with the same settings, and not with any one
+  # of them left at its default.
+  texts = lambda *settings: generate_text(config, params, ['def ', 'The'], max_new_tokens=12,
+                                          sampling=Sampling(*settings), rng=jax.random.key(3))
+  assert first == f"\n{texts(0.8, 20, 0.9)[0]}\n--- 'The'\n{texts(0.8, 20, 0.9)[1]}\n"
+  for other in [(0.05, 20, 0.9), (0.8, None, 0.9), (0.8, 20, None)]:  # a tiny model: logits near uniform
+    assert texts(*other) != texts(0.8, 20, 0.9), other
 
 
 @pytest.mark.parametrize('argv, message', [
