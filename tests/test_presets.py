@@ -73,3 +73,36 @@ def test_ladder_presets_carry_their_published_shapes():
   for name, (d_ff, heads, head_dim) in t5.items():
     m = load_config(name).model
     assert (m.d_ff, m.num_heads, m.head_dim, m.vocab_size) == (d_ff, heads, head_dim, 32128)
+
+
+# preset, overrides to the released vocabulary, transformers class and config of the released checkpoint, its
+# parameter count as transformers reports it, and what that count includes.
+RELEASED = {
+  'gpt2_small': (['model.vocab_size=50257'], 'GPT2LMHeadModel', dict(), 124_439_808,
+                 'gpt2: embeddings (the output layer tied to them) and 12 blocks; the preset pads the vocabulary '
+                 'to 50304'),
+  'bert_base': ([], 'BertForPreTraining', dict(), 110_106_428,
+                'bert-base-uncased with its pretraining heads: BertModel (109,482,240, with the pooler) plus the '
+                'MLM transform, norm and output bias (622,650) and NSP (1,538)'),
+  't5_small': ([], 'T5ForConditionalGeneration', dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6,
+                                                        num_heads=8, d_kv=64), 60_506_624,
+               't5-small: the shared embedding (tied output), encoder and decoder'),
+  'llama2_7b': ([], 'LlamaForCausalLM', dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                             num_hidden_layers=32, num_attention_heads=32), 6_738_415_616,
+                'Llama-2-7b: embeddings, 32 blocks, final norm and the untied output layer'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(RELEASED))
+def test_parameter_count_equals_the_released_checkpoint_exactly(name):
+  """Ours, transformers' count of the same architecture (built on the meta device: no memory), and the released
+  checkpoint's published count agree to the parameter."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  overrides, cls, kwargs, released, _ = RELEASED[name]
+  config_cls = getattr(transformers, cls.replace('LMHeadModel', 'Config').replace('ForPreTraining', 'Config')
+                       .replace('ForConditionalGeneration', 'Config').replace('ForCausalLM', 'Config'))
+  with torch.device('meta'):
+    theirs = getattr(transformers, cls)(config_cls(**kwargs)).num_parameters()
+  ours = count_params(abstract_params(build_model(load_config(name, overrides).model)))['total']
+  assert ours == theirs == released, (ours, theirs, released)
