@@ -119,3 +119,23 @@ def test_a_two_slice_mesh_trains_like_one_device(tmp_path, reference):
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
   assert rel(flat(params), flat(want_params)) < 1e-5
+
+
+@pytest.mark.parametrize('mesh', [('mesh.fsdp=8',), ('mesh.fsdp=4', 'mesh.tensor=2')])
+def test_initialisation_creates_each_shard_where_it_lives(tmp_path, mesh):
+  """The compiled init function: its outputs carry the state's shardings, each device's output is its shards
+  (about 1/8 of the state here), and its temporaries stay far below the whole params (it never builds the
+  whole model on a device and slices it)."""
+  from lm.config import load_config
+  from lm.train.accounting import shard_bytes
+  from lm.train.state import make_init_fn
+  a = assemble(load_config('gpt_tiny', [f'train.run_dir={tmp_path}', 'mesh.data=1', *mesh]), jax.devices())
+  compiled = make_init_fn(a.family, a.model, a.tx, a.shardings, a.config.data.seq_len).lower(
+    jax.random.key(0)).compile()
+  got, want = jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(a.abstract_state)
+  assert len(got) == len(want) and all(g.is_equivalent_to(w.sharding, w.ndim) for g, w in zip(got, want))
+  stats = compiled.memory_analysis()
+  whole = lambda tree: shard_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
+  assert stats.output_size_in_bytes == pytest.approx(shard_bytes(a.abstract_state), rel=1e-3)
+  assert stats.output_size_in_bytes < whole(a.abstract_state) / 7
+  assert stats.temp_size_in_bytes < whole(a.abstract_params) / 4
