@@ -81,6 +81,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--only', nargs='*', default=None, choices=list(PLAN), metavar='PRESET',
                       help='presets to compile (default: the whole table)')
+  parser.add_argument('--remat', action=argparse.BooleanOptionalAction, default=True,
+                      help=f'also compare remat policies on {REMAT_PRESET} (three compiles; default %(default)s)')
   parser.add_argument('--out', default='docs/scaling_table.md')
   parser.add_argument('--json', default='bench/results/compile_table.json')
   args = parser.parse_args()
@@ -94,7 +96,7 @@ def main() -> None:
     print(f'{name:16s} {r["topology"]:9s} {gib(r["memory_per_device"]["total"]):>8s} GiB/device '
           f'fits={r["fits"]} compiled in {r["compile_seconds"]:.1f}s', flush=True)
   remat: dict[str, dict[str, Any]] = {}
-  for policy in ('none', 'projections', 'full'):
+  for policy in ('none', 'projections', 'full') if args.remat else ():
     config = load_config(REMAT_PRESET, REMAT_OVERRIDES + [f'model.remat={policy}'])
     remat[policy] = compile_report(config, REMAT_TOPOLOGY, MFU)
     print(f'{REMAT_PRESET} remat={policy:12s} temp {gib(remat[policy]["memory_per_device"]["temp"])} GiB', flush=True)
@@ -112,14 +114,17 @@ def main() -> None:
     '',
     *scaling_rows(reports),
     '',
-    f'## Remat on {REMAT_PRESET}, {REMAT_TOPOLOGY}, mesh {" ".join(REMAT_OVERRIDES)}',
-    '',
-    'Selective remat (`projections`: keep the q/k/v/out projections and MLP outputs, recompute the rest)',
-    'against none and full (keep only each layer\'s input):',
-    '',
-    *remat_rows(remat),
-    '',
   ]
+  if remat:
+    lines += [
+      f'## Remat on {REMAT_PRESET}, {REMAT_TOPOLOGY}, mesh {" ".join(REMAT_OVERRIDES)}',
+      '',
+      'Selective remat (`projections`: keep the q/k/v/out projections and MLP outputs, recompute the rest)',
+      'against none and full (keep only each layer\'s input):',
+      '',
+      *remat_rows(remat),
+      '',
+    ]
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text('\n'.join(lines))

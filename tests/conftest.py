@@ -28,3 +28,12 @@ def small_config(tmp_path):
   def make(*overrides: str) -> Config:
     return load_config('gpt_tiny', SMALL + [f'train.run_dir={tmp_path}/run'] + list(overrides))
   return make
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  """Long tests first, longest first (`@pytest.mark.long(minutes)`; a stable sort): xdist hands tests out in
+  this order, and a long test started last would leave the other workers idle at the end."""
+  def minutes(item: pytest.Item) -> float:
+    mark = item.get_closest_marker('long')
+    return mark.args[0] if mark else 0.0
+  items.sort(key=minutes, reverse=True)

@@ -82,6 +82,7 @@ REGRESSION = {'bert': ['optim.learning_rate=1e-4', 'data.seq_len=32', 'train.ste
               't5': FAMILIES['t5'][2]}
 
 
+@pytest.mark.long(3)
 @pytest.mark.parametrize('family', list(FAMILIES))
 def test_each_family_learns_the_pair_task_and_writes_glue_files(family, glue_dir, tmp_path):
   """Pretrained on the embedded corpus, then fine-tuned: BERT's pooled [CLS], GPT's and Llama's last token, T5
@@ -181,6 +182,7 @@ METRICS = {'cola': {'matthews_corr'}, 'sst2': {'accuracy'}, 'mrpc': {'f1', 'accu
            'rte': {'accuracy'}, 'wnli': {'accuracy'}}
 
 
+@pytest.mark.long(1)
 def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files, tmp_path):
   """`--task glue` from an HF directory: nine tasks (STS-B through the regression head), AX with MNLI's model,
   the leaderboard's file names and formats, the zip and the summary. Each training set is smaller than the

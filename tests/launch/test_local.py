@@ -27,6 +27,7 @@ def records(run_dir):
   return [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines()]
 
 
+@pytest.mark.long(1)
 def test_two_processes_train_like_one_process_with_all_devices(tmp_path):
   """2 processes x 4 devices equal 1 process x 8 devices on the same mesh: every loss (1e-6) and the final
   params; the checkpoint then restores in one process on one device. The output holds no noise."""

@@ -28,6 +28,7 @@ def test_plan_fits_each_schedule_to_its_budget():
     assert abs(p.tokens - 1e10 / (6 * p.params)) <= 8 * 32 / 2
 
 
+@pytest.mark.long(1)
 def test_sweep_collect_fit_plot(tmp_path, capsys):
   out = tmp_path / 'sweep'
   argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE]

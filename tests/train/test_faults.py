@@ -6,6 +6,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from lm import cli
 from lm.checkpoint import Checkpointer
@@ -21,6 +22,7 @@ def without_timing(records):
   return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
+@pytest.mark.long(1)
 def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(tmp_path):
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
            'train.eval_every=10', 'train.checkpoint_every=4', 'optim.decay_steps=30']
