@@ -14,8 +14,24 @@ import tempfile
 from typing import Any
 
 from etils import epath
-from tensorboardX import SummaryWriter
 from tqdm import tqdm
+
+
+def _summary_writer() -> type:
+  """tensorboardX's SummaryWriter without torch: tensorboardX imports torch where it is installed (2 s of every
+  run's start) only to accept torch tensors, and we log floats. While it imports, `import torch` fails."""
+  if 'torch' in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules['torch'] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules['torch']
+  return SummaryWriter
+
+
+SummaryWriter = _summary_writer()
 
 METRICS = 'metrics.jsonl'
 MIN_BAR_COLUMNS = 40
