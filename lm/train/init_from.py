@@ -17,7 +17,7 @@ from flax import traverse_util
 
 from lm.assembly import Assembly
 from lm.config import ConfigError
-from lm.models.transformer import stack_layers, unstack_layers
+from lm.models.transformer import relayout
 from lm.run_dir import load_params
 from lm.train.state import TrainState, shardings_of
 
@@ -36,7 +36,7 @@ def _flat(tree: Any) -> dict[str, Any]:
 def initial_state(assembly: Assembly, source: str) -> Initialised:
   """Step-0 state whose params come from `source` (fresh heads where it has none), sharded on the mesh."""
   _, params = load_params(source, assembly.mesh)
-  params = stack_layers(params) if assembly.config.model.scan_layers else unstack_layers(params)
+  params = relayout(params, assembly.config.model.scan_layers)
   have, want = _flat(params), _flat(assembly.abstract_params)
   heads = assembly.family.per_sequence_params()
   fresh = []
