@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from lm.ops import mixed
 from lm.ops.attention import attention
 from lm.parallel.rules import constrain
 
@@ -27,18 +28,24 @@ def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, Sequence) else (x,)
 
 
-def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...]) -> jax.Array:
-  """Contracts `axis` of x with the leading dims of kernel as one [tokens, in] x [in, out] matmul.
+def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...], dtype: Dtype) -> jax.Array:
+  """Contracts `axis` of x with the leading dims of kernel as one [tokens, in] x [in, out] matmul in `dtype`
+  (float32 accumulation, `mixed.einsum`).
 
   Keeping both the input and the output gradient 2D makes the kernel gradient a single
   matmul contracting over tokens, which XLA:CPU runs without materialising a transposed
   copy of the (fused) output gradient.
   """
   n_in = len(axis)
-  if axis != tuple(range(x.ndim - n_in, x.ndim)):
-    return jax.lax.dot_general(x, kernel, ((axis, tuple(range(n_in))), ((), ())))
+  if axis != tuple(range(x.ndim - n_in, x.ndim)):  # contract leading axes: let einsum order them
+    letters = 'abcdefghijklmnop'[:x.ndim]
+    k_in = ''.join(letters[a] for a in axis)
+    k_out = 'uvwxyz'[:kernel.ndim - n_in]
+    x_out = ''.join(c for i, c in enumerate(letters) if i not in axis)
+    return mixed.einsum(f'{letters},{k_in}{k_out}->{x_out}{k_out}', x, kernel, dtype=dtype)
   batch_shape, out_shape = x.shape[:x.ndim - n_in], kernel.shape[n_in:]
-  y = jnp.dot(x.reshape(-1, math.prod(kernel.shape[:n_in])), kernel.reshape(-1, math.prod(out_shape)))
+  y = mixed.einsum('ti,io->to', x.reshape(-1, math.prod(kernel.shape[:n_in])),
+                   kernel.reshape(-1, math.prod(out_shape)), dtype=dtype)
   return y.reshape(batch_shape + out_shape)
 
 
@@ -59,7 +66,7 @@ class DenseGeneral(nn.Module):
     kernel_shape = tuple(x.shape[a] for a in axis) + features
     kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
                         kernel_shape, self.param_dtype)
-    y = _matmul_2d(x.astype(self.dtype), kernel.astype(self.dtype), axis)
+    y = _matmul_2d(x, kernel, axis, self.dtype)
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
                         features, self.param_dtype)
@@ -95,7 +102,7 @@ class Embed(nn.Module):
 
   def attend(self, x: jax.Array) -> jax.Array:
     """'b l d, v d -> b l v' logits against the embedding table."""
-    return jnp.einsum('bld,vd->blv', x.astype(self.dtype), self.embedding.astype(self.dtype))
+    return mixed.einsum('bld,vd->blv', x, self.embedding, dtype=self.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
-from lm.ops import vendor_attention
+from lm.ops import mixed, vendor_attention
 from lm.parallel.rules import active_sharding, axis_size, spec_for
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -44,7 +44,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Arra
                   bias: jax.Array | None, scale: float, dropout_rate: float = 0.0,
                   dropout_rng: jax.Array | None = None) -> jax.Array:
   """Reference path: einsum logits, float32 softmax, rows with no allowed key give zeros."""
-  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32) * scale
+  logits = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   if allowed is not None:
@@ -55,7 +55,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Arra
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-  return jnp.einsum('bhqk,bkhd->bqhd', probs.astype(v.dtype), v)
+  return mixed.einsum('bhqk,bkhd->bqhd', probs, v, dtype=v.dtype)
 
 
 def _causal_blocks(q_len: int, kv_len: int) -> int:
@@ -81,15 +81,15 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowe
   outs = []
   for i in range(num_blocks):
     q_sl, k_end = slice(i * block, (i + 1) * block), (i + 1) * block
-    logits = jnp.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end],
-                        preferred_element_type=jnp.float32) * scale
+    logits = mixed.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end], dtype=q.dtype,
+                          out_dtype=jnp.float32) * scale
     if bias is not None:
       b = jnp.broadcast_to(bias, bias.shape[:2] + (q.shape[1], k.shape[1]))
       logits = logits + b[:, :, q_sl, :k_end].astype(jnp.float32)
     mask = allowed[:, :, q_sl, :k_end]
     logits = jnp.where(mask, logits, _MASKED)
     probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
-    outs.append(jnp.einsum('bhqk,bhkd->bhqd', probs.astype(v.dtype), vt[:, :, :k_end]))
+    outs.append(mixed.einsum('bhqk,bhkd->bhqd', probs, vt[:, :, :k_end], dtype=v.dtype))
   return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 

@@ -1,0 +1,93 @@
+"""Two-operand einsum whose low-precision form multiplies in bf16 and accumulates in float32, forward and backward.
+
+A bf16 x bf16 dot with a bf16 result is compiled on CPU as convert, float32 dot, convert, and JAX's transpose of
+a dot hands the backward dots the float32 cotangent of a float32-accumulated forward, so both run at the float32
+rate. Asking for float32 results from bf16 operands (`preferred_element_type`) runs on the CPU's bf16 units (and
+on the MXU / tensor cores elsewhere) at about twice that rate. This einsum does so in all three dots of a
+matmul's forward and backward: the cotangent is cast to the compute dtype, each gradient accumulates in float32
+and is cast to its operand's dtype, so a float32 weight passed in gets a float32 gradient without a round trip
+through bf16.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Dtype, out_dtype: Dtype | None = None) -> jax.Array:
+  """`jnp.einsum(spec, a, b)` computed in `dtype` with float32 accumulation, the result in `out_dtype`
+  (default `dtype`). Float32 `dtype` is the plain einsum. Each index of an operand must appear in the other
+  operand or the output (no index summed within one operand), as in every matmul."""
+  out_dtype = out_dtype or dtype
+  if jnp.dtype(dtype) == jnp.float32:
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
+  return _mixed(spec, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype, a, b)
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """The einsum as one float32-accumulating dot_general whose left operand has its contracted axes last.
+
+  XLA:CPU runs a low-precision dot on its bf16 units (YNNPACK) only in that layout: with the left operand's
+  contracted axis first (a weight gradient, [tokens, in]^T [tokens, out]) it upcasts both operands to float32,
+  or for some batched shapes fails at run time ("Unsupported element type for DotThunk"). So the operands are
+  ordered, and the left one transposed if need be, for the fewest elements moved; optimization barriers keep
+  XLA from folding a transpose of an operand or of the result back into the dot's dimension numbers.
+  """
+  inputs, out = spec.replace(' ', '').split('->')
+  contracted = ''.join(c for c in inputs.split(',')[0] if c in inputs.split(',')[1] and c not in out)
+
+  def plan(lhs_spec: str, rhs_spec: str, lhs: jax.Array, rhs: jax.Array) -> tuple[int, str, str]:
+    """(elements moved, the left operand's axis order, the dot's output order) with `lhs` on the left."""
+    arranged = lhs_spec if lhs_spec.endswith(contracted) else \
+      ''.join(c for c in lhs_spec if c not in contracted) + contracted
+    batch = ''.join(c for c in arranged if c in rhs_spec and c in out)
+    y_spec = batch + ''.join(c for c in arranged if c not in rhs_spec) + ''.join(c for c in rhs_spec
+                                                                                 if c not in arranged)
+    out_size = math.prod(dict(zip(lhs_spec + rhs_spec, lhs.shape + rhs.shape))[c] for c in out)
+    return (lhs.size if arranged != lhs_spec else 0) + (out_size if y_spec != out else 0), arranged, y_spec
+
+  a_spec, b_spec = inputs.split(',')
+  (cost_a, arranged_a, y_a), (cost_b, arranged_b, y_b) = plan(a_spec, b_spec, a, b), plan(b_spec, a_spec, b, a)
+  if cost_b < cost_a:
+    a_spec, b_spec, a, b, arranged, y_spec = b_spec, a_spec, b, a, arranged_b, y_b
+  else:
+    arranged, y_spec = arranged_a, y_a
+  if arranged != a_spec:
+    a = jax.lax.optimization_barrier(jnp.transpose(a, [a_spec.index(c) for c in arranged]))
+  batch = ''.join(c for c in arranged if c in b_spec and c in out)
+  dims = (([arranged.index(c) for c in contracted], [b_spec.index(c) for c in contracted]),
+          ([arranged.index(c) for c in batch], [b_spec.index(c) for c in batch]))
+  y = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  if y_spec == out:
+    return y
+  return jnp.transpose(jax.lax.optimization_barrier(y), [y_spec.index(c) for c in out])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _mixed(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, a_dtype: jnp.dtype, b_dtype: jnp.dtype,
+           a: jax.Array, b: jax.Array) -> jax.Array:
+  return _dot(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
+
+
+def _mixed_fwd(spec, dtype, out_dtype, a_dtype, b_dtype, a, b):
+  a_c, b_c = a.astype(dtype), b.astype(dtype)  # the residuals: half a float32 copy's memory
+  return _dot(spec, a_c, b_c).astype(out_dtype), (a_c, b_c)
+
+
+def _mixed_bwd(spec, dtype, out_dtype, a_dtype, b_dtype, residuals, g):
+  a_c, b_c = residuals
+  inputs, out = spec.replace(' ', '').split('->')
+  a_spec, b_spec = inputs.split(',')
+  g = g.astype(dtype)
+  da = _dot(f'{out},{b_spec}->{a_spec}', g, b_c)
+  db = _dot(f'{a_spec},{out}->{b_spec}', a_c, g)
+  return da.astype(a_dtype), db.astype(b_dtype)
+
+
+_mixed.defvjp(_mixed_fwd, _mixed_bwd)
