@@ -36,15 +36,17 @@ def lm(*argv: str) -> None:
 
 
 # (preset, pretraining overrides, fine-tuning overrides): the fewest steps that learn the pair task with margin.
+# BERT's pair task needs its masked-LM pretraining (after 5 steps it stays at chance); the decoders and T5 learn it
+# from a few pretraining steps (GPT: 0.95 dev accuracy at 200 steps, Llama 0.985 at 50, T5 1.0 at 50).
 FAMILIES = {
   'bert': ('bert_tiny', ['train.steps=200', 'data.seq_len=64'],
            ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=150', 'train.eval_every=50']),
-  'gpt': ('gpt_tiny', ['train.steps=60', 'data.seq_len=128'],
+  'gpt': ('gpt_tiny', ['train.steps=10', 'data.seq_len=128'],
           ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=250', 'train.eval_every=50']),
-  'llama': ('llama_tiny', ['train.steps=60', 'data.seq_len=128'],
-            ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=250', 'train.eval_every=50']),
-  't5': ('t5_tiny', ['train.steps=60', 'data.seq_len=128'],
-         ['optim.learning_rate=3e-4', 'data.seq_len=64', 'train.steps=100', 'train.eval_every=50']),
+  'llama': ('llama_tiny', ['train.steps=10', 'data.seq_len=128'],
+            ['optim.learning_rate=3e-4', 'data.seq_len=32', 'train.steps=100', 'train.eval_every=50']),
+  't5': ('t5_tiny', ['train.steps=10', 'data.seq_len=128'],
+         ['optim.learning_rate=3e-4', 'data.seq_len=64', 'train.steps=50', 'train.eval_every=25']),
 }
 
 
@@ -79,7 +81,7 @@ PAIR_TASK = {'bert': ('mrpc', 'MRPC', {'0', '1'}), 'gpt': ('rte', 'RTE', {'entai
              't5': ('rte', 'RTE', {'entailment', 'not_entailment'})}
 # STS-B fine-tuning overrides: BERT's regression head learns the graded overlap more slowly than the pair task.
 REGRESSION = {'bert': ['optim.learning_rate=1e-4', 'data.seq_len=32', 'train.steps=600', 'train.eval_every=200'],
-              't5': FAMILIES['t5'][2]}
+              't5': ['optim.learning_rate=3e-4', 'data.seq_len=64', 'train.steps=100', 'train.eval_every=50']}
 
 
 @pytest.mark.long(3)
