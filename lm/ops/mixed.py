@@ -42,25 +42,26 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   inputs, out = spec.replace(' ', '').split('->')
   contracted = ''.join(c for c in inputs.split(',')[0] if c in inputs.split(',')[1] and c not in out)
 
-  def plan(lhs_spec: str, rhs_spec: str, lhs: jax.Array, rhs: jax.Array) -> tuple[int, str, str]:
-    """(elements moved, the left operand's axis order, the dot's output order) with `lhs` on the left."""
+  def plan(lhs_spec: str, rhs_spec: str, lhs: jax.Array, rhs: jax.Array) -> tuple[int, str, str, str]:
+    """(elements moved, the left operand's axis order, the batch axes, the dot's output order) with `lhs` on
+    the left."""
     arranged = lhs_spec if lhs_spec.endswith(contracted) else \
       ''.join(c for c in lhs_spec if c not in contracted) + contracted
     batch = ''.join(c for c in arranged if c in rhs_spec and c in out)
     y_spec = batch + ''.join(c for c in arranged if c not in rhs_spec) + ''.join(c for c in rhs_spec
                                                                                  if c not in arranged)
     out_size = math.prod(dict(zip(lhs_spec + rhs_spec, lhs.shape + rhs.shape))[c] for c in out)
-    return (lhs.size if arranged != lhs_spec else 0) + (out_size if y_spec != out else 0), arranged, y_spec
+    moved = (lhs.size if arranged != lhs_spec else 0) + (out_size if y_spec != out else 0)
+    return moved, arranged, batch, y_spec
 
   a_spec, b_spec = inputs.split(',')
-  (cost_a, arranged_a, y_a), (cost_b, arranged_b, y_b) = plan(a_spec, b_spec, a, b), plan(b_spec, a_spec, b, a)
-  if cost_b < cost_a:
-    a_spec, b_spec, a, b, arranged, y_spec = b_spec, a_spec, b, a, arranged_b, y_b
-  else:
-    arranged, y_spec = arranged_a, y_a
+  as_given, swapped = plan(a_spec, b_spec, a, b), plan(b_spec, a_spec, b, a)
+  chosen = as_given
+  if swapped[0] < as_given[0]:
+    a_spec, b_spec, a, b, chosen = b_spec, a_spec, b, a, swapped
+  _, arranged, batch, y_spec = chosen
   if arranged != a_spec:
     a = jax.lax.optimization_barrier(jnp.transpose(a, [a_spec.index(c) for c in arranged]))
-  batch = ''.join(c for c in arranged if c in b_spec and c in out)
   dims = (([arranged.index(c) for c in contracted], [b_spec.index(c) for c in contracted]),
           ([arranged.index(c) for c in batch], [b_spec.index(c) for c in batch]))
   y = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
