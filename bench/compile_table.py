@@ -2,10 +2,10 @@
 
   python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE]
 
-Needs libtpu (the `tpu` extra), no TPU. Each row is `lm compile` of the preset's real train step for
-the slice and mesh below; memory is XLA's per-device `memory_analysis()`, the step time is model
-FLOPs over the slice's peak at the assumed MFU. A second table compiles one preset with each remat
-policy on the same slice.
+Needs libtpu (the `tpu` extra), no TPU. Each row is `lm compile --config PRESET` of the preset's real train
+step for the slice its header names, with the mesh, remat and microbatches the preset carries; memory is XLA's
+per-device `memory_analysis()`, the step time is model FLOPs over the slice's peak at the assumed MFU. A second
+table compiles one preset with each remat policy on the same slice.
 """
 from __future__ import annotations
 
@@ -16,21 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from lm.compile import compile_report
-from lm.config import load_config
+from lm.config import load_config, preset_slice
+from lm.models import check_config
 
 MFU = 0.5
-# preset: (published parameters, topology, overrides) -- meshes as a practitioner would start.
-PLAN: dict[str, tuple[float, str, list[str]]] = {
-  'transformer_base': (65e6, 'v5e-8', ['mesh.data=8']),
-  'transformer_big': (213e6, 'v5e-8', ['mesh.data=8']),
-  'bert_base': (110e6, 'v5e-16', ['mesh.data=16']),
-  'bert_large': (340e6, 'v5e-16', ['mesh.data=16']),
-  'xlnet_large': (340e6, 'v5e-16', ['mesh.data=16']),
-  'roberta_large': (355e6, 'v5p-128', ['mesh.data=64', 'train.microbatches=4']),
-  'gpt2_xl': (1542e6, 'v5e-64', ['mesh.data=1', 'mesh.fsdp=64']),
-  'megatron_8b': (8.3e9, 'v5p-256', ['mesh.data=1', 'mesh.fsdp=32', 'mesh.tensor=4', 'train.microbatches=2']),
-  'turing_nlg_17b': (17e9, 'v5p-512', ['mesh.data=2', 'mesh.fsdp=32', 'mesh.tensor=4', 'train.microbatches=2']),
-  'gpt3_175b': (175e9, 'v5p-1024', ['mesh.data=1', 'mesh.fsdp=64', 'mesh.tensor=8', 'train.microbatches=8']),
+# preset: published parameters. Each preset's header names its slice (`# Slice: v5p-1024 ...`) and the preset
+# carries the mesh, remat and microbatches that fit it: the table compiles them with no overrides.
+PLAN: dict[str, float] = {
+  'transformer_base': 65e6, 'transformer_big': 213e6, 'bert_base': 110e6, 'bert_large': 340e6,
+  'xlnet_large': 340e6, 'roberta_large': 355e6, 'gpt2_xl': 1542e6, 'megatron_8b': 8.3e9, 'turing_nlg_17b': 17e9,
+  'gpt3_175b': 175e9,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
 REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']
@@ -61,7 +56,7 @@ def scaling_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
   for name, r in reports.items():
     mem = r['memory_per_device']
     rows.append(
-      f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {PLAN[name][0] / 1e6:,.0f}M | {r["topology"]} '
+      f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {PLAN[name] / 1e6:,.0f}M | {r["topology"]} '
       f'({r["chips"]} chips) | {mesh_text(r)} | {r["remat"]} | {batch_text(r)} | {gib(mem["total"])} '
       f'({gib(mem["arguments"])} + {gib(mem["temp"])}) | {gib(r["hbm_per_device"])} | '
       f'{"yes" if r["fits"] else "**no**"} | {seconds(r["step_seconds_at_peak"])} | {seconds(r["step_seconds"])} | '
@@ -90,8 +85,7 @@ def main() -> None:
   start = time.perf_counter()
   reports: dict[str, dict[str, Any]] = {}
   for name in args.only or PLAN:
-    _, topology, overrides = PLAN[name]
-    reports[name] = compile_report(load_config(name, overrides), topology, MFU)
+    reports[name] = compile_report(check_config(load_config(name)), preset_slice(name), MFU)
     r = reports[name]
     print(f'{name:16s} {r["topology"]:9s} {gib(r["memory_per_device"]["total"]):>8s} GiB/device '
           f'fits={r["fits"]} compiled in {r["compile_seconds"]:.1f}s', flush=True)

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from lm.config import Config, ConfigError, load_config
+from lm.config import Config, ConfigError, load_config, preset_slice
 
 
 def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
@@ -101,7 +101,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
   from lm.compile import compile_report, does_not_fit_message, format_report
-  report = compile_report(_config(args), args.topology, args.mfu, args.save, args.num_slices)
+  topology = args.topology or preset_slice(args.config)
+  if topology is None:
+    raise ConfigError(f'lm compile: {args.config} names no slice in its header (a "# Slice: v5p-1024" line); '
+                      f'pass --topology, e.g. --topology v5e-256')
+  if args.plan:
+    from lm.plan import format_plan, plan
+    result = plan(_config(args), topology, args.plan_top, args.num_slices, log=lambda line: print(line, flush=True))
+    print(format_plan(result), flush=True)
+    if not result['plan']:
+      print(f'lm compile --plan: no candidate fits {topology}; try a bigger slice or a smaller train.global_batch',
+            file=sys.stderr, flush=True)
+      return 3
+    return 0
+  report = compile_report(_config(args), topology, args.mfu, args.save, args.num_slices)
   print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
   if not report['fits']:
     print(does_not_fit_message(report), file=sys.stderr, flush=True)
@@ -288,11 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
   aot = sub.add_parser('compile', help='compile the train step for a TPU slice ahead of time (no TPU needed): '
                                        'per-device memory, FLOPs and predicted step time')
   common(aot)
-  aot.add_argument('--topology', required=True, help='TPU slice: v5p-1024, v5e-256, v4-128, v6e-64 or v5e:2x2')
+  aot.add_argument('--topology', help='TPU slice: v5p-1024, v5e-256, v4-128, v6e-64 or v5e:2x2 (default: the '
+                                      'slice in the preset\'s header)')
   aot.add_argument('--mfu', type=float, default=0.5, help='assumed MFU for the predicted step time (default 0.5)')
   aot.add_argument('--num-slices', type=int, default=1, help='slices joined by the data-center network (multislice)')
   aot.add_argument('--save', metavar='PATH', help='write the serialized executable (and PATH.json with the report)')
   aot.add_argument('--json', action='store_true', help='print the report as JSON')
+  aot.add_argument('--plan', action='store_true', help='search meshes, remat and microbatches; compile the '
+                                                        'fastest-predicted that may fit and list those that fit')
+  aot.add_argument('--plan-top', type=int, default=5, metavar='N', help='--plan stops when N candidates fit (5)')
   aot.set_defaults(fn=cmd_compile)
 
   gen = sub.add_parser('generate', help='sample continuations from a trained run (KV-cached decoding)')

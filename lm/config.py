@@ -367,6 +367,17 @@ def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str
   return from_dict(values)
 
 
+def preset_slice(name_or_path: str) -> str | None:
+  """The TPU slice a preset is sized for: its header's `# Slice: v5p-1024 ...` line (the scaling-table presets
+  carry one, and their mesh, remat and microbatches fit it); None when the header names none."""
+  for line in preset_path(name_or_path).read_text().splitlines():
+    if not line.startswith('#'):
+      return None
+    if line.startswith('# Slice:'):
+      return line.removeprefix('# Slice:').split()[0]
+  return None
+
+
 # ---------------------------------------------------------------- validation
 
 def _get(config: Config, dotted: str) -> Any:

@@ -7,7 +7,7 @@ import pytest
 from lm import cli
 from lm.assembly import assemble
 from lm.compile import compile_report
-from lm.config import ConfigError, load_config
+from lm.config import CONFIG_DIR, ConfigError, load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.train.step import abstract_batch, compile_train_step, make_train_step
 
@@ -108,3 +108,35 @@ def test_a_saved_executable_loads_back_and_runs_the_same_step(tmp_path):
     for shard in shards:  # every device's shard equals the compiled function's
       index = expected.sharding.devices_indices_map(expected.shape)[shard.devices().pop()]
       np.testing.assert_array_equal(np.asarray(shard), np.asarray(expected)[index])
+
+
+# The scaling table (docs/scaling_table.md): each preset's header names its slice, and the preset carries the mesh,
+# remat and microbatches that fit it.
+SCALING_TABLE = ['transformer_base', 'transformer_big', 'bert_base', 'bert_large', 'xlnet_large', 'roberta_large',
+                 'gpt2_xl', 'megatron_8b', 'turing_nlg_17b', 'gpt3_175b']
+
+
+def test_the_scaling_table_presets_are_the_ones_naming_a_slice():
+  named = {p.stem for p in CONFIG_DIR.glob('*.yaml') if preset_slice(p.stem)}
+  assert named == set(SCALING_TABLE)
+  assert preset_slice('gpt3_175b') == 'v5p-1024' and preset_slice('gpt_tiny') is None
+
+
+@needs_libtpu
+@pytest.mark.long(1)
+@pytest.mark.parametrize('name', SCALING_TABLE)
+def test_each_scaling_table_preset_fits_its_slice_as_written(name, capsys):
+  """`lm compile --config PRESET`, no overrides and no --topology: the slice of the header, the preset's own mesh;
+  the compiled step's per-device memory is within the chip's HBM and the mesh fills the slice."""
+  assert cli.main(['compile', '--config', name, '--json']) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report['topology'] == preset_slice(name) and report['fits']
+  assert report['memory_per_device']['total'] <= report['hbm_per_device']
+  mesh = report['mesh']
+  assert mesh['slice'] * mesh['data'] * mesh['fsdp'] * mesh['tensor'] == report['chips']
+
+
+def test_compile_without_a_topology_needs_a_preset_that_names_one(capsys):
+  assert cli.main(['compile', '--config', 'gpt_tiny']) != 0
+  err = capsys.readouterr().err
+  assert 'gpt_tiny names no slice' in err and '--topology' in err and err.count('\n') == 1
