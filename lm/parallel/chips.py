@@ -40,6 +40,19 @@ HBM_BYTES = {
   'NVIDIA H200': 141 * 10**9,
 }
 
+# Inter-chip interconnect bandwidth per chip, bytes/s (Cloud TPU's published Gbps over 8; GPUs: NVLink per GPU).
+ICI_BYTES_PER_S = {
+  'TPU v4': 2400e9 / 8,
+  'TPU v5 lite': 1600e9 / 8,
+  'TPU v5e': 1600e9 / 8,
+  'TPU v5p': 4800e9 / 8,
+  'TPU v5': 4800e9 / 8,
+  'TPU v6 lite': 3584e9 / 8,
+  'TPU v6e': 3584e9 / 8,
+  'NVIDIA A100': 600e9,
+  'NVIDIA H100': 900e9,
+  'NVIDIA H200': 900e9,
+}
 # generation: (TensorCores per chip in Cloud TPU slice names, dimensions of its interconnect)
 GENERATIONS = {'v4': (2, 3), 'v5p': (2, 3), 'v5e': (1, 2), 'v6e': (1, 2)}
 
@@ -58,6 +71,11 @@ def peak_flops(device: jax.Device) -> float | None:
 def hbm_bytes(device: jax.Device) -> int | None:
   """Per-device accelerator memory for known kinds, None for CPUs and unknown kinds."""
   return _lookup(HBM_BYTES, device)
+
+
+def ici_bytes_per_s(device: jax.Device) -> float | None:
+  """Per-device interconnect bandwidth for known accelerators, None for CPUs and unknown kinds."""
+  return _lookup(ICI_BYTES_PER_S, device)
 
 
 def on_tpu_vm() -> bool:

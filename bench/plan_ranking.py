@@ -1,0 +1,109 @@
+"""Does `lm compile --plan`'s roofline rank candidates as they run? Checked on 8 simulated CPU devices.
+
+  python bench/plan_ranking.py [--rounds 3] [--steps 3] [--out FILE]
+
+The host stands in for a chip: its peak is a measured float32 matmul rate and its "interconnect" a measured copy
+rate, both shared by the 8 devices, its collective latency a measured tiny all-gather, and collectives do not
+overlap the compute (the same cores do both). Each
+candidate's train step (gpt_tiny, widened) is compiled, then the candidates are timed in interleaved rounds (so
+drift and other load fall on all alike); the table gives predicted and measured step times, their ranks, and the
+Spearman rank correlation.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
+from lm.assembly import assemble  # noqa: E402
+from lm.config import load_config  # noqa: E402
+from lm.plan import Candidate, Chip, predict_seconds  # noqa: E402
+from lm.train.step import abstract_batch, make_train_step  # noqa: E402
+
+MODEL = ['model.d_model=256', 'model.num_heads=4', 'model.d_ff=1024', 'model.num_layers=2', 'data.seq_len=256',
+         'model.max_len=256', 'train.global_batch=32']
+CANDIDATES = [Candidate(8, 1, 1, 'none', 1), Candidate(8, 1, 1, 'full', 1), Candidate(2, 2, 2, 'none', 2),
+              Candidate(1, 8, 1, 'none', 4), Candidate(2, 1, 4, 'full', 4)]
+
+
+def _rate(fn, x, work: float, repeats: int = 10) -> float:
+  fn(x).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    fn(x).block_until_ready()
+  return repeats * work / (time.perf_counter() - t0)
+
+
+def host_chip(devices: int) -> Chip:
+  """The host's matmul FLOP/s and copy bytes/s, split over the simulated devices that share it, and the time of a
+  tiny all-gather over them per ring step."""
+  a = jnp.ones((1024, 1024), jnp.float32)
+  flops = _rate(jax.jit(lambda x: x @ x), a, 2 * 1024 ** 3)
+  b = jnp.ones((16 * 2 ** 20,), jnp.float32)
+  copy = _rate(jax.jit(lambda x: x + 1), b, 2 * b.nbytes)
+  mesh = Mesh(np.array(jax.devices()), ('all',))
+  tiny = jax.device_put(jnp.ones((devices, 16)), NamedSharding(mesh, PartitionSpec('all')))
+  gathers = _rate(jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec())), tiny, 1.0, 100)
+  return Chip(flops / devices, copy / devices, 2 ** 40, overlaps=False, hop_seconds=1 / gathers / (devices - 1))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--steps', type=int, default=3, help='timed steps per candidate per round')
+  parser.add_argument('--out', default='bench/results/plan_ranking.json')
+  args = parser.parse_args()
+
+  chip = host_chip(jax.device_count())
+  runs = []
+  for c in CANDIDATES:
+    assembly = assemble(c.apply(load_config('gpt_tiny', MODEL)))
+    batch_spec = abstract_batch(assembly)
+    compiled = make_train_step(assembly).lower(assembly.abstract_state, batch_spec).compile()
+    zeros = lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
+    runs.append({'candidate': c, 'step': compiled, 'state': jax.tree.map(zeros, assembly.abstract_state),
+                 'batch': jax.tree.map(zeros, batch_spec), 'predicted': predict_seconds(assembly, chip)['step'],
+                 'times': []})
+  for run in runs:  # warm-up
+    run['state'], metrics = run['step'](run['state'], run['batch'])
+    jax.block_until_ready(metrics)
+  for _ in range(args.rounds):
+    for run in runs:
+      for _ in range(args.steps):
+        t0 = time.perf_counter()
+        run['state'], metrics = run['step'](run['state'], run['batch'])
+        jax.block_until_ready(metrics)
+        run['times'].append(time.perf_counter() - t0)
+
+  predicted = [r['predicted'] for r in runs]
+  measured = [statistics.median(r['times']) for r in runs]
+  rho = float(spearmanr(predicted, measured).statistic)
+  p_rank, m_rank = np.argsort(np.argsort(predicted)) + 1, np.argsort(np.argsort(measured)) + 1
+  print(f'host as {jax.device_count()} devices: {chip.peak_flops:.3g} FLOP/s and {chip.ici_bytes_per_s:.3g} B/s '
+        f'each, {chip.hop_seconds * 1e6:.0f} us per collective ring step')
+  print('| candidate | predicted ms | measured ms | predicted rank | measured rank |')
+  print('|---|---|---|---|---|')
+  for r, p, m, pr, mr in zip(runs, predicted, measured, p_rank, m_rank):
+    print(f'| {r["candidate"].overrides} | {p * 1e3:.1f} | {m * 1e3:.1f} | {pr} | {mr} |')
+  print(f'Spearman rank correlation: {rho:.2f}')
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({'chip': vars(chip), 'spearman': rho, 'rows': [
+    {'candidate': vars(r['candidate']), 'predicted_s': p, 'measured_s': m}
+    for r, p, m in zip(runs, predicted, measured)]}, indent=2) + '\n')
+
+
+if __name__ == '__main__':
+  main()
