@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
-from lm.config import Config, ConfigError, load_config, preset_slice
+from lm.config import Config, ConfigError, load_config, parse_overrides, preset_slice
 
 
 def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
@@ -106,9 +107,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     raise ConfigError(f'lm compile: {args.config} names no slice in its header (a "# Slice: v5p-1024" line); '
                       f'pass --topology, e.g. --topology v5e-256')
   if args.plan:
-    from lm.plan import format_plan, plan
-    result = plan(_config(args), topology, args.plan_top, args.num_slices, log=lambda line: print(line, flush=True))
-    print(format_plan(result), flush=True)
+    from lm.plan import best_preset, format_plan, plan, plan_json
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
+        (lambda line: print(line, flush=True))
+    result = plan(_config(args), topology, args.plan_top, args.num_slices, log=log)
+    print(json.dumps(plan_json(result), indent=2) if args.json else format_plan(result), flush=True)
+    if args.write and result['plan']:
+      Path(args.write).write_text(best_preset(result, args.config, parse_overrides(args.overrides)))
+      print(f'wrote the best candidate as a preset: {args.write}', file=sys.stderr if args.json else sys.stdout)
     if not result['plan']:
       print(f'lm compile --plan: no candidate fits {topology}; try a bigger slice or a smaller train.global_batch',
             file=sys.stderr, flush=True)
@@ -310,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
   aot.add_argument('--plan', action='store_true', help='search meshes, remat and microbatches; compile the '
                                                         'fastest-predicted that may fit and list those that fit')
   aot.add_argument('--plan-top', type=int, default=5, metavar='N', help='--plan stops when N candidates fit (5)')
+  aot.add_argument('--write', metavar='PATH', help='--plan: save the best candidate as a preset YAML')
   aot.set_defaults(fn=cmd_compile)
 
   gen = sub.add_parser('generate', help='sample continuations from a trained run (KV-cached decoding)')

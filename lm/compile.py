@@ -50,8 +50,10 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
       raise
     error = str(e).splitlines()[0]
   compile_s = time.perf_counter() - t0
+  cost = None
   if compiled is not None:
     memory = compiled_memory(compiled)
+    cost = compiled_cost(compiled)
   else:
     state_bytes = shard_bytes(assembly.abstract_state)
     needed = _oom_figures(error)
@@ -75,6 +77,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'step_seconds_at_peak': at_peak, 'assumed_mfu': assumed_mfu, 'step_seconds': at_peak / assumed_mfu,
     'tokens_per_sec': tokens * assumed_mfu / at_peak, 'compile_seconds': compile_s,
   }
+  if cost is not None:
+    report['cost_per_device'] = cost
   if error is not None:
     report['compile_error'] = error
   if save and compiled is not None:
@@ -93,6 +97,15 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
   memory['total'] = memory['arguments'] + memory['outputs'] - memory['aliased'] + memory['temp'] + \
       memory['generated_code']
   return memory
+
+
+def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float] | None:
+  """FLOPs and bytes accessed per device as XLA's cost analysis counts them (loops times their trip counts)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  if not cost or 'flops' not in cost:
+    return None
+  return {'flops': float(cost['flops']), 'bytes_accessed': float(cost.get('bytes accessed', 0.0))}
 
 
 def _oom_figures(error: str) -> int | None:

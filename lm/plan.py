@@ -9,8 +9,9 @@ evenly over the data-parallel devices. Each candidate gets
   collective. FSDP's weight gathers and gradient reduce-scatters and the data-parallel gradient all-reduce
   overlap the compute (the step takes the larger); tensor parallelism's activation all-reduces sit between the
   layer's matmuls (added).
-The candidates whose estimate may fit are compiled in order of predicted time until `top` of them fit; those
-are the plan, with their compiled memory.
+The candidates that may fit are compiled in order of predicted time until `top` of them fit; those are the plan,
+ranked by the same roofline with the executable's own FLOPs and bytes accessed (XLA's cost analysis against the
+chip's peak and memory bandwidth), with their compiled memory.
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import yaml
 
 from lm.assembly import Assembly, assemble
 from lm.compile import compile_report
-from lm.config import Config, ConfigError, Remat
-from lm.parallel.chips import hbm_bytes, ici_bytes_per_s, peak_flops, physical_topology, topology_devices
+from lm.config import Config, ConfigError, Remat, merge
+from lm.parallel.chips import (hbm_bytes, hbm_bytes_per_s, ici_bytes_per_s, peak_flops, physical_topology,
+                               topology_devices)
 from lm.report import format_bytes
 from lm.train.accounting import estimate_memory
 
@@ -69,6 +72,7 @@ class Chip:
   hbm_bytes: int
   overlaps: bool = True
   hop_seconds: float = 1e-6
+  hbm_bytes_per_s: float | None = None
 
 
 def _powers_of_two(n: int) -> list[int]:
@@ -137,47 +141,89 @@ def candidates(config: Config, devices: list[jax.Device], chip: Chip, num_slices
           continue
         out.append({'candidate': c, 'estimate': memory['total (estimate)'],
                     'predicted': predict_seconds(variant, chip, num_slices)})
-  # Ties (compute-bound candidates) go to fewer microbatches, then less memory.
-  return sorted(out, key=lambda r: (r['predicted']['step'], r['candidate'].microbatches, r['estimate']))
+  # Ties (compute-bound candidates) go to the least recomputation, then fewer microbatches.
+  return sorted(out, key=lambda r: (r['predicted']['step'], RECOMPUTE[r['candidate'].remat],
+                                    r['candidate'].microbatches))
+
+
+def compiled_seconds(predicted: dict[str, float], cost: dict[str, float] | None, chip: Chip) -> dict[str, float]:
+  """The roofline again with the executable's own per-device FLOPs and bytes accessed (XLA's cost analysis):
+  compute is the slower of the chip's peak and its memory bandwidth; the collectives as predicted."""
+  if cost is None or chip.hbm_bytes_per_s is None:
+    return predicted
+  compute = max(cost['flops'] / chip.peak_flops, cost['bytes_accessed'] / chip.hbm_bytes_per_s)
+  weights, activations = predicted['weight_comm'], predicted['activation_comm']
+  hidden = max(compute, weights) if chip.overlaps else compute + weights
+  return {**predicted, 'compute': compute, 'step': hidden + activations}
 
 
 def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1,
          log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-  """Compiles the fastest-predicted candidates whose estimate may fit until `top` fit; returns them ranked."""
+  """Compiles the fastest-predicted candidates that may fit until `top` fit; returns those, ranked by the
+  roofline of their compiled executables (least recomputation, then fewest microbatches, breaking ties).
+
+  "May fit" learns from the compiles: a candidate is skipped when its estimate times the smallest ratio of
+  compiled memory to estimate seen so far for its remat policy (at first 1 / ESTIMATE_SLACK) exceeds HBM.
+  """
   start = time.perf_counter()
   devices = topology_devices(physical_topology(topology), num_slices)
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
-  chip = Chip(peak_flops(devices[0]), ici_bytes_per_s(devices[0]), hbm_bytes(devices[0]))
+  d = devices[0]
+  chip = Chip(peak_flops(d), ici_bytes_per_s(d), hbm_bytes(d), hbm_bytes_per_s=hbm_bytes_per_s(d))
   found = candidates(config, devices, chip, num_slices)
-  may_fit = [r for r in found if r['estimate'] <= ESTIMATE_SLACK * chip.hbm_bytes]
-  log(f'{len(found)} candidates shard evenly, {len(may_fit)} may fit by the estimate; compiling the fastest')
+  ratio: dict[str, float] = {}  # remat policy -> smallest compiled memory / estimate seen
+  may_fit = lambda r: r['estimate'] * ratio.get(r['candidate'].remat, 1 / ESTIMATE_SLACK) <= chip.hbm_bytes
+  log(f'{len(found)} candidates shard evenly, {sum(map(may_fit, found))} may fit by the estimate; '
+      f'compiling the fastest')
   fitting, tried = [], []
-  for r in may_fit:
+  for r in found:
     if len(fitting) == top:
       break
+    if not may_fit(r):
+      continue
     report = compile_report(r['candidate'].apply(config), topology, num_slices=num_slices)
-    row = {**r, 'memory': report['memory_per_device']['total'], 'fits': report['fits'],
-           'compile_seconds': report['compile_seconds']}
+    memory = report['memory_per_device']['total']
+    ratio[r['candidate'].remat] = min(ratio.get(r['candidate'].remat, math.inf), memory / r['estimate'])
+    row = {**r, 'memory': memory, 'fits': report['fits'], 'compile_seconds': report['compile_seconds'],
+           'compiled': compiled_seconds(r['predicted'], report.get('cost_per_device'), chip)}
     tried.append(row)
-    log(f'  {r["candidate"].overrides}: predicted {r["predicted"]["step"]:.3f} s, '
-        f'{format_bytes(row["memory"])} per device, {"fits" if row["fits"] else "does not fit"}')
+    log(f'  {r["candidate"].overrides}: predicted {row["compiled"]["step"]:.3f} s, '
+        f'{format_bytes(memory)} per device, {"fits" if row["fits"] else "does not fit"}')
     if row['fits']:
       fitting.append(row)
+  fitting.sort(key=lambda r: (r['compiled']['step'], RECOMPUTE[r['candidate'].remat], r['candidate'].microbatches))
   return {'config': config.name, 'topology': topology, 'chips': len(devices), 'hbm_per_device': chip.hbm_bytes,
-          'candidates': len(found), 'may_fit': len(may_fit), 'compiled': len(tried), 'plan': fitting,
-          'seconds': time.perf_counter() - start}
+          'candidates': len(found), 'compiled': len(tried), 'plan': fitting, 'seconds': time.perf_counter() - start}
+
+
+def plan_json(result: dict[str, Any]) -> dict[str, Any]:
+  """The plan with its candidates as plain dicts (for --json)."""
+  rows = [{**{k: v for k, v in r.items() if k != 'candidate'}, 'candidate': dataclasses.asdict(r['candidate']),
+           'overrides': r['candidate'].overrides} for r in result['plan']]
+  return {**result, 'plan': rows}
+
+
+def best_preset(result: dict[str, Any], config_name: str, overrides: dict[str, Any]) -> str:
+  """A preset YAML of the best candidate: based on the config, with the overrides given and the plan's choice."""
+  c = result['plan'][0]['candidate']
+  values = merge(overrides, {'mesh': {'data': c.data, 'fsdp': c.fsdp, 'tensor': c.tensor},
+                             'model': {'remat': c.remat}, 'train': {'microbatches': c.microbatches}})
+  header = (f'# Written by `lm compile --plan` for {result["topology"]}: predicted step '
+            f'{result["plan"][0]["compiled"]["step"]:.3f} s, {format_bytes(result["plan"][0]["memory"])} per device.\n'
+            f'# Slice: {result["topology"]}\n')
+  return header + yaml.safe_dump({'base': config_name, **values}, sort_keys=False)
 
 
 def format_plan(result: dict[str, Any]) -> str:
   lines = [f'{result["config"]} on {result["topology"]} ({result["chips"]} chips, '
            f'{format_bytes(result["hbm_per_device"])} HBM each): {result["candidates"]} candidates, '
-           f'{result["may_fit"]} may fit, {result["compiled"]} compiled in {result["seconds"]:.0f} s',
+           f'{result["compiled"]} compiled, {len(result["plan"])} fit; {result["seconds"]:.0f} s',
            '',
            '| rank | data x fsdp x tensor | remat | microbatches | predicted step | compute | weight comm | '
            'activation comm | memory/device |',
            '|---|---|---|---|---|---|---|---|---|']
   for i, r in enumerate(result['plan'], 1):
-    c, p = r['candidate'], r['predicted']
+    c, p = r['candidate'], r['compiled']
     lines.append(f'| {i} | {c.data} x {c.fsdp} x {c.tensor} | {c.remat} | {c.microbatches} | {p["step"]:.3f} s | '
                  f'{p["compute"]:.3f} s | {p["weight_comm"]:.3f} s | {p["activation_comm"]:.3f} s | '
                  f'{format_bytes(r["memory"])} |')

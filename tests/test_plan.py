@@ -70,19 +70,28 @@ def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
 
 @needs_libtpu
 @pytest.mark.long(1)
-def test_plan_lists_compiled_candidates_that_fit_ranked_by_prediction(capsys):
-  assert cli.main(['compile', '--config', 'gpt_tiny', '--topology', 'v5e-4', '--plan', '--plan-top', '2',
-                   *TINY]) == 0
-  out = capsys.readouterr().out
-  rows = [line for line in out.splitlines() if line.startswith('| 1 ') or line.startswith('| 2 ')]
-  assert len(rows) == 2
-  predicted = [float(r.split('|')[5].split()[0]) for r in rows]
-  assert predicted == sorted(predicted)
-  best = out.splitlines()[-1]
-  assert best.startswith('lm compile --config gpt_tiny --topology v5e-4 mesh.data=')
-  # The printed best candidate compiles and fits as printed.
-  overrides = best.split('v5e-4 ')[1].split()
-  assert cli.main(['compile', '--config', 'gpt_tiny', '--topology', 'v5e-4', *TINY, *overrides]) == 0
+def test_plan_lists_compiled_candidates_that_fit_ranked_by_prediction(tmp_path, capsys):
+  """`--plan --json --write`: the fitting candidates, ranked by the compiled roofline, each compiled memory within
+  HBM; the best written as a preset (naming the slice) that `lm compile` takes as written and finds fitting."""
+  preset = tmp_path / 'best.yaml'
+  assert cli.main(['compile', '--config', 'gpt_tiny', '--topology', 'v5e-4', '--plan', '--plan-top', '2', '--json',
+                   '--write', str(preset), *TINY]) == 0
+  result = json.loads(capsys.readouterr().out)
+  rows = result['plan']
+  assert len(rows) == 2 and result['compiled'] >= 2 and result['chips'] == 4
+  steps = [r['compiled']['step'] for r in rows]
+  assert steps == sorted(steps) and all(r['fits'] and r['memory'] <= result['hbm_per_device'] for r in rows)
+  # The ranking's compute term is the executable's (XLA's FLOPs and bytes per device), not the model's FLOPs.
+  best = rows[0]
+  assert best['compiled']['compute'] != best['predicted']['compute']
+  assert best['compiled']['step'] >= best['compiled']['compute'] > 0
+  config = load_config(str(preset))
+  c = best['candidate']
+  assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.model.remat, config.train.microbatches) == \
+      (c['data'], c['fsdp'], c['tensor'], c['remat'], c['microbatches'])
+  assert config.model.d_model == 64 and config.train.global_batch == 16  # the overrides given ride along
+  assert cli.main(['compile', '--config', str(preset), '--json']) == 0  # its header names v5e-4
+  assert json.loads(capsys.readouterr().out)['fits']
   assert len(topology_devices('v5e:2x2')) == 4
 
 
