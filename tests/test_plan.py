@@ -79,12 +79,10 @@ def test_plan_lists_compiled_candidates_that_fit_ranked_by_prediction(tmp_path, 
   result = json.loads(capsys.readouterr().out)
   rows = result['plan']
   assert len(rows) == 2 and result['compiled'] >= 2 and result['chips'] == 4
-  steps = [r['compiled']['step'] for r in rows]
+  steps = [r['predicted']['step'] for r in rows]
   assert steps == sorted(steps) and all(r['fits'] and r['memory'] <= result['hbm_per_device'] for r in rows)
-  # The ranking's compute term is the executable's (XLA's FLOPs and bytes per device), not the model's FLOPs.
   best = rows[0]
-  assert best['compiled']['compute'] != best['predicted']['compute']
-  assert best['compiled']['step'] >= best['compiled']['compute'] > 0
+  assert best['cost_per_device']['flops'] > 0  # the executable's own count, kept for reference
   config = load_config(str(preset))
   c = best['candidate']
   assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.model.remat, config.train.microbatches) == \

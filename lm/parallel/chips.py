@@ -40,19 +40,6 @@ HBM_BYTES = {
   'NVIDIA H200': 141 * 10**9,
 }
 
-# High-bandwidth memory bandwidth per device, bytes/s (published figures).
-HBM_BYTES_PER_S = {
-  'TPU v4': 1200e9,
-  'TPU v5 lite': 819e9,
-  'TPU v5e': 819e9,
-  'TPU v5p': 2765e9,
-  'TPU v5': 2765e9,
-  'TPU v6 lite': 1640e9,
-  'TPU v6e': 1640e9,
-  'NVIDIA A100': 2039e9,
-  'NVIDIA H100': 3350e9,
-  'NVIDIA H200': 4800e9,
-}
 # Inter-chip interconnect bandwidth per chip, bytes/s (Cloud TPU's published Gbps over 8; GPUs: NVLink per GPU).
 ICI_BYTES_PER_S = {
   'TPU v4': 2400e9 / 8,
@@ -84,11 +71,6 @@ def peak_flops(device: jax.Device) -> float | None:
 def hbm_bytes(device: jax.Device) -> int | None:
   """Per-device accelerator memory for known kinds, None for CPUs and unknown kinds."""
   return _lookup(HBM_BYTES, device)
-
-
-def hbm_bytes_per_s(device: jax.Device) -> float | None:
-  """Per-device memory bandwidth for known accelerators, None for CPUs and unknown kinds."""
-  return _lookup(HBM_BYTES_PER_S, device)
 
 
 def ici_bytes_per_s(device: jax.Device) -> float | None:
