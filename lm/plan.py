@@ -153,7 +153,8 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
   the step's FLOPs).
 
   "May fit" learns from the compiles: a candidate is skipped when its estimate times the smallest ratio of
-  compiled memory to estimate seen so far for its remat policy (at first 1 / ESTIMATE_SLACK) exceeds HBM.
+  compiled memory to estimate seen so far for its mesh and remat policy (at first 1 / ESTIMATE_SLACK) exceeds
+  HBM: the estimate's error depends on both, hardly on the microbatch count.
   """
   start = time.perf_counter()
   devices = topology_devices(physical_topology(topology), num_slices)
@@ -161,8 +162,9 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
   d = devices[0]
   chip = Chip(peak_flops(d), ici_bytes_per_s(d), hbm_bytes(d))
   found = candidates(config, devices, chip, num_slices)
-  ratio: dict[str, float] = {}  # remat policy -> smallest compiled memory / estimate seen
-  may_fit = lambda r: r['estimate'] * ratio.get(r['candidate'].remat, 1 / ESTIMATE_SLACK) <= chip.hbm_bytes
+  ratio: dict[Candidate, float] = {}  # the candidate at one microbatch -> smallest compiled memory / estimate
+  key = lambda c: dataclasses.replace(c, microbatches=1)
+  may_fit = lambda r: r['estimate'] * ratio.get(key(r['candidate']), 1 / ESTIMATE_SLACK) <= chip.hbm_bytes
   log(f'{len(found)} candidates shard evenly, {sum(map(may_fit, found))} may fit by the estimate; '
       f'compiling the fastest')
   fitting, tried = [], []
@@ -173,7 +175,7 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
       continue
     report = compile_report(r['candidate'].apply(config), topology, num_slices=num_slices)
     memory = report['memory_per_device']['total']
-    ratio[r['candidate'].remat] = min(ratio.get(r['candidate'].remat, math.inf), memory / r['estimate'])
+    ratio[key(r['candidate'])] = min(ratio.get(key(r['candidate']), math.inf), memory / r['estimate'])
     row = {**r, 'memory': memory, 'fits': report['fits'], 'compile_seconds': report['compile_seconds'],
            'cost_per_device': report.get('cost_per_device')}
     tried.append(row)
