@@ -1,5 +1,7 @@
 """Test setup: 8 simulated CPU devices (before JAX starts) and a small GPT config factory."""
 import os
+import shutil
+import tempfile
 
 # 8 CPU devices for mesh tests; backend optimisation level 0 compiles ~3x faster, and tests
 # run tiny models whose compile time dominates their run time.
@@ -9,6 +11,15 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
                                     '--xla_backend_optimization_level=0']).strip()
+
+# One persistent compilation cache for the whole run, shared by the xdist workers and every `lm` process a test
+# starts (they inherit the environment): many tests compile the same few programs. Its size limit turns on
+# jax's file lock, so concurrent workers never read a half-written entry.
+OWN_CACHE = 'JAX_COMPILATION_CACHE_DIR' not in os.environ  # made here (by the controller): removed at the end
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'lm-tests-xla-{os.getpid()}'))
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(4 << 30))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 import pytest  # noqa: E402
 
@@ -37,3 +48,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark = item.get_closest_marker('long')
     return mark.args[0] if mark else 0.0
   items.sort(key=minutes, reverse=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+  if OWN_CACHE and not hasattr(session.config, 'workerinput'):  # the controller, after every worker is done
+    shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)

@@ -120,11 +120,10 @@ def test_every_readme_command_runs(tmp_path):
   home.mkdir()
   user_files(cwd)
   venv = str(Path(sys.executable).parent)
-  # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps), and one
-  # compilation cache for all the commands, most of which compile the same few programs.
+  # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps), with the
+  # suite's compilation cache (conftest.py): most of the commands compile the same few programs.
   env = {**os.environ, 'HOME': str(home), 'PATH': venv + os.pathsep + os.environ['PATH'], 'COLUMNS': '100',
-         'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'xla_cache'),
-         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0', 'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+         'XLA_FLAGS': '--xla_backend_optimization_level=0'}
   seen = set()
   for command in logical_lines((ROOT / 'README.md').read_text()):
     run = as_run(command)
