@@ -39,6 +39,7 @@ SHORTER = [
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
   (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),
   (r'^python bench/train_throughput\.py .*$', lambda m: m[0] + ' --steps 2'),
+  (r'^python bench/peers\.py$', lambda m: m[0] + " --rounds 1 --steps 1 --only 'lm fp32' 'torch eager fp32'"),
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),
