@@ -4,8 +4,9 @@ The directory holds what the README's commands name and a user would bring (a YA
 files, an HF GPT-2 and BERT saved by transformers, GLUE files), with `launch/` and `bench/`
 copied from this checkout. Commands run as written, with `lm` and `python` from this venv; the only
 changes are SHORTER's (fewer steps and smaller sweeps, so the whole README runs in minutes) and `--dry-run`
-on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; each entry must still
-match a README command, so neither list outlives the README.
+on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; what another test runs
+and checks (a minute of compiling each, not repeated here) is in ELSEWHERE with that test's name; each entry
+must still match a README command, so no list outlives the README.
 """
 import json
 import os
@@ -52,6 +53,14 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
   'lm train --config gpt3_125m data.source=tfds data.name=c4/en:3.1.0 data.data_dir=gs://':
     'C4 in a cloud bucket; the same path runs on a local TFDS dataset below',
   'lm finetune --task sst2 --source tfds': 'TFDS glue/sst2 must be downloaded to be prepared',
+}
+
+ELSEWHERE = {  # a command's start -> the test that runs it (the same command on the same kind of files) and checks
+  'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_scaling_table_preset_fits_its_slice_as_written',
+  'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
+    'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
+  'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
+    'tests/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }
 
 
@@ -106,12 +115,16 @@ def user_files(cwd: Path) -> None:
 
 
 def test_commands_name_every_exception():
-  """Each SHORTER and OFFLINE_ONLY entry still matches a README command."""
+  """Each SHORTER, OFFLINE_ONLY and ELSEWHERE entry still matches a README command; ELSEWHERE's tests exist."""
   commands = logical_lines((ROOT / 'README.md').read_text())
   for pattern, _ in SHORTER:
     assert any(re.search(pattern, c) for c in commands), f'SHORTER {pattern!r} matches no README command'
   for start in OFFLINE_ONLY:
     assert any(c.startswith(start) for c in commands), f'OFFLINE_ONLY {start!r} matches no README command'
+  for start, test in ELSEWHERE.items():
+    assert any(c.startswith(start) for c in commands), f'ELSEWHERE {start!r} matches no README command'
+    path, name = test.split('::')
+    assert f'def {name}(' in (ROOT / path).read_text(), f'ELSEWHERE names {test}, which does not exist'
 
 
 @pytest.mark.long(6)
@@ -128,7 +141,7 @@ def test_every_readme_command_runs(tmp_path):
   seen = set()
   for command in logical_lines((ROOT / 'README.md').read_text()):
     run = as_run(command)
-    if run in seen or any(command.startswith(start) for start in OFFLINE_ONLY):
+    if run in seen or any(command.startswith(start) for start in (*OFFLINE_ONLY, *ELSEWHERE)):
       continue
     seen.add(run)
     done = subprocess.run(['bash', '-c', run], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)

@@ -225,6 +225,9 @@ class FineTuner:
     start = initial_state(self.assembly, init)
     if start.fresh:
       print(f'{self.task.name}: new head {", ".join(start.fresh)}', flush=True)
+    if start.reshaped:
+      print(f'{self.task.name}: new head {", ".join(start.reshaped)} (the source\'s has another shape: another '
+            f'task\'s labels)', flush=True)
     state = start.state
     best: dict[str, Any] = {'step': None, 'metrics': None, 'predictions': None}
     records: list[dict[str, Any]] = []

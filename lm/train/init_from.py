@@ -3,7 +3,9 @@
 The source is one of our run dirs (latest checkpoint) or an HF model directory. Its layer layout
 (scanned or unrolled) is matched to this run's; every param must then exist with the same shape,
 except the family's heads (e.g. a classifier or NSP head a pretrained model lacks), which start
-fresh. Params the run does not use are left behind; both lists are reported.
+fresh; so does a task head of another shape (a model fine-tuned on MNLI's 3 labels starting STS-B's
+regression, RoBERTa's recipe for the small tasks). Params the run does not use are left behind; the
+lists are reported.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from lm.train.state import TrainState, shardings_of
 class Initialised:
   state: TrainState
   fresh: tuple[str, ...]  # params initialised here because the source lacks them (heads)
+  reshaped: tuple[str, ...]  # task-head params the source has in another shape (another task's labels): fresh too
   unused: tuple[str, ...]  # source params this model does not have
 
 
@@ -39,7 +42,8 @@ def initial_state(assembly: Assembly, source: str) -> Initialised:
   params = relayout(params, assembly.config.model.scan_layers)
   have, want = _flat(params), _flat(assembly.abstract_params)
   heads = assembly.family.per_sequence_params()
-  fresh = []
+  task_head = frozenset(assembly.family.task_head.params if assembly.family.task_head else ())
+  fresh, reshaped = [], []
   for name, target in want.items():
     got = have.get(name)
     if got is None:
@@ -47,18 +51,20 @@ def initial_state(assembly: Assembly, source: str) -> Initialised:
         raise ConfigError(f'train.init_from={source} has no parameter {name} {target.shape}, which this '
                           f'{assembly.family.name} model needs; start from a checkpoint of the same model')
       fresh.append(name)
+    elif got.shape != target.shape and name.split('/')[0] in task_head:
+      reshaped.append(name)
     elif got.shape != target.shape:
       raise ConfigError(f'train.init_from={source}: parameter {name} has shape {got.shape} there but '
                         f'{target.shape} in this model; set the model config to match the source')
   loaded = {name: jax.device_put(have[name].astype(target.dtype), target.sharding)
-            for name, target in want.items() if name in have}
-  if fresh:
-    loaded.update(_fresh_params(assembly, {name: want[name].sharding for name in fresh}))
+            for name, target in want.items() if name in have and name not in reshaped}
+  if fresh or reshaped:
+    loaded.update(_fresh_params(assembly, {name: want[name].sharding for name in fresh + reshaped}))
   params = traverse_util.unflatten_dict(loaded, sep='/')
   opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(assembly.abstract_state.opt_state))(params)
   zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
   state = TrainState(step=zero(), params=params, opt_state=opt_state, skipped=zero())  # two buffers: both are donated
-  return Initialised(state, tuple(fresh), tuple(sorted(set(have) - set(want))))
+  return Initialised(state, tuple(fresh), tuple(reshaped), tuple(sorted(set(have) - set(want))))
 
 
 def _fresh_params(assembly: Assembly, shardings: dict[str, Any]) -> dict[str, jax.Array]:

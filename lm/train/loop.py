@@ -78,7 +78,7 @@ class Trainer:
       return self.init_state()
     start = initial_state(self.assembly, cfg.train.init_from)
     print(f'initialised from {cfg.train.init_from}' +
-          (f'; new: {", ".join(start.fresh)}' if start.fresh else '') +
+          (f'; new: {", ".join(start.fresh + start.reshaped)}' if start.fresh or start.reshaped else '') +
           (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
     return start.state
 
