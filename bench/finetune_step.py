@@ -6,7 +6,6 @@ at the recipe's batch and length; median step time after compilation; prints a t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from lm.config import load_config
 from lm.glue.finetune import RECIPE, TaskLoss
 from lm.parallel.chips import quiet_libtpu
 from lm.parallel.rules import batch_sharding
-from lm.report import format_lines
+from lm.report import format_lines, write_json
 from lm.train.step import make_train_step
 
 
@@ -67,9 +66,7 @@ def main() -> None:
                       ('devices', f'{jax.device_count()} {jax.default_backend()}'),
                       ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.3f}'),
                       ('examples/s', f'{result["examples_per_sec"]:.2f}')]))
-  out = Path(args.out or Path(__file__).parent / 'results' / f'finetune_step_{config.name}.json')
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + '\n')
+  write_json(args.out or Path(__file__).parent / 'results' / f'finetune_step_{config.name}.json', result)
 
 
 if __name__ == '__main__':

@@ -144,7 +144,7 @@ def main() -> None:
     return
 
   from lm.config import load_config
-  from lm.report import format_lines
+  from lm.report import format_lines, write_json
   config = load_config(args.config)
   if config.model.family != 'gpt':
     raise SystemExit(f'peers: --config {args.config} is a {config.model.family} model; the peers are GPT-2: '
@@ -182,9 +182,7 @@ def main() -> None:
   result = {'config': args.config, 'rounds': args.rounds, 'steps': args.steps, 'tokens_per_step': tokens,
             'round_median_step_s': times, 'tokens_per_sec': speed,
             'lm_best_over_best_peer': best_lm / best_peer if best_lm and best_peer else None}
-  out = Path(args.out or Path(__file__).parent / 'results' / f'peers_{args.config}.json')
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + '\n')
+  out = write_json(args.out or Path(__file__).parent / 'results' / f'peers_{args.config}.json', result)
   print(f'wrote {out}')
 
 

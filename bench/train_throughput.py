@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import jax
 
 from lm.config import load_config
-from lm.report import format_lines
+from lm.report import format_lines, write_json
 from lm.train.loop import Trainer
 
 
@@ -59,9 +58,7 @@ def main() -> None:
           ('tokens/s', f'{result["tokens_per_sec"]:,.0f}'),
           ('model TFLOP/s', f'{result["model_tflops_per_sec"]:.3f}')]
   print(format_lines(rows))
-  out = Path(args.out or Path(__file__).parent / 'results' / f'train_throughput_{config.name}.json')
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=2) + '\n')
+  out = write_json(args.out or Path(__file__).parent / 'results' / f'train_throughput_{config.name}.json', result)
   print(f'wrote {out}')
 
 

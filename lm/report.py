@@ -1,7 +1,10 @@
-"""The one printer for `lm info` and `lm compile` reports: aligned `name  value` lines and byte sizes."""
+"""The one printer for `lm info` and `lm compile` reports (aligned `name  value` lines, byte sizes), and the
+benchmarks' JSON writer."""
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from pathlib import Path
+from typing import Any, Sequence
 
 
 def format_bytes(n: float) -> str:
@@ -13,3 +16,11 @@ def format_lines(lines: Sequence[tuple[str, str]]) -> str:
   """Names left-aligned in one column, values after two spaces."""
   width = max(len(name) for name, _ in lines)
   return '\n'.join(f'{name:<{width}}  {value}' for name, value in lines)
+
+
+def write_json(out: str | Path, result: Any) -> Path:
+  """Writes a benchmark's `result` as indented JSON to `out`, making its folder."""
+  out = Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + '\n')
+  return out
