@@ -75,6 +75,8 @@ class ModelConfig:
   attention_block_k: int = 128
   scan_layers: bool = True
   remat: Remat = 'none'
+  loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
+  # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
 
   @property
   def embedding_scale(self) -> float:
@@ -99,7 +101,8 @@ class ModelConfig:
 
 # Model fields that say how the step computes, not which params it trains: a resume may change them (another
 # slice, a memory fix); every other model field must match the checkpoint's.
-EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_block_k', 'scan_layers', 'remat')
+EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_block_k', 'scan_layers', 'remat',
+                    'loss_chunk')
 
 
 @dataclass(frozen=True)
@@ -415,6 +418,8 @@ def validate(config: Config) -> None:
       f'raise model.max_len or lower data.seq_len')
   if m.num_labels < 0:
     raise ConfigError(f'model.num_labels={m.num_labels} must be >= 0 (0: no classifier head)')
+  if m.loss_chunk < 0:
+    raise ConfigError(f'model.loss_chunk={m.loss_chunk} must be >= 0 (0: the output layer untiled)')
   for key in ('model.dropout', 'model.attention_dropout', 'data.val_fraction'):
     if not 0.0 <= _get(config, key) < 1.0:
       raise ConfigError(f'{key}={_get(config, key)} must lie in [0, 1)')

@@ -11,6 +11,7 @@ from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
 from lm.models.task_heads import Classifier
 from lm.models.transformer import Stack, default_positions
+from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
 
@@ -51,26 +52,29 @@ class BERT(nn.Module):
     return self.encoder(x, segment_ids, deterministic=deterministic)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
-    """Masked-LM logits [batch, length, vocab]: dense + GELU + LayerNorm, then the tied decoder plus a bias."""
+               token_types: jax.Array | None = None, deterministic: bool = True, unembed: bool = True
+               ) -> jax.Array | Unembedding:
+    """Masked-LM logits [batch, length, vocab]: dense + GELU + LayerNorm, then the tied decoder plus a bias
+    (`unembed=False`: that output layer unapplied, for the tiled token loss)."""
     x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
     if self.is_initializing():  # create the heads' params along with the rest
       if self.cfg.nsp:
         self.nsp_logits(x)
       if self.cfg.num_labels:
         self.classifier(self.pooled(x))
-    return self.mlm_logits(x)
+    head = self.mlm_head(x)
+    return head.logits() if unembed else head
 
-  def mlm_logits(self, encoded: jax.Array) -> jax.Array:
+  def mlm_head(self, encoded: jax.Array) -> Unembedding:
     h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(encoded)))
-    logits = self.token_embed.attend(h) + self.mlm_bias.astype(h.dtype)
-    return constrain(logits, ('batch', 'length', 'vocab'))
+    return self.token_embed.unembed(h, bias=self.mlm_bias, chunk=self.cfg.loss_chunk)
 
   def pretrain(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               token_types: jax.Array | None = None, deterministic: bool = True) -> tuple[jax.Array, jax.Array]:
-    """(MLM logits, NSP logits [batch, 2]) for next-sentence-prediction pretraining."""
+               token_types: jax.Array | None = None, deterministic: bool = True
+               ) -> tuple[Unembedding, jax.Array]:
+    """(the MLM output layer unapplied, NSP logits [batch, 2]) for next-sentence-prediction pretraining."""
     x = self.encode(tokens, segment_ids, positions, token_types, deterministic)
-    return self.mlm_logits(x), self.nsp_logits(x)
+    return self.mlm_head(x), self.nsp_logits(x)
 
   def pooled(self, encoded: jax.Array) -> jax.Array:
     """tanh(dense(first token)): the [CLS] summary the NSP and classification heads read."""
@@ -101,9 +105,9 @@ class BERTFamily(Encoder):
     kwargs = dict(segment_ids=batch.get('segment_ids'), positions=batch.get('positions'),
                   token_types=batch.get('token_types'), deterministic=deterministic, rngs=rngs)
     if model.cfg.nsp:
-      logits, nsp_logits = model.apply({'params': params}, batch['inputs'], **kwargs, method=BERT.pretrain)
-      return {'logits': logits, NSP.name: nsp_logits}
-    return {'logits': model.apply({'params': params}, batch['inputs'], **kwargs)}
+      head, nsp_logits = model.apply({'params': params}, batch['inputs'], **kwargs, method=BERT.pretrain)
+      return {'logits': head, NSP.name: nsp_logits}
+    return {'logits': model.apply({'params': params}, batch['inputs'], **kwargs, unembed=False)}
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)

@@ -78,9 +78,10 @@ class Family:
     return model.init({'params': rng, 'dropout': rng}, *self.init_inputs(length))['params']
 
   def apply(self, model: nn.Module, params: Any, batch: Batch, *, deterministic: bool,
-            rngs: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Outputs for a batch: 'logits' [batch, length, vocab], scored against batch['targets'] with
-    batch['weights'], and the logits of each active head under its name."""
+            rngs: dict[str, jax.Array]) -> dict[str, Any]:
+    """Outputs for a batch: 'logits', the output layer unapplied (an `Unembedding`: the token loss applies it,
+    whole or in tiles), scored against batch['targets'] with batch['weights'], and the logits of each active
+    head under its name."""
     raise NotImplementedError
 
   def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
@@ -128,7 +129,8 @@ class DecoderOnly(Family):
 
   def apply(self, model, params, batch, *, deterministic, rngs):
     return {'logits': model.apply({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
-                                  positions=batch.get('positions'), deterministic=deterministic, rngs=rngs)}
+                                  positions=batch.get('positions'), deterministic=deterministic, rngs=rngs,
+                                  unembed=False)}
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)
@@ -160,7 +162,7 @@ class EncoderDecoder(Family):
     return {'logits': model.apply({'params': params}, batch['inputs'], batch['decoder_inputs'],
                                   segment_ids=batch.get('segment_ids'),
                                   decoder_segment_ids=batch.get('decoder_segment_ids'),
-                                  deterministic=deterministic, rngs=rngs)}
+                                  deterministic=deterministic, rngs=rngs, unembed=False)}
 
   def target_length(self, seq_len: int) -> int:
     """Decoder tokens of a row whose encoder sees `seq_len` tokens."""

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lm.ops import mixed
 from lm.ops.attention import attention
+from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
 Dtype = Any
@@ -100,9 +101,25 @@ class Embed(nn.Module):
     rows = jnp.take(gathered(self.embedding, self.axes), ids, axis=0)
     return (rows * self.scale if self.scale != 1.0 else rows).astype(self.dtype)
 
-  def attend(self, x: jax.Array) -> jax.Array:
-    """'b l d, v d -> b l v' logits against the embedding table."""
-    return mixed.einsum('bld,vd->blv', x, self.embedding, dtype=self.dtype)
+  def unembed(self, x: jax.Array, bias: jax.Array | None = None, chunk: int = 0) -> Unembedding:
+    """The tied output layer on hidden states `x` [batch, length, embed]: logits against the table."""
+    return Unembedding(x, self.embedding, bias, layout='vd', axes=self.axes, dtype=self.dtype, chunk=chunk)
+
+
+class LMHead(nn.Module):
+  """An untied output layer: its kernel [embed, vocab] applied by `Unembedding.logits` or the tiled loss."""
+  vocab_size: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = nn.initializers.normal(0.02)
+  chunk: int = 0  # the tiled loss's sequence positions per tile
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> Unembedding:
+    axes = ('embed', 'vocab')
+    kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, axes),
+                        (x.shape[-1], self.vocab_size), self.param_dtype)
+    return Unembedding(x, kernel, None, layout='dv', axes=axes, dtype=self.dtype, chunk=self.chunk)
 
 
 class LayerNorm(nn.Module):

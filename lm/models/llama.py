@@ -8,7 +8,8 @@ import jax
 from lm.config import Config, ConfigError, ModelConfig
 from lm.models.family import DecoderOnly
 from lm.models.layers import DTYPES, Embed
-from lm.models.transformer import Stack, default_positions, last_token_scores, output_logits
+from lm.models.transformer import Stack, default_positions, last_token_scores, output_layer
+from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
 
@@ -17,12 +18,13 @@ class Llama(nn.Module):
 
   `positions` (default 0, 1, ...) rotate queries and keys; with `decode=True` they count real tokens.
   With `model.num_labels` > 0 it is a sequence classifier: scores [batch, num_labels] from the last real token.
+  `unembed=False` returns the output layer unapplied (an `Unembedding`), for the tiled token loss.
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               deterministic: bool = True, decode: bool = False) -> jax.Array:
+               deterministic: bool = True, decode: bool = False, unembed: bool = True) -> jax.Array | Unembedding:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
@@ -34,7 +36,8 @@ class Llama(nn.Module):
       positions=default_positions(tokens) if positions is None else positions)
     if cfg.num_labels:  # a fine-tuned sequence classifier
       return last_token_scores(cfg, x, segment_ids)
-    return output_logits(cfg, embed, x)
+    head = output_layer(cfg, embed, x)
+    return head.logits() if unembed else head
 
 
 class LlamaFamily(DecoderOnly):

@@ -7,8 +7,9 @@ import jax
 from lm.config import ConfigError, ModelConfig
 from lm.data.objectives import EXTRA_IDS, SpanCorruption, span_lengths, span_sentinels
 from lm.models.family import EncoderDecoder, check_vocabulary
-from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, sinusoidal_positions
+from lm.models.layers import DTYPES, Embed, LearnedPositions, LMHead, sinusoidal_positions
 from lm.models.transformer import Stack, default_positions
+from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
 
@@ -32,8 +33,8 @@ class T5(nn.Module):
     if cfg.position == 'learned':
       self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
     if not cfg.tie_embeddings:
-      self.lm_head = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), kernel_init=nn.initializers.normal(
-        cfg.d_model ** -0.5), **common)
+      self.lm_head = LMHead(cfg.vocab_size, kernel_init=nn.initializers.normal(cfg.d_model ** -0.5),
+                            chunk=cfg.loss_chunk, **common)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     x = self.token_embed(tokens)
@@ -50,8 +51,9 @@ class T5(nn.Module):
 
   def decode(self, encoded: jax.Array, decoder_inputs: jax.Array, segment_ids: jax.Array | None = None,
              decoder_segment_ids: jax.Array | None = None, deterministic: bool = True,
-             decode: bool = False) -> jax.Array:
-    """Decoder logits given the encoder output; `decode=True` runs one step on the key/value cache."""
+             decode: bool = False, unembed: bool = True) -> jax.Array | Unembedding:
+    """Decoder logits given the encoder output (`unembed=False`: the output layer unapplied, for the tiled
+    token loss); `decode=True` runs one step on the key/value cache."""
     if decode and self.cfg.position != 'relative':
       raise ValueError(f'cached decoding of an encoder-decoder needs relative positions, not '
                        f'model.position={self.cfg.position}')
@@ -60,15 +62,17 @@ class T5(nn.Module):
                      deterministic=deterministic, decode=decode)
     y = self.dropout(y, deterministic=deterministic)
     if self.cfg.tie_embeddings:
-      logits = self.token_embed.attend(y if self.cfg.scale_embeddings else y * self.cfg.d_model ** -0.5)
+      head = self.token_embed.unembed(y if self.cfg.scale_embeddings else y * self.cfg.d_model ** -0.5,
+                                      chunk=self.cfg.loss_chunk)
     else:
-      logits = self.lm_head(y)
-    return constrain(logits, ('batch', 'length', 'vocab'))
+      head = self.lm_head(y)
+    return head.logits() if unembed else head
 
   def __call__(self, inputs: jax.Array, decoder_inputs: jax.Array, segment_ids: jax.Array | None = None,
-               decoder_segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+               decoder_segment_ids: jax.Array | None = None, deterministic: bool = True, unembed: bool = True
+               ) -> jax.Array | Unembedding:
     encoded = self.encode(inputs, segment_ids, deterministic)
-    return self.decode(encoded, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)
+    return self.decode(encoded, decoder_inputs, segment_ids, decoder_segment_ids, deterministic, unembed=unembed)
 
 
 class T5Family(EncoderDecoder):

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
-from lm.models.layers import (DTYPES, Attention, DenseGeneral, Embed, LearnedPositions, Mlp, RelativePositionBias,
-                              make_norm, sinusoidal_positions)
+from lm.models.layers import (DTYPES, Attention, DenseGeneral, Embed, LearnedPositions, LMHead, Mlp,
+                              RelativePositionBias, make_norm, sinusoidal_positions)
+from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -150,18 +151,16 @@ def embed_positions(cfg: ModelConfig, positions: jax.Array, name: str = 'positio
   return None
 
 
-def output_logits(cfg: ModelConfig, embed: Embed, x: jax.Array) -> jax.Array:
-  """Logits [batch, length, vocab] of a decoder: the embedding table when tied, else an `lm_head` layer.
+def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
+  """A decoder's output layer on its last hidden states `x`: the embedding table when tied, else an
+  `lm_head` layer; `.logits()` applies it, the token loss tiles it (`model.loss_chunk`).
 
   Call from a compact module: the head becomes its child.
   """
   if cfg.tie_embeddings:
-    logits = embed.attend(x)
-  else:
-    logits = DenseGeneral(cfg.vocab_size, ('embed', 'vocab'), dtype=DTYPES[cfg.dtype],
-                          param_dtype=DTYPES[cfg.param_dtype], kernel_init=nn.initializers.normal(cfg.init_std),
-                          name='lm_head')(x)
-  return constrain(logits, ('batch', 'length', 'vocab'))
+    return embed.unembed(x, chunk=cfg.loss_chunk)
+  return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk, name='lm_head')(x)
 
 
 def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

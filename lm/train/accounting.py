@@ -105,8 +105,12 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -
     'projections': (2 * cfg.d_model + (hd + 2 * kv) / tensor) * width,
   }[cfg.remat]
   per_token = kept * cfg.num_layers + (0 if cfg.remat == 'none' else full_layer)
-  logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient
-  return int(tokens * (per_token + logits))
+  logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient, per token
+  if cfg.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
+    output = tokens * (min(cfg.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4)
+  else:
+    output = tokens * logits
+  return int(tokens * per_token + output)
 
 
 def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str, int]:

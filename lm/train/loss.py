@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import jax.numpy as jnp
 
+from lm.ops.unembed import Unembedding, tiled_cross_entropy
+
 if TYPE_CHECKING:
   from lm.models.family import Head
 
@@ -24,6 +26,20 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   nll = jnp.sum((log_z - target_logits) * weights)
   z = jnp.sum(z_loss * jnp.square(log_z) * weights)
   return nll, z, jnp.sum(weights)
+
+
+def token_loss(head: Unembedding, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(sum of weighted NLL + z-loss, the NLL sum, the z-loss sum, sum of weights) of the output layer `head`
+  against `targets`: untiled, or in tiles when `head.chunk` > 0 (`model.loss_chunk`). Only the first is
+  differentiated; the sums are metrics."""
+  weights = weights.astype(jnp.float32)
+  if head.chunk:
+    loss, nll, z = tiled_cross_entropy(head, targets, weights, z_loss)
+  else:
+    nll, z, _ = cross_entropy(head.logits(), targets, weights, z_loss)
+    loss, nll, z = nll + z, jax.lax.stop_gradient(nll), jax.lax.stop_gradient(z)
+  return loss, nll, z, jnp.sum(weights)
 
 
 def squared_error(scores: jax.Array, labels: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -50,8 +66,8 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
   Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly.
   Returns (loss, sums of the pieces for metrics: 'nll', 'z', and '{head}_nll', '{head}_correct').
   """
-  nll, z, _ = cross_entropy(outputs['logits'], batch['targets'], batch['weights'], z_loss)
-  loss = (nll + z) / total_weight
+  token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
+  loss = token_sum / total_weight
   sums = {'nll': nll, 'z': z}
   for head in heads:
     sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(

@@ -12,7 +12,7 @@ import optax
 from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
 from lm.parallel.rules import batch_sharding, check_batch, constrain, sharding_context
-from lm.train.loss import cross_entropy, pretraining_loss
+from lm.train.loss import pretraining_loss, token_loss
 from lm.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -129,7 +129,7 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
 
   def step(params: Any, batch: Batch) -> Metrics:
     with sharding_context(mesh):
-      logits = family.apply(model, params, batch, deterministic=True, rngs={})['logits']
-      nll, _, weight = cross_entropy(logits, batch['targets'], batch['weights'])
+      head = family.apply(model, params, batch, deterministic=True, rngs={})['logits']
+      _, nll, _, weight = token_loss(head, batch['targets'], batch['weights'])
     return {'nll': nll, 'weight': weight}
   return jax.jit(step, in_shardings=(assembly.shardings.params, None))
