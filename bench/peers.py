@@ -77,6 +77,7 @@ def torch_worker(config_name: str, mode: str) -> Callable[[], None]:
 
 FLAX_WORKER = '''
 import json, sys, time
+from typing import Callable  # serve's annotation
 import jax, jax.numpy as jnp, optax, transformers
 cfg = json.loads(sys.argv[1])
 model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(**cfg['gpt2']), seed=0)
