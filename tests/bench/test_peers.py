@@ -38,3 +38,43 @@ def test_one_round_reports_each_contender_and_the_ratio(tmp_path):
     assert name in done.stdout
   speed = result['tokens_per_sec']
   assert result['lm_best_over_best_peer'] == speed['lm fp32'] / speed['torch eager fp32']
+
+
+STUB_TRANSFORMERS = '''
+"""Stands in for transformers<5 in the HF Flax worker: the interface it uses, an embedding table as the model."""
+import jax
+
+
+class GPT2Config:
+  def __init__(self, **kwargs):
+    self.__dict__.update(kwargs)
+
+
+class Output:
+  def __init__(self, logits):
+    self.logits = logits
+
+
+class FlaxGPT2LMHeadModel:
+  def __init__(self, config, seed=0):
+    self.params = {'wte': 0.02 * jax.random.normal(jax.random.key(seed), (config.vocab_size, config.n_embd))}
+
+  def __call__(self, tokens, params, train):
+    return Output(params['wte'][tokens] @ params['wte'].T)
+'''
+
+
+def test_the_flax_worker_runs_with_its_python(tmp_path):
+  """`--flax-python`: the worker script starts, trains and reports in that Python (here this one, with a stub
+  `transformers` in front: the real Flax GPT-2 needs transformers<5, another environment)."""
+  (tmp_path / 'stub').mkdir()
+  (tmp_path / 'stub' / 'transformers.py').write_text(STUB_TRANSFORMERS)
+  python = tmp_path / 'python'
+  python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "stub"} exec {sys.executable} "$@"\n')
+  python.chmod(0o755)
+  out = tmp_path / 'peers.json'
+  done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--rounds', '1', '--steps', '1', '--only',
+                         'lm fp32', '--flax-python', str(python), '--out', str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert set(json.loads(out.read_text())['tokens_per_sec']) == {'lm fp32', 'HF Flax GPT-2 fp32'}
