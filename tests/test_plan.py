@@ -15,7 +15,7 @@ from lm.train.accounting import count_params
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 TINY = ['model.d_model=64', 'model.num_heads=4', 'model.d_ff=256', 'model.num_layers=2', 'data.seq_len=64',
-        'model.max_len=64', 'train.global_batch=16', 'model.dtype=bfloat16']
+        'model.max_len=64', 'train.global_batch=16', 'model.dtype=bfloat16', 'model.scan_layers=true']
 
 
 def test_meshes_are_every_power_of_two_split_of_the_chips():
