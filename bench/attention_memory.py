@@ -40,7 +40,7 @@ def compile_step(impl: str, length: int, target: str) -> Any:
     devices = topologies.get_topology_desc(platform='tpu', topology_name='v5e:2x2').devices[:1]
   else:
     devices = jax.devices('cpu')[:1]
-  mesh = Mesh(np.array(devices).reshape(1, 1, 1, 1), MESH_AXES)
+  mesh = Mesh(np.array(devices).reshape((1,) * len(MESH_AXES)), MESH_AXES)
   x = jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
 
   def forward_backward(q, k, v, d_out):

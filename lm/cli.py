@@ -77,6 +77,7 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+  from lm.mesh_axes import mesh_text
   from lm.report import format_bytes, format_lines
   if args.devices:
     import jax
@@ -90,7 +91,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     ('config', report['name']),
     ('parameters', f'{p["total"]:,} total, {p["non_embedding"]:,} non-embedding'),
     ('training FLOPs/token', f'{report["flops_per_token"]:.4g}'),
-    ('mesh', f'data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} ({mesh["strategy"]}, '
+    ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]}, '
              f'{mesh["devices"]} {mesh["platform"]} devices)'),
   ]
   lines += [(f'memory/device: {k}', format_bytes(v)) for k, v in mem.items()]

@@ -18,6 +18,7 @@ import jax
 
 from lm.assembly import assemble
 from lm.config import Config, ConfigError
+from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
@@ -136,8 +137,7 @@ def format_report(r: dict[str, Any]) -> str:
     ('config', f'{r["config"]} ({r["params"]["total"] / 1e9:,.3f}B params)'),
     ('topology', f'{r["num_slices"]} x ' * (r['num_slices'] > 1) +
      f'{r["topology"]} = {r["physical_topology"]}: {r["chips"]} x {r["device_kind"]}'),
-    ('mesh', f'slice={mesh["slice"]} data={mesh["data"]} fsdp={mesh["fsdp"]} tensor={mesh["tensor"]} '
-             f'({mesh["strategy"]})'),
+    ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]})'),
     ('remat / scan / attention', f'{r["remat"]} / {r["scan_layers"]} / {r["attention_impl"]}, {r["dtype"]}'),
     ('batch', f'{r["global_batch"]} x {r["seq_len"]} tokens in {r["microbatches"]} microbatch(es)'),
   ]

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from etils import epath
 
+from lm.mesh_axes import MESH_AXES, in_slice_axes
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / 'configs'
 
 
@@ -105,13 +107,11 @@ EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_b
                     'loss_chunk')
 
 
-@dataclass(frozen=True)
-class MeshConfig:
-  """Device mesh sizes; -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy."""
-  slices: int = 1  # TPU slices joined over the data-center network: data parallel across them
-  data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
+# Device mesh sizes, a field per axis of lm/mesh_axes.py (`slices`: TPU slices joined over the data-center
+# network); -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy.
+MeshConfig = dataclasses.make_dataclass(
+  'MeshConfig', [(a.field or a.name, int, field(default=a.default)) for a in MESH_AXES], frozen=True)
+MeshConfig.__module__ = __name__
 
 
 @dataclass(frozen=True)
@@ -444,14 +444,16 @@ def validate(config: Config) -> None:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
   if d.streams < 1 or d.workers < 0 or d.prefetch < 1:
     raise ConfigError('data.streams and data.prefetch must be >= 1, data.workers >= 0')
-  for key in ('mesh.data', 'mesh.fsdp', 'mesh.tensor'):
+  within = [a.key for a in in_slice_axes()]
+  for key in within:
     value = _get(config, key)
     if value == 0 or value < -1:
       raise ConfigError(f'{key}={value} must be a positive size or -1 (fill the remaining devices)')
-  if config.mesh.slices < 1:
-    raise ConfigError(f'mesh.slices={config.mesh.slices} must be a positive number of TPU slices')
-  if sum(_get(config, k) == -1 for k in ('mesh.data', 'mesh.fsdp', 'mesh.tensor')) > 1:
-    raise ConfigError('only one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
+  for axis in MESH_AXES:
+    if axis.across_slices and _get(config, axis.key) < 1:
+      raise ConfigError(f'{axis.key}={_get(config, axis.key)} must be a positive number of TPU slices')
+  if sum(_get(config, k) == -1 for k in within) > 1:
+    raise ConfigError(f'only one of {", ".join(within)} may be -1')
   check_tokenizer_spec(d.tokenizer)
 
 

@@ -24,6 +24,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.config import ConfigError
+from lm.mesh_axes import MESH_AXES
 
 LogicalRules = tuple[tuple[str, Any], ...]
 
@@ -47,7 +48,7 @@ AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'head
                'kv_heads': 'model.num_kv_heads', 'mlp': 'model.d_ff', 'embed': 'model.d_model',
                'length': 'data.seq_len'}
 
-MESH_FIELDS = {'slice': 'mesh.slices'}  # mesh axes whose config field is not mesh.<axis>
+MESH_FIELDS = {a.name: a.key for a in MESH_AXES}  # the config field that sizes each mesh axis
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
   'lm_sharding', default=None)
@@ -63,7 +64,7 @@ class UnevenShardingError(ConfigError):
 
   @property
   def mesh_product(self) -> str:
-    return f'{"*".join(MESH_FIELDS.get(a, f"mesh.{a}") for a in self.mesh_axes)}={self.shards}'
+    return f'{"*".join(MESH_FIELDS[a] for a in self.mesh_axes)}={self.shards}'
 
 
 @contextlib.contextmanager

@@ -1,0 +1,41 @@
+"""The device mesh's axes, declared once: `MeshConfig`, its validation, the mesh builder, error texts and every
+report derive from this tuple (a new axis is one entry here and one rule in `lm.parallel.rules`).
+
+A leaf module: `lm.config` builds `MeshConfig` from it, so it imports nothing from `lm`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+  name: str  # the mesh axis, as the rules table names it
+  short: str  # its part of a strategy name (dp, fsdp, tp, ...)
+  shards: str  # what it splits, for reports and docs
+  field: str = ''  # its MeshConfig field (mesh.<field>); the axis name when empty
+  default: int = 1  # -1: the devices of a slice left over
+  across_slices: bool = False  # spans TPU slices over the data-center network rather than lying within one
+
+  @property
+  def key(self) -> str:
+    """The config key that sets it, e.g. mesh.fsdp."""
+    return f'mesh.{self.field or self.name}'
+
+
+MESH_AXES: tuple[MeshAxis, ...] = (
+  MeshAxis('slice', 'multislice', 'the batch across TPU slices', field='slices', across_slices=True),
+  MeshAxis('data', 'dp', 'the batch', default=-1),
+  MeshAxis('fsdp', 'fsdp', 'the batch, parameters and optimizer state'),
+  MeshAxis('tensor', 'tp', 'heads, MLP units and the vocabulary'),
+)
+
+
+def in_slice_axes() -> tuple[MeshAxis, ...]:
+  """The axes laid out within one slice, on its fast interconnect (their product is the chips of a slice)."""
+  return tuple(a for a in MESH_AXES if not a.across_slices)
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+  """`slice=1 data=2 fsdp=4 tensor=1`: a mesh's sizes in declaration order, for reports."""
+  return ' '.join(f'{a.name}={sizes[a.name]}' for a in MESH_AXES if a.name in sizes)
