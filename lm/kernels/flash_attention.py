@@ -7,7 +7,11 @@ dBias blocks) over q-blocks, another accumulates dQ over kv-blocks. Causal kv-bl
 diagonal are skipped (and, by clamping the index map, never fetched). Lengths that are not a
 multiple of the block are padded with segment id 0, which masks them.
 
-Block shapes follow TPU (Mosaic) tiling: q- and kv-blocks multiples of 128 (or the whole short
+The kernels read and write the model's [batch, length, heads, head_dim] layout directly, viewed as
+[batch, length, heads * head_dim] (a free reshape): a block is `heads` consecutive heads' lanes, as few
+as make a whole number of 128-lane tiles (one head at head_dim 128, two at 64; all of them where no
+smaller group tiles), and the kernel loops over the heads of its block. So no transpose surrounds the
+kernels. Block shapes follow TPU (Mosaic) tiling: q- and kv-blocks multiples of 128 (or the whole short
 input), per-row statistics as [rows, 1] in VMEM but [8, rows] in HBM (a [rows, 1] float32 array is
 padded to 128 lanes there), segment ids as [B, L, 1] / [B, 1, L]. On CPU the same kernels run with
 `interpret=True`.
@@ -36,13 +40,14 @@ def _tpu_params(semantics: tuple[str, ...]) -> Any:
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _cost(matmuls: int, inputs: list[jax.Array], outputs: list[Any], causal: bool) -> pl.CostEstimate:
+def _cost(matmuls: int, dims: tuple[int, ...], inputs: list[jax.Array], outputs: list[Any],
+          causal: bool) -> pl.CostEstimate:
   """What a kernel costs, for XLA's cost model (a custom call is otherwise counted as free).
 
-  `matmuls` [B, H, Lq, Lk, D]-sized products of 2 FLOPs each; one exp per score; causal halves both.
+  `matmuls` [B, H, Lq, Lk, D]-sized products (dims) of 2 FLOPs each; one exp per score; causal halves both.
   """
-  b, h, lq, d = inputs[0].shape
-  scores = b * h * lq * inputs[1].shape[2] // (2 if causal else 1)
+  b, h, lq, lk, d = dims
+  scores = b * h * lq * lk // (2 if causal else 1)
   nbytes = sum(x.size * x.dtype.itemsize for x in inputs + outputs)
   return pl.CostEstimate(flops=2 * matmuls * scores * d, transcendentals=scores, bytes_accessed=nbytes)
 
@@ -78,17 +83,36 @@ def _to_column(rows: jax.Array) -> jax.Array:
   return jnp.broadcast_to(rows[:1], (128, rows.shape[1])).T[:, :1]
 
 
-def _logits(q: jax.Array, k: jax.Array, bias_ref: Any, scale: float) -> jax.Array:
+def _lanes(head: int, d: int) -> slice:
+  """The lanes of a block's `head`-th head."""
+  return slice(head * d, (head + 1) * d)
+
+
+def _logits(q: jax.Array, k: jax.Array, bias_ref: Any, head: int, scale: float) -> jax.Array:
   s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * scale
-  if bias_ref is not None:
-    s = s + bias_ref[0, 0].astype(jnp.float32)
+  if bias_ref is not None:  # a bias broadcast over heads has a block of one head
+    s = s + bias_ref[0, head if bias_ref.shape[1] > 1 else 0].astype(jnp.float32)
   return s
+
+
+class _Heads:
+  """The heads of one block: query head g reads the block's key/value head g // group (a static lane slice:
+  a block holds whole groups, or one key/value head shared by all its query heads)."""
+
+  def __init__(self, heads: int, d: int, group: int):
+    self.heads, self.d, self.group = heads, d, group
+
+  def q(self, g: int) -> slice:
+    return _lanes(g, self.d)
+
+  def kv(self, g: int) -> slice:
+    return _lanes(g // self.group, self.d)
 
 
 # ---------------------------------------------------------------- forward
 
 def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
-                    m_scr, l_scr, acc_scr, *, causal: bool, scale: float, bq: int, bk: int):
+                    m_scr, l_scr, acc_scr, *, causal: bool, scale: float, bq: int, bk: int, at: _Heads):
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -99,44 +123,54 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
 
   @pl.when(_visible(i, j, bq, bk, causal))
   def _step():
-    s = _logits(q_ref[0, 0], k_ref[0, 0], bias_ref, scale)
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    s = jnp.where(mask, s, MASKED)
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-    v = v_ref[0, 0]
-    acc_scr[...] = alpha * acc_scr[...] + jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    m_scr[...] = m_new
+    for g in range(at.heads):
+      s = jnp.where(mask, _logits(q_ref[0, :, at.q(g)], k_ref[0, :, at.kv(g)], bias_ref, g, scale), MASKED)
+      m_prev = m_scr[g]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+      alpha = jnp.exp(m_prev - m_new)
+      l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
+      v = v_ref[0, :, at.kv(g)]
+      acc_scr[:, at.q(g)] = alpha * acc_scr[:, at.q(g)] + jax.lax.dot(p.astype(v.dtype), v,
+                                                                      preferred_element_type=jnp.float32)
+      m_scr[g] = m_new
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _store():
-    norm = l_scr[...]
-    empty = norm == 0.0  # every key masked: output 0, log-sum-exp 0
-    safe = jnp.where(empty, 1.0, norm)
-    o_ref[0, 0] = (acc_scr[...] / safe).astype(o_ref.dtype)
-    lse_ref[0, 0] = _to_rows(jnp.where(empty, 0.0, m_scr[...] + jnp.log(safe)))
+    for g in range(at.heads):
+      norm = l_scr[g]
+      empty = norm == 0.0  # every key masked: output 0, log-sum-exp 0
+      safe = jnp.where(empty, 1.0, norm)
+      o_ref[0, :, at.q(g)] = (acc_scr[:, at.q(g)] / safe).astype(o_ref.dtype)
+      lse_ref[0, g] = _to_rows(jnp.where(empty, 0.0, m_scr[g] + jnp.log(safe)))
 
 
 # ---------------------------------------------------------------- backward
 
-def _probs_and_ds(q, k, v, do, lse, o, bias_ref, mask, scale):
-  """Recomputed probabilities p and dS = p * (dO V^T - delta) for one block.
+def _probs_and_ds(q, k, v, do, lse, o, bias_ref, head, mask, scale):
+  """Recomputed probabilities p and dS = p * (dO V^T - delta) for one block of one head.
 
   delta = rowsum(dO * O) is recomputed per block rather than passed in: a [rows, 1] float32 array
   in HBM is padded to 128 lanes on TPU, which would cost 128x its size.
   """
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
-  s = _logits(q, k, bias_ref, scale)
+  s = _logits(q, k, bias_ref, head, scale)
   p = jnp.where(mask, jnp.exp(s - lse), 0.0)
   dp = jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32)
   return p, p * (dp - delta)
 
 
+def _head_block(refs, at: _Heads, g: int):
+  """q, k, v, dO, log-sum-exp and O of head g from the block refs."""
+  q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref = refs
+  return (q_ref[0, :, at.q(g)], k_ref[0, :, at.kv(g)], v_ref[0, :, at.kv(g)], do_ref[0, :, at.q(g)],
+          _to_column(lse_ref[0, g]), o_ref[0, :, at.q(g)])
+
+
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
-                dk_ref, dv_ref, dbias_ref, dk_scr, dv_scr, *, causal: bool, scale: float, bq: int, bk: int):
+                dk_ref, dv_ref, dbias_ref, dk_scr, dv_scr, *, causal: bool, scale: float, bq: int, bk: int,
+                at: _Heads):
   j, i = pl.program_id(2), pl.program_id(3)  # kv-block outer, q-block inner
 
   @pl.when(i == 0)
@@ -148,27 +182,30 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref
 
   @pl.when(visible)
   def _step():
-    q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    p, ds = _probs_and_ds(q, k, v, do, _to_column(lse_ref[0, 0]), o_ref[0, 0], bias_ref, mask, scale)
-    dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _TRANS_A, preferred_element_type=jnp.float32)
-    dk_scr[...] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A, preferred_element_type=jnp.float32) * scale
-    if dbias_ref is not None:
-      dbias_ref[0, 0] = ds.astype(dbias_ref.dtype)
+    for g in range(at.heads):
+      q, k, v, do, lse, o = _head_block((q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref), at, g)
+      p, ds = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale)
+      lanes = at.q(g)  # dK, dV per query head: summed over each key/value head's group outside
+      dv_scr[:, lanes] += jax.lax.dot_general(p.astype(do.dtype), do, _TRANS_A, preferred_element_type=jnp.float32)
+      dk_scr[:, lanes] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
+                                              preferred_element_type=jnp.float32) * scale
+      if dbias_ref is not None:
+        dbias_ref[0, g] = ds.astype(dbias_ref.dtype)
 
   if dbias_ref is not None and causal:
     @pl.when(jnp.logical_not(visible))
     def _zero_bias_grad():
-      dbias_ref[0, 0] = jnp.zeros(dbias_ref.shape[2:], dbias_ref.dtype)
+      dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _store():
-    dk_ref[0, 0] = dk_scr[...].astype(dk_ref.dtype)
-    dv_ref[0, 0] = dv_scr[...].astype(dv_ref.dtype)
+    dk_ref[0] = dk_scr[...].astype(dk_ref.dtype)
+    dv_ref[0] = dv_scr[...].astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
-               dq_ref, dq_scr, *, causal: bool, scale: float, bq: int, bk: int):
+               dq_ref, dq_scr, *, causal: bool, scale: float, bq: int, bk: int, at: _Heads):
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -177,26 +214,43 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref,
 
   @pl.when(_visible(i, j, bq, bk, causal))
   def _step():
-    q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
-    _, ds = _probs_and_ds(q, k, v, do, _to_column(lse_ref[0, 0]), o_ref[0, 0], bias_ref, mask, scale)
-    dq_scr[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+    for g in range(at.heads):
+      q, k, v, do, lse, o = _head_block((q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref), at, g)
+      _, ds = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale)
+      dq_scr[:, at.q(g)] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _store():
-    dq_ref[0, 0] = dq_scr[...].astype(dq_ref.dtype)
+    dq_ref[0] = dq_scr[...].astype(dq_ref.dtype)
 
 
 # ---------------------------------------------------------------- pallas_call plumbing
 
-@functools.lru_cache(maxsize=None)
-def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] | None, kv_outer: bool,
-           group: int = 1):
-  """BlockSpecs of the shared inputs for a grid (b, h, outer, inner) over query heads h.
+def heads_per_block(heads: int, kv_heads: int, d: int) -> int:
+  """The fewest query heads per block whose lanes tile TPU's 128 (or are all of them), holding whole groups of
+  query heads per key/value head, or sharing one key/value head, whose lanes tile too (or are all of them)."""
+  group = heads // kv_heads
+  for g in range(1, heads + 1):
+    if heads % g or (g % group and group % g):
+      continue
+    kv_g = max(g // group, 1)
+    if (g * d % 128 == 0 or g == heads) and (kv_g * d % 128 == 0 or kv_g == kv_heads):
+      return g
+  return heads
 
-  With grouped-query attention (`group` query heads per key/value head) the key/value blocks of
-  query head h are those of head h // group: fetched, never copied.
+
+@functools.lru_cache(maxsize=None)
+def _specs(causal: bool, bq: int, bk: int, d: int, at: tuple[int, int], bias_shape: tuple[int, ...] | None,
+           kv_outer: bool):
+  """BlockSpecs over [B, L, heads * d] for a grid (b, head block, outer, inner); `at` = (heads per block, group).
+
+  A head block of `g` query heads reads key/value heads from (block * g) // group: with grouped-query
+  attention their lanes are fetched, never copied.
   """
+  g, group = at
+  kv_g = max(g // group, 1)
+
   def blocks(outer, inner):
     i, j = (inner, outer) if kv_outer else (outer, inner)
     if causal and not kv_outer:  # clamp to the last visible kv-block: skipped steps fetch nothing new
@@ -205,13 +259,13 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
     return i, j
 
   def q_map(b, h, o, n):
-    return b, h, blocks(o, n)[0], 0
+    return b, blocks(o, n)[0], h
 
   def kv_map(b, h, o, n):
-    return b, h // group, blocks(o, n)[1], 0
+    return b, blocks(o, n)[1], jax.lax.div(h * g // group, jnp.int32(kv_g))
 
   def per_head_kv_map(b, h, o, n):
-    return b, h, blocks(o, n)[1], 0
+    return b, blocks(o, n)[1], h
 
   def bias_map(b, h, o, n):
     i, j = blocks(o, n)
@@ -227,10 +281,10 @@ def _specs(causal: bool, bq: int, bk: int, d: int, bias_shape: tuple[int, ...] |
     return b, 0, blocks(o, n)[1]
 
   return dict(
-    q=pl.BlockSpec((1, 1, bq, d), q_map), kv=pl.BlockSpec((1, 1, bk, d), kv_map),
-    per_head_kv=pl.BlockSpec((1, 1, bk, d), per_head_kv_map),
-    lse=pl.BlockSpec((1, 1, _LSE_ROWS, bq), lse_map),
-    bias=None if bias_shape is None else pl.BlockSpec((1, 1, bq, bk), bias_map),
+    q=pl.BlockSpec((1, bq, g * d), q_map), kv=pl.BlockSpec((1, bk, kv_g * d), kv_map),
+    per_head_kv=pl.BlockSpec((1, bk, g * d), per_head_kv_map),
+    lse=pl.BlockSpec((1, g, _LSE_ROWS, bq), lse_map),
+    bias=None if bias_shape is None else pl.BlockSpec((1, g if bias_shape[1] > 1 else 1, bq, bk), bias_map),
     q_seg=pl.BlockSpec((1, bq, 1), q_seg_map), kv_seg=pl.BlockSpec((1, 1, bk), kv_seg_map),
   )
 
@@ -249,56 +303,64 @@ def _with_optional(kernel, has_bias: bool, n_before_bias: int):
   return wrapped
 
 
-def _forward(q, k, v, bias, q_seg, kv_seg, *, causal, scale, bq, bk, interpret):
-  b, h, lq, d = q.shape
-  lk = k.shape[2]
-  specs = _specs(causal, bq, bk, d, None if bias is None else bias.shape, False, h // k.shape[1])
+def _forward(q, k, v, bias, q_seg, kv_seg, *, heads, causal, scale, bq, bk, interpret):
+  b, lq, width = q.shape
+  lk, d = k.shape[1], width // heads
+  kv_heads = k.shape[2] // d
+  at = _Heads(heads_per_block(heads, kv_heads, d), d, heads // kv_heads)
+  specs = _specs(causal, bq, bk, d, (at.heads, at.group), None if bias is None else bias.shape, False)
   inputs = [q, k, v] + ([bias] if bias is not None else []) + [q_seg, kv_seg]
   in_specs = [specs['q'], specs['kv'], specs['kv']] + ([specs['bias']] if bias is not None else []) + \
              [specs['q_seg'], specs['kv_seg']]
   kernel = functools.partial(_with_optional(_forward_kernel, bias is not None, 3),
-                             causal=causal, scale=scale, bq=bq, bk=bk)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, _LSE_ROWS, lq), jnp.float32)]
+                             causal=causal, scale=scale, bq=bq, bk=bk, at=at)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((b, heads, _LSE_ROWS, lq), jnp.float32)]
   return pl.pallas_call(
-    kernel, grid=(b, h, lq // bq, lk // bk), in_specs=in_specs,
+    kernel, grid=(b, heads // at.heads, lq // bq, lk // bk), in_specs=in_specs,
     out_specs=[specs['q'], specs['lse']], out_shape=out_shape,
-    scratch_shapes=[_scratch((bq, 1)), _scratch((bq, 1)), _scratch((bq, d))],
+    scratch_shapes=[_scratch((at.heads, bq, 1)), _scratch((at.heads, bq, 1)), _scratch((bq, at.heads * d))],
     compiler_params=None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
-    cost_estimate=_cost(2, inputs, out_shape, causal), interpret=interpret)(*inputs)
+    cost_estimate=_cost(2, (b, heads, lq, lk, d), inputs, out_shape, causal), interpret=interpret)(*inputs)
 
 
-def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk, interpret):
-  b, h, lq, d = q.shape
-  kv_heads, lk = k.shape[1], k.shape[2]
-  group = h // kv_heads
+def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, scale, bq, bk, interpret):
+  b, lq, width = q.shape
+  lk, d = k.shape[1], width // heads
+  kv_heads = k.shape[2] // d
+  group = heads // kv_heads
+  at = _Heads(heads_per_block(heads, kv_heads, d), d, group)
   has_bias = bias is not None
   bias_shape = None if bias is None else bias.shape
   params = None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary'))
 
   def call(kernel, kv_outer, out_specs, out_shape, scratch, matmuls):
-    specs = _specs(causal, bq, bk, d, bias_shape, kv_outer, group)
+    specs = _specs(causal, bq, bk, d, (at.heads, group), bias_shape, kv_outer)
     inputs = [q, k, v, do, lse, o] + ([bias] if has_bias else []) + [q_seg, kv_seg]
     in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['lse'], specs['q']] + \
                ([specs['bias']] if has_bias else []) + [specs['q_seg'], specs['kv_seg']]
-    grid = (b, h, lk // bk, lq // bq) if kv_outer else (b, h, lq // bq, lk // bk)
-    body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, scale=scale, bq=bq, bk=bk)
+    blocks = heads // at.heads
+    grid = (b, blocks, lk // bk, lq // bq) if kv_outer else (b, blocks, lq // bq, lk // bk)
+    body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, scale=scale, bq=bq, bk=bk, at=at)
     outs = out_shape if isinstance(out_shape, list) else [out_shape]
     return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs(specs), out_shape=out_shape,
                           scratch_shapes=scratch, compiler_params=params,
-                          cost_estimate=_cost(matmuls, inputs, outs, causal), interpret=interpret)(*inputs)
+                          cost_estimate=_cost(matmuls, (b, heads, lq, lk, d), inputs, outs, causal),
+                          interpret=interpret)(*inputs)
 
   # dK, dV per query head, summed over each key/value head's group below (a no-op without GQA).
   dkv_outs = lambda s: [s['per_head_kv']] * 2 + (
-    [pl.BlockSpec((1, 1, bq, bk), lambda b_, h_, j, i: (b_, h_, i, j))] if has_bias else [])
-  per_head = lambda x: jax.ShapeDtypeStruct((b, h, lk, d), jnp.float32 if group > 1 else x.dtype)
+    [pl.BlockSpec((1, at.heads, bq, bk), lambda b_, h_, j, i: (b_, h_, i, j))] if has_bias else [])
+  per_head = lambda x: jax.ShapeDtypeStruct((b, lk, width), jnp.float32 if group > 1 else x.dtype)
   dkv_shapes = [per_head(k), per_head(v)] + \
-               ([jax.ShapeDtypeStruct((b, h, lq, lk), jnp.float32)] if has_bias else [])
-  dk, dv, *dbias = call(_dkv_kernel, True, dkv_outs, dkv_shapes, [_scratch((bk, d)), _scratch((bk, d))],
-                     matmuls=4)  # scores, dV, dP, dK
+               ([jax.ShapeDtypeStruct((b, heads, lq, lk), jnp.float32)] if has_bias else [])
+  scratch = [_scratch((bk, at.heads * d)), _scratch((bk, at.heads * d))]
+  dk, dv, *dbias = call(_dkv_kernel, True, dkv_outs, dkv_shapes, scratch, matmuls=4)  # scores, dV, dP, dK
   if group > 1:
-    dk, dv = (g.reshape(b, kv_heads, group, lk, d).sum(axis=2).astype(x.dtype) for g, x in ((dk, k), (dv, v)))
-  dq = call(_dq_kernel, False, lambda s: s['q'], jax.ShapeDtypeStruct(q.shape, q.dtype), [_scratch((bq, d))],
-            matmuls=3)  # scores, dP, dQ
+    dk, dv = (g.reshape(b, lk, kv_heads, group, d).sum(axis=3).reshape(x.shape).astype(x.dtype)
+              for g, x in ((dk, k), (dv, v)))
+  dq = call(_dq_kernel, False, lambda s: s['q'], jax.ShapeDtypeStruct(q.shape, q.dtype),
+            [_scratch((bq, at.heads * d))], matmuls=3)  # scores, dP, dQ
   if has_bias:  # sum over the dims the bias was broadcast along
     axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
     dbias = jnp.sum(dbias[0], axis=axes, keepdims=True).astype(bias.dtype)
@@ -307,19 +369,21 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, causal, scale, bq, bk
   return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _flash(q, k, v, bias, q_seg, kv_seg, causal, scale, bq, bk, interpret):
-  return _forward(q, k, v, bias, q_seg, kv_seg, causal=causal, scale=scale, bq=bq, bk=bk, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, bias, q_seg, kv_seg, heads, causal, scale, bq, bk, interpret):
+  return _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, scale=scale, bq=bq, bk=bk,
+                  interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, bias, q_seg, kv_seg, causal, scale, bq, bk, interpret):
-  o, lse = _forward(q, k, v, bias, q_seg, kv_seg, causal=causal, scale=scale, bq=bq, bk=bk, interpret=interpret)
+def _flash_fwd(q, k, v, bias, q_seg, kv_seg, heads, causal, scale, bq, bk, interpret):
+  o, lse = _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, scale=scale, bq=bq, bk=bk,
+                    interpret=interpret)
   return o, (q, k, v, bias, q_seg, kv_seg, o, lse)
 
 
-def _flash_bwd(causal, scale, bq, bk, interpret, residuals, do):
+def _flash_bwd(heads, causal, scale, bq, bk, interpret, residuals, do):
   q, k, v, bias, q_seg, kv_seg, o, lse = residuals
-  dq, dk, dv, dbias = _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, causal=causal, scale=scale,
+  dq, dk, dv, dbias = _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, heads=heads, causal=causal, scale=scale,
                                 bq=bq, bk=bk, interpret=interpret)
   return dq, dk, dv, dbias, None, None
 
@@ -358,12 +422,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     kv_segment_ids = segment_ids if lq == lk else jnp.ones((b, lk), jnp.int32)
   q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pq - lq)))[:, :, None]
   kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, pk - lk)))[:, None, :]
-  to_bhld = lambda x, n: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, n - x.shape[1]), (0, 0)))
+
+  def lanes(x: jax.Array, n: int) -> jax.Array:  # [B, L, heads, D] -> [B, n, heads * D]: a view, padded if short
+    x = x.reshape(x.shape[0], x.shape[1], -1)
+    return x if n == x.shape[1] else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0)))
   if bias is not None:
     bias = jnp.asarray(bias)
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     bias = jnp.broadcast_to(bias, bias.shape[:2] + (lq, lk))
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, pq - lq), (0, pk - lk)))
-  out = _flash(to_bhld(q, pq), to_bhld(k, pk), to_bhld(v, pk), bias, q_seg, kv_seg, causal, float(scale), bq, bk,
+  out = _flash(lanes(q, pq), lanes(k, pk), lanes(v, pk), bias, q_seg, kv_seg, h, causal, float(scale), bq, bk,
                bool(interpret))
-  return jnp.swapaxes(out[:, :, :lq], 1, 2)
+  return out[:, :lq].reshape(b, lq, h, d)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.kernels.flash_attention import flash_attention
+from lm.kernels.flash_attention import flash_attention, heads_per_block
 from lm.ops.attention import attention
 
 
@@ -97,6 +97,36 @@ def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, 
   assert rel(out, want[0]) < tol
   for got, expected in zip(grads, want[1:], strict=False):
     assert rel(got, expected) < tol
+
+
+# (query heads, key/value heads, head_dim) -> query heads per kernel block: the fewest whose lanes tile 128 and
+# whose key/value heads tile too (or all of them): pairs at 64, single heads at 128 (also sharing one key/value
+# head), whole groups, and every head where nothing smaller tiles.
+HEAD_BLOCKS = [((6, 6, 64), 2), ((8, 4, 64), 4), ((4, 4, 128), 1), ((8, 2, 128), 1), ((8, 2, 64), 8), ((4, 1, 16), 4)]
+
+
+@pytest.mark.parametrize('shape, per_block', HEAD_BLOCKS)
+def test_blocks_of_heads_read_the_model_layout(shape, per_block):
+  """The kernels read [B, L, heads * head_dim] in blocks of `per_block` heads: the blocking rule, and each layout
+  against the float64 reference (causal, segments, a per-head bias), forward and gradients."""
+  h, kv_heads, d = shape
+  assert heads_per_block(h, kv_heads, d) == per_block
+  rng = np.random.default_rng(h * kv_heads + d)
+  b, length = 2, 136  # two q-blocks of 128 (the second padded), as on TPU
+  q, do = rng.normal(size=(2, b, length, h, d))
+  k, v = rng.normal(size=(2, b, length, kv_heads, d))
+  seg = np.sort(rng.integers(1, 3, size=(b, length)), axis=1)
+  bias = rng.normal(size=(1, h, length, length))
+
+  def loss(q, k, v, bias):
+    out = flash_attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), bias=bias)
+    return jnp.sum(out * do), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    *(jnp.asarray(x, jnp.float32) for x in (q, k, v, bias)))
+  want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=bias, scale=d ** -0.5)
+  for got, expected in zip((out, *grads), want, strict=True):
+    assert rel(got, expected) < 1e-5
 
 
 def test_fully_masked_rows_give_zeros_not_nan():
