@@ -151,8 +151,10 @@ def test_dispatch_runs_flash_and_refuses_masks():
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
-def test_compiles_ahead_of_time_for_tpu_v5e():
-  """Forward and backward (bias, causal, segments, bf16) lower through Mosaic and compile for v5e:2x2."""
+@pytest.mark.parametrize('h, kv_heads, d', [(4, 4, 64), (8, 2, 128), (8, 4, 64)])  # head blocks of 2, 1 and 4
+def test_compiles_ahead_of_time_for_tpu_v5e(h, kv_heads, d):
+  """Forward and backward (bias, causal, segments, bf16; grouped-query heads) lower through Mosaic and compile for
+  v5e:2x2 in each kind of head block."""
   from jax.experimental import topologies
   from jax.sharding import NamedSharding, PartitionSpec
 
@@ -160,8 +162,8 @@ def test_compiles_ahead_of_time_for_tpu_v5e():
   topology = topologies.get_topology_desc(platform='tpu', topology_name='v5e:2x2')
   mesh = topologies.make_mesh(topology, (4, 1, 1), ('data', 'fsdp', 'tensor'))
   rows = NamedSharding(mesh, PartitionSpec('data'))
-  b, s, h, d = 4, 512, 4, 64
-  qkv = [jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=rows) for _ in range(3)]
+  b, s = 4, 512
+  qkv = [jax.ShapeDtypeStruct((b, s, heads, d), jnp.bfloat16, sharding=rows) for heads in (h, kv_heads, kv_heads)]
   bias = jax.ShapeDtypeStruct((1, h, s, s), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
   seg = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows)
 
