@@ -110,7 +110,7 @@ EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_b
 # Device mesh sizes, a field per axis of lm/mesh_axes.py (`slices`: TPU slices joined over the data-center
 # network); -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy.
 MeshConfig = dataclasses.make_dataclass(
-  'MeshConfig', [(a.field or a.name, int, field(default=a.default)) for a in MESH_AXES], frozen=True)
+  'MeshConfig', [(a.attr, int, field(default=a.default)) for a in MESH_AXES], frozen=True)
 MeshConfig.__module__ = __name__
 
 

@@ -18,9 +18,14 @@ class MeshAxis:
   across_slices: bool = False  # spans TPU slices over the data-center network rather than lying within one
 
   @property
+  def attr(self) -> str:
+    """Its MeshConfig field."""
+    return self.field or self.name
+
+  @property
   def key(self) -> str:
     """The config key that sets it, e.g. mesh.fsdp."""
-    return f'mesh.{self.field or self.name}'
+    return f'mesh.{self.attr}'
 
 
 MESH_AXES: tuple[MeshAxis, ...] = (

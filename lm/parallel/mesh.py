@@ -22,12 +22,12 @@ def mesh_shape(mesh_config: MeshConfig, num_devices: int) -> dict[str, int]:
   """Resolves a -1 size to the devices of a slice left over; the product must equal the device count."""
   across = [a for a in mesh_axes.MESH_AXES if a.across_slices]
   within = mesh_axes.in_slice_axes()
-  slices = int(np.prod([getattr(mesh_config, a.field or a.name) for a in across]))
+  slices = int(np.prod([getattr(mesh_config, a.attr) for a in across]))
   if num_devices % slices:
     raise ConfigError(f'{"*".join(a.key for a in across)}={slices} does not divide the {num_devices} devices; '
                       f'use as many slices as the job has')
   per_slice = num_devices // slices
-  sizes = {a.name: getattr(mesh_config, a.field or a.name) for a in within}
+  sizes = {a.name: getattr(mesh_config, a.attr) for a in within}
   fixed = int(np.prod([s for s in sizes.values() if s != -1]))
   fill = [axis for axis, s in sizes.items() if s == -1]
   if fill:
@@ -42,7 +42,7 @@ def mesh_shape(mesh_config: MeshConfig, num_devices: int) -> dict[str, int]:
     raise ConfigError(
       f'mesh {"*".join(sizes)} = {"*".join(map(str, sizes.values()))} = {product} '
       f'but there are {where}; make the product equal {per_slice} or set one size to -1')
-  return {a.name: (getattr(mesh_config, a.field or a.name) if a.across_slices else sizes[a.name])
+  return {a.name: (getattr(mesh_config, a.attr) if a.across_slices else sizes[a.name])
           for a in mesh_axes.MESH_AXES}
 
 
