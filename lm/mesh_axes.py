@@ -12,7 +12,6 @@ from dataclasses import dataclass
 class MeshAxis:
   name: str  # the mesh axis, as the rules table names it
   short: str  # its part of a strategy name (dp, fsdp, tp, ...)
-  shards: str  # what it splits, for reports and docs
   field: str = ''  # its MeshConfig field (mesh.<field>); the axis name when empty
   default: int = 1  # -1: the devices of a slice left over
   across_slices: bool = False  # spans TPU slices over the data-center network rather than lying within one
@@ -29,10 +28,10 @@ class MeshAxis:
 
 
 MESH_AXES: tuple[MeshAxis, ...] = (
-  MeshAxis('slice', 'multislice', 'the batch across TPU slices', field='slices', across_slices=True),
-  MeshAxis('data', 'dp', 'the batch', default=-1),
-  MeshAxis('fsdp', 'fsdp', 'the batch, parameters and optimizer state'),
-  MeshAxis('tensor', 'tp', 'heads, MLP units and the vocabulary'),
+  MeshAxis('slice', 'multislice', field='slices', across_slices=True),  # the batch, across TPU slices
+  MeshAxis('data', 'dp', default=-1),  # the batch
+  MeshAxis('fsdp', 'fsdp'),  # the batch, parameters and optimizer state
+  MeshAxis('tensor', 'tp'),  # heads, MLP units and the vocabulary
 )
 
 

@@ -12,7 +12,7 @@ from lm.parallel.rules import MESH_FIELDS
 THROWAWAY = textwrap.dedent('''
   import contextlib, io
   import lm.mesh_axes as axes
-  axes.MESH_AXES += (axes.MeshAxis('expert', 'ep', 'experts'),)  # the one edit
+  axes.MESH_AXES += (axes.MeshAxis('expert', 'ep'),)  # the one edit
 
   from lm import cli
   from lm.config import ConfigError, load_config
