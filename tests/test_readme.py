@@ -40,7 +40,6 @@ SHORTER = [
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
   (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),
   (r'^python bench/train_throughput\.py .*$', lambda m: m[0] + ' --steps 2'),
-  (r'^python bench/peers\.py$', lambda m: m[0] + " --rounds 1 --steps 1 --only 'lm fp32' 'torch eager fp32'"),
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),
@@ -56,6 +55,7 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
 }
 
 ELSEWHERE = {  # a command's start -> the test that runs it (the same command on the same kind of files) and checks
+  'python bench/peers.py': 'tests/bench/test_peers.py::test_one_round_reports_each_contender_and_the_ratio',
   'lm compile --config gpt3_175b': 'tests/test_compile.py::test_a_preset_of_each_strategy_fits_its_slice_as_written',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
     'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
