@@ -56,7 +56,7 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
 
 ELSEWHERE = {  # a command's start -> the test that runs it (the same command on the same kind of files) and checks
   'python bench/peers.py': 'tests/bench/test_peers.py::test_one_round_reports_each_contender_and_the_ratio',
-  'lm compile --config gpt3_175b': 'tests/test_compile.py::test_a_preset_of_each_strategy_fits_its_slice_as_written',
+  'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_scaling_table_preset_fits_its_slice_as_written',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
     'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
