@@ -1,0 +1,140 @@
+"""Ring attention: attention over a sequence sharded across a mesh axis (context parallelism).
+
+Each device keeps its block of queries and passes its key/value block around the ring of the axis (`ppermute`),
+one hop per step; after n steps every query block has met every key/value block, and no device ever holds more
+than one block of another's keys and values. Blocks combine by the online-softmax rescaling (running max and
+sum), so the result is exact. The backward pass goes around the ring again, recomputing each block's
+probabilities from the saved log-sum-exp (as flash attention does) and sending the key/value gradients along
+with their blocks, so that after n hops they are home: nothing of size [length, length] is kept between passes.
+
+Masks come from global token positions, which travel with their blocks: any layout works. For causal attention
+the load-balanced one is `zigzag_order` (shard i holds chunks i and 2n-1-i of 2n), where every shard scores about
+the same number of query-key pairs (`causal_pairs_per_shard`); contiguous chunks would leave the first shard
+with almost nothing to do and the last with most of it.
+
+Layout is the model's: q [batch, q_len, heads, head_dim], k/v [batch, kv_len, heads, head_dim] (key/value heads
+already repeated to the query heads), all local to the calling shard under `shard_map`.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm.ops import mixed
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+  """The global token index at each place of the sharded sequence: with the sequence cut into 2n chunks,
+  shard i holds chunk i followed by chunk 2n-1-i, so each has an early and a late part of a causal row."""
+  if length % (2 * shards):
+    raise ValueError(f'a sequence of {length} tokens does not split into {2 * shards} equal chunks')
+  chunks = np.arange(length).reshape(2 * shards, -1)
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
+def causal_pairs_per_shard(order: np.ndarray, shards: int) -> np.ndarray:
+  """How many (query, key) pairs each shard scores under a causal mask: query at position p sees p + 1 keys."""
+  return (order.reshape(shards, -1) + 1).sum(axis=1)
+
+
+def _allowed(q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
+             causal: bool) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q, k]: causal by global position, same segment, key not padding (segment 0)."""
+  allowed = (q_pos[:, None] >= kv_pos[None, :])[None, None] if causal else None
+  if q_seg is not None:
+    same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+    allowed = same[:, None] if allowed is None else allowed & same[:, None]
+  return allowed
+
+
+def _logits(q, k, bias_rows, kv_pos, allowed, scale):
+  s = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+  if bias_rows is not None:  # the rows of this shard's queries, every key column: take the block's keys
+    s = s + jnp.take(bias_rows, kv_pos, axis=-1).astype(jnp.float32)
+  return s if allowed is None else jnp.where(allowed, s, _MASKED)
+
+
+def _ring(axis_name: str):
+  n = jax.lax.axis_size(axis_name)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return n, lambda tree: jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def ring_attention(axis_name: str, causal: bool, scale: float, q: jax.Array, k: jax.Array, v: jax.Array,
+                   q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
+                   bias_rows: jax.Array | None) -> jax.Array:
+  """Attention of this shard's queries over the whole ring's keys and values (call under `shard_map`).
+
+  q_pos/kv_pos: [q_len]/[kv_len] global positions of the local tokens; q_seg/kv_seg: [batch, len] segment ids
+  (0 is padding) or None; bias_rows: [batch or 1, heads, q_len, total kv_len] with columns in global position
+  order (this shard's rows of the full bias), or None.
+  """
+  return _forward(axis_name, causal, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows)[0]
+
+
+def _forward(axis_name, causal, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows):
+  n, send = _ring(axis_name)
+  b, lq, h, d = q.shape
+
+  def step(_, carry):
+    o, m, l, blocks = carry
+    k, v, kv_pos, kv_seg = blocks
+    allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
+    s = _logits(q, k, bias_rows, kv_pos, allowed, scale)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    if allowed is not None:
+      p = jnp.where(allowed, p, 0.0)
+    rescale = jnp.exp(m - m_new)
+    l = l * rescale + p.sum(axis=-1)
+    pv = mixed.einsum('bhqk,bkhd->bqhd', p, v, dtype=v.dtype, out_dtype=jnp.float32)
+    o = o * jnp.swapaxes(rescale, 1, 2)[..., None] + pv
+    return o, m_new, l, send(blocks)
+
+  init = (jnp.zeros((b, lq, h, d), jnp.float32), jnp.full((b, h, lq), _MASKED, jnp.float32),
+          jnp.zeros((b, h, lq), jnp.float32), (k, v, kv_pos, kv_seg))
+  o, m, l, _ = jax.lax.fori_loop(0, n, step, init)
+  seen = l > 0  # rows with no allowed key anywhere give zeros, as the single-device path does
+  o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o / jnp.swapaxes(jnp.where(seen, l, 1.0), 1, 2)[..., None], 0.0)
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse)
+
+
+def _backward(axis_name, causal, scale, residuals, do):
+  q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse = residuals
+  n, send = _ring(axis_name)
+  do32 = do.astype(jnp.float32)
+  delta = jnp.einsum('bqhd,bqhd->bhq', do32, o.astype(jnp.float32))
+
+  def step(_, carry):
+    dq, dbias, blocks = carry
+    k, v, kv_pos, kv_seg, dk, dv = blocks
+    allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
+    p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale) - lse[..., None])
+    if allowed is not None:
+      p = jnp.where(allowed, p, 0.0)
+    dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
+    dp = mixed.einsum('bqhd,bkhd->bhqk', do, v, dtype=do.dtype, out_dtype=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + mixed.einsum('bhqk,bkhd->bqhd', ds, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+    dk = dk + mixed.einsum('bhqk,bqhd->bkhd', ds, q, dtype=q.dtype, out_dtype=jnp.float32) * scale
+    if dbias is not None:  # summed over the dims the bias broadcasts along, into this block's key columns
+      dbias = dbias.at[..., kv_pos].add(ds.sum(axis=0, keepdims=True) if dbias.shape[0] == 1 else ds)
+    return dq, dbias, send((k, v, kv_pos, kv_seg, dk, dv))  # after n hops each block and its gradient are home
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dbias = None if bias_rows is None else zeros(bias_rows)
+  init = (zeros(q), dbias, (k, v, kv_pos, kv_seg, zeros(k), zeros(v)))
+  dq, dbias, (_, _, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, init)
+  dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, dbias)
+
+
+ring_attention.defvjp(_forward, _backward)

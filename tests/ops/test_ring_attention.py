@@ -1,0 +1,110 @@
+"""Ring attention over a sequence sharded 4 ways (x 2 data shards) against float64 NumPy, forward and gradients."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from lm.ops.ring_attention import causal_pairs_per_shard, ring_attention, zigzag_order
+
+SHARDS = 4
+
+
+def reference(q, k, v, do, causal, seg, bias, scale):
+  """Output and (dq, dk, dv, dbias) of softmax(q k^T * scale + bias) v in float64, masked rows giving zeros."""
+  q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
+  length = q.shape[1]
+  allowed = np.ones((q.shape[0], 1, length, length), bool)
+  if causal:
+    allowed &= np.tril(np.ones((length, length), bool))
+  if seg is not None:
+    allowed &= ((seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0))[:, None]
+  s = np.einsum('bqhd,bkhd->bhqk', q, k) * scale + (0 if bias is None else np.asarray(bias, np.float64))
+  s = np.where(allowed, s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+  total = e.sum(-1, keepdims=True)
+  p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+  o = np.einsum('bhqk,bkhd->bqhd', p, v)
+  dp = np.einsum('bqhd,bkhd->bhqk', do, v)
+  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+  dbias = None if bias is None else ds if bias.shape[0] > 1 else ds.sum(0, keepdims=True)
+  grads = (np.einsum('bhqk,bkhd->bqhd', ds, k) * scale, np.einsum('bhqk,bqhd->bkhd', ds, q) * scale,
+           np.einsum('bhqk,bqhd->bkhd', p, do), dbias)
+  return o, grads
+
+
+def rel_err(a, b):
+  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+def ring(q, k, v, do, causal, seg, bias, scale, order):
+  """Output and gradients of ring attention on a (data 2, sequence 4) mesh, the sequence laid out in `order`,
+  returned in natural order."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
+  place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
+  pos = jnp.asarray(order, jnp.int32)
+  seq = P('data', 'sequence')
+  bias_spec = None if bias is None else P('data' if bias.shape[0] > 1 else None, None, 'sequence', None)
+
+  def loss(q, k, v, bias):
+    run = jax.shard_map(
+      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, q, k, v, pos, pos, seg, seg, bias),
+      mesh=mesh, in_specs=(seq, seq, seq, P('sequence'), None if seg is None else seq, bias_spec), out_specs=seq,
+      check_vma=False)
+    o = run(q, k, v, pos, None if seg is None else place(seg, 1), bias)
+    return jnp.sum(o * place(do, 1)), o
+
+  bias_rows = None if bias is None else place(bias, 2)  # query rows in the layout, key columns by position
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    place(q, 1), place(k, 1), place(v, 1), bias_rows)
+  back = np.argsort(order)
+  unplace = lambda x, axis: None if x is None else np.take(np.asarray(x), back, axis=axis)
+  return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),)
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('segments', [False, True])
+@pytest.mark.parametrize('bias_batch', [None, 1, 2])
+def test_ring_attention_matches_float64(causal, segments, bias_batch):
+  rng = np.random.default_rng([causal, segments, bias_batch or 0])
+  b, length, h, d = 2, 64, 2, 8
+  q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
+  seg = None
+  if segments:  # packed documents, then padding (segment 0) at the end of the second row
+    seg = np.ones((b, length), np.int32)
+    seg[0, 20:] = 2
+    seg[1, 9:40], seg[1, 40:] = 2, 0
+  bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
+  want_o, want = reference(q, k, v, do, causal, seg, bias, 0.3)
+  got_o, got = ring(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS))
+  assert rel_err(got_o, want_o) < 1e-5
+  for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want, strict=True):
+    if w is not None:
+      assert rel_err(g, w) < 1e-5, name
+
+
+def test_any_layout_gives_the_same_attention():
+  """Masks follow the positions that travel with each block: contiguous chunks give what the zig-zag gives."""
+  rng = np.random.default_rng(1)
+  q, k, v, do = (rng.standard_normal((2, 32, 2, 8)).astype(np.float32) for _ in range(4))
+  zig, _ = ring(q, k, v, do, True, None, None, 0.5, zigzag_order(32, SHARDS))
+  flat, _ = ring(q, k, v, do, True, None, None, 0.5, np.arange(32))
+  want, _ = reference(q, k, v, do, True, None, None, 0.5)
+  assert rel_err(zig, want) < 1e-5 and rel_err(flat, want) < 1e-5
+
+
+@pytest.mark.parametrize('shards, length', [(2, 1024), (4, 4096), (8, 32768), (16, 131072)])
+def test_the_zigzag_layout_balances_causal_work(shards, length):
+  order = zigzag_order(length, shards)
+  assert sorted(order) == list(range(length))
+  pairs = causal_pairs_per_shard(order, shards)
+  assert pairs.sum() == length * (length + 1) // 2  # every causal pair, scored once
+  assert pairs.max() <= 1.1 * pairs.min()
+  contiguous = causal_pairs_per_shard(np.arange(length), shards)
+  assert contiguous.max() > 2 * contiguous.min()  # what the zig-zag avoids
+
+
+def test_a_sequence_that_does_not_split_into_chunks_is_refused():
+  with pytest.raises(ValueError, match='does not split into 8 equal chunks'):
+    zigzag_order(100, 4)
