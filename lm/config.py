@@ -388,6 +388,23 @@ def _get(config: Config, dotted: str) -> Any:
   return getattr(getattr(config, section), name)
 
 
+def _check_sequence_split(config: Config) -> None:
+  """mesh.sequence > 1 (context parallelism) runs ring attention: the XLA path, no attention dropout, and each
+  sequence cut into 2 x mesh.sequence equal chunks (the load-balanced causal layout)."""
+  m, n = config.model, config.mesh.sequence
+  if n == 1:
+    return
+  if m.attention_impl not in ('xla', 'auto'):
+    raise ConfigError(f'mesh.sequence={n} runs ring attention, whose blocks use the XLA path: set '
+                      f'model.attention_impl=auto or xla (not {m.attention_impl}), or mesh.sequence=1')
+  if m.attention_dropout > 0:
+    raise ConfigError(f'ring attention (mesh.sequence={n}) does no attention dropout: set model.attention_dropout=0 '
+                      f'or mesh.sequence=1')
+  if n > 1 and config.data.seq_len % (2 * n):  # (-1, the devices left over, is checked with the mesh)
+    raise ConfigError(f'data.seq_len={config.data.seq_len} does not split into 2 x mesh.sequence = {2 * n} equal '
+                      f'chunks (the balanced causal layout); make it a multiple of {2 * n}')
+
+
 def validate(config: Config) -> None:
   """Device-independent checks that need no family or tokenizer: the family's own run where the model is
   assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
@@ -434,6 +451,7 @@ def validate(config: Config) -> None:
   if m.attention_impl not in ('xla', 'auto') and m.attention_dropout > 0:
     raise ConfigError(f'model.attention_impl={m.attention_impl} does not do attention dropout; set '
                       f'model.attention_dropout=0 or use model.attention_impl=xla')
+  _check_sequence_split(config)
   if m.attention_impl == 'tpu_splash' and m.position == 'relative':
     raise ConfigError('model.attention_impl=tpu_splash takes no bias, which T5 relative positions need; '
                       'use model.attention_impl=flash or tpu_flash')

@@ -45,7 +45,7 @@ def test_parse_overrides_nested():
   (['model.d_model=abc'], 'model.d_model: expected an integer'),
   (['model.norm=batchnorm'], "model.norm='batchnorm' is not supported"),
   (['train.steps'], 'is not of the form key.sub=value'),
-  (['mesh.data=-1', 'mesh.fsdp=-1'], 'only one of mesh.data, mesh.fsdp, mesh.tensor may be -1'),
+  (['mesh.data=-1', 'mesh.fsdp=-1'], 'only one of mesh.data, mesh.fsdp, mesh.sequence, mesh.tensor may be -1'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):
   with pytest.raises(ConfigError, match=None) as info:
@@ -60,7 +60,7 @@ def test_missing_config_file():
 
 def test_mesh_product_must_equal_device_count():
   cfg = load_config('gpt_tiny', ['mesh.data=3', 'mesh.fsdp=1'])
-  with pytest.raises(ConfigError, match=r'data\*fsdp\*tensor = 3\*1\*1 = 3 but there are 8 devices'):
+  with pytest.raises(ConfigError, match=r'data\*fsdp\*sequence\*tensor = 3\*1\*1\*1 = 3 but there are 8 devices'):
     make_mesh(cfg.mesh, jax.devices())
 
 

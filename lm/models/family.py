@@ -154,6 +154,11 @@ class EncoderDecoder(Family):
   decoding = 'encoder_decoder'
   task_head = TextToText()
 
+  def validate(self, config):
+    if config.mesh.sequence > 1:  # ring attention is self-attention; cross-attention would gather the encoder
+      raise ConfigError(f'{self.name} does not split its sequences over a mesh axis (its decoder cross-attends to '
+                        f'encoder tokens of another length): set mesh.sequence=1 and shard with data, fsdp, tensor')
+
   def init_inputs(self, length):
     tokens = jnp.zeros((1, length), jnp.int32)
     return tokens, tokens

@@ -356,9 +356,9 @@ class LearnedPositions(nn.Module):
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
     table = self.param('embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
-                                                                 ('length', 'embed')),
+                                                                 ('position', 'embed')),
                        (self.max_len, self.features), self.param_dtype)
-    return jnp.take(gathered(table, ('length', 'embed')), positions, axis=0).astype(self.dtype)
+    return jnp.take(gathered(table, ('position', 'embed')), positions, axis=0).astype(self.dtype)
 
 
 def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 1e4) -> jax.Array:

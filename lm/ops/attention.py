@@ -12,10 +12,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import mixed, vendor_attention
+from lm.ops.ring_attention import ring_attention, zigzag_order
 from lm.parallel.rules import active_sharding, axis_size, spec_for
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -139,6 +141,39 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
 
+def sequence_shards() -> int:
+  """How many ways the active mesh splits the sequence (its `length` axes); 1 outside a mesh."""
+  active = active_sharding()
+  return 1 if active is None else axis_size(active[0], 'length', active[1])
+
+
+def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                                segment_ids: jax.Array | None, bias: jax.Array | None, scale: float) -> jax.Array:
+  """Self-attention over a sequence split across the mesh: ring attention per shard. The length axis of every
+  activation is in `zigzag_order` (the train step lays the batch out so), which gives each token's position."""
+  mesh, rules = active_sharding()
+  length, shards = q.shape[1], sequence_shards()
+  order = zigzag_order(length, shards)
+  q_spec = spec_for(('batch', 'length', 'heads', 'kv'), q.shape, mesh, rules)
+  pos_spec = spec_for(('length',), (length,), mesh, rules)
+  ring_axes = pos_spec[0]  # the mesh axes the rules split `length` over
+  args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [q_spec, q_spec, q_spec, pos_spec]
+  if segment_ids is not None:
+    args.append(segment_ids)
+    specs.append(spec_for(('batch', 'length'), segment_ids.shape, mesh, rules))
+  if bias is not None:  # rows stay in the layout, split with their queries; key columns by position, whole
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    bias = jnp.broadcast_to(bias, bias.shape[:2] + (length, length))[..., np.argsort(order)]
+    args.append(bias)
+    specs.append(spec_for(('batch', 'heads', 'length', None), bias.shape, mesh, rules))
+
+  def per_shard(q, k, v, pos, *rest):
+    seg = rest[0] if segment_ids is not None else None
+    rows = rest[-1] if bias is not None else None
+    return ring_attention(ring_axes, causal, scale, q, k, v, pos, pos, seg, seg, rows)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
+
+
 KERNELS: dict[str, Callable[..., jax.Array]] = {
   'flash': flash_attention,
   'tpu_flash': vendor_attention.tpu_flash,
@@ -168,6 +203,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if impl == 'auto':
     impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if sequence_shards() > 1:
+    if impl not in ('auto', 'xla') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
+      raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto or xla) on self-attention '
+                       f'with causal, segment ids and bias, not impl {impl}, masks, dropout or cross-attention')
+    k, v = repeat_kv(k, v, q.shape[2])
+    return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale)
   if impl not in GROUPED_KV:
     k, v = repeat_kv(k, v, q.shape[2])
   if impl in KERNELS:

@@ -36,7 +36,8 @@ RULES: LogicalRules = (
   ('mlp', 'tensor'),
   ('embed', 'fsdp'),
   ('kv', None),
-  ('length', None),
+  ('length', 'sequence'),
+  ('position', None),  # a table indexed by position (learned positions): a parameter, never split by sequence
   ('layers', None),
 )
 
@@ -46,7 +47,7 @@ REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads'})
 # The config field that sets each logical dimension, so an uneven split names what to change.
 AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
                'kv_heads': 'model.num_kv_heads', 'mlp': 'model.d_ff', 'embed': 'model.d_model',
-               'length': 'data.seq_len'}
+               'length': 'data.seq_len', 'position': 'model.max_len'}
 
 MESH_FIELDS = {a.name: a.key for a in MESH_AXES}  # the config field that sizes each mesh axis
 

@@ -11,7 +11,8 @@ import optax
 
 from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
-from lm.parallel.rules import batch_sharding, check_batch, constrain, sharding_context
+from lm.ops.ring_attention import zigzag_order
+from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
 from lm.train.loss import pretraining_loss, token_loss
 from lm.train.state import TrainState
 
@@ -34,6 +35,21 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
     x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
     return constrain(x, (None, 'batch') + (None,) * (x.ndim - 2))
   return jax.tree.map(split, batch)
+
+
+def lay_out_sequences(batch: Batch, mesh: jax.sharding.Mesh, seq_len: int) -> Batch:
+  """On a mesh that splits the sequence (context parallelism), every per-token feature in the balanced causal
+  layout (`zigzag_order`: the order ring attention reads positions from), with explicit positions, so position
+  embeddings stay exact; the loss, a sum over tokens, is unchanged by the order. Elsewhere the batch as it is."""
+  shards = axis_size(mesh, 'length')
+  if shards == 1:
+    return batch
+  order = zigzag_order(seq_len, shards)
+  rows = next(iter(batch.values())).shape[0]
+  batch = {'positions': jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (rows, seq_len)), **batch}
+  per_token = lambda x: x.ndim >= 2 and x.shape[1] == seq_len
+  return {k: constrain(jnp.take(x, order, axis=1), ('batch', 'length') + (None,) * (x.ndim - 2)) if per_token(x)
+          else x for k, x in batch.items()}
 
 
 class StepLoss(Protocol):
@@ -87,6 +103,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss | None = None
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
+      batch = lay_out_sequences(batch, mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
       totals = loss.totals(batch)
       if k == 1:
@@ -129,6 +146,7 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
 
   def step(params: Any, batch: Batch) -> Metrics:
     with sharding_context(mesh):
+      batch = lay_out_sequences(batch, mesh, assembly.config.data.seq_len)
       head = family.apply(model, params, batch, deterministic=True, rngs={})['logits']
       _, nll, _, weight = token_loss(head, batch['targets'], batch['weights'])
     return {'nll': nll, 'weight': weight}

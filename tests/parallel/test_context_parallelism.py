@@ -1,0 +1,124 @@
+"""Context parallelism (`mesh.sequence`): training with the sequence split over devices (ring attention) equals
+one device on rows of packed documents; what cannot split a sequence says so in one line."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lm import cli
+from lm.assembly import assemble
+from lm.config import ConfigError
+from lm.parallel.mesh import mesh_shape, strategy_name
+from lm.parallel.rules import sharding_context
+from lm.train.loop import Trainer
+from lm.train.step import PretrainingLoss, abstract_batch, lay_out_sequences, make_train_step
+from tests.parallel.test_sharding import family_config, rel
+
+MESHES = {'dp+cp': ['mesh.data=2', 'mesh.sequence=4'],
+          'fsdp+cp+tp': ['mesh.fsdp=2', 'mesh.sequence=2', 'mesh.tensor=2']}
+
+
+@pytest.fixture(scope='module')
+def documents(tmp_path_factory):
+  """Short JSONL documents (4 to 40 bytes), so each 64-token row packs several."""
+  root = tmp_path_factory.mktemp('docs')
+  rng = np.random.default_rng(0)
+  words = 'the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo frogs'.split()
+  lines = [json.dumps({'text': ' '.join(rng.choice(words, rng.integers(1, 8)))}) for _ in range(3000)]
+  (root / 'docs.jsonl').write_text('\n'.join(lines) + '\n')
+  return root
+
+
+def configured(family, tmp_path, documents, *overrides):
+  return family_config(family, tmp_path, 'mesh.data=1', 'data.source=jsonl', f'data.paths=[{documents}/*.jsonl]',
+                       'data.seq_len=64', 'model.max_len=64', 'train.eval_batches=0', *overrides)
+
+
+def train(config, devices, steps):
+  """The gradients of the first batch, then the losses of `steps` steps from it."""
+  trainer = Trainer(config, devices)
+  a = trainer.assembly
+  loss = PretrainingLoss(a)
+
+  def grads(params, batch):  # as the train step computes them: batch laid out, then the loss's gradient
+    with sharding_context(a.mesh):
+      batch = lay_out_sequences(batch, a.mesh, config.data.seq_len)
+      return jax.grad(lambda p: loss(p, batch, jax.random.key(0), loss.totals(batch))[0])(params)
+  state, batch = trainer.init_state(), next(trainer.train_batches)
+  first = jax.device_get(jax.jit(grads)(state.params, batch))
+  losses = []
+  for _ in range(steps):
+    state, metrics = trainer.train_step(state, batch)
+    losses.append(float(metrics['loss']))
+    batch = next(trainer.train_batches)
+  return first, losses, np.asarray(batch['segment_ids'])
+
+
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory, documents):
+  cache = {}
+
+  def get(family):
+    if family not in cache:
+      cache[family] = train(configured(family, tmp_path_factory.mktemp(family), documents), jax.devices()[:1], 20)
+    return cache[family]
+  return get
+
+
+@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('family', ['gpt', 'llama', 'bert'])
+def test_a_split_sequence_trains_as_one_device(family, mesh, tmp_path, documents, one_device, capfd):
+  config = configured(family, tmp_path, documents, *MESHES[mesh])
+  assert strategy_name(mesh_shape(config.mesh, 8)) == mesh
+  grads, losses, segments = train(config, jax.devices(), 20)
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
+  want_grads, want_losses, _ = one_device(family)
+  assert min(len(set(row)) for row in segments) >= 2  # every row packs documents (padding: test_ring_attention)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  assert rel(flat(grads), flat(want_grads)) < 1e-5
+  for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+    if np.linalg.norm(want) > 1e-6:  # a gradient that is zero in exact arithmetic (a key bias) is float noise
+      assert rel(got, want) < 1e-4, jax.tree_util.keystr(path)
+  assert losses[0] == pytest.approx(want_losses[0], rel=1e-5)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-3)  # the sums' order differs; Adam amplifies it
+  assert losses[-1] < losses[0] - 0.5
+
+
+def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_device):
+  config = configured('gpt', tmp_path, documents, *MESHES['dp+cp'], 'train.microbatches=2', 'model.remat=full')
+  grads, losses, _ = train(config, jax.devices(), 3)
+  want_grads, want_losses, _ = one_device('gpt')
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  assert rel(flat(grads), flat(want_grads)) < 1e-5
+  np.testing.assert_allclose(losses, want_losses[:3], rtol=1e-4)
+
+
+def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(small_config):
+  """The compiled step passes blocks between neighbours (collective permutes) and its per-device activation
+  memory falls as the sequence splits further (attention's [length, length] scores above all)."""
+  temps = {}
+  for n in (1, 2, 4):
+    a = assemble(small_config(f'mesh.sequence={n}', 'data.seq_len=256', 'model.max_len=256', 'train.global_batch=2'),
+                 jax.devices()[:n])
+    lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
+    assert ('collective_permute' in lowered.as_text()) == (n > 1)
+    temps[n] = lowered.compile().memory_analysis().temp_size_in_bytes
+  assert temps[4] < 0.7 * temps[2] < 0.7 * 0.7 * temps[1]
+
+
+@pytest.mark.parametrize('overrides, message', [
+  (['mesh.sequence=2'], 't5 does not split its sequences over a mesh axis'),
+  (['mesh.sequence=2', 'model.attention_impl=flash'], 'set model.attention_impl=auto or xla (not flash)'),
+  (['mesh.sequence=2', 'model.attention_dropout=0.1'], 'ring attention (mesh.sequence=2) does no attention dropout'),
+  (['mesh.sequence=4', 'data.seq_len=36'], 'data.seq_len=36 does not split into 2 x mesh.sequence = 8 equal'),
+])
+def test_what_cannot_split_a_sequence_is_refused_in_one_line(overrides, message, tmp_path, capsys):
+  preset = 't5_tiny' if 't5' in message else 'gpt_tiny'
+  argv = ['train', '--config', preset, f'train.run_dir={tmp_path}/run', 'mesh.data=1', *overrides]
+  assert cli.main(argv) != 0
+  err = capsys.readouterr().err
+  assert message in err and err.count('\n') == 1
+  assert not (tmp_path / 'run').exists()
+  with pytest.raises(ConfigError, match=message.split(' (')[0]):
+    assemble(family_config('t5' if 't5' in message else 'gpt', tmp_path, 'mesh.data=1', *overrides))
