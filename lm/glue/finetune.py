@@ -90,6 +90,7 @@ def finetune_config(task: Task, init: str, preset: str | None, overrides: list[s
   values['train'] = {**values['train'], 'init_from': init, 'run_dir': _run_dir_of(source)}
   given = parse_overrides(overrides)
   values = merge(merge(values, RECIPE), given)
+  _unsplit_sequences(values['mesh'], given.get('mesh', {}))
   values['data']['seq_len'] = min(values['data']['seq_len'], values['model']['max_len']) \
     if values['model'].get('position', 'learned') == 'learned' else values['data']['seq_len']
   batch = int(values['train']['global_batch'])
@@ -102,6 +103,19 @@ def finetune_config(task: Task, init: str, preset: str | None, overrides: list[s
   if 'eval_every' not in given.get('train', {}):
     values['train']['eval_every'] = min(steps_per_epoch, steps)
   return from_dict(values)
+
+
+def _unsplit_sequences(mesh: dict, given: dict) -> None:
+  """Task heads read given positions of a row (BERT's [CLS], a decoder's last token), which a sequence split over
+  the mesh would reorder: fine-tuning takes a source's sequence devices as data devices, and refuses a split."""
+  n = int(mesh.get('sequence', 1))
+  if n == 1:
+    return
+  if 'sequence' in given:
+    raise ConfigError(f'GLUE fine-tuning does not split sequences over the mesh (mesh.sequence={n}); its rows are '
+                      f'short: set mesh.sequence=1 and use mesh.data')
+  data = int(mesh.get('data', -1))
+  mesh['data'], mesh['sequence'] = (-1 if data == -1 else data * n), 1
 
 
 def _classifier(config: Config) -> bool:

@@ -122,3 +122,15 @@ def test_what_cannot_split_a_sequence_is_refused_in_one_line(overrides, message,
   assert not (tmp_path / 'run').exists()
   with pytest.raises(ConfigError, match=message.split(' (')[0]):
     assemble(family_config('t5' if 't5' in message else 'gpt', tmp_path, 'mesh.data=1', *overrides))
+
+
+def test_glue_fine_tuning_takes_a_split_source_sequence_as_data_devices(tmp_path):
+  """Task heads read fixed positions of a row ([CLS], the last token), which the split layout reorders."""
+  from lm.glue.finetune import finetune_config
+  from lm.glue.tasks import TASKS
+  from lm.run_dir import CONFIG
+  (tmp_path / CONFIG).write_text(family_config('gpt', tmp_path, 'mesh.data=2', 'mesh.sequence=4').to_yaml())
+  config = finetune_config(TASKS['rte'], str(tmp_path), None, [], num_train=100)
+  assert (config.mesh.data, config.mesh.sequence) == (8, 1)
+  with pytest.raises(ConfigError, match=r'GLUE fine-tuning does not split sequences over the mesh \(mesh.sequence=2\)'):
+    finetune_config(TASKS['rte'], str(tmp_path), None, ['mesh.sequence=2', 'mesh.data=4'], num_train=100)
