@@ -1,7 +1,8 @@
 """Logical axis names -> mesh axes, in one table, and everything derived from it.
 
 One table serves every strategy: a mesh axis of size 1 shards nothing, so the mesh
-shape alone selects dp (data>1), fsdp (fsdp>1), tp (tensor>1) or any mix. Rules are
+shape alone selects dp (data>1), fsdp (fsdp>1), cp (sequence>1: ring attention), tp (tensor>1)
+or any mix. Rules are
 tried in order and a mesh axis is used at most once per array (Flax semantics), so an
 activation `(batch, length, embed)` takes `fsdp` for its batch and leaves `embed`
 replicated, while a parameter `(embed, mlp)` shards `embed` over `fsdp`.
