@@ -35,7 +35,7 @@ RULES: LogicalRules = (
   ('heads', 'tensor'),
   ('kv_heads', 'tensor'),
   ('mlp', 'tensor'),
-  ('embed', 'fsdp'),
+  ('embed', ('fsdp', 'sequence')),  # parameters shard over the sequence devices too (they hold the same batch)
   ('kv', None),
   ('length', 'sequence'),
   ('position', None),  # a table indexed by position (learned positions): a parameter, never split by sequence

@@ -95,16 +95,19 @@ def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_
 
 
 def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(small_config):
-  """The compiled step passes blocks between neighbours (collective permutes) and its per-device activation
-  memory falls as the sequence splits further (attention's [length, length] scores above all)."""
-  temps = {}
+  """The compiled step passes blocks between neighbours (collective permutes); its per-device activation memory
+  falls as the sequence splits further (attention's [length, length] scores above all), and so does its state:
+  parameters and optimizer state shard over the sequence devices as over fsdp's."""
+  temps, state = {}, {}
   for n in (1, 2, 4):
     a = assemble(small_config(f'mesh.sequence={n}', 'data.seq_len=256', 'model.max_len=256', 'train.global_batch=2'),
                  jax.devices()[:n])
     lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
     assert ('collective_permute' in lowered.as_text()) == (n > 1)
-    temps[n] = lowered.compile().memory_analysis().temp_size_in_bytes
+    memory = lowered.compile().memory_analysis()
+    temps[n], state[n] = memory.temp_size_in_bytes, memory.argument_size_in_bytes
   assert temps[4] < 0.7 * temps[2] < 0.7 * 0.7 * temps[1]
+  assert state[4] < 0.3 * state[1] and state[2] < 0.55 * state[1]
 
 
 @pytest.mark.parametrize('overrides, message', [
