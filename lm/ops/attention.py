@@ -200,15 +200,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   """Multi-head attention; `mask` and `bias` broadcast to [batch, heads, q_len, kv_len]."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
-  if impl == 'auto':
-    impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if sequence_shards() > 1:
+  if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring
     if impl not in ('auto', 'xla') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
       raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto or xla) on self-attention '
                        f'with causal, segment ids and bias, not impl {impl}, masks, dropout or cross-attention')
     k, v = repeat_kv(k, v, q.shape[2])
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale)
+  if impl == 'auto':
+    impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   if impl not in GROUPED_KV:
     k, v = repeat_kv(k, v, q.shape[2])
   if impl in KERNELS:

@@ -1,5 +1,6 @@
 """Context parallelism (`mesh.sequence`): training with the sequence split over devices (ring attention) equals
 one device on rows of packed documents; what cannot split a sequence says so in one line."""
+import importlib.util
 import json
 
 import jax
@@ -137,3 +138,13 @@ def test_glue_fine_tuning_takes_a_split_source_sequence_as_data_devices(tmp_path
   assert (config.mesh.data, config.mesh.sequence) == (8, 1)
   with pytest.raises(ConfigError, match=r'GLUE fine-tuning does not split sequences over the mesh \(mesh.sequence=2\)'):
     finetune_config(TASKS['rte'], str(tmp_path), None, ['mesh.sequence=2', 'mesh.data=4'], num_train=100)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small_config):
+  """`auto` means the flash kernel on TPU, but the ring where the sequence is split (lowered for v5e, not run)."""
+  from lm.parallel.chips import topology_devices
+  a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.attention_impl=auto'),
+               topology_devices('v5e:2x2'))
+  text = make_train_step(a).lower(a.abstract_state, abstract_batch(a)).as_text()
+  assert 'collective_permute' in text and 'tpu_custom_call' not in text
