@@ -17,7 +17,7 @@ import numpy as np
 from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import mixed, vendor_attention
-from lm.ops.ring_attention import ring_attention, zigzag_order
+from lm.ops.ring_attention import QUERY_CHUNK, ring_attention, zigzag_order
 from lm.parallel.rules import active_sharding, axis_size, spec_for
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -170,7 +170,7 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
   def per_shard(q, k, v, pos, *rest):
     seg = rest[0] if segment_ids is not None else None
     rows = rest[-1] if bias is not None else None
-    return ring_attention(ring_axes, causal, scale, q, k, v, pos, pos, seg, seg, rows)
+    return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, q, k, v, pos, pos, seg, seg, rows)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
 

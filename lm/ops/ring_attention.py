@@ -65,41 +65,72 @@ def _ring(axis_name: str):
   return n, lambda tree: jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def ring_attention(axis_name: str, causal: bool, scale: float, q: jax.Array, k: jax.Array, v: jax.Array,
-                   q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
-                   bias_rows: jax.Array | None) -> jax.Array:
+QUERY_CHUNK = 512  # query rows scored at once against a key/value block: bounds its [heads, rows, block] scores
+
+
+def _chunks(x: jax.Array | None, c: int, axis: int) -> jax.Array | None:
+  """`axis` cut into chunks of `c`, stacked in front: [..., L, ...] -> [L / c, ..., c, ...]."""
+  if x is None:
+    return None
+  x = x.reshape(x.shape[:axis] + (x.shape[axis] // c, c) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _joined(x: jax.Array | None, axis: int) -> jax.Array | None:
+  """The inverse of `_chunks`."""
+  if x is None:
+    return None
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def ring_attention(axis_name: str, causal: bool, scale: float, query_chunk: int, q: jax.Array, k: jax.Array,
+                   v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None,
+                   kv_seg: jax.Array | None, bias_rows: jax.Array | None) -> jax.Array:
   """Attention of this shard's queries over the whole ring's keys and values (call under `shard_map`).
 
   q_pos/kv_pos: [q_len]/[kv_len] global positions of the local tokens; q_seg/kv_seg: [batch, len] segment ids
   (0 is padding) or None; bias_rows: [batch or 1, heads, q_len, total kv_len] with columns in global position
-  order (this shard's rows of the full bias), or None.
+  order (this shard's rows of the full bias), or None. Queries meet each block `query_chunk` rows at a time
+  (all at once when that does not divide q_len).
   """
-  return _forward(axis_name, causal, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows)[0]
+  return _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows)[0]
 
 
-def _forward(axis_name, causal, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows):
+def _query_side(c, q, q_pos, q_seg, bias_rows):
+  return _chunks(q, c, 1), _chunks(q_pos, c, 0), _chunks(q_seg, c, 1), _chunks(bias_rows, c, 2)
+
+
+def _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows):
   n, send = _ring(axis_name)
   b, lq, h, d = q.shape
+  c = query_chunk if lq % query_chunk == 0 else lq
+  queries = _query_side(c, q, q_pos, q_seg, bias_rows)
 
   def step(_, carry):
     o, m, l, blocks = carry
     k, v, kv_pos, kv_seg = blocks
-    allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
-    s = _logits(q, k, bias_rows, kv_pos, allowed, scale)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    if allowed is not None:
-      p = jnp.where(allowed, p, 0.0)
-    rescale = jnp.exp(m - m_new)
-    l = l * rescale + p.sum(axis=-1)
-    pv = mixed.einsum('bhqk,bkhd->bqhd', p, v, dtype=v.dtype, out_dtype=jnp.float32)
-    o = o * jnp.swapaxes(rescale, 1, 2)[..., None] + pv
-    return o, m_new, l, send(blocks)
 
-  init = (jnp.zeros((b, lq, h, d), jnp.float32), jnp.full((b, h, lq), _MASKED, jnp.float32),
-          jnp.zeros((b, h, lq), jnp.float32), (k, v, kv_pos, kv_seg))
+    def rows(args):  # one chunk of query rows against this block: rows are independent in the forward pass
+      (q, q_pos, q_seg, bias_rows), o, m, l = args
+      allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
+      s = _logits(q, k, bias_rows, kv_pos, allowed, scale)
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      p = jnp.exp(s - m_new[..., None])
+      if allowed is not None:
+        p = jnp.where(allowed, p, 0.0)
+      rescale = jnp.exp(m - m_new)
+      pv = mixed.einsum('bhqk,bkhd->bqhd', p, v, dtype=v.dtype, out_dtype=jnp.float32)
+      return o * jnp.swapaxes(rescale, 1, 2)[..., None] + pv, m_new, l * rescale + p.sum(axis=-1)
+    o, m, l = jax.lax.map(rows, (queries, o, m, l))
+    return o, m, l, send(blocks)
+
+  chunks = lq // c
+  init = (jnp.zeros((chunks, b, c, h, d), jnp.float32), jnp.full((chunks, b, h, c), _MASKED, jnp.float32),
+          jnp.zeros((chunks, b, h, c), jnp.float32), (k, v, kv_pos, kv_seg))
   o, m, l, _ = jax.lax.fori_loop(0, n, step, init)
+  o, m, l = _joined(o, 1), _joined(m, 2), _joined(l, 2)
   seen = l > 0  # rows with no allowed key anywhere give zeros, as the single-device path does
   o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o / jnp.swapaxes(jnp.where(seen, l, 1.0), 1, 2)[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
@@ -107,32 +138,42 @@ def _forward(axis_name, causal, scale, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bi
   return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse)
 
 
-def _backward(axis_name, causal, scale, residuals, do):
+def _backward(axis_name, causal, scale, query_chunk, residuals, do):
   q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse = residuals
   n, send = _ring(axis_name)
-  do32 = do.astype(jnp.float32)
-  delta = jnp.einsum('bqhd,bqhd->bhq', do32, o.astype(jnp.float32))
+  lq = q.shape[1]
+  c = query_chunk if lq % query_chunk == 0 else lq
+  delta = jnp.einsum('bqhd,bqhd->bhq', do.astype(jnp.float32), o.astype(jnp.float32))
+  queries = (*_query_side(c, q, q_pos, q_seg, bias_rows), _chunks(do, c, 1), _chunks(lse, c, 2),
+             _chunks(delta, c, 2))
 
   def step(_, carry):
     dq, dbias, blocks = carry
     k, v, kv_pos, kv_seg, dk, dv = blocks
-    allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
-    p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale) - lse[..., None])
-    if allowed is not None:
-      p = jnp.where(allowed, p, 0.0)
-    dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
-    dp = mixed.einsum('bqhd,bkhd->bhqk', do, v, dtype=do.dtype, out_dtype=jnp.float32)
-    ds = p * (dp - delta[..., None])
-    dq = dq + mixed.einsum('bhqk,bkhd->bqhd', ds, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
-    dk = dk + mixed.einsum('bhqk,bqhd->bkhd', ds, q, dtype=q.dtype, out_dtype=jnp.float32) * scale
-    if dbias is not None:  # summed over the dims the bias broadcasts along, into this block's key columns
-      dbias = dbias.at[..., kv_pos].add(ds.sum(axis=0, keepdims=True) if dbias.shape[0] == 1 else ds)
+
+    def rows(grads, args):  # one chunk of query rows: its dQ, and its share of this block's dK, dV
+      dk, dv = grads
+      (q, q_pos, q_seg, bias_rows, do, lse, delta), dq, dbias = args
+      allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
+      p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale) - lse[..., None])
+      if allowed is not None:
+        p = jnp.where(allowed, p, 0.0)
+      dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
+      dp = mixed.einsum('bqhd,bkhd->bhqk', do, v, dtype=do.dtype, out_dtype=jnp.float32)
+      ds = p * (dp - delta[..., None])
+      dq = dq + mixed.einsum('bhqk,bkhd->bqhd', ds, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+      dk = dk + mixed.einsum('bhqk,bqhd->bkhd', ds, q, dtype=q.dtype, out_dtype=jnp.float32) * scale
+      if dbias is not None:  # summed over the dims the bias broadcasts along, into this block's key columns
+        dbias = dbias.at[..., kv_pos].add(ds.sum(axis=0, keepdims=True) if dbias.shape[0] == 1 else ds)
+      return (dk, dv), (dq, dbias)
+    (dk, dv), (dq, dbias) = jax.lax.scan(rows, (dk, dv), (queries, dq, dbias))
     return dq, dbias, send((k, v, kv_pos, kv_seg, dk, dv))  # after n hops each block and its gradient are home
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dbias = None if bias_rows is None else zeros(bias_rows)
-  init = (zeros(q), dbias, (k, v, kv_pos, kv_seg, zeros(k), zeros(v)))
+  dbias = None if bias_rows is None else _chunks(zeros(bias_rows), c, 2)
+  init = (_chunks(zeros(q), c, 1), dbias, (k, v, kv_pos, kv_seg, zeros(k), zeros(v)))
   dq, dbias, (_, _, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, init)
+  dq, dbias = _joined(dq, 1), _joined(dbias, 2)
   dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, dbias)
 

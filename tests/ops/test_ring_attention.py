@@ -38,9 +38,9 @@ def rel_err(a, b):
   return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
 
 
-def ring(q, k, v, do, causal, seg, bias, scale, order):
+def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512):
   """Output and gradients of ring attention on a (data 2, sequence 4) mesh, the sequence laid out in `order`,
-  returned in natural order."""
+  queries meeting each block `chunk` rows at a time, returned in natural order."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
   place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
   pos = jnp.asarray(order, jnp.int32)
@@ -49,7 +49,8 @@ def ring(q, k, v, do, causal, seg, bias, scale, order):
 
   def loss(q, k, v, bias):
     run = jax.shard_map(
-      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, q, k, v, pos, pos, seg, seg, bias),
+      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, chunk, q, k, v, pos, pos, seg, seg,
+                                                     bias),
       mesh=mesh, in_specs=(seq, seq, seq, P('sequence'), None if seg is None else seq, bias_spec), out_specs=seq,
       check_vma=False)
     o = run(q, k, v, pos, None if seg is None else place(seg, 1), bias)
@@ -66,7 +67,8 @@ def ring(q, k, v, do, causal, seg, bias, scale, order):
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('segments', [False, True])
 @pytest.mark.parametrize('bias_batch', [None, 1, 2])
-def test_ring_attention_matches_float64(causal, segments, bias_batch):
+@pytest.mark.parametrize('chunk', [512, 4])  # each shard's 16 queries at once, or 4 chunks of 4 rows
+def test_ring_attention_matches_float64(causal, segments, bias_batch, chunk):
   rng = np.random.default_rng([causal, segments, bias_batch or 0])
   b, length, h, d = 2, 64, 2, 8
   q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
@@ -77,7 +79,7 @@ def test_ring_attention_matches_float64(causal, segments, bias_batch):
     seg[1, 9:40], seg[1, 40:] = 2, 0
   bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
   want_o, want = reference(q, k, v, do, causal, seg, bias, 0.3)
-  got_o, got = ring(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS))
+  got_o, got = ring(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS), chunk)
   assert rel_err(got_o, want_o) < 1e-5
   for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want, strict=True):
     if w is not None:
