@@ -17,11 +17,10 @@ import numpy as np
 from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import mixed, vendor_attention
-from lm.ops.ring_attention import QUERY_CHUNK, ring_attention, zigzag_order
+from lm.ops.ring_attention import _MASKED, QUERY_CHUNK, ring_attention, zigzag_order
 from lm.parallel.rules import active_sharding, axis_size, spec_for
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Array | None,

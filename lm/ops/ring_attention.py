@@ -25,7 +25,7 @@ import numpy as np
 
 from lm.ops import mixed
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN (attention.py's too)
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
