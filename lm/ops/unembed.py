@@ -84,6 +84,7 @@ def _losses(z_loss: float, log_z: jax.Array, target_logits: jax.Array, weights: 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@jax.named_scope('output_loss')  # profiles (bench/profile_step.py) group its kernels by this name
 def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
   """Loss and metric sums only (no gradients): the primal, for evaluation."""
   def tile(sums, xs):
@@ -95,6 +96,7 @@ def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
   return nll + z, (nll, z)
 
 
+@jax.named_scope('output_loss')
 def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
   hidden_spec = _SPECS[layout][1]
   # The kernel's gradient accumulates as [embed, vocab] whatever its layout: both of a tile's gradient matmuls

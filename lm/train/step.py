@@ -117,14 +117,15 @@ def make_train_step(assembly: Assembly, loss: StepLoss | None = None
         shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng, totals)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
-      grad_norm = optax.tree.norm(grads)
-      updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-      # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
-      finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
-      apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite
-      params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
-                                       (state.params, state.opt_state))
+      with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
+        finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
+        apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
+                                         (state.params, state.opt_state))
       skipped = state.skipped + (~finite).astype(jnp.int32)
     metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
