@@ -389,14 +389,14 @@ def _get(config: Config, dotted: str) -> Any:
 
 
 def _check_sequence_split(config: Config) -> None:
-  """mesh.sequence > 1 (context parallelism) runs ring attention: the XLA path, no attention dropout, and each
-  sequence cut into 2 x mesh.sequence equal chunks (the load-balanced causal layout)."""
+  """mesh.sequence > 1 (context parallelism) runs ring attention: blocks by the XLA path or our flash kernel, no
+  attention dropout, and each sequence cut into 2 x mesh.sequence equal chunks (the load-balanced causal layout)."""
   m, n = config.model, config.mesh.sequence
   if n == 1:
     return
-  if m.attention_impl not in ('xla', 'auto'):
-    raise ConfigError(f'mesh.sequence={n} runs ring attention, whose blocks use the XLA path: set '
-                      f'model.attention_impl=auto or xla (not {m.attention_impl}), or mesh.sequence=1')
+  if m.attention_impl not in ('xla', 'auto', 'flash'):
+    raise ConfigError(f'mesh.sequence={n} runs ring attention, whose blocks use the XLA path or our flash kernel: '
+                      f'set model.attention_impl=auto, xla or flash (not {m.attention_impl}), or mesh.sequence=1')
   if m.attention_dropout > 0:
     raise ConfigError(f'ring attention (mesh.sequence={n}) does no attention dropout: set model.attention_dropout=0 '
                       f'or mesh.sequence=1')

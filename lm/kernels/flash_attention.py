@@ -140,10 +140,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
   def _store():
     for g in range(at.heads):
       norm = l_scr[g]
-      empty = norm == 0.0  # every key masked: output 0, log-sum-exp 0
+      empty = norm == 0.0  # every key masked: output 0, log-sum-exp MASKED (no weight where blocks combine)
       safe = jnp.where(empty, 1.0, norm)
       o_ref[0, :, at.q(g)] = (acc_scr[:, at.q(g)] / safe).astype(o_ref.dtype)
-      lse_ref[0, g] = _to_rows(jnp.where(empty, 0.0, m_scr[g] + jnp.log(safe)))
+      lse_ref[0, g] = _to_rows(jnp.where(empty, MASKED, m_scr[g] + jnp.log(safe)))
 
 
 # ---------------------------------------------------------------- backward
@@ -407,30 +407,84 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   if platform not in ('tpu', 'cpu'):
     raise ValueError(f'the flash kernel is written for TPU (Mosaic) and runs interpreted on CPU, not on '
                      f'{platform}; use attention impl cudnn or xla there')
-  interpret = platform == 'cpu'
-  b, lq, h, d = q.shape
-  lk = k.shape[1]
+  h = q.shape[2]
   if h % k.shape[2] or k.shape != v.shape:
     raise ValueError(f'key/value heads must match and divide the {h} query heads; got k {k.shape}, v {v.shape}')
-  scale = d ** -0.5 if scale is None else scale
-  bq = min(_round_up(block_q, 128), _round_up(lq, 8))  # lse blocks are [8, bq]: 128-lane multiples or whole
-  bk = min(_round_up(block_k, 128), _round_up(lk, 128))
-  pq, pk = _round_up(lq, bq), _round_up(lk, bk)
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, lq), jnp.int32)
-  if kv_segment_ids is None:
-    kv_segment_ids = segment_ids if lq == lk else jnp.ones((b, lk), jnp.int32)
-  q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pq - lq)))[:, :, None]
-  kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, pk - lk)))[:, None, :]
-
-  def lanes(x: jax.Array, n: int) -> jax.Array:  # [B, L, heads, D] -> [B, n, heads * D]: a view, padded if short
-    x = x.reshape(x.shape[0], x.shape[1], -1)
-    return x if n == x.shape[1] else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0)))
+  scale = q.shape[3] ** -0.5 if scale is None else scale
+  blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
   if bias is not None:
     bias = jnp.asarray(bias)
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    bias = jnp.broadcast_to(bias, bias.shape[:2] + (lq, lk))
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, pq - lq), (0, pk - lk)))
-  out = _flash(lanes(q, pq), lanes(k, pk), lanes(v, pk), bias, q_seg, kv_seg, h, causal, float(scale), bq, bk,
-               bool(interpret))
-  return out[:, :lq].reshape(b, lq, h, d)
+    bias = jnp.broadcast_to(bias, bias.shape[:2] + (blocks.lq, blocks.lk))
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, blocks.pq - blocks.lq), (0, blocks.pk - blocks.lk)))
+  out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), bias, blocks.q_seg, blocks.kv_seg, h, causal, float(scale),
+               blocks.bq, blocks.bk, platform == 'cpu')
+  return blocks.unpad(out, h)
+
+
+class _Blocks:
+  """Block sizes for q [B, Lq, H, D] and k/v [B, Lk, K, D], and the padded [B, L, heads * D] views and segment
+  ids the kernels take: block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short inputs;
+  lengths are padded to whole blocks, the padding in segment 0."""
+
+  def __init__(self, q_shape: tuple[int, ...], kv_shape: tuple[int, ...], segment_ids: jax.Array | None,
+               kv_segment_ids: jax.Array | None, block_q: int, block_k: int):
+    b, self.lq, _, _ = q_shape
+    self.lk = kv_shape[1]
+    self.bq = min(_round_up(block_q, 128), _round_up(self.lq, 8))  # lse blocks are [8, bq]: 128-lane multiples
+    self.bk = min(_round_up(block_k, 128), _round_up(self.lk, 128))
+    self.pq, self.pk = _round_up(self.lq, self.bq), _round_up(self.lk, self.bk)
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, self.lq), jnp.int32)
+    if kv_segment_ids is None:
+      kv_segment_ids = segment_ids if self.lq == self.lk else jnp.ones((b, self.lk), jnp.int32)
+    self.q_seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, self.pq - self.lq)))[:, :, None]
+    self.kv_seg = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, self.pk - self.lk)))[:, None, :]
+
+  @staticmethod
+  def _lanes(x: jax.Array, n: int) -> jax.Array:  # [B, L, heads, D] -> [B, n, heads * D]: a view, padded if short
+    x = x.reshape(x.shape[0], x.shape[1], -1)
+    return x if n == x.shape[1] else jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0)))
+
+  def q(self, x: jax.Array) -> jax.Array:
+    return self._lanes(x, self.pq)
+
+  def kv(self, x: jax.Array) -> jax.Array:
+    return self._lanes(x, self.pk)
+
+  def unpad(self, x: jax.Array, heads: int) -> jax.Array:  # [B, pq, heads * D] -> [B, Lq, heads, D]
+    return x[:, :self.lq].reshape(x.shape[0], self.lq, heads, -1)
+
+  def lse(self, lse: jax.Array) -> jax.Array:  # [B, H, Lq] -> the kernels' [B, H, 8, pq]
+    lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, self.pq - self.lq)))
+    return jnp.broadcast_to(lse[:, :, None], lse.shape[:2] + (_LSE_ROWS, self.pq))
+
+
+def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, kv_segment_ids: jax.Array, *,
+                causal: bool, scale: float, block_q: int, block_k: int, interpret: bool
+                ) -> tuple[jax.Array, jax.Array]:
+  """One block of a blockwise attention (ring attention's per-hop compute): the normalised output [B, Lq, H, D]
+  and log-sum-exp [B, H, Lq] (float32; MASKED where every key is masked, so partial results combine by
+  log-sum-exp weights). Not differentiable: `flash_block_grads` is its backward given the final output and
+  log-sum-exp. Shapes as `flash_attention`'s, key/value heads equal to the query heads."""
+  heads = q.shape[2]
+  blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
+  o, lse = _forward(blocks.q(q), blocks.kv(k), blocks.kv(v), None, blocks.q_seg, blocks.kv_seg, heads=heads,
+                    causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+  return blocks.unpad(o, heads), lse[:, :, 0, :blocks.lq]
+
+
+def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                      kv_segment_ids: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array, *, causal: bool,
+                      scale: float, block_q: int, block_k: int, interpret: bool
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """dQ, dK, dV of one block given the whole attention's output `o` [B, Lq, H, D], log-sum-exp `lse` [B, H, Lq]
+  and output gradient `do`: this block's share of the gradients (the probabilities are recomputed against the
+  final log-sum-exp, so the blocks' shares add up to the whole attention's gradients)."""
+  heads = q.shape[2]
+  blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
+  dq, dk, dv, _ = _backward(blocks.q(q), blocks.kv(k), blocks.kv(v), None, blocks.q_seg, blocks.kv_seg,
+                            blocks.q(o.astype(q.dtype)), blocks.lse(lse), blocks.q(do.astype(q.dtype)),
+                            heads=heads, causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+  kv_unpad = lambda x: x[:, :blocks.lk].reshape(k.shape)
+  return blocks.unpad(dq, heads), kv_unpad(dk), kv_unpad(dv)

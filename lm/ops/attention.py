@@ -17,7 +17,7 @@ import numpy as np
 from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import mixed, vendor_attention
-from lm.ops.ring_attention import _MASKED, QUERY_CHUNK, ring_attention, zigzag_order
+from lm.ops.ring_attention import _MASKED, QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
 from lm.parallel.rules import active_sharding, axis_size, spec_for
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -147,15 +147,29 @@ def sequence_shards() -> int:
 
 
 def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-                                segment_ids: jax.Array | None, bias: jax.Array | None, scale: float) -> jax.Array:
-  """Self-attention over a sequence split across the mesh: ring attention per shard. The length axis of every
-  activation is in `zigzag_order` (the train step lays the batch out so), which gives each token's position."""
+                                segment_ids: jax.Array | None, bias: jax.Array | None, scale: float,
+                                flash: bool, block_q: int, block_k: int) -> jax.Array:
+  """Self-attention over a sequence split across the mesh: ring attention per shard, its blocks through XLA or
+  (`flash`) our flash kernel. The length axis of every activation is in `zigzag_order` (the train step lays the
+  batch out so), which gives each token's position."""
   mesh, rules = active_sharding()
   length, shards = q.shape[1], sequence_shards()
   order = zigzag_order(length, shards)
   q_spec = spec_for(('batch', 'length', 'heads', 'kv'), q.shape, mesh, rules)
   pos_spec = spec_for(('length',), (length,), mesh, rules)
   ring_axes = pos_spec[0]  # the mesh axes the rules split `length` over
+  if flash:
+    platform = mesh.devices.flat[0].platform
+    if platform not in ('tpu', 'cpu'):
+      raise ValueError(f'ring attention with flash blocks runs on TPU (interpreted on CPU), not {platform}: '
+                       f'use model.attention_impl=xla')
+    if segment_ids is None:
+      segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    seg_spec = spec_for(('batch', 'length'), segment_ids.shape, mesh, rules)
+    per_shard = lambda q, k, v, seg: ring_flash_attention(ring_axes, causal, scale, block_q, block_k,
+                                                          platform == 'cpu', q, k, v, seg, seg)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(q_spec, q_spec, q_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
   args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [q_spec, q_spec, q_spec, pos_spec]
   if segment_ids is not None:
     args.append(segment_ids)
@@ -200,12 +214,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring
-    if impl not in ('auto', 'xla') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
-      raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto or xla) on self-attention '
-                       f'with causal, segment ids and bias, not impl {impl}, masks, dropout or cross-attention')
+  if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
+    if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None \
+        or (impl == 'flash' and bias is not None):
+      raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto, xla or flash) on '
+                       f'self-attention with causal, segment ids and (not flash) bias, not impl {impl}, masks, '
+                       f'dropout or cross-attention')
     k, v = repeat_kv(k, v, q.shape[2])
-    return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale)
+    return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
+                                       flash=impl == 'flash', block_q=block_q, block_k=block_k)
   if impl == 'auto':
     impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
   if impl not in GROUPED_KV:

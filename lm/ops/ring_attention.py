@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm.kernels.flash_attention import MASKED, flash_block, flash_block_grads
 from lm.ops import mixed
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN (attention.py's too)
@@ -179,3 +180,123 @@ def _backward(axis_name, causal, scale, query_chunk, residuals, do):
 
 
 ring_attention.defvjp(_forward, _backward)
+
+
+# ---------------------------------------------------------------- flash blocks
+
+def _merge(o: jax.Array, lse: jax.Array, o_block: jax.Array, lse_block: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two partial attentions of the same queries over disjoint keys, each normalised with its log-sum-exp
+  [b, h, q], combined into one (float32)."""
+  lse_new = jnp.logaddexp(lse, lse_block)
+  weight = lambda x: jnp.swapaxes(jnp.exp(x - lse_new), 1, 2)[..., None]
+  return o * weight(lse) + o_block.astype(jnp.float32) * weight(lse_block), lse_new
+
+
+def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """A shard's zig-zag halves: its early chunk and its late chunk."""
+  return tuple(jnp.split(x, 2, axis=axis))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def ring_flash_attention(axis_name: str, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool,
+                         q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array,
+                         kv_seg: jax.Array) -> jax.Array:
+  """`ring_attention` with each block computed by our flash kernel (interpreted on CPU); segment ids
+  [batch, len] (0 is padding), no bias. Causal attention needs the `zigzag_order` layout: shard i holds chunks i
+  and 2n-1-i, so against the block of shard s its early chunk sees all of the block's early chunk when s < i,
+  its late chunk all of the block's late chunk when s > i, its late chunk always all of the block's early chunk,
+  and against its own block each chunk its own causally; the kernel runs exactly those sub-blocks, full or
+  causal, and skips the rest."""
+  return _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg)[0]
+
+
+def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg):
+  n, send = _ring(axis_name)
+  block = partial(flash_block, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
+  b, lq, h, d = q.shape
+  empty = lambda length: (jnp.zeros((b, length, h, d), jnp.float32), jnp.full((b, h, length), MASKED, jnp.float32))
+  if not causal:
+    def step(_, carry):
+      o, lse, blocks = carry
+      o, lse = _merge(o, lse, *block(q, *blocks[:2], q_seg, blocks[2], causal=False))
+      return o, lse, send(blocks)
+    o, lse, _ = jax.lax.fori_loop(0, n, step, (*empty(lq), (k, v, kv_seg)))
+  else:
+    i = jax.lax.axis_index(axis_name)
+    (qa, qb), (sa, sb) = _halves(q, 1), _halves(q_seg, 1)
+
+    (ka, kb), (va, vb), (ska, skb) = _halves(k, 1), _halves(v, 1), _halves(kv_seg, 1)
+    a = block(qa, ka, va, sa, ska, causal=True)  # hop 0, its own block: each chunk its own, causally
+    b_ = _merge(*block(qb, kb, vb, sb, skb, causal=True), *block(qb, ka, va, sb, ska, causal=False))
+
+    def step(t, carry):
+      a, b_, blocks = carry
+      blocks = send(blocks)  # now the block of shard s = i - t
+      ka, kb, va, vb, ska, skb = (y for x in blocks for y in _halves(x, 1))
+      b_ = _merge(*b_, *block(qb, ka, va, sb, ska, causal=False))
+      a, b_ = jax.lax.cond((i - t) % n < i,
+                           lambda: (_merge(*a, *block(qa, ka, va, sa, ska, causal=False)), b_),
+                           lambda: (a, _merge(*b_, *block(qb, kb, vb, sb, skb, causal=False))))
+      return a, b_, blocks
+    a = tuple(x.astype(jnp.float32) for x in a)
+    a, b_, _ = jax.lax.fori_loop(1, n, step, (a, b_, (k, v, kv_seg)))
+    o, lse = jnp.concatenate([a[0], b_[0]], axis=1), jnp.concatenate([a[1], b_[1]], axis=2)
+  seen = lse > 0.5 * MASKED  # rows with no allowed key anywhere give zeros, as the single-device path does
+  o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o, 0.0).astype(q.dtype)
+  lse = jnp.where(seen, lse, 0.0)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _flash_backward(axis_name, causal, scale, block_q, block_k, interpret, residuals, do):
+  q, k, v, q_seg, kv_seg, o, lse = residuals
+  n, send = _ring(axis_name)
+  grads = partial(flash_block_grads, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
+  f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  if not causal:
+    def step(_, carry):
+      dq, (k, v, kv_seg, dk, dv) = carry
+      dq_b, dk_b, dv_b = f32(*grads(q, k, v, q_seg, kv_seg, o, lse, do, causal=False))
+      return dq + dq_b, send((k, v, kv_seg, dk + dk_b, dv + dv_b))  # after n hops each block's grads are home
+    dq, (_, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, (zeros(q), (k, v, kv_seg, zeros(k), zeros(v))))
+  else:
+    i = jax.lax.axis_index(axis_name)
+    (qa, qb), (sa, sb), (oa, ob), (la, lb), (da, db) = (_halves(x, ax) for x, ax in
+                                                         ((q, 1), (q_seg, 1), (o, 1), (lse, 2), (do, 1)))
+    query_a, query_b = (qa, sa, oa, la, da), (qb, sb, ob, lb, db)
+
+    def share(query, ka, va, ska, causal):  # (dq, dk, dv) of a query chunk against a key/value chunk
+      qx, sx, ox, lx, dx = query
+      return f32(*grads(qx, ka, va, sx, ska, ox, lx, dx, causal=causal))
+
+    (ka, kb), (va, vb), (ska, skb) = _halves(k, 1), _halves(v, 1), _halves(kv_seg, 1)
+    dqa, dka, dva = share(query_a, ka, va, ska, True)
+    dqb, dkb, dvb = share(query_b, kb, vb, skb, True)
+    dqb2, dka2, dva2 = share(query_b, ka, va, ska, False)
+    dq, dk, dv = (dqa, dqb + dqb2), (dka + dka2, dkb), (dva + dva2, dvb)
+
+    def step(t, carry):
+      (dqa, dqb), blocks = carry
+      k, v, kv_seg, dk, dv = send(blocks)  # the block of shard s = i - t, with the gradient it has gathered
+      (ka, kb), (va, vb), (ska, skb), (dka, dkb), (dva, dvb) = (_halves(x, 1) for x in (k, v, kv_seg, dk, dv))
+      g = share(query_b, ka, va, ska, False)
+      dqb, dka, dva = dqb + g[0], dka + g[1], dva + g[2]
+
+      def early():  # s < i: the early chunk sees all of the block's early chunk
+        g = share(query_a, ka, va, ska, False)
+        return dqa + g[0], dqb, dka + g[1], dkb, dva + g[2], dvb
+
+      def late():  # s > i: the late chunk sees all of the block's late chunk
+        g = share(query_b, kb, vb, skb, False)
+        return dqa, dqb + g[0], dka, dkb + g[1], dva, dvb + g[2]
+      dqa, dqb, dka, dkb, dva, dvb = jax.lax.cond((i - t) % n < i, early, late)
+      join = lambda x, y: jnp.concatenate([x, y], axis=1)
+      return (dqa, dqb), (k, v, kv_seg, join(dka, dkb), join(dva, dvb))
+    join = lambda x: jnp.concatenate(x, axis=1)
+    dq, blocks = jax.lax.fori_loop(1, n, step, (dq, (k, v, kv_seg, join(dk), join(dv))))
+    dq = join(dq)
+    dk, dv = send(blocks[3:])  # one hop more brings each block's gradient home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+ring_flash_attention.defvjp(_flash_forward, _flash_backward)
