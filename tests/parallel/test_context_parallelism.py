@@ -160,3 +160,15 @@ def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small
                topology_devices('v5e:2x2'))
   text = make_train_step(a).lower(a.abstract_state, abstract_batch(a)).as_text()
   assert 'collective_permute' in text and 'tpu_custom_call' not in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+def test_flash_blocks_in_the_ring_compile_for_a_tpu_slice(small_config):
+  """The flash ring through Mosaic: the kernel inside the ring's loop and its branches compiles for v5e."""
+  from lm.parallel.chips import topology_devices
+  a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.attention_impl=flash', 'data.seq_len=512',
+                            'model.max_len=512'), topology_devices('v5e:2x2'))
+  lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
+  text = lowered.as_text()
+  assert 'collective_permute' in text and 'tpu_custom_call' in text
+  assert lowered.compile().memory_analysis().temp_size_in_bytes > 0
