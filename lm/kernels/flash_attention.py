@@ -412,13 +412,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     raise ValueError(f'key/value heads must match and divide the {h} query heads; got k {k.shape}, v {v.shape}')
   scale = q.shape[3] ** -0.5 if scale is None else scale
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    bias = jnp.broadcast_to(bias, bias.shape[:2] + (blocks.lq, blocks.lk))
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, blocks.pq - blocks.lq), (0, blocks.pk - blocks.lk)))
-  out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), bias, blocks.q_seg, blocks.kv_seg, h, causal, float(scale),
-               blocks.bq, blocks.bk, platform == 'cpu')
+  out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg, h, causal,
+               float(scale), blocks.bq, blocks.bk, platform == 'cpu')
   return blocks.unpad(out, h)
 
 
@@ -455,36 +450,48 @@ class _Blocks:
   def unpad(self, x: jax.Array, heads: int) -> jax.Array:  # [B, pq, heads * D] -> [B, Lq, heads, D]
     return x[:, :self.lq].reshape(x.shape[0], self.lq, heads, -1)
 
+  def bias(self, bias: jax.Array | None) -> jax.Array | None:  # broadcastable to [B, H, Lq, Lk] -> padded 4-d
+    if bias is None:
+      return None
+    bias = jnp.asarray(bias)
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    bias = jnp.broadcast_to(bias, bias.shape[:2] + (self.lq, self.lk))
+    return jnp.pad(bias, ((0, 0), (0, 0), (0, self.pq - self.lq), (0, self.pk - self.lk)))
+
   def lse(self, lse: jax.Array) -> jax.Array:  # [B, H, Lq] -> the kernels' [B, H, 8, pq]
     lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, self.pq - self.lq)))
     return jnp.broadcast_to(lse[:, :, None], lse.shape[:2] + (_LSE_ROWS, self.pq))
 
 
-def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, kv_segment_ids: jax.Array, *,
-                causal: bool, scale: float, block_q: int, block_k: int, interpret: bool
-                ) -> tuple[jax.Array, jax.Array]:
+def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, kv_segment_ids: jax.Array,
+                bias: jax.Array | None = None, *, causal: bool, scale: float, block_q: int, block_k: int,
+                interpret: bool) -> tuple[jax.Array, jax.Array]:
   """One block of a blockwise attention (ring attention's per-hop compute): the normalised output [B, Lq, H, D]
   and log-sum-exp [B, H, Lq] (float32; MASKED where every key is masked, so partial results combine by
   log-sum-exp weights). Not differentiable: `flash_block_grads` is its backward given the final output and
   log-sum-exp. Shapes as `flash_attention`'s, key/value heads equal to the query heads."""
   heads = q.shape[2]
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
-  o, lse = _forward(blocks.q(q), blocks.kv(k), blocks.kv(v), None, blocks.q_seg, blocks.kv_seg, heads=heads,
+  o, lse = _forward(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg,
+                    heads=heads,
                     causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
   return blocks.unpad(o, heads), lse[:, :, 0, :blocks.lq]
 
 
 def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                      kv_segment_ids: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array, *, causal: bool,
-                      scale: float, block_q: int, block_k: int, interpret: bool
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """dQ, dK, dV of one block given the whole attention's output `o` [B, Lq, H, D], log-sum-exp `lse` [B, H, Lq]
-  and output gradient `do`: this block's share of the gradients (the probabilities are recomputed against the
-  final log-sum-exp, so the blocks' shares add up to the whole attention's gradients)."""
+                      kv_segment_ids: jax.Array, bias: jax.Array | None, o: jax.Array, lse: jax.Array,
+                      do: jax.Array, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+  """dQ, dK, dV (and d bias, summed over the dims it broadcasts along) of one block given the whole attention's
+  output `o` [B, Lq, H, D], log-sum-exp `lse` [B, H, Lq] and output gradient `do`: this block's share of the
+  gradients (the probabilities are recomputed against the final log-sum-exp, so the blocks' shares add up to
+  the whole attention's gradients)."""
   heads = q.shape[2]
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
-  dq, dk, dv, _ = _backward(blocks.q(q), blocks.kv(k), blocks.kv(v), None, blocks.q_seg, blocks.kv_seg,
+  padded = blocks.bias(bias)
+  dq, dk, dv, dbias = _backward(blocks.q(q), blocks.kv(k), blocks.kv(v), padded, blocks.q_seg, blocks.kv_seg,
                             blocks.q(o.astype(q.dtype)), blocks.lse(lse), blocks.q(do.astype(q.dtype)),
                             heads=heads, causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
   kv_unpad = lambda x: x[:, :blocks.lk].reshape(k.shape)
-  return blocks.unpad(dq, heads), kv_unpad(dk), kv_unpad(dv)
+  dbias = None if bias is None else dbias[:, :, :blocks.lq, :blocks.lk].reshape(jnp.shape(bias))
+  return blocks.unpad(dq, heads), kv_unpad(dk), kv_unpad(dv), dbias

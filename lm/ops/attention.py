@@ -158,18 +158,6 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
   q_spec = spec_for(('batch', 'length', 'heads', 'kv'), q.shape, mesh, rules)
   pos_spec = spec_for(('length',), (length,), mesh, rules)
   ring_axes = pos_spec[0]  # the mesh axes the rules split `length` over
-  if flash:
-    platform = mesh.devices.flat[0].platform
-    if platform not in ('tpu', 'cpu'):
-      raise ValueError(f'ring attention with flash blocks runs on TPU (interpreted on CPU), not {platform}: '
-                       f'use model.attention_impl=xla')
-    if segment_ids is None:
-      segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-    seg_spec = spec_for(('batch', 'length'), segment_ids.shape, mesh, rules)
-    per_shard = lambda q, k, v, seg: ring_flash_attention(ring_axes, causal, scale, block_q, block_k,
-                                                          platform == 'cpu', q, k, v, seg, seg)
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(q_spec, q_spec, q_spec, seg_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, segment_ids)
   args, specs = [q, k, v, jnp.asarray(order, jnp.int32)], [q_spec, q_spec, q_spec, pos_spec]
   if segment_ids is not None:
     args.append(segment_ids)
@@ -180,9 +168,18 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
     args.append(bias)
     specs.append(spec_for(('batch', 'heads', 'length', None), bias.shape, mesh, rules))
 
+  platform = mesh.devices.flat[0].platform
+  if flash and platform not in ('tpu', 'cpu'):
+    raise ValueError(f'ring attention with flash blocks runs on TPU (interpreted on CPU), not {platform}: '
+                     f'use model.attention_impl=xla')
+
   def per_shard(q, k, v, pos, *rest):
     seg = rest[0] if segment_ids is not None else None
     rows = rest[-1] if bias is not None else None
+    if flash:
+      seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
+      return ring_flash_attention(ring_axes, causal, scale, block_q, block_k, platform == 'cpu', q, k, v, seg, seg,
+                                  pos, rows)
     return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, q, k, v, pos, pos, seg, seg, rows)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
@@ -215,11 +212,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
-    if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None \
-        or (impl == 'flash' and bias is not None):
+    if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
       raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto, xla or flash) on '
-                       f'self-attention with causal, segment ids and (not flash) bias, not impl {impl}, masks, '
-                       f'dropout or cross-attention')
+                       f'self-attention with causal, segment ids and bias, not impl {impl}, masks, dropout or '
+                       f'cross-attention')
     k, v = repeat_kv(k, v, q.shape[2])
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
                                        flash=impl == 'flash', block_q=block_q, block_k=block_k)

@@ -199,104 +199,123 @@ def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def ring_flash_attention(axis_name: str, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool,
-                         q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array,
-                         kv_seg: jax.Array) -> jax.Array:
+                         q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array,
+                         kv_pos: jax.Array, bias_rows: jax.Array | None) -> jax.Array:
   """`ring_attention` with each block computed by our flash kernel (interpreted on CPU); segment ids
-  [batch, len] (0 is padding), no bias. Causal attention needs the `zigzag_order` layout: shard i holds chunks i
-  and 2n-1-i, so against the block of shard s its early chunk sees all of the block's early chunk when s < i,
-  its late chunk all of the block's late chunk when s > i, its late chunk always all of the block's early chunk,
-  and against its own block each chunk its own causally; the kernel runs exactly those sub-blocks, full or
-  causal, and skips the rest."""
-  return _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg)[0]
+  [batch, len] (0 is padding), `kv_pos` and `bias_rows` as `ring_attention`'s. Causal attention needs the
+  `zigzag_order` layout: shard i holds chunks i and 2n-1-i, so against the block of shard s its early chunk sees
+  all of the block's early chunk when s < i, its late chunk all of the block's late chunk when s > i, its late
+  chunk always all of the block's early chunk, and against its own block each chunk its own causally; the kernel
+  runs exactly those sub-blocks, full or causal, and skips the rest."""
+  return _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg, kv_pos,
+                        bias_rows)[0]
 
 
-def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg):
+def _bias_block(bias_rows: jax.Array | None, rows: slice, kv_pos: jax.Array) -> jax.Array | None:
+  """The bias of some query rows against the keys at `kv_pos` (columns of `bias_rows` are global positions)."""
+  return None if bias_rows is None else jnp.take(bias_rows[:, :, rows], kv_pos, axis=-1)
+
+
+def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg, kv_pos,
+                   bias_rows):
   n, send = _ring(axis_name)
-  block = partial(flash_block, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
-  b, lq, h, d = q.shape
-  empty = lambda length: (jnp.zeros((b, length, h, d), jnp.float32), jnp.full((b, h, length), MASKED, jnp.float32))
+  lq = q.shape[1]
+  every, early, late = slice(None), slice(0, lq // 2), slice(lq // 2, lq)
+
+  def block(rows, k, v, kv_seg, kv_pos, causal):  # query rows against keys: output and log-sum-exp, float32
+    o, lse = flash_block(q[:, rows], k, v, q_seg[:, rows], kv_seg, _bias_block(bias_rows, rows, kv_pos),
+                         causal=causal, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
+    return o.astype(jnp.float32), lse
+
+  blocks = (k, v, kv_seg, kv_pos)
   if not causal:
     def step(_, carry):
       o, lse, blocks = carry
-      o, lse = _merge(o, lse, *block(q, *blocks[:2], q_seg, blocks[2], causal=False))
+      o, lse = _merge(o, lse, *block(every, *blocks, False))
       return o, lse, send(blocks)
-    o, lse, _ = jax.lax.fori_loop(0, n, step, (*empty(lq), (k, v, kv_seg)))
+    b, _, h, d = q.shape
+    empty = (jnp.zeros((b, lq, h, d), jnp.float32), jnp.full((b, h, lq), MASKED, jnp.float32))
+    o, lse, _ = jax.lax.fori_loop(0, n, step, (*empty, blocks))
   else:
     i = jax.lax.axis_index(axis_name)
-    (qa, qb), (sa, sb) = _halves(q, 1), _halves(q_seg, 1)
-
-    (ka, kb), (va, vb), (ska, skb) = _halves(k, 1), _halves(v, 1), _halves(kv_seg, 1)
-    a = block(qa, ka, va, sa, ska, causal=True)  # hop 0, its own block: each chunk its own, causally
-    b_ = _merge(*block(qb, kb, vb, sb, skb, causal=True), *block(qb, ka, va, sb, ska, causal=False))
+    halves = lambda blocks: [tuple(_halves(x, 1 if x.ndim > 1 else 0)[h] for x in blocks) for h in (0, 1)]
+    own_a, own_b = halves(blocks)
+    a = block(early, *own_a, True)  # hop 0, its own block: each chunk its own causally, the late one all the early
+    b_ = _merge(*block(late, *own_b, True), *block(late, *own_a, False))
 
     def step(t, carry):
       a, b_, blocks = carry
       blocks = send(blocks)  # now the block of shard s = i - t
-      ka, kb, va, vb, ska, skb = (y for x in blocks for y in _halves(x, 1))
-      b_ = _merge(*b_, *block(qb, ka, va, sb, ska, causal=False))
+      block_a, block_b = halves(blocks)
+      b_ = _merge(*b_, *block(late, *block_a, False))
       a, b_ = jax.lax.cond((i - t) % n < i,
-                           lambda: (_merge(*a, *block(qa, ka, va, sa, ska, causal=False)), b_),
-                           lambda: (a, _merge(*b_, *block(qb, kb, vb, sb, skb, causal=False))))
+                           lambda: (_merge(*a, *block(early, *block_a, False)), b_),
+                           lambda: (a, _merge(*b_, *block(late, *block_b, False))))
       return a, b_, blocks
-    a = tuple(x.astype(jnp.float32) for x in a)
-    a, b_, _ = jax.lax.fori_loop(1, n, step, (a, b_, (k, v, kv_seg)))
+    a, b_, _ = jax.lax.fori_loop(1, n, step, (a, b_, blocks))
     o, lse = jnp.concatenate([a[0], b_[0]], axis=1), jnp.concatenate([a[1], b_[1]], axis=2)
   seen = lse > 0.5 * MASKED  # rows with no allowed key anywhere give zeros, as the single-device path does
   o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o, 0.0).astype(q.dtype)
   lse = jnp.where(seen, lse, 0.0)
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
+  return o, (q, k, v, q_seg, kv_seg, kv_pos, bias_rows, o, lse)
 
 
 def _flash_backward(axis_name, causal, scale, block_q, block_k, interpret, residuals, do):
-  q, k, v, q_seg, kv_seg, o, lse = residuals
+  q, k, v, q_seg, kv_seg, kv_pos, bias_rows, o, lse = residuals
   n, send = _ring(axis_name)
-  grads = partial(flash_block_grads, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
-  f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+  lq = q.shape[1]
+  every, early, late = slice(None), slice(0, lq // 2), slice(lq // 2, lq)
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+
+  def share(grads, rows, k, v, kv_seg, kv_pos, causal):
+    """Adds query `rows`' share against a key/value block to (dq, dk, dv, d bias_rows): dk, dv are the block's."""
+    dq, dk, dv, dbias = grads
+    g = flash_block_grads(q[:, rows], k, v, q_seg[:, rows], kv_seg, _bias_block(bias_rows, rows, kv_pos),
+                          o[:, rows], lse[:, :, rows], do[:, rows], causal=causal, scale=scale, block_q=block_q,
+                          block_k=block_k, interpret=interpret)
+    dq = dq.at[:, rows].add(g[0].astype(jnp.float32))
+    if dbias is not None:  # into the block's key columns
+      dbias = dbias.at[:, :, rows, kv_pos].add(g[3].astype(jnp.float32))
+    return dq, dk + g[1].astype(jnp.float32), dv + g[2].astype(jnp.float32), dbias
+
+  dbias = None if bias_rows is None else zeros(bias_rows)
   if not causal:
     def step(_, carry):
-      dq, (k, v, kv_seg, dk, dv) = carry
-      dq_b, dk_b, dv_b = f32(*grads(q, k, v, q_seg, kv_seg, o, lse, do, causal=False))
-      return dq + dq_b, send((k, v, kv_seg, dk + dk_b, dv + dv_b))  # after n hops each block's grads are home
-    dq, (_, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, (zeros(q), (k, v, kv_seg, zeros(k), zeros(v))))
+      dq, dbias, (k, v, kv_seg, kv_pos, dk, dv) = carry
+      dq, dk, dv, dbias = share((dq, dk, dv, dbias), every, k, v, kv_seg, kv_pos, False)
+      return dq, dbias, send((k, v, kv_seg, kv_pos, dk, dv))  # after n hops each block's grads are home
+    dq, dbias, blocks = jax.lax.fori_loop(0, n, step, (zeros(q), dbias, (k, v, kv_seg, kv_pos, zeros(k), zeros(v))))
+    dk, dv = blocks[4:]
   else:
     i = jax.lax.axis_index(axis_name)
-    (qa, qb), (sa, sb), (oa, ob), (la, lb), (da, db) = (_halves(x, ax) for x, ax in
-                                                         ((q, 1), (q_seg, 1), (o, 1), (lse, 2), (do, 1)))
-    query_a, query_b = (qa, sa, oa, la, da), (qb, sb, ob, lb, db)
+    half = lambda x, h: _halves(x, 1 if x.ndim > 1 else 0)[h]
 
-    def share(query, ka, va, ska, causal):  # (dq, dk, dv) of a query chunk against a key/value chunk
-      qx, sx, ox, lx, dx = query
-      return f32(*grads(qx, ka, va, sx, ska, ox, lx, dx, causal=causal))
+    def against(grads, rows, blocks, h, causal):  # query rows against half h of a block (its dk, dv halves)
+      dq, dk, dv, dbias = grads
+      k, v, kv_seg, kv_pos = (half(x, h) for x in blocks)
+      dq, dk_h, dv_h, dbias = share((dq, half(dk, h), half(dv, h), dbias), rows, k, v, kv_seg, kv_pos, causal)
+      put = lambda full, part: jnp.concatenate([part, half(full, 1)] if h == 0 else [half(full, 0), part], axis=1)
+      return dq, put(dk, dk_h), put(dv, dv_h), dbias
 
-    (ka, kb), (va, vb), (ska, skb) = _halves(k, 1), _halves(v, 1), _halves(kv_seg, 1)
-    dqa, dka, dva = share(query_a, ka, va, ska, True)
-    dqb, dkb, dvb = share(query_b, kb, vb, skb, True)
-    dqb2, dka2, dva2 = share(query_b, ka, va, ska, False)
-    dq, dk, dv = (dqa, dqb + dqb2), (dka + dka2, dkb), (dva + dva2, dvb)
+    blocks = (k, v, kv_seg, kv_pos)
+    grads = (zeros(q), zeros(k), zeros(v), dbias)
+    grads = against(grads, early, blocks, 0, True)  # hop 0: as the forward pass
+    grads = against(grads, late, blocks, 1, True)
+    grads = against(grads, late, blocks, 0, False)
 
     def step(t, carry):
-      (dqa, dqb), blocks = carry
-      k, v, kv_seg, dk, dv = send(blocks)  # the block of shard s = i - t, with the gradient it has gathered
-      (ka, kb), (va, vb), (ska, skb), (dka, dkb), (dva, dvb) = (_halves(x, 1) for x in (k, v, kv_seg, dk, dv))
-      g = share(query_b, ka, va, ska, False)
-      dqb, dka, dva = dqb + g[0], dka + g[1], dva + g[2]
-
-      def early():  # s < i: the early chunk sees all of the block's early chunk
-        g = share(query_a, ka, va, ska, False)
-        return dqa + g[0], dqb, dka + g[1], dkb, dva + g[2], dvb
-
-      def late():  # s > i: the late chunk sees all of the block's late chunk
-        g = share(query_b, kb, vb, skb, False)
-        return dqa, dqb + g[0], dka, dkb + g[1], dva, dvb + g[2]
-      dqa, dqb, dka, dkb, dva, dvb = jax.lax.cond((i - t) % n < i, early, late)
-      join = lambda x, y: jnp.concatenate([x, y], axis=1)
-      return (dqa, dqb), (k, v, kv_seg, join(dka, dkb), join(dva, dvb))
-    join = lambda x: jnp.concatenate(x, axis=1)
-    dq, blocks = jax.lax.fori_loop(1, n, step, (dq, (k, v, kv_seg, join(dk), join(dv))))
-    dq = join(dq)
-    dk, dv = send(blocks[3:])  # one hop more brings each block's gradient home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+      grads, blocks = carry
+      k, v, kv_seg, kv_pos, dk, dv = send(blocks[:4] + grads[1:3])  # shard s = i - t's block, its grads so far
+      blocks, grads = (k, v, kv_seg, kv_pos), (grads[0], dk, dv, grads[3])
+      grads = against(grads, late, blocks, 0, False)
+      grads = jax.lax.cond((i - t) % n < i, lambda: against(grads, early, blocks, 0, False),
+                           lambda: against(grads, late, blocks, 1, False))
+      return grads, blocks
+    grads, blocks = jax.lax.fori_loop(1, n, step, (grads, blocks))
+    dq, dk, dv, dbias = grads
+    dk, dv = send((dk, dv))  # one hop more brings each block's gradient home
+  dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dbias
 
 
 ring_flash_attention.defvjp(_flash_forward, _flash_backward)

@@ -86,44 +86,52 @@ def test_ring_attention_matches_float64(causal, segments, bias_batch, chunk):
       assert rel_err(g, w) < 1e-5, name
 
 
-def ring_flash(q, k, v, do, causal, seg, scale, order):
-  """`ring` with flash-kernel blocks (interpreted): segment ids always given (ones for none), no bias."""
+def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
+  """`ring` with flash-kernel blocks (interpreted): segment ids always given (ones for none)."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
   place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
+  pos = jnp.asarray(order, jnp.int32)
   seq = P('data', 'sequence')
   seg = np.ones(q.shape[:2], np.int32) if seg is None else seg
+  bias_spec = None if bias is None else P('data' if bias.shape[0] > 1 else None, None, 'sequence', None)
 
-  def loss(q, k, v):
+  def loss(q, k, v, bias):
     run = jax.shard_map(
-      lambda q, k, v, seg: ring_flash_attention('sequence', causal, scale, 128, 128, True, q, k, v, seg, seg),
-      mesh=mesh, in_specs=(seq, seq, seq, seq), out_specs=seq, check_vma=False)
-    o = run(q, k, v, place(seg, 1))
+      lambda q, k, v, seg, pos, bias: ring_flash_attention('sequence', causal, scale, 128, 128, True, q, k, v, seg,
+                                                           seg, pos, bias),
+      mesh=mesh, in_specs=(seq, seq, seq, seq, P('sequence'), bias_spec), out_specs=seq, check_vma=False)
+    o = run(q, k, v, place(seg, 1), pos, bias)
     return jnp.sum(o * place(do, 1)), o
 
-  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-    place(q, 1), place(k, 1), place(v, 1))
+  bias_rows = None if bias is None else place(bias, 2)
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+    place(q, 1), place(k, 1), place(v, 1), bias_rows)
   back = np.argsort(order)
-  return np.take(np.asarray(o), back, axis=1), tuple(np.take(np.asarray(g), back, axis=1) for g in grads)
+  unplace = lambda x, axis: None if x is None else np.take(np.asarray(x), back, axis=axis)
+  return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),)
 
 
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('segments', [False, True])
-def test_ring_attention_with_flash_blocks_matches_float64(causal, segments):
+@pytest.mark.parametrize('bias_batch', [None, 1, 2])
+def test_ring_attention_with_flash_blocks_matches_float64(causal, segments, bias_batch):
   """Each hop's sub-blocks through the flash kernel: causal on a shard's own chunks, full where the zig-zag
-  layout makes a chunk see all of another, skipped where it sees none; packed documents and padding."""
-  rng = np.random.default_rng([causal, segments, 7])
+  layout makes a chunk see all of another, skipped where it sees none; packed documents, padding and a bias."""
+  rng = np.random.default_rng([causal, segments, bias_batch or 0, 7])
   b, length, h, d = 2, 64, 2, 8
   q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
   seg = None
-  if segments:  # packed documents, a padded tail, and a row whose first 12 queries see only themselves
+  if segments:  # packed documents, then padding (segment 0) at the end of the second row
     seg = np.ones((b, length), np.int32)
     seg[0, 20:] = 2
     seg[1, 9:40], seg[1, 40:] = 2, 0
-  want_o, want = reference(q, k, v, do, causal, seg, None, 0.3)
-  got_o, got = ring_flash(q, k, v, do, causal, seg, 0.3, zigzag_order(length, SHARDS))
+  bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
+  want_o, want = reference(q, k, v, do, causal, seg, bias, 0.3)
+  got_o, got = ring_flash(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS))
   assert rel_err(got_o, want_o) < 1e-5
-  for name, g, w in zip(['dq', 'dk', 'dv'], got, want[:3], strict=True):
-    assert rel_err(g, w) < 1e-5, name
+  for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want, strict=True):
+    if w is not None:
+      assert rel_err(g, w) < 1e-5, name
 
 
 def test_any_layout_gives_the_same_attention():
