@@ -192,9 +192,10 @@ def _merge(o: jax.Array, lse: jax.Array, o_block: jax.Array, lse_block: jax.Arra
   return o * weight(lse) + o_block.astype(jnp.float32) * weight(lse_block), lse_new
 
 
-def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """A shard's zig-zag halves: its early chunk and its late chunk."""
-  return tuple(jnp.split(x, 2, axis=axis))
+def _keys(blocks: tuple[jax.Array, ...], keys: slice) -> tuple[jax.Array, ...]:
+  """Some keys of a block (k, v [batch, len, ...], segment ids [batch, len], positions [len]): with the zig-zag
+  layout the first half of a block is its early chunk, the second its late one."""
+  return tuple(x[:, keys] if x.ndim > 1 else x[keys] for x in blocks)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
@@ -227,33 +228,30 @@ def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, 
                          causal=causal, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret)
     return o.astype(jnp.float32), lse
 
-  blocks = (k, v, kv_seg, kv_pos)
-  if not causal:
-    def step(_, carry):
-      o, lse, blocks = carry
-      o, lse = _merge(o, lse, *block(every, *blocks, False))
-      return o, lse, send(blocks)
-    b, _, h, d = q.shape
-    empty = (jnp.zeros((b, lq, h, d), jnp.float32), jnp.full((b, h, lq), MASKED, jnp.float32))
-    o, lse, _ = jax.lax.fori_loop(0, n, step, (*empty, blocks))
-  else:
-    i = jax.lax.axis_index(axis_name)
-    halves = lambda blocks: [tuple(_halves(x, 1 if x.ndim > 1 else 0)[h] for x in blocks) for h in (0, 1)]
-    own_a, own_b = halves(blocks)
-    a = block(early, *own_a, True)  # hop 0, its own block: each chunk its own causally, the late one all the early
-    b_ = _merge(*block(late, *own_b, True), *block(late, *own_a, False))
+  def merged(acc, rows, blocks, keys, causal):  # acc: (o, lse) of every query row; rows' share of keys added
+    o, lse = acc
+    o_rows, lse_rows = _merge(o[:, rows], lse[:, :, rows], *block(rows, *_keys(blocks, keys), causal))
+    return o.at[:, rows].set(o_rows), lse.at[:, :, rows].set(lse_rows)
 
-    def step(t, carry):
-      a, b_, blocks = carry
-      blocks = send(blocks)  # now the block of shard s = i - t
-      block_a, block_b = halves(blocks)
-      b_ = _merge(*b_, *block(late, *block_a, False))
-      a, b_ = jax.lax.cond((i - t) % n < i,
-                           lambda: (_merge(*a, *block(early, *block_a, False)), b_),
-                           lambda: (a, _merge(*b_, *block(late, *block_b, False))))
-      return a, b_, blocks
-    a, b_, _ = jax.lax.fori_loop(1, n, step, (a, b_, blocks))
-    o, lse = jnp.concatenate([a[0], b_[0]], axis=1), jnp.concatenate([a[1], b_[1]], axis=2)
+  i = jax.lax.axis_index(axis_name)
+
+  def hop(t, acc, blocks, own=False):  # this shard's queries against the block of shard s = i - t
+    if not causal:
+      return merged(acc, every, blocks, every, False)
+    acc = merged(acc, late, blocks, early, False)  # the late chunk sees all of any block's early chunk
+    if own:  # hop 0, its own block: each chunk its own, causally
+      return merged(merged(acc, early, blocks, early, True), late, blocks, late, True)
+    return jax.lax.cond((i - t) % n < i, lambda: merged(acc, early, blocks, early, False),
+                        lambda: merged(acc, late, blocks, late, False))
+
+  b, _, h, d = q.shape
+  own = (k, v, kv_seg, kv_pos)
+  acc = hop(0, (jnp.zeros((b, lq, h, d), jnp.float32), jnp.full((b, h, lq), MASKED, jnp.float32)), own, own=True)
+
+  def step(t, carry):
+    acc, blocks = carry
+    return hop(t, acc, blocks), send(blocks)  # the next block travels while this one is computed
+  (o, lse), _ = jax.lax.fori_loop(1, n, step, (acc, send(own)))
   seen = lse > 0.5 * MASKED  # rows with no allowed key anywhere give zeros, as the single-device path does
   o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o, 0.0).astype(q.dtype)
   lse = jnp.where(seen, lse, 0.0)
@@ -266,54 +264,43 @@ def _flash_backward(axis_name, causal, scale, block_q, block_k, interpret, resid
   lq = q.shape[1]
   every, early, late = slice(None), slice(0, lq // 2), slice(lq // 2, lq)
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  i = jax.lax.axis_index(axis_name)
 
-  def share(grads, rows, k, v, kv_seg, kv_pos, causal):
-    """Adds query `rows`' share against a key/value block to (dq, dk, dv, d bias_rows): dk, dv are the block's."""
-    dq, dk, dv, dbias = grads
+  def share(grads, rows, blocks, keys, causal):
+    """Adds query `rows`' share against the `keys` (slice) of a block to (dq, d bias_rows, dk, dv): dk and dv
+    are the block's."""
+    dq, dbias, dk, dv = grads
+    k, v, kv_seg, kv_pos = _keys(blocks, keys)
     g = flash_block_grads(q[:, rows], k, v, q_seg[:, rows], kv_seg, _bias_block(bias_rows, rows, kv_pos),
                           o[:, rows], lse[:, :, rows], do[:, rows], causal=causal, scale=scale, block_q=block_q,
                           block_k=block_k, interpret=interpret)
     dq = dq.at[:, rows].add(g[0].astype(jnp.float32))
     if dbias is not None:  # into the block's key columns
       dbias = dbias.at[:, :, rows, kv_pos].add(g[3].astype(jnp.float32))
-    return dq, dk + g[1].astype(jnp.float32), dv + g[2].astype(jnp.float32), dbias
+    return dq, dbias, dk.at[:, keys].add(g[1].astype(jnp.float32)), dv.at[:, keys].add(g[2].astype(jnp.float32))
 
+  def hop(t, grads, blocks, own=False):  # as the forward pass's hop
+    if not causal:
+      return share(grads, every, blocks, every, False)
+    grads = share(grads, late, blocks, early, False)
+    if own:
+      return share(share(grads, early, blocks, early, True), late, blocks, late, True)
+    return jax.lax.cond((i - t) % n < i, lambda: share(grads, early, blocks, early, False),
+                        lambda: share(grads, late, blocks, late, False))
+
+  own = (k, v, kv_seg, kv_pos)
   dbias = None if bias_rows is None else zeros(bias_rows)
-  if not causal:
-    def step(_, carry):
-      dq, dbias, (k, v, kv_seg, kv_pos, dk, dv) = carry
-      dq, dk, dv, dbias = share((dq, dk, dv, dbias), every, k, v, kv_seg, kv_pos, False)
-      return dq, dbias, send((k, v, kv_seg, kv_pos, dk, dv))  # after n hops each block's grads are home
-    dq, dbias, blocks = jax.lax.fori_loop(0, n, step, (zeros(q), dbias, (k, v, kv_seg, kv_pos, zeros(k), zeros(v))))
-    dk, dv = blocks[4:]
-  else:
-    i = jax.lax.axis_index(axis_name)
-    half = lambda x, h: _halves(x, 1 if x.ndim > 1 else 0)[h]
+  dq, dbias, dk, dv = hop(0, (zeros(q), dbias, zeros(k), zeros(v)), own, own=True)
 
-    def against(grads, rows, blocks, h, causal):  # query rows against half h of a block (its dk, dv halves)
-      dq, dk, dv, dbias = grads
-      k, v, kv_seg, kv_pos = (half(x, h) for x in blocks)
-      dq, dk_h, dv_h, dbias = share((dq, half(dk, h), half(dv, h), dbias), rows, k, v, kv_seg, kv_pos, causal)
-      put = lambda full, part: jnp.concatenate([part, half(full, 1)] if h == 0 else [half(full, 0), part], axis=1)
-      return dq, put(dk, dk_h), put(dv, dv_h), dbias
-
-    blocks = (k, v, kv_seg, kv_pos)
-    grads = (zeros(q), zeros(k), zeros(v), dbias)
-    grads = against(grads, early, blocks, 0, True)  # hop 0: as the forward pass
-    grads = against(grads, late, blocks, 1, True)
-    grads = against(grads, late, blocks, 0, False)
-
-    def step(t, carry):
-      grads, blocks = carry
-      k, v, kv_seg, kv_pos, dk, dv = send(blocks[:4] + grads[1:3])  # shard s = i - t's block, its grads so far
-      blocks, grads = (k, v, kv_seg, kv_pos), (grads[0], dk, dv, grads[3])
-      grads = against(grads, late, blocks, 0, False)
-      grads = jax.lax.cond((i - t) % n < i, lambda: against(grads, early, blocks, 0, False),
-                           lambda: against(grads, late, blocks, 1, False))
-      return grads, blocks
-    grads, blocks = jax.lax.fori_loop(1, n, step, (grads, blocks))
-    dq, dk, dv, dbias = grads
-    dk, dv = send((dk, dv))  # one hop more brings each block's gradient home
+  def step(t, carry):
+    # `pending`: the gradient of the block this shard last held; sent on while this hop computes (it is only
+    # added to at the end), as is the next key/value block.
+    (dq, dbias), blocks, pending = carry
+    dk, dv = send(pending)  # the gradient gathered so far by the block that is here now
+    dq, dbias, dk, dv = hop(t, (dq, dbias, dk, dv), blocks)
+    return (dq, dbias), send(blocks), (dk, dv)
+  (dq, dbias), _, pending = jax.lax.fori_loop(1, n, step, ((dq, dbias), send(own), (dk, dv)))
+  dk, dv = send(pending)  # one hop more brings each block's gradient home
   dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dbias
 
