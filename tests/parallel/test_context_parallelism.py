@@ -2,6 +2,7 @@
 one device on rows of packed documents; what cannot split a sequence says so in one line."""
 import importlib.util
 import json
+import re
 
 import jax
 import numpy as np
@@ -164,11 +165,26 @@ def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 def test_flash_blocks_in_the_ring_compile_for_a_tpu_slice(small_config):
-  """The flash ring through Mosaic: the kernel inside the ring's loop and its branches compiles for v5e."""
+  """The flash ring through Mosaic: the kernel inside the ring's loop and its branches compiles for v5e, and the
+  permutes overlap the kernels (each hop sends the next block while computing this one)."""
   from lm.parallel.chips import topology_devices
-  a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.attention_impl=flash', 'data.seq_len=512',
-                            'model.max_len=512'), topology_devices('v5e:2x2'))
+  a = assemble(small_config('mesh.sequence=4', 'model.attention_impl=flash', 'data.seq_len=1024', 'model.max_len=1024'),
+               topology_devices('v5e:2x2'))
   lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
   text = lowered.as_text()
   assert 'collective_permute' in text and 'tpu_custom_call' in text
-  assert lowered.compile().memory_analysis().temp_size_in_bytes > 0
+  compiled = lowered.compile()
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+  # The ring's loop bodies (the ones branching on the source shard) overlap communication with compute: in the
+  # scheduled program, every collective-permute runs while a kernel call or a branch of them does.
+  loops = [c for c in re.split(r'\n(?=\S.*\{\n)', compiled.as_text())
+           if ' conditional(' in c and 'collective-permute-start' in c]
+  assert len(loops) >= 2  # the forward ring and the backward one
+  for body in loops:
+    lines, starts, enclosed = body.splitlines(), {}, []
+    for at, line in enumerate(lines):
+      if start := re.match(r'\s*(?:ROOT )?%(\S+) = .*collective-permute-start\(', line):
+        starts[start[1]] = at
+      if (done := re.search(r'collective-permute-done\(.*?%(\S+?)[,)]', line)) and done[1] in starts:
+        enclosed.append(sum('tpu_custom_call' in x or ' conditional(' in x for x in lines[starts[done[1]]:at]))
+    assert enclosed and min(enclosed) > 0, (lines[0], enclosed)
