@@ -12,6 +12,9 @@ the load-balanced one is `zigzag_order` (shard i holds chunks i and 2n-1-i of 2n
 the same number of query-key pairs (`causal_pairs_per_shard`); contiguous chunks would leave the first shard
 with almost nothing to do and the last with most of it.
 
+`ring_attention` computes each block with XLA einsums (`query_chunk` query rows at a time);
+`ring_flash_attention` runs our flash kernel on the sub-blocks the zig-zag layout leaves visible.
+
 Layout is the model's: q [batch, q_len, heads, head_dim], k/v [batch, kv_len, heads, head_dim] (key/value heads
 already repeated to the query heads), all local to the calling shard under `shard_map`.
 """
