@@ -473,8 +473,7 @@ def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
   heads = q.shape[2]
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
   o, lse = _forward(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg,
-                    heads=heads,
-                    causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+                    heads=heads, causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
   return blocks.unpad(o, heads), lse[:, :, 0, :blocks.lq]
 
 
@@ -488,10 +487,10 @@ def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
   the whole attention's gradients)."""
   heads = q.shape[2]
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
-  padded = blocks.bias(bias)
-  dq, dk, dv, dbias = _backward(blocks.q(q), blocks.kv(k), blocks.kv(v), padded, blocks.q_seg, blocks.kv_seg,
-                            blocks.q(o.astype(q.dtype)), blocks.lse(lse), blocks.q(do.astype(q.dtype)),
-                            heads=heads, causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+  dq, dk, dv, dbias = _backward(
+    blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg,
+    blocks.q(o.astype(q.dtype)), blocks.lse(lse), blocks.q(do.astype(q.dtype)), heads=heads, causal=causal,
+    scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
   kv_unpad = lambda x: x[:, :blocks.lk].reshape(k.shape)
   dbias = None if bias is None else dbias[:, :, :blocks.lq, :blocks.lk].reshape(jnp.shape(bias))
   return blocks.unpad(dq, heads), kv_unpad(dk), kv_unpad(dv), dbias
