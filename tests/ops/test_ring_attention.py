@@ -111,9 +111,9 @@ def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
   return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),)
 
 
-@pytest.mark.parametrize('causal', [True, False])
-@pytest.mark.parametrize('segments', [False, True])
-@pytest.mark.parametrize('bias_batch', [None, 1, 2])
+# Every pair of (causal, segments, bias) values, in 6 of the 12 combinations: the interpreted kernel is slow.
+@pytest.mark.parametrize('causal, segments, bias_batch', [
+  (True, True, None), (True, False, 1), (True, True, 2), (False, False, None), (False, True, 1), (False, False, 2)])
 def test_ring_attention_with_flash_blocks_matches_float64(causal, segments, bias_batch):
   """Each hop's sub-blocks through the flash kernel: causal on a shard's own chunks, full where the zig-zag
   layout makes a chunk see all of another, skipped where it sees none; packed documents, padding and a bias."""
