@@ -38,6 +38,20 @@ def rel_err(a, b):
   return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
 
 
+def inputs(seed, segments, bias_batch, b=2, length=64, h=2, d=8):
+  """q, k, v, the output gradient, segment ids (packed documents, then padding (segment 0) at the end of the
+  second row) or None, and a bias of `bias_batch` rows or None."""
+  rng = np.random.default_rng(seed)
+  q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
+  seg = None
+  if segments:
+    seg = np.ones((b, length), np.int32)
+    seg[0, 20:] = 2
+    seg[1, 9:40], seg[1, 40:] = 2, 0
+  bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
+  return q, k, v, do, seg, bias
+
+
 def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512):
   """Output and gradients of ring attention on a (data 2, sequence 4) mesh, the sequence laid out in `order`,
   queries meeting each block `chunk` rows at a time, returned in natural order."""
@@ -69,15 +83,8 @@ def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512):
 @pytest.mark.parametrize('bias_batch', [None, 1, 2])
 @pytest.mark.parametrize('chunk', [512, 4])  # each shard's 16 queries at once, or 4 chunks of 4 rows
 def test_ring_attention_matches_float64(causal, segments, bias_batch, chunk):
-  rng = np.random.default_rng([causal, segments, bias_batch or 0])
-  b, length, h, d = 2, 64, 2, 8
-  q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
-  seg = None
-  if segments:  # packed documents, then padding (segment 0) at the end of the second row
-    seg = np.ones((b, length), np.int32)
-    seg[0, 20:] = 2
-    seg[1, 9:40], seg[1, 40:] = 2, 0
-  bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
+  q, k, v, do, seg, bias = inputs([causal, segments, bias_batch or 0], segments, bias_batch)
+  length = q.shape[1]
   want_o, want = reference(q, k, v, do, causal, seg, bias, 0.3)
   got_o, got = ring(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS), chunk)
   assert rel_err(got_o, want_o) < 1e-5
@@ -117,15 +124,8 @@ def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
 def test_ring_attention_with_flash_blocks_matches_float64(causal, segments, bias_batch):
   """Each hop's sub-blocks through the flash kernel: causal on a shard's own chunks, full where the zig-zag
   layout makes a chunk see all of another, skipped where it sees none; packed documents, padding and a bias."""
-  rng = np.random.default_rng([causal, segments, bias_batch or 0, 7])
-  b, length, h, d = 2, 64, 2, 8
-  q, k, v, do = (rng.standard_normal((b, length, h, d)).astype(np.float32) for _ in range(4))
-  seg = None
-  if segments:  # packed documents, then padding (segment 0) at the end of the second row
-    seg = np.ones((b, length), np.int32)
-    seg[0, 20:] = 2
-    seg[1, 9:40], seg[1, 40:] = 2, 0
-  bias = None if bias_batch is None else rng.standard_normal((bias_batch, h, length, length)).astype(np.float32)
+  q, k, v, do, seg, bias = inputs([causal, segments, bias_batch or 0, 7], segments, bias_batch)
+  length = q.shape[1]
   want_o, want = reference(q, k, v, do, causal, seg, bias, 0.3)
   got_o, got = ring_flash(q, k, v, do, causal, seg, bias, 0.3, zigzag_order(length, SHARDS))
   assert rel_err(got_o, want_o) < 1e-5
