@@ -68,14 +68,18 @@ def tiled_cross_entropy(u: Unembedding, targets: jax.Array, weights: jax.Array, 
 
 def _tile_logits(layout: str, dtype: Dtype, h: jax.Array, kernel: jax.Array, bias: jax.Array | None,
                  targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """(float32 logits [b, c, vocab], log-partition [b, c], target logits [b, c], the one-hot mask of targets)."""
+  """(float32 softmax [b, c, vocab], log-partition [b, c], target logits [b, c], the one-hot mask of targets)."""
   logits = mixed.einsum(_SPECS[layout][0], h, kernel, dtype=dtype, out_dtype=jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   logits = constrain(logits, ('batch', 'length', 'vocab'))
-  log_z = jax.nn.logsumexp(logits, axis=-1)
+  # The log-partition from the exponentials the softmax reuses: one exp over the tile, not two.
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  e = jnp.exp(logits - row_max)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  log_z = (row_max + jnp.log(total))[..., 0]
   is_target = jnp.arange(logits.shape[-1]) == targets[..., None]  # a sum, not a gather: vocab may be sharded
-  return logits, log_z, jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), is_target
+  return e / total, log_z, jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), is_target
 
 
 def _losses(z_loss: float, log_z: jax.Array, target_logits: jax.Array, weights: jax.Array
@@ -107,10 +111,9 @@ def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weigh
   def tile(carry, xs):
     d_kernel, d_bias, nll_sum, z_sum = carry
     h, t, w = xs
-    logits, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, kernel, bias, t)
+    probs, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, kernel, bias, t)
     nll, z = _losses(z_loss, log_z, target_logits, w)
     # d(nll + z)/d logits = w (1 + 2 z_loss log_z) softmax - w onehot(target)
-    probs = jnp.exp(logits - log_z[..., None])
     d_logits = probs * (w * (1.0 + 2.0 * z_loss * log_z))[..., None] - jnp.where(is_target, w[..., None], 0.0)
     d_logits = constrain(d_logits, ('batch', 'length', 'vocab'))
     d_h = mixed.einsum(hidden_spec, d_logits, kernel, dtype=dtype, out_dtype=jnp.float32)
