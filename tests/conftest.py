@@ -11,10 +11,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
                                     '--xla_backend_optimization_level=0']).strip()
-# The CPU compiler's older (elemental) emitters compile these tests' programs in about half the time of its fusion
-# emitters; libtpu (the AOT tests) knows no such flag and aborts on it. JAX's XLA reads XLA_FLAGS once, at its first
-# compile (below), libtpu when it first compiles: so the flag is in the environment for the first and not the second.
-CPU_ONLY_FLAGS = '--xla_cpu_use_fusion_emitters=false'
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and every `lm` process a test
 # starts (they inherit the environment): many tests compile the same few programs. Its size limit turns on
@@ -24,12 +20,6 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettemp
 os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(4 << 30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
-
-import jax  # noqa: E402
-
-os.environ['XLA_FLAGS'] += ' ' + CPU_ONLY_FLAGS
-jax.jit(lambda x: x + 1)(0).block_until_ready()
-os.environ['XLA_FLAGS'] = os.environ['XLA_FLAGS'].removesuffix(' ' + CPU_ONLY_FLAGS)
 
 import pytest  # noqa: E402
 

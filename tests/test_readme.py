@@ -23,7 +23,6 @@ import transformers
 import yaml
 
 from lm.config import load_config
-from tests.conftest import CPU_ONLY_FLAGS
 from tests.glue.test_data import write_glue_files
 from tests.glue.test_finetune import save_hf_bert
 
@@ -63,7 +62,6 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
     'tests/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }
-LIBTPU = ('python bench/compile_table.py', 'python bench/attention_memory.py')  # TPU compiles: no CPU_ONLY_FLAGS
 
 
 def logical_lines(markdown: str) -> list[str]:
@@ -121,8 +119,8 @@ def test_commands_name_every_exception():
   commands = logical_lines((ROOT / 'README.md').read_text())
   for pattern, _ in SHORTER:
     assert any(re.search(pattern, c) for c in commands), f'SHORTER {pattern!r} matches no README command'
-  for start in (*OFFLINE_ONLY, *LIBTPU):
-    assert any(c.startswith(start) for c in commands), f'{start!r} (OFFLINE_ONLY or LIBTPU) matches no README command'
+  for start in OFFLINE_ONLY:
+    assert any(c.startswith(start) for c in commands), f'OFFLINE_ONLY {start!r} matches no README command'
   for start, test in ELSEWHERE.items():
     assert any(c.startswith(start) for c in commands), f'ELSEWHERE {start!r} matches no README command'
     path, name = test.split('::')
@@ -136,17 +134,15 @@ def test_every_readme_command_runs(tmp_path):
   home.mkdir()
   user_files(cwd)
   venv = str(Path(sys.executable).parent)
-  # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps; the CPU-only
-  # flags, except where libtpu compiles), with the suite's compilation cache (conftest.py): most of the commands
-  # compile the same few programs.
-  env = {**os.environ, 'HOME': str(home), 'PATH': venv + os.pathsep + os.environ['PATH'], 'COLUMNS': '100'}
+  # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps), with the
+  # suite's compilation cache (conftest.py): most of the commands compile the same few programs.
+  env = {**os.environ, 'HOME': str(home), 'PATH': venv + os.pathsep + os.environ['PATH'], 'COLUMNS': '100',
+         'XLA_FLAGS': '--xla_backend_optimization_level=0'}
   seen = set()
   for command in logical_lines((ROOT / 'README.md').read_text()):
     run = as_run(command)
     if run in seen or any(command.startswith(start) for start in (*OFFLINE_ONLY, *ELSEWHERE)):
       continue
     seen.add(run)
-    flags = '--xla_backend_optimization_level=0' + ('' if run.startswith(LIBTPU) else ' ' + CPU_ONLY_FLAGS)
-    done = subprocess.run(['bash', '-c', run], cwd=cwd, env={**env, 'XLA_FLAGS': flags}, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(['bash', '-c', run], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f'{run}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
