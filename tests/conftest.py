@@ -41,12 +41,6 @@ def small_config(tmp_path):
   return make
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-  """One worker more than cores: the SLURM tests wait out time limits of a minute or more (and the multi-process
-  ones wait on their processes) while another worker computes."""
-  return (os.cpu_count() or 1) + 1
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   """Long tests first, longest first (`@pytest.mark.long(minutes)`; a stable sort): xdist hands tests out in
   this order, and a long test started last would leave the other workers idle at the end."""
