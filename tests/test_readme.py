@@ -32,7 +32,7 @@ TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'trai
 # (a regex on the command, what replaces each match): shorter runs, same commands.
 SHORTER = [
   (r'^\.venv/bin/', lambda m: ''),  # the set-up's first command, from the venv that is on PATH here
-  (r'^(lm (train|finetune) .*|python launch/local\.py .* -- lm train .*)$', lambda m: m[0] + ' ' + ' '.join(TRAINING)),
+  (r'^lm (train|finetune) .*$', lambda m: m[0] + ' ' + ' '.join(TRAINING)),
   (r'^lm scaling sweep (.*)$', lambda m: 'lm scaling sweep ' + re.sub(r' --budgets \S+', '', m[1])
    + ' --sizes 64x1,128x1,192x1' + (' --budgets 2e9,4e9' if '--budgets' in m[1] else ' --tokens 4096,8192')),
   (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 20000{m[2]}'),
@@ -56,6 +56,8 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
 
 ELSEWHERE = {  # a command's start -> the test that runs it (the same command on the same kind of files) and checks
   'python bench/peers.py': 'tests/bench/test_peers.py::test_one_round_reports_each_contender_and_the_ratio',
+  'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
+    'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_scaling_table_preset_fits_its_slice_as_written',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
     'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
