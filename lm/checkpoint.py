@@ -26,6 +26,14 @@ from lm.train.state import TrainState, shardings_of
 
 UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
 
+# Orbax saves a replicated array as 1/R slices, one per replica, so that R devices (and hosts) share the write;
+# each slice shape is one more device program to compile. Below a few MiB per slice (norms, biases, every array
+# of a small model) that costs more than it spreads: those arrays are written whole from one replica.
+REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
+ocp.type_handlers.register_type_handler(
+  jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES),
+  override=True)
+
 
 _ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
 
