@@ -43,7 +43,6 @@ SHORTER = [
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),
-  (r'^python bench/compile_table\.py.*$', lambda m: m[0] + ' --only transformer_base --no-remat'),
 ]
 OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
   'python3 -m venv': 'the set-up: CI runs it (.ci/run)',
@@ -59,6 +58,8 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_scaling_table_preset_fits_its_slice_as_written',
+  'python bench/compile_table.py':
+    'tests/bench/test_compile_table.py::test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
     'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':

@@ -1,0 +1,40 @@
+"""bench/compile_table.py, as the README runs it: each row is the preset's `lm compile` on the slice it names."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lm.config import preset_slice
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+
+
+@needs_libtpu
+@pytest.mark.long(1)
+def test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits(tmp_path):
+  """transformer_base, the scaling table's first row: this is its check that the preset fits its slice as
+  written (tests/test_compile.py checks the other presets through `lm compile`, the same compile_report)."""
+  table, result = tmp_path / 'table.md', tmp_path / 'table.json'
+  done = subprocess.run([sys.executable, str(ROOT / 'bench/compile_table.py'), '--only', 'transformer_base',
+                         '--no-remat', '--out', str(table), '--json', str(result)],
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  written = json.loads(result.read_text())
+  assert set(written['table']) == {'transformer_base'} and written['remat'] == {}
+  report = written['table']['transformer_base']
+  assert report['topology'] == preset_slice('transformer_base') and report['fits']
+  memory = report['memory_per_device']
+  assert memory['total'] <= report['hbm_per_device']
+  mesh = report['mesh']
+  assert mesh['slice'] * mesh['data'] * mesh['fsdp'] * mesh['tensor'] == report['chips']
+  # The markdown row carries the report's figures.
+  rows = [line for line in table.read_text().splitlines() if line.startswith('| transformer_base |')]
+  assert len(rows) == 1
+  cells = [cell.strip() for cell in rows[0].strip('|').split('|')]
+  assert cells[3] == f'{report["topology"]} ({report["chips"]} chips)'
+  assert cells[7].startswith(f'{memory["total"] / 2**30:,.2f} (') and cells[9] == 'yes'
+  assert cells[12] == f'{report["tokens_per_sec"]:,.0f}'
