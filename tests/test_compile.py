@@ -12,6 +12,10 @@ from lm.parallel.chips import physical_topology, topology_devices
 from lm.train.step import abstract_batch, compile_train_step, make_train_step
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+# gpt_tiny at width 64 on 64-token rows, scanned layers, bf16: the real step's program at a TPU compile of ~3 s
+# (gpt_tiny as it is compiles in ~8 s; the unrolled layers would take longer still).
+TPU_TINY = ['model.dtype=bfloat16', 'model.scan_layers=true', 'model.d_model=64', 'model.num_heads=4',
+            'model.d_ff=256', 'data.seq_len=64', 'model.max_len=64']
 
 
 @pytest.mark.parametrize('name, physical', [
@@ -31,8 +35,7 @@ def test_bad_slice_names_are_explained(name, match):
 
 @needs_libtpu
 def test_compile_report_equals_the_compiled_memory_analysis(tmp_path):
-  # Scanned layers: the same program at a third less TPU compile time than gpt_tiny's unrolled four.
-  config = load_config('gpt_tiny', ['model.dtype=bfloat16', 'train.global_batch=8', 'model.scan_layers=true'])
+  config = load_config('gpt_tiny', TPU_TINY + ['train.global_batch=8'])
   report = compile_report(config, 'v5e:2x2', assumed_mfu=0.4, save=str(tmp_path / 'step.bin'))
   compiled = compile_train_step(assemble(config, topology_devices('v5e:2x2')))
   stats = compiled.memory_analysis()
@@ -42,7 +45,7 @@ def test_compile_report_equals_the_compiled_memory_analysis(tmp_path):
   assert report['chips'] == 4 and report['device_kind'].startswith('TPU v5') and report['fits']
   assert report['hbm_per_device'] == 16 * 2**30 and report['peak_flops_per_device'] == 197e12
   assert report['step_seconds'] == pytest.approx(report['flops_per_step'] / (197e12 * 4) / 0.4)
-  assert report['tokens_per_sec'] == pytest.approx(8 * 256 / report['step_seconds'])
+  assert report['tokens_per_sec'] == pytest.approx(8 * 64 / report['step_seconds'])
   assert (tmp_path / 'step.bin').stat().st_size > 0
   assert json.loads((tmp_path / 'step.bin.json').read_text())['memory_per_device'] == mem
 
@@ -73,12 +76,13 @@ def test_scanned_layers_lower_to_a_program_whose_size_does_not_grow_with_depth()
 
 @needs_libtpu
 def test_two_slices_compile_with_data_parallelism_across_them():
-  config = load_config('gpt_tiny', ['model.dtype=bfloat16', 'train.global_batch=16', 'model.scan_layers=true'])
+  config = load_config('gpt_tiny', TPU_TINY + ['train.global_batch=16', 'data.seq_len=256', 'model.max_len=256'])
   one = compile_report(config, 'v5e:2x2')
   two = compile_report(config, 'v5e:2x2', num_slices=2)
   assert two['chips'] == 8 and two['num_slices'] == 2 and two['mesh']['slice'] == 2 and two['mesh']['data'] == 4
   assert 'multislice' in two['mesh']['strategy']
-  # The state is replicated alike; the batch (5 int32/float32 features of 16 x 256) now splits 8 ways, not 4.
+  # The state is replicated alike; the batch (5 int32/float32 features of 16 x 256, rows a multiple of TPU's
+  # 128-lane tiles, so no padding) now splits 8 ways, not 4.
   batch_bytes = 5 * 16 * 256 * 4
   assert one['memory_per_device']['arguments'] - two['memory_per_device']['arguments'] == batch_bytes // 4 - \
       batch_bytes // 8
