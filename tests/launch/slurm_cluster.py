@@ -69,7 +69,9 @@ SlurmdPort={free_port()}
 SlurmctldLogFile={root / "slurmctld.log"}
 SlurmdLogFile={root / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# Tasks bound to the CPUs they were given, as on a cluster: a 1-task job trains on one core (unbound, XLA's threads
+# spread over ~1.5 cores and slow the suite's other worker for the minutes the SLURM tests' jobs run)
+TaskPlugin=task/affinity
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
