@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import logging
 import sys
 from typing import Any
 
@@ -30,9 +31,23 @@ UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it di
 # each slice shape is one more device program to compile. Below a few MiB per slice (norms, biases, every array
 # of a small model) that costs more than it spreads: those arrays are written whole from one replica.
 REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
-ocp.type_handlers.register_type_handler(
-  jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES),
-  override=True)
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+  """Orbax logs a warning (through absl, on every run's stderr) for any handler that replaces its own."""
+  absl, level = logging.getLogger('absl'), logging.getLogger('absl').level
+  absl.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl.setLevel(level)
+
+
+with _absl_quiet():
+  ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES),
+    override=True)
 
 
 _ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
@@ -46,20 +61,23 @@ def _reason(error: BaseException | None) -> str:
   return text if len(text) <= 160 else text[:157] + '...'
 
 
-@contextlib.contextmanager
-def _quiet_abandoned_reads():
-  """Drops the 'Exception ignored' reports of orbax's read coroutines abandoned by a failed restore."""
+def _drop_abandoned_read_reports() -> None:
+  """A failed restore abandons orbax's reads: their coroutines are collected, and TensorStore's threads finish
+  the reads whenever they do, each then calling back into orbax's closed event loop. Python would print a
+  traceback for every such coroutine and callback (dozens, after the one line that names the checkpoint): from
+  the first failed restore on, those reports are dropped and every other one is passed on."""
   previous = sys.unraisablehook
+  if getattr(previous, 'drops_abandoned_reads', False):
+    return
 
   def hook(unraisable):
-    obj = unraisable.object
-    if not (inspect.iscoroutine(obj) and 'orbax' in obj.cr_code.co_filename):
+    obj, error = unraisable.object, unraisable.exc_value
+    abandoned = inspect.iscoroutine(obj) and 'orbax' in obj.cr_code.co_filename
+    closed_loop = obj is None and isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+    if not (abandoned or closed_loop):
       previous(unraisable)
+  hook.drops_abandoned_reads = True
   sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    sys.unraisablehook = previous
 
 
 class Checkpointer:
@@ -161,6 +179,7 @@ class Checkpointer:
         raise
       except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
         error = e
+        _drop_abandoned_read_reports()
       if all_processes(error is None):
         if set_aside:
           print(f'resuming from {self.directory}/{step}', file=sys.stderr, flush=True)
@@ -170,11 +189,9 @@ class Checkpointer:
       if jax.process_index() == 0:
         (self.directory / str(step)).rename(aside)
       barrier(f'set_aside_{step}')
-      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt. Its
-      # abandoned reads are collected here, quietly: each would print a traceback with a TensorStore spec.
-      with _quiet_abandoned_reads():
-        self.manager.close()
-        gc.collect()
+      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt.
+      self.manager.close()
+      gc.collect()
       self.manager = ocp.CheckpointManager(self.directory, options=self.options)
       print(f'checkpoint {self.directory}/{step} does not restore ({_reason(error)}); kept as {aside}; trying the '
             f'one before', file=sys.stderr, flush=True)
