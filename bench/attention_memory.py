@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.ops.attention import attention
+from lm.parallel.chips import topology_devices
 from lm.parallel.mesh import MESH_AXES
 from lm.parallel.rules import sharding_context
 
@@ -36,8 +37,7 @@ def compile_step(impl: str, length: int, target: str) -> Any:
   lowered for the mesh's platform (Mosaic for TPU) rather than for this host.
   """
   if target == 'tpu':
-    from jax.experimental import topologies
-    devices = topologies.get_topology_desc(platform='tpu', topology_name='v5e:2x2').devices[:1]
+    devices = topology_devices('v5e:2x2')[:1]  # libtpu's compile-only devices, started quietly off a TPU VM
   else:
     devices = jax.devices('cpu')[:1]
   mesh = Mesh(np.array(devices).reshape((1,) * len(MESH_AXES)), MESH_AXES)

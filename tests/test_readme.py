@@ -149,3 +149,5 @@ def test_every_readme_command_runs(tmp_path):
     seen.add(run)
     done = subprocess.run(['bash', '-c', run], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f'{run}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
+    # A command that does its job prints nothing on stderr: no warnings or tracebacks for a user to read past.
+    assert done.stderr == '', f'{run}\nprinted on stderr:\n{done.stderr[-3000:]}'
