@@ -7,6 +7,7 @@ tokens/s they imply at the chip's peak and at an assumed MFU. Nothing is allocat
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -45,7 +46,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   t0 = time.perf_counter()
   compiled, error = None, None
   try:
-    compiled = compile_train_step(assembly)
+    with _not_persistently_cached():
+      compiled = compile_train_step(assembly)
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a step that cannot fit in HBM
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
@@ -85,6 +87,19 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   if save and compiled is not None:
     report['saved'] = save_executable(compiled, save, report)
   return report
+
+
+@contextlib.contextmanager
+def _not_persistently_cached():
+  """JAX writes a compile-only (TPU topology) executable to its persistent cache, where one is set, but cannot load
+  it back: each later compile of the step would warn and compile again. These are never written."""
+  key = 'jax_persistent_cache_min_compile_time_secs'
+  previous = getattr(jax.config, key)
+  jax.config.update(key, float('inf'))
+  try:
+    yield
+  finally:
+    jax.config.update(key, previous)
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
