@@ -189,7 +189,8 @@ class Checkpointer:
       if jax.process_index() == 0:
         (self.directory / str(step)).rename(aside)
       barrier(f'set_aside_{step}')
-      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt.
+      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt (its
+      # abandoned reads released now, not at some later collection).
       self.manager.close()
       gc.collect()
       self.manager = ocp.CheckpointManager(self.directory, options=self.options)

@@ -1,4 +1,5 @@
 """Test setup: 8 simulated CPU devices (before JAX starts) and a small GPT config factory."""
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -24,6 +25,14 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 import pytest  # noqa: E402
 
 from lm.config import Config, load_config  # noqa: E402
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+
+
+def one_device_env() -> dict[str, str]:
+  """This environment for an `lm` process of its own with the host's one CPU device (this XLA otherwise)."""
+  return {**os.environ, 'XLA_FLAGS': os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')}
+
 
 SMALL = [
   'model.d_model=64', 'model.num_layers=2', 'model.num_heads=8', 'model.d_ff=256', 'model.max_len=64',

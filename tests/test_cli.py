@@ -1,15 +1,14 @@
 """`lm info` and `lm train` end to end through the command line."""
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from lm import cli
 from lm.train.logging import read_metrics
+from tests.conftest import needs_libtpu, one_device_env
 
 
 def test_info_json_reports_counts_flops_mesh_memory(capsys):
@@ -64,7 +63,7 @@ def test_resume_says_what_it_resumes(tmp_path, capsys):
   assert f'no checkpoint in {tmp_path}/empty/checkpoints; starting at step 0' in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+@needs_libtpu
 def test_commands_are_quiet_where_libtpu_is_installed_without_a_tpu():
   """A machine with the test extra (libtpu) but no TPU: JAX's TPU probe must not log errors before the answer."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(('TPU_', 'JAX_PLATFORMS', 'XLA_FLAGS'))}
@@ -85,7 +84,7 @@ def test_info_simulates_devices_and_reports_the_compiled_step(tmp_path):
   from lm.config import load_config
   from lm.train.step import compile_train_step
   overrides = ['mesh.data=2', 'mesh.fsdp=2', 'model.num_layers=1', 'train.global_batch=8']
-  env = {**os.environ, 'XLA_FLAGS': os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')}
+  env = one_device_env()
   result = subprocess.run([sys.executable, '-m', 'lm.cli', 'info', '--config', 'gpt_tiny', '--devices', '4',
                            '--compile', '--json', *overrides], env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr

@@ -1,5 +1,4 @@
 """`lm compile`: ahead-of-time compiles of the train step for TPU slices (needs libtpu, installed in CI)."""
-import importlib.util
 import json
 
 import pytest
@@ -10,8 +9,8 @@ from lm.compile import compile_report
 from lm.config import CONFIG_DIR, ConfigError, load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.train.step import abstract_batch, compile_train_step, make_train_step
+from tests.conftest import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 # gpt_tiny at width 64 on 64-token rows, scanned layers, bf16: the real step's program at a TPU compile of ~3 s
 # (gpt_tiny as it is compiles in ~8 s; the unrolled layers would take longer still).
 TPU_TINY = ['model.dtype=bfloat16', 'model.scan_layers=true', 'model.d_model=64', 'model.num_heads=4',

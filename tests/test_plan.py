@@ -1,5 +1,4 @@
 """`lm compile --plan`: the candidate search, its roofline, and the plan it prints."""
-import importlib.util
 import itertools
 import json
 import math
@@ -12,8 +11,8 @@ from lm.config import load_config
 from lm.parallel.chips import topology_devices
 from lm.plan import Candidate, Chip, candidates, meshes, predict_seconds
 from lm.train.accounting import count_params
+from tests.conftest import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 TINY = ['model.d_model=64', 'model.num_heads=4', 'model.d_ff=256', 'model.num_layers=2', 'data.seq_len=64',
         'model.max_len=64', 'train.global_batch=16', 'model.dtype=bfloat16', 'model.scan_layers=true']
 

@@ -1,5 +1,4 @@
 """bench/compile_table.py, as the README runs it: each row is the preset's `lm compile` on the slice it names."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -8,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from lm.config import preset_slice
+from tests.conftest import needs_libtpu
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 
 
 @needs_libtpu

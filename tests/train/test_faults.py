@@ -14,7 +14,7 @@ from lm.checkpoint import Checkpointer
 from lm.run_dir import load_params, one_device_mesh
 from lm.train.logging import read_metrics
 from lm.train.loop import Trainer
-from tests.conftest import SMALL
+from tests.conftest import SMALL, one_device_env
 
 TIMING = ('tokens_per_sec', 'mfu')  # wall-clock figures differ between any two runs
 
@@ -63,7 +63,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path
   # orbax and TensorStore print reaches its stderr (under pytest, Python's reports of ignored exceptions would not).
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=15',
            'train.checkpoint_every=5', 'optim.decay_steps=15', 'train.keep_checkpoints=3', f'train.run_dir={tmp_path}']
-  env = {**os.environ, 'XLA_FLAGS': os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')}
+  env = one_device_env()
   first = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0 and first.stderr == '', first.stderr[-3000:]
   straight = without_timing(read_metrics(tmp_path))
