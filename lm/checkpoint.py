@@ -64,8 +64,8 @@ def _reason(error: BaseException | None) -> str:
 def _drop_abandoned_read_reports() -> None:
   """A failed restore abandons orbax's reads: their coroutines are collected, and TensorStore's threads finish
   the reads whenever they do, each then calling back into orbax's closed event loop. Python would print a
-  traceback for every such coroutine and callback (dozens, after the one line that names the checkpoint): from
-  the first failed restore on, those reports are dropped and every other one is passed on."""
+  traceback for every such coroutine, task and callback (dozens, after the one line that names the checkpoint):
+  those reports are dropped and every other one is passed on."""
   previous = sys.unraisablehook
   if getattr(previous, 'drops_abandoned_reads', False):
     return
@@ -78,6 +78,9 @@ def _drop_abandoned_read_reports() -> None:
       previous(unraisable)
   hook.drops_abandoned_reads = True
   sys.unraisablehook = hook
+  # A read task collected before anyone awaited it is logged by asyncio instead (when the timing has it so).
+  logging.getLogger('asyncio').addFilter(lambda record: not (
+    record.getMessage().startswith('Task exception was never retrieved') and 'orbax' in record.getMessage()))
 
 
 class Checkpointer:
@@ -171,6 +174,7 @@ class Checkpointer:
     missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in one line on stderr
     (and the one resumed in another)."""
     set_aside = False
+    _drop_abandoned_read_reports()  # before a restore can fail: TensorStore's callbacks come as soon as it does
     for step in reversed(self.all_steps()):
       error = None if self.has_optimizer(step) else FileNotFoundError('its optimizer state is missing')
       try:
@@ -179,7 +183,6 @@ class Checkpointer:
         raise
       except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
         error = e
-        _drop_abandoned_read_reports()
       if all_processes(error is None):
         if set_aside:
           print(f'resuming from {self.directory}/{step}', file=sys.stderr, flush=True)
