@@ -53,9 +53,48 @@ def stop(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
 
 
 # gloo's notice for each connection, printed on stdout by every process for every device group from several
-# threads at once, so one notice can land inside another: removing whole notices until none is left takes both.
-NOTICE = re.compile(rb'\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. '
-                    rb'Expected number of connected peer ranks is : \d+\r?\n')
+# threads at once, each notice in eight writes ('[Gloo] Rank ', rank, ' is connected to ', count, ...), so
+# notices interleave piece by piece. A cluster starts at an opening piece and ends at the newline that closes
+# its last open notice; one that holds anything but these pieces, digits and line ends is not gloo's and stays.
+OPENER = b'[Gloo] Rank '
+PIECES = (OPENER, b' is connected to ', b' peer ranks. ', b'Expected number of connected peer ranks is : ')
+
+
+def notice_cluster(text: bytes, start: int) -> int | None:
+  """The end of the cluster of notices opening at `start`; None if `text` ends first; -1 if it is not one."""
+  opened, i = 0, start
+  while i < len(text):
+    piece = next((p for p in PIECES if text.startswith(p, i)), None)
+    if piece is not None:
+      opened += piece is OPENER
+      i += len(piece)
+    elif text[i:i + 1] == b'\n':
+      opened, i = opened - 1, i + 1
+      if opened == 0:
+        return i
+    elif text[i:i + 1].isdigit() or text[i:i + 1] == b'\r':
+      i += 1
+    elif any(p.startswith(text[i:]) for p in PIECES):
+      return None
+    else:
+      return -1
+  return None
+
+
+def without_notices(text: bytes, final: bool) -> tuple[bytes, bytes]:
+  """(`text` without gloo's notices, the tail from a cluster still open: held back for more unless `final`)."""
+  kept, at = [], 0
+  while (start := text.find(OPENER, at)) >= 0:
+    end = notice_cluster(text, start)
+    if end is None and not final:
+      return b''.join([*kept, text[at:start]]), text[start:]
+    if end is None or end < 0:  # not gloo's (or cut off by EOF): it stays
+      end = start + len(OPENER)
+      kept.append(text[at:end])
+    else:
+      kept.append(text[at:start])
+    at = end
+  return b''.join([*kept, text[at:]]), b''
 
 
 def relay(source: int, sink: BinaryIO) -> None:
@@ -67,12 +106,11 @@ def relay(source: int, sink: BinaryIO) -> None:
       chunk = os.read(source, 1 << 16)
     except OSError:  # a pseudo-terminal whose process has exited
       chunk = b''
-    text, count = pending + chunk, 1
-    while count:
-      text, count = NOTICE.subn(b'', text)
-    *lines, pending = re.split(rb'(?<=\n)|(?<=\r)(?!\n)', text)  # \r\n stays one line
-    sink.write(b''.join(lines if chunk else [*lines, pending]))
+    text, held = without_notices(pending + chunk, final=not chunk)
+    *lines, partial = re.split(rb'(?<=\n)|(?<=\r)(?!\n)', text)  # \r\n stays one line
+    sink.write(b''.join(lines if chunk else [*lines, partial]))
     sink.flush()
+    pending = partial + held
     if not chunk:
       os.close(source)
       return
