@@ -18,7 +18,7 @@ from lm.config import AttentionImpl
 from lm.kernels.flash_attention import flash_attention
 from lm.ops import mixed, vendor_attention
 from lm.ops.ring_attention import _MASKED, QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
-from lm.parallel.rules import active_sharding, axis_size, spec_for
+from lm.parallel.rules import active_sharding, axis_size, spec_for, target_platform
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 
@@ -204,8 +204,7 @@ GROUPED_KV = frozenset({'flash'})  # kernels that read grouped key/value heads w
 
 def pick_impl(*, mask: jax.Array | None, dropout_rate: float) -> str:
   """`auto`: our flash kernel on TPU and cuDNN on GPU where they can serve the call, else the XLA path."""
-  active = active_sharding()
-  platform = active[0].devices.flat[0].platform if active else jax.default_backend()
+  platform = target_platform()
   if mask is not None or dropout_rate > 0.0:
     return 'xla'
   return {'tpu': 'flash', 'gpu': 'cudnn'}.get(platform, 'xla')

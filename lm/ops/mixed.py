@@ -2,11 +2,16 @@
 
 A bf16 x bf16 dot with a bf16 result is compiled on CPU as convert, float32 dot, convert, and JAX's transpose of
 a dot hands the backward dots the float32 cotangent of a float32-accumulated forward, so both run at the float32
-rate. Asking for float32 results from bf16 operands (`preferred_element_type`) runs on the CPU's bf16 units (and
-on the MXU / tensor cores elsewhere) at about twice that rate. This einsum does so in all three dots of a
-matmul's forward and backward: the cotangent is cast to the compute dtype, each gradient accumulates in float32
-and is cast to its operand's dtype, so a float32 weight passed in gets a float32 gradient without a round trip
-through bf16.
+rate. Asking for float32 results from bf16 operands (`preferred_element_type`) runs on the CPU's bf16 units at
+about twice that rate. This einsum does so in all three dots of a matmul's forward and backward: the cotangent is
+cast to the compute dtype, each gradient accumulates in float32 and is cast to its operand's dtype, so a float32
+weight passed in gets a float32 gradient without a round trip through bf16.
+
+On TPU (and GPU) the matrix units accumulate in float32 whatever type they write, so each dot there writes its
+result type directly: bf16 activations and their gradients, float32 weight gradients and logits. A float32 result
+that is only cast down afterwards costs twice the bytes, and on TPU the float32-output forward projections of a
+sharded step made the compiler abort ("TransformWindow: split of a padded window dim is not supported") at 4, 8
+and 16 rows per device for Llama 2 7B on v5p-64.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from lm.parallel.rules import target_platform
 
 Dtype = Any
 
@@ -27,11 +34,20 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Dtype, out_dtype: Dt
   out_dtype = out_dtype or dtype
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
-  return _mixed(spec, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype, a, b)
+  on_cpu = target_platform() == 'cpu'
+  return _mixed(spec, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype, on_cpu, a, b)
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """The einsum as one float32-accumulating dot_general whose left operand has its contracted axes last.
+def _dot(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype, on_cpu: bool) -> jax.Array:
+  """The einsum as one float32-accumulating dot_general with its result in `out_dtype`: written directly by the
+  dot off CPU, converted from the dot's float32 result on CPU (see `_cpu_dot`)."""
+  if not on_cpu:
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+  return _cpu_dot(spec, a, b).astype(out_dtype)
+
+
+def _cpu_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """The einsum as one float32-output dot_general whose left operand has its contracted axes last.
 
   XLA:CPU runs a low-precision dot on its bf16 units (YNNPACK) only in that layout: with the left operand's
   contracted axis first (a weight gradient, [tokens, in]^T [tokens, out]) it upcasts both operands to float32,
@@ -70,25 +86,25 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.transpose(jax.lax.optimization_barrier(y), [y_spec.index(c) for c in out])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _mixed(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, a_dtype: jnp.dtype, b_dtype: jnp.dtype,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _mixed(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, a_dtype: jnp.dtype, b_dtype: jnp.dtype, on_cpu: bool,
            a: jax.Array, b: jax.Array) -> jax.Array:
-  return _dot(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
+  return _dot(spec, a.astype(dtype), b.astype(dtype), out_dtype, on_cpu)
 
 
-def _mixed_fwd(spec, dtype, out_dtype, a_dtype, b_dtype, a, b):
+def _mixed_fwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, a, b):
   a_c, b_c = a.astype(dtype), b.astype(dtype)  # the residuals: half a float32 copy's memory
-  return _dot(spec, a_c, b_c).astype(out_dtype), (a_c, b_c)
+  return _dot(spec, a_c, b_c, out_dtype, on_cpu), (a_c, b_c)
 
 
-def _mixed_bwd(spec, dtype, out_dtype, a_dtype, b_dtype, residuals, g):
+def _mixed_bwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, residuals, g):
   a_c, b_c = residuals
   inputs, out = spec.replace(' ', '').split('->')
   a_spec, b_spec = inputs.split(',')
   g = g.astype(dtype)
-  da = _dot(f'{out},{b_spec}->{a_spec}', g, b_c)
-  db = _dot(f'{a_spec},{out}->{b_spec}', a_c, g)
-  return da.astype(a_dtype), db.astype(b_dtype)
+  da = _dot(f'{out},{b_spec}->{a_spec}', g, b_c, a_dtype, on_cpu)
+  db = _dot(f'{a_spec},{out}->{b_spec}', a_c, g, b_dtype, on_cpu)
+  return da, db
 
 
 _mixed.defvjp(_mixed_fwd, _mixed_bwd)

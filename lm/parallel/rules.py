@@ -84,6 +84,13 @@ def active_sharding() -> tuple[Mesh, LogicalRules] | None:
   return _ACTIVE.get()
 
 
+def target_platform() -> str:
+  """The platform the code being traced will run on: the active mesh's devices (in an ahead-of-time compile for a
+  TPU slice these differ from the host's), else JAX's default backend."""
+  active = _ACTIVE.get()
+  return active[0].devices.flat[0].platform if active else jax.default_backend()
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules = RULES) -> PartitionSpec:
   """Mesh axes of logical `axes`, ignoring shapes (see `spec_for`)."""
   return nn.logical_to_mesh_axes(tuple(axes), rules)
