@@ -79,9 +79,13 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
 def cmd_info(args: argparse.Namespace) -> int:
   from lm.mesh_axes import mesh_text
   from lm.report import format_bytes, format_lines
-  if args.devices:
+  devices = args.devices
+  if not devices and (named := preset_slice(args.config)):  # a preset sized for a slice: plan on its chips
+    from lm.parallel.chips import slice_chips
+    devices = slice_chips(named)
+  if devices:
     import jax
-    jax.config.update('jax_num_cpu_devices', args.devices)
+    jax.config.update('jax_num_cpu_devices', devices)
   report = model_report(_config(args), args.compile)
   if args.json:
     print(json.dumps(report, indent=2))
@@ -302,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
   common(info)
   info.add_argument('--json', action='store_true', help='print the report as JSON')
   info.add_argument('--compile', action='store_true', help='also compile the train step and report its memory')
-  info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning)')
+  info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning; default: the chips of the slice a '
+                    'preset\'s header names, else the host\'s devices)')
   info.set_defaults(fn=cmd_info)
 
   aot = sub.add_parser('compile', help='compile the train step for a TPU slice ahead of time (no TPU needed): '

@@ -92,3 +92,13 @@ def test_info_simulates_devices_and_reports_the_compiled_step(tmp_path):
   assert report['mesh']['data'] == 2 and report['mesh']['fsdp'] == 2 and report['mesh']['strategy'] == 'dp+fsdp'
   here = compiled_memory(compile_train_step(assemble(load_config('gpt_tiny', overrides), jax.devices()[:4])))
   assert report['compiled_memory_per_device'] == here and here['arguments'] > 0
+
+
+def test_info_plans_a_preset_on_the_chips_of_the_slice_its_header_names():
+  """`lm info --config gpt3_175b`, no --devices: its header names v5p-1024 (512 chips), so the mesh it prints is the
+  preset's own on 512 simulated devices, not an error about the host's one device."""
+  result = subprocess.run([sys.executable, '-m', 'lm.cli', 'info', '--config', 'gpt3_175b', '--json'],
+                          env=one_device_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  mesh = json.loads(result.stdout)['mesh']
+  assert (mesh['devices'], mesh['data'], mesh['fsdp'], mesh['tensor']) == (512, 1, 64, 8)

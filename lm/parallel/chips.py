@@ -121,6 +121,11 @@ def physical_topology(name: str) -> str:
   return f'{generation}:{"x".join(str(s) for s in shape)}'
 
 
+def slice_chips(name: str) -> int:
+  """Chips in a slice named as `physical_topology` takes it ('v5p-64' -> 32)."""
+  return math.prod(int(d) for d in physical_topology(name).split(':')[1].split('x'))
+
+
 def topology_devices(physical: str, num_slices: int = 1) -> list[jax.Device]:
   """Compile-only devices of `num_slices` TPU slices of the shape `physical_topology` writes (needs libtpu: the
   `tpu` extra); with several, each device knows its `slice_index`."""
