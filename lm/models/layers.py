@@ -5,7 +5,6 @@ activations are pinned with `constrain(x, (...))`. Mesh axes never appear here.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -18,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lm.ops import mixed
 from lm.ops.attention import attention
 from lm.ops.unembed import Unembedding
-from lm.parallel.rules import constrain, gathered_axes
+from lm.parallel.rules import constrain
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -76,36 +75,11 @@ class DenseGeneral(nn.Module):
     return y
 
 
-def lookup(table: jax.Array, ids: jax.Array, dtype: Dtype, axes: tuple[str | None, ...]) -> jax.Array:
-  """Rows of a parameter table [rows, features] at `ids`, in `dtype`.
-
-  The table is cast, then gathered whole along its fsdp-split feature axis (`gathered_axes`; the row axis keeps
-  its sharding): FSDP's all-gather moves it in `dtype`, and a batch-sharded lookup needs no copy of rows split by
-  feature (XLA's "involuntary full rematerialization"). The gradient is scatter-added in float32, then
-  reduce-scattered, so repeated ids do not sum in bf16.
-  """
-  if jnp.dtype(dtype) == jnp.float32:
-    return jnp.take(constrain(table, gathered_axes(axes)), ids, axis=0)
-  return _lookup(jnp.dtype(dtype), tuple(axes), table, ids)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _lookup(dtype: jnp.dtype, axes: tuple[str | None, ...], table: jax.Array, ids: jax.Array) -> jax.Array:
-  return jnp.take(constrain(table.astype(dtype), gathered_axes(axes)), ids, axis=0)
-
-
-def _lookup_fwd(dtype, axes, table, ids):
-  return _lookup(dtype, axes, table, ids), (table, ids)  # the table lives anyway: no extra memory
-
-
-def _lookup_bwd(dtype, axes, residuals, g):
-  table, ids = residuals
-  grad = constrain(jnp.zeros(table.shape, jnp.float32), gathered_axes(axes))
-  grad = grad.at[ids].add(g.astype(jnp.float32))
-  return constrain(grad, axes).astype(table.dtype), None
-
-
-_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+def gathered(table: jax.Array, axes: tuple[str | None, str]) -> jax.Array:
+  """A lookup table with its feature axis whole (gathered over fsdp, as a dense layer's weight is) before a
+  gather by token: rows sharded on features cannot take the batch-sharded gradient of the lookup without
+  a full copy (XLA's "involuntary full rematerialization"); the row axis keeps its sharding."""
+  return constrain(table, (axes[0], None))
 
 
 class Embed(nn.Module):
@@ -124,8 +98,8 @@ class Embed(nn.Module):
       (self.num_embeddings, self.features), self.param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    rows = lookup(self.embedding, ids, self.dtype, self.axes)
-    return (rows.astype(jnp.float32) * self.scale).astype(self.dtype) if self.scale != 1.0 else rows
+    rows = jnp.take(gathered(self.embedding, self.axes), ids, axis=0)
+    return (rows * self.scale if self.scale != 1.0 else rows).astype(self.dtype)
 
   def unembed(self, x: jax.Array, bias: jax.Array | None = None, chunk: int = 0) -> Unembedding:
     """The tied output layer on hidden states `x` [batch, length, embed]: logits against the table."""
@@ -384,7 +358,7 @@ class LearnedPositions(nn.Module):
     table = self.param('embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
                                                                  ('position', 'embed')),
                        (self.max_len, self.features), self.param_dtype)
-    return lookup(table, positions, self.dtype, ('position', 'embed'))
+    return jnp.take(gathered(table, ('position', 'embed')), positions, axis=0).astype(self.dtype)
 
 
 def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 1e4) -> jax.Array:

@@ -22,26 +22,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lm.parallel.rules import constrain, gathered_axes, target_platform
+from lm.parallel.rules import target_platform
 
 Dtype = Any
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Dtype, out_dtype: Dtype | None = None,
-           b_axes: tuple[str | None, ...] | None = None) -> jax.Array:
+def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Dtype, out_dtype: Dtype | None = None) -> jax.Array:
   """`jnp.einsum(spec, a, b)` computed in `dtype` with float32 accumulation, the result in `out_dtype`
   (default `dtype`). Float32 `dtype` is the plain einsum. Each index of an operand must appear in the other
-  operand or the output (no index summed within one operand), as in every matmul.
-
-  `b_axes`, the logical axes of `b` when it is a parameter, gathers it after the cast (`gathered_axes`): FSDP's
-  all-gather moves it in `dtype`, and its gradient, accumulated in float32 at the gathered shape, is
-  reduce-scattered in float32 (not rounded to `dtype` first)."""
+  operand or the output (no index summed within one operand), as in every matmul."""
   out_dtype = out_dtype or dtype
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
   on_cpu = target_platform() == 'cpu'
-  return _mixed(spec, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype, on_cpu,
-                None if b_axes is None else tuple(b_axes), a, b)
+  return _mixed(spec, jnp.dtype(dtype), jnp.dtype(out_dtype), a.dtype, b.dtype, on_cpu, a, b)
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype, on_cpu: bool) -> jax.Array:
@@ -92,34 +86,25 @@ def _cpu_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.transpose(jax.lax.optimization_barrier(y), [y_spec.index(c) for c in out])
 
 
-def _cast_b(b: jax.Array, dtype: jnp.dtype, b_axes: tuple[str | None, ...] | None) -> jax.Array:
-  b = b.astype(dtype)
-  return b if b_axes is None else constrain(b, gathered_axes(b_axes))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def _mixed(spec: str, dtype: jnp.dtype, out_dtype: jnp.dtype, a_dtype: jnp.dtype, b_dtype: jnp.dtype, on_cpu: bool,
-           b_axes: tuple[str | None, ...] | None, a: jax.Array, b: jax.Array) -> jax.Array:
-  return _dot(spec, a.astype(dtype), _cast_b(b, dtype, b_axes), out_dtype, on_cpu)
+           a: jax.Array, b: jax.Array) -> jax.Array:
+  return _dot(spec, a.astype(dtype), b.astype(dtype), out_dtype, on_cpu)
 
 
-def _mixed_fwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, b_axes, a, b):
-  a_c, b_c = a.astype(dtype), _cast_b(b, dtype, b_axes)
-  # The residuals: the operands in `dtype` (half a float32 copy's memory), except a parameter, which lives anyway
-  # (sharded) and is gathered again in the backward pass, as FSDP does.
-  return _dot(spec, a_c, b_c, out_dtype, on_cpu), (a_c, b if b_axes is not None else b_c)
+def _mixed_fwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, a, b):
+  a_c, b_c = a.astype(dtype), b.astype(dtype)  # the residuals: half a float32 copy's memory
+  return _dot(spec, a_c, b_c, out_dtype, on_cpu), (a_c, b_c)
 
 
-def _mixed_bwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, b_axes, residuals, g):
+def _mixed_bwd(spec, dtype, out_dtype, a_dtype, b_dtype, on_cpu, residuals, g):
   a_c, b_c = residuals
-  if b_axes is not None:
-    b_c = _cast_b(b_c, dtype, b_axes)
   inputs, out = spec.replace(' ', '').split('->')
   a_spec, b_spec = inputs.split(',')
   g = g.astype(dtype)
   da = _dot(f'{out},{b_spec}->{a_spec}', g, b_c, a_dtype, on_cpu)
   db = _dot(f'{a_spec},{out}->{b_spec}', a_c, g, b_dtype, on_cpu)
-  return da, db if b_axes is None else constrain(db, b_axes)
+  return da, db
 
 
 _mixed.defvjp(_mixed_fwd, _mixed_bwd)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lm.ops import mixed
-from lm.parallel.rules import constrain, gathered_axes
+from lm.parallel.rules import constrain
 
 Dtype = Any
 
@@ -41,11 +41,10 @@ class Unembedding:
     """[batch, length, vocab] in the compute dtype."""
     h = self.hidden
     if self.layout == 'vd':
-      logits = mixed.einsum('bld,vd->blv', h, self.kernel, dtype=self.dtype, b_axes=self.axes)
+      logits = mixed.einsum('bld,vd->blv', h, self.kernel, dtype=self.dtype)
     else:  # as one [tokens, embed] x [embed, vocab] matmul, as a dense layer (`layers._matmul_2d`)
       tokens = einops.rearrange(h, 'b l d -> (b l) d')
-      logits = mixed.einsum('td,dv->tv', tokens, self.kernel, dtype=self.dtype, b_axes=self.axes)
-      logits = logits.reshape(*h.shape[:2], -1)
+      logits = mixed.einsum('td,dv->tv', tokens, self.kernel, dtype=self.dtype).reshape(*h.shape[:2], -1)
     if self.bias is not None:
       logits = logits + self.bias.astype(logits.dtype)
     return constrain(logits, ('batch', 'length', 'vocab'))
@@ -65,12 +64,6 @@ def tiled_cross_entropy(u: Unembedding, targets: jax.Array, weights: jax.Array, 
   loss, (nll, z) = _fused(u.layout, u.axes, jnp.dtype(u.dtype), float(z_loss), tiles(hidden), u.kernel, u.bias,
                           tiles(targets), tiles(weights))
   return loss, jax.lax.stop_gradient(nll), jax.lax.stop_gradient(z)
-
-
-def _gathered(kernel: jax.Array, dtype: Dtype, axes: tuple[str | None, ...]) -> jax.Array:
-  """The kernel in the compute dtype, gathered over fsdp once for all tiles (FSDP's all-gather in that dtype); its
-  gradient accumulates in float32 at the kernel's own sharding."""
-  return constrain(kernel.astype(dtype), gathered_axes(axes))
 
 
 def _tile_logits(layout: str, dtype: Dtype, h: jax.Array, kernel: jax.Array, bias: jax.Array | None,
@@ -98,8 +91,6 @@ def _losses(z_loss: float, log_z: jax.Array, target_logits: jax.Array, weights: 
 @jax.named_scope('output_loss')  # profiles (bench/profile_step.py) group its kernels by this name
 def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
   """Loss and metric sums only (no gradients): the primal, for evaluation."""
-  kernel = _gathered(kernel, dtype, axes)
-
   def tile(sums, xs):
     h, t, w = xs
     _, log_z, target_logits, _ = _tile_logits(layout, dtype, h, kernel, bias, t)
@@ -116,17 +107,16 @@ def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weigh
   # then read the logits' gradient as it is made, [tokens, vocab] (a [vocab, tokens] operand costs XLA:CPU a
   # transposed copy of it); a tied table's is transposed once, after the last tile.
   dv_axes = axes if layout == 'dv' else axes[::-1]
-  k = _gathered(kernel, dtype, axes)
 
   def tile(carry, xs):
     d_kernel, d_bias, nll_sum, z_sum = carry
     h, t, w = xs
-    probs, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, k, bias, t)
+    probs, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, kernel, bias, t)
     nll, z = _losses(z_loss, log_z, target_logits, w)
     # d(nll + z)/d logits = w (1 + 2 z_loss log_z) softmax - w onehot(target)
     d_logits = probs * (w * (1.0 + 2.0 * z_loss * log_z))[..., None] - jnp.where(is_target, w[..., None], 0.0)
     d_logits = constrain(d_logits, ('batch', 'length', 'vocab'))
-    d_h = mixed.einsum(hidden_spec, d_logits, k, dtype=dtype, out_dtype=jnp.float32)
+    d_h = mixed.einsum(hidden_spec, d_logits, kernel, dtype=dtype, out_dtype=jnp.float32)
     d_kernel = d_kernel + mixed.einsum('bcd,bcv->dv', h, d_logits, dtype=dtype, out_dtype=jnp.float32)
     if d_bias is not None:
       d_bias = d_bias + jnp.sum(d_logits, axis=(0, 1))

@@ -98,7 +98,8 @@ def logical_to_spec(axes: Sequence[str | None], rules: LogicalRules = RULES) -> 
 
 def _mesh_axes(entry: Any, mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes of one spec entry that this mesh has and that split it (size > 1)."""
-  return tuple(a for a in _spec_axes(entry) if mesh.shape.get(a, 1) > 1)
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
 def axis_size(mesh: Mesh, logical: str, rules: LogicalRules = RULES) -> int:
@@ -160,18 +161,6 @@ def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRu
       raise ConfigError(f'{e} (parameter {name}); choose mesh sizes that divide it or change {e.field}') from None
   is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
   return jax.tree_util.tree_map_with_path(resolve, logical_specs, shapes, is_leaf=is_spec)
-
-
-def gathered_axes(axes: Sequence[str | None], rules: LogicalRules = RULES) -> tuple[str | None, ...]:
-  """A parameter's logical axes as a layer reads it: the dims split over a mesh axis that also splits the batch or
-  the sequence (fsdp, sequence: the parameter is only stored sharded) whole, the others (tensor) as stored."""
-  split_data = {a for logical in ('batch', 'length') for a in _spec_axes(logical_to_spec((logical,), rules)[0])}
-  return tuple(None if a is not None and split_data & set(_spec_axes(logical_to_spec((a,), rules)[0])) else a
-               for a in axes)
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

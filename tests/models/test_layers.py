@@ -107,24 +107,3 @@ def test_rotary_matches_numpy_and_scores_depend_only_on_offsets():
   scores = [np.sum(np.asarray(rotary(jnp.asarray(q), jnp.asarray([[p]]), 1e4)) *
                    np.asarray(rotary(jnp.asarray(k), jnp.asarray([[p - 3]]), 1e4))) for p in (3, 10, 200)]
   np.testing.assert_allclose(scores, scores[0], rtol=1e-4)
-
-
-def test_bf16_lookup_sums_the_gradient_of_repeated_ids_in_float32():
-  """`lookup` in bf16: rows are the bf16-rounded table rows; the table's gradient is the float64 scatter-add of the
-  bf16 cotangents (summed in float32, not bf16: 600 repeats of one id would lose ~8 bits in bf16)."""
-  import ml_dtypes
-
-  from lm.models.layers import lookup
-  rng = np.random.default_rng(0)
-  table = jnp.asarray(rng.standard_normal((10, 8)), jnp.float32)
-  ids = jnp.asarray(np.concatenate([np.zeros(600, np.int32), rng.integers(0, 10, 40)]).reshape(40, 16))
-  g = jnp.asarray(rng.standard_normal((40, 16, 8)) * 0.01 + 1.0, jnp.bfloat16)
-  rows, vjp = jax.vjp(lambda t: lookup(t, ids, jnp.bfloat16, ('vocab', 'embed')), table)
-  (grad,) = vjp(g)
-  bf16 = lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
-  assert rows.dtype == jnp.bfloat16 and grad.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(rows, np.float64), bf16(table)[np.asarray(ids)])
-  want = np.zeros((10, 8))
-  np.add.at(want, np.asarray(ids).ravel(), np.asarray(g, np.float64).reshape(-1, 8))
-  assert rel_err(grad, want) < 1e-6
-  assert abs(float(grad[0, 0]) - want[0, 0]) < 1e-3 * abs(want[0, 0])  # ~600: a bf16 sum would be off by ~1
