@@ -1,4 +1,4 @@
-"""The scaling table: compile every preset for a TPU slice ahead of time and write docs/scaling_table.md.
+"""The preset table: compile every preset for the TPU slice it names ahead of time and write docs/scaling_table.md.
 
   python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE]
 
@@ -20,12 +20,20 @@ from lm.config import load_config, preset_slice
 from lm.models import check_config
 
 MFU = 0.5
-# preset: published parameters. Each preset's header names its slice (`# Slice: v5p-1024 ...`) and the preset
-# carries the mesh, remat and microbatches that fit it: the table compiles them with no overrides.
-PLAN: dict[str, float] = {
+# preset: published parameters (None: a CPU preset of ours), in table order. Each preset's header names its slice
+# (`# Slice: v5p-1024 ...`) and the preset carries the mesh, remat, microbatches and loss tiling that fit it: the
+# table compiles them with no overrides.
+PLAN: dict[str, float | None] = {
   'transformer_base': 65e6, 'transformer_big': 213e6, 'bert_base': 110e6, 'bert_large': 340e6,
   'xlnet_large': 340e6, 'roberta_large': 355e6, 'gpt2_xl': 1542e6, 'megatron_8b': 8.3e9, 'turing_nlg_17b': 17e9,
   'gpt3_175b': 175e9,
+  'gpt2_small': 117e6, 'gpt2_medium': 345e6, 'gpt2_large': 762e6,
+  'gpt3_125m': 125e6, 'gpt3_350m': 350e6, 'gpt3_760m': 760e6, 'gpt3_1_3b': 1.3e9, 'gpt3_2_7b': 2.7e9,
+  'gpt3_6_7b': 6.7e9, 'gpt3_13b': 13e9,
+  't5_small': 60e6, 't5_base': 220e6, 't5_large': 770e6, 't5_3b': 3e9, 't5_11b': 11e9,
+  't5_v1_1_small': 77e6, 't5_v1_1_base': 248e6, 't5_v1_1_large': 783e6, 't5_v1_1_xl': 2.85e9, 't5_v1_1_xxl': 11.3e9,
+  'llama2_7b': 7e9, 'llama2_13b': 13e9, 'llama2_70b': 70e9,
+  'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
 REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']
@@ -37,6 +45,10 @@ def gib(n: float) -> str:
 
 def seconds(s: float) -> str:
   return f'{s * 1e3:,.0f} ms' if s < 1 else f'{s:,.2f} s'
+
+
+def published(params: float | None) -> str:
+  return '-' if params is None else f'{params / 1e6:,.0f}M'
 
 
 def mesh_text(r: dict[str, Any]) -> str:
@@ -56,7 +68,7 @@ def scaling_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
   for name, r in reports.items():
     mem = r['memory_per_device']
     rows.append(
-      f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {PLAN[name] / 1e6:,.0f}M | {r["topology"]} '
+      f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {published(PLAN[name])} | {r["topology"]} '
       f'({r["chips"]} chips) | {mesh_text(r)} | {r["remat"]} | {batch_text(r)} | {gib(mem["total"])} '
       f'({gib(mem["arguments"])} + {gib(mem["temp"])}) | {gib(r["hbm_per_device"])} | '
       f'{"yes" if r["fits"] else "**no**"} | {seconds(r["step_seconds_at_peak"])} | {seconds(r["step_seconds"])} | '

@@ -82,10 +82,14 @@ def cmd_info(args: argparse.Namespace) -> int:
   devices = args.devices
   if not devices and (named := preset_slice(args.config)):  # a preset sized for a slice: plan on its chips
     from lm.parallel.chips import slice_chips
-    devices = slice_chips(named)
+    devices = slice_chips(named) if slice_chips(named) > 1 else 0  # one chip: the host's devices, as they are
   if devices:
     import jax
-    jax.config.update('jax_num_cpu_devices', devices)
+    try:
+      jax.config.update('jax_num_cpu_devices', devices)
+    except RuntimeError:  # JAX has started already (lm called as a library): plan on the devices it has
+      if args.devices:
+        raise
   report = model_report(_config(args), args.compile)
   if args.json:
     print(json.dumps(report, indent=2))

@@ -37,3 +37,12 @@ def test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits(tmp_path):
   assert cells[3] == f'{report["topology"]} ({report["chips"]} chips)'
   assert cells[7].startswith(f'{memory["total"] / 2**30:,.2f} (') and cells[9] == 'yes'
   assert cells[12] == f'{report["tokens_per_sec"]:,.0f}'
+
+
+def test_the_table_covers_every_preset():
+  sys.path.insert(0, str(ROOT / 'bench'))
+  try:
+    import compile_table
+  finally:
+    sys.path.remove(str(ROOT / 'bench'))
+  assert sorted(compile_table.PLAN) == sorted(p.stem for p in (ROOT / 'configs').glob('*.yaml'))
