@@ -52,13 +52,14 @@ def main() -> None:
       results.append(r)
       most, rows = rows, rows + 1
     results.append(r)
-  lines = [(f'{r["rows"]} rows/device', f'{gib(r["memory_per_device"]["total"])} '
-                                        f'({"fits" if r["fits"] else "does not fit"} {gib(r["hbm_per_device"])})')
-           for r in results]
+  fit = lambda r: f'{"fits" if r["fits"] else "does not fit"} {gib(r["hbm_per_device"])}'
+  lines = [(f'{r["rows"]} rows/device', f'{gib(r["memory_per_device"]["total"])} ({fit(r)})') for r in results]
   if args.max_from:
     lines.append(('most rows/device that fit', str(most) if most else f'none from {args.max_from}'))
   print(format_lines(lines))
-  print(f'wrote {write_json(args.out, {"config": args.config, "topology": topology, "overrides": args.overrides, "results": results, "max_rows": most})}')
+  summary = {'config': args.config, 'topology': topology, 'overrides': args.overrides, 'results': results,
+             'max_rows': most}
+  print(f'wrote {write_json(args.out, summary)}')
 
 
 if __name__ == '__main__':

@@ -82,7 +82,8 @@ def cmd_info(args: argparse.Namespace) -> int:
   devices = args.devices
   if not devices and (named := preset_slice(args.config)):  # a preset sized for a slice: plan on its chips
     from lm.parallel.chips import slice_chips
-    devices = slice_chips(named) if slice_chips(named) > 1 else 0  # one chip: the host's devices, as they are
+    chips = slice_chips(named)
+    devices = chips if chips > 1 else 0  # one chip: the host's devices, as they are
   if devices:
     import jax
     try:
@@ -310,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
   common(info)
   info.add_argument('--json', action='store_true', help='print the report as JSON')
   info.add_argument('--compile', action='store_true', help='also compile the train step and report its memory')
-  info.add_argument('--devices', type=int, default=0, help='simulate this many CPU devices (mesh planning; default: the chips of the slice a '
-                    'preset\'s header names, else the host\'s devices)')
+  info.add_argument('--devices', type=int, default=0,
+                    help='simulate this many CPU devices (mesh planning; default: the chips of the slice the '
+                         'preset\'s header names when it has more than one, else the host\'s devices)')
   info.set_defaults(fn=cmd_info)
 
   aot = sub.add_parser('compile', help='compile the train step for a TPU slice ahead of time (no TPU needed): '

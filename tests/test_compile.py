@@ -210,7 +210,7 @@ def test_on_tpu_fsdp_gathers_weights_in_bf16_and_reduces_their_gradients_in_floa
   run = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   (hlo,) = [p.read_text() for p in tmp_path.glob('*jit_step*.after_optimizations.txt')]
-  collectives = lambda op: re.findall(rf'= \(?(\w+)\[(\d+(?:,\d+)+)\][^\n]*? {op}(?:-start)?\(', hlo)  # noqa: E731
+  collectives = lambda op: re.findall(rf'= \(?(\w+)\[(\d+(?:,\d+)+)\][^\n]*? {op}(?:-start)?\(', hlo)
   gathers, reductions = collectives('all-gather'), collectives('all-reduce') + collectives('reduce-scatter')
   assert gathers and {dtype for dtype, _ in gathers} == {'bf16'}, gathers
   assert ('bf16', '264,64') in gathers and ('bf16', '64,264') in gathers  # embedding table, output kernel
