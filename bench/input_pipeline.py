@@ -46,9 +46,9 @@ def step_rate(steps: int) -> dict:
   import jax
 
   from lm.config import load_config
-  from lm.train.loop import Trainer
+  from lm.pretraining import Pretraining
   config = load_config('gpt_tiny', ['mesh.data=1', 'train.eval_batches=0'])
-  trainer = Trainer(config, jax.devices()[:1])
+  trainer = Pretraining(config, jax.devices()[:1])
   state, batch = trainer.init_state(), next(trainer.train_batches)
   for _ in range(2):
     state, metrics = trainer.train_step(state, batch)

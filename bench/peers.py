@@ -39,8 +39,8 @@ def lm_worker(config_name: str, overrides: list[str]) -> Callable[[], None]:
   import jax
 
   from lm.config import load_config
-  from lm.train.loop import Trainer
-  trainer = Trainer(load_config(config_name, overrides))
+  from lm.pretraining import Pretraining
+  trainer = Pretraining(load_config(config_name, overrides))
   state, batch = trainer.init_state(), next(trainer.train_batches)
 
   def step() -> None:

@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 from lm.config import load_config  # noqa: E402
 from lm.report import format_lines, write_json  # noqa: E402
 from lm.train.accounting import flops_per_sequence  # noqa: E402
-from lm.train.loop import Trainer  # noqa: E402
+from lm.pretraining import Pretraining  # noqa: E402
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%(\S+) = (\S+?)\[([\d,]*)\]\S* (\S+?)\((.*)$')
 
@@ -139,7 +139,7 @@ def kernel_times(trace_dir: str, steps: int) -> dict[str, float]:
 
 def profile(config_name: str, overrides: list[str], steps: int, devices: list[jax.Device] | None = None) -> dict:
   config = load_config(config_name, overrides)
-  trainer = Trainer(config, devices)
+  trainer = Pretraining(config, devices)
   state, batch = trainer.init_state(), next(trainer.train_batches)
   instructions = parse_hlo(trainer.train_step.lower(state, batch).compile().as_text())
   for _ in range(2):

@@ -13,7 +13,7 @@ import jax
 
 from lm.config import load_config
 from lm.report import format_lines, write_json
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
   args = parser.parse_args()
 
   config = load_config(args.config, args.overrides)
-  trainer = Trainer(config)
+  trainer = Pretraining(config)
   state = trainer.init_state()
   batch = next(trainer.train_batches)
   t0 = time.perf_counter()
@@ -49,7 +49,7 @@ def main() -> None:
     'vocab': m.vocab_size, 'seq_len': config.data.seq_len, 'batch': config.train.global_batch,
     'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
     'min_step_s': min(times), 'tokens_per_sec': tokens / step_s,
-    'model_tflops_per_sec': trainer.flops_per_token * tokens / step_s / 1e12,
+    'model_tflops_per_sec': trainer.loop.flops_per_token * tokens / step_s / 1e12,
   }
   rows = [('config', config.name), ('layers x d_model x heads', f'{m.num_layers} x {m.d_model} x {m.num_heads}'),
           ('vocab / seq / batch', f'{m.vocab_size} / {config.data.seq_len} / {config.train.global_batch}'),

@@ -87,7 +87,7 @@ class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
   def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True):
-    """`create=False` only reads: a missing directory then holds no steps instead of being made."""
+    """`create=False`: a missing directory holds no steps, and is made by the first save."""
     self.directory = epath.Path(directory)
     if '://' not in str(self.directory):
       self.directory = self.directory.absolute()
@@ -100,16 +100,27 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def save(self, step: int, state: TrainState, data: grain.DatasetIterator, config: dict) -> None:
+  def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
+    """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
     self.manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
       data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True)
 
-  def save_params(self, step: int, params: Any, config: dict) -> None:
-    """A params-only checkpoint (an imported model): no optimizer state or data position."""
-    self.manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(config)), force=True)
+  def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
+    """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them
+    best): no optimizer state or data position."""
+    items = {'params': ocp.args.StandardSave(params), 'config': ocp.args.JsonSave(config)}
+    if metrics is not None:
+      items['metrics'] = ocp.args.JsonSave(metrics)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def saved_metrics(self, step: int) -> dict[str, float]:
+    return self.manager.restore(step, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))['metrics']
+
+  def delete_all(self) -> None:
+    for step in self.all_steps():
+      self.manager.delete(step)
 
   def saved_config(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
@@ -122,7 +133,7 @@ class Checkpointer:
     steps = self.all_steps()
     return bool(steps) and not any(self.has_optimizer(s) for s in steps)
 
-  def restore(self, step: int, abstract_state: TrainState, config: dict, data: grain.DatasetIterator) -> TrainState:
+  def restore(self, step: int, abstract_state: TrainState, config: dict, data: Any) -> TrainState:
     """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
     saved position in place. Execution fields (`EXECUTION_FIELDS`) may differ: the params are converted to this
     run's layer layout when `model.scan_layers` changed, and one line on stdout says what changed."""
@@ -168,7 +179,7 @@ class Checkpointer:
             flush=True)
     return state
 
-  def restore_latest(self, abstract_state: TrainState, config: dict, data: grain.DatasetIterator
+  def restore_latest(self, abstract_state: TrainState, config: dict, data: Any
                      ) -> tuple[int, TrainState] | None:
     """The newest checkpoint that restores on every process, or None. One that does not (truncated or
     missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in one line on stderr

@@ -20,12 +20,12 @@ def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
 
 def cmd_train(args: argparse.Namespace) -> int:
   from lm.distributed import is_main_process
-  from lm.train.loop import Trainer
+  from lm.pretraining import Pretraining
   config = _config(args, ['train.resume=true'] if args.resume else [])
   if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
     raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '
                       f'a new run there')
-  trainer = Trainer(config)  # data and mesh problems stop here, before the config is printed
+  trainer = Pretraining(config)  # data and mesh problems stop here, before the config is printed
   main = is_main_process()
   if main:
     print(config.to_yaml(), flush=True)
@@ -157,6 +157,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   # `--sweep` takes every key=value after it: those with one value are plain overrides.
   axes = [item for item in args.sweep if ',' in item]
   overrides = [item for item in args.sweep if ',' not in item] + list(args.overrides)
+  overrides += ['train.resume=true'] if args.resume else []
   options = Options(data_dir=args.data_dir, init=args.init, preset=args.config, overrides=tuple(overrides),
                     source=args.source, epochs=args.epochs)
   if axes:
@@ -165,8 +166,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     finetune_glue(options)
   else:
     result = finetune_task(args.task, options)
-    print(f'{result["task"]} best at step {result["step"]}: ' +
-          ', '.join(f'{k} {v:.4f}' for k, v in result['metrics'].items()), flush=True)
+    if result is not None:  # None: stopped by SIGTERM, as the loop said
+      print(f'{result["task"]} best at step {result["step"]}: ' +
+            ', '.join(f'{k} {v:.4f}' for k, v in result['metrics'].items()), flush=True)
   return 0
 
 
@@ -292,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
   finetune.add_argument('--source', choices=('tsv', 'tfds'), default='tsv',
                         help='GLUE\'s TSV files or TFDS glue/<task>')
   finetune.add_argument('--epochs', type=float, default=3.0, help='passes over the training set (train.steps=N wins)')
+  finetune.add_argument('--resume', action='store_true',
+                        help='continue each task from the latest checkpoint in its folder (after a stop or a crash)')
   finetune.add_argument('--sweep', nargs='+', metavar='key=v1,v2', default=(),
                         help='a grid, e.g. optim.learning_rate=2e-5,3e-5,5e-5 train.seed=0,1,2 (a key with '
                         'one value is an override)')

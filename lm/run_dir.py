@@ -2,6 +2,8 @@
 
   RUN/config.yaml           the resolved Config; `lm train --config RUN/config.yaml` reruns it
   RUN/checkpoints/<step>/   orbax (`lm.checkpoint`): params and config; training adds optimizer and data
+  RUN/best/<step>/          fine-tuning: the params that scored best on dev, with that evaluation's metrics;
+                            a reader of the run's model takes these when present
   RUN/metrics.jsonl         one JSON record per logged step (training)
   RUN/tensorboard/          TensorBoard events (training)
   RUN/hf_config.json        the config.json of an imported model, so an export keeps every HF field
@@ -29,6 +31,7 @@ from lm.parallel.mesh import make_mesh
 
 CONFIG = 'config.yaml'
 CHECKPOINTS = 'checkpoints'
+BEST = 'best'
 HF_CONFIG = 'hf_config.json'
 TOKENIZER = 'tokenizer'
 HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
@@ -56,8 +59,15 @@ def checkpoints(run_dir: str | Path, keep: int = 1) -> Checkpointer:
   return Checkpointer(epath.Path(run_dir) / CHECKPOINTS, keep=keep, async_save=False, create=False)
 
 
+def model_checkpoints(run_dir: str | Path) -> Checkpointer:
+  """Where the run's model is read from, read-only: its best params (a fine-tune) if kept, else its checkpoints."""
+  best = epath.Path(run_dir) / BEST
+  return Checkpointer(best, async_save=False, create=False) if best.is_dir() else checkpoints(run_dir)
+
+
 def load_params(path: str | Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
-  """(model config, params) from one of our run dirs (its latest checkpoint) or an HF model directory.
+  """(model config, params) from one of our run dirs (its best params or latest checkpoint) or an HF model
+  directory.
 
   Params land straight on `mesh` with the shardings the rules give them, so no device ever holds
   more than its shards. The model config is the one the params were written with.
@@ -71,7 +81,7 @@ def load_params(path: str | Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
 
 
 def _run_params(run_dir: epath.Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
-  saved = checkpoints(run_dir)
+  saved = model_checkpoints(run_dir)
   try:
     step = saved.latest_step()
     if step is None:

@@ -121,11 +121,11 @@ def test_a_saved_executable_loads_back_and_runs_the_same_step(tmp_path):
   import numpy as np
 
   from lm.compile import save_executable
-  from lm.train.loop import Trainer
+  from lm.pretraining import Pretraining
   config = load_config('gpt_tiny', ['model.num_layers=1', 'model.d_model=32', 'model.num_heads=2', 'data.seq_len=32',
                                     'model.max_len=32', 'train.global_batch=4', 'mesh.data=2', 'train.progress=false',
                                     f'train.run_dir={tmp_path}/run'])
-  trainer = Trainer(config, jax.devices()[:2])
+  trainer = Pretraining(config, jax.devices()[:2])
   compiled = compile_train_step(trainer.assembly)
   save_executable(compiled, str(tmp_path / 'step.bin'), {})
   client = jax.devices()[0].client

@@ -13,7 +13,7 @@ from lm.data.tokenizers import ByteTokenizer
 from lm.generate import (Sampling, decode_batch, decode_ids, decoding, encode_prompt, generate, generate_text,
                          generate_with_logits, load_run, pad_prompts, sample_logits)
 from lm.models import build_model, init_params
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 
 TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
         'data.seq_len=32']
@@ -169,7 +169,7 @@ def trained_run(tmp_path_factory):
   run_dir = tmp_path_factory.mktemp('generate') / 'run'
   config = load_config('gpt_tiny', TINY + ['train.steps=2', 'train.global_batch=8', 'train.eval_batches=0',
                                            'train.progress=false', 'mesh.data=1', f'train.run_dir={run_dir}'])
-  Trainer(config, jax.devices()[:1]).run()
+  Pretraining(config, jax.devices()[:1]).run()
   return run_dir
 
 

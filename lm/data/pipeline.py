@@ -26,6 +26,7 @@ resumed run reads on from the exact record.
 from __future__ import annotations
 
 import contextlib
+import json
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -176,6 +177,47 @@ class Batches:
     finally:
       iterator.close()
 
+
+
+def global_rows(mesh: Mesh, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  """Rows every process holds whole (the same on each) -> global arrays split over the mesh's batch axes."""
+  return {k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.ndim), lambda index, v=v: v[index])
+          for k, v in rows.items()}
+
+
+class HostRows:
+  """Endless global batches of `batch` rows from examples every process holds (fine-tuning sets): seeded
+  per-epoch shuffles end to end, so a set smaller than the batch still trains. Its position (the next batch)
+  is saved with checkpoints, as a grain iterator's is."""
+
+  def __init__(self, examples: dict[str, np.ndarray], batch: int, seed: int, mesh: Mesh):
+    self.examples, self.batch, self.seed, self.mesh = examples, batch, seed, mesh
+    self.n = len(next(iter(examples.values())))
+    self.next_batch = 0
+    self._epochs: dict[int, np.ndarray] = {}
+
+  def _epoch(self, e: int) -> np.ndarray:
+    if e not in self._epochs:
+      self._epochs = {e: np.random.default_rng([self.seed, e]).permutation(self.n)}  # batches run forward
+    return self._epochs[e]
+
+  def __iter__(self) -> HostRows:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    begin = self.next_batch * self.batch
+    rows = np.array([self._epoch(i // self.n)[i % self.n] for i in range(begin, begin + self.batch)])
+    self.next_batch += 1
+    return global_rows(self.mesh, {k: v[rows] for k, v in self.examples.items()})
+
+  def get_state(self) -> bytes:
+    return json.dumps({'next_batch': self.next_batch}).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.next_batch = json.loads(state)['next_batch']
+
+  def start_prefetch(self) -> None:
+    """Called by grain's checkpoint handler after a restore: rows are built when asked for, nothing to start."""
 
 
 def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,

@@ -5,11 +5,13 @@ tokenizer. The config is the source's (or `--config`'s) with the recipe's defaul
 user's overrides: AdamW (weight decay 0.01 off biases and norms, eps 1e-6, clip 1.0), 10% linear
 warmup then linear decay to 0, batch 32, 3 epochs, max_len 128 (`data.seq_len`). Batches cycle
 through seeded per-epoch shuffles, so a training set smaller than the batch still trains. Dev is
-evaluated every `train.eval_every` steps (default: each epoch); the params with the best main
-metric are checkpointed and predict the dev and test files.
+evaluated every `train.eval_every` steps (default: each epoch) and the state checkpointed as often
+(`train.checkpoint_every`), so `--resume` continues a stopped or killed run exactly; the params with the
+best main metric are kept and predict the dev and test files.
 
-The task's folder `<run_dir>/<task>/` is a run dir (config.yaml, checkpoints/ with the best params,
-metrics.jsonl), so `train.init_from` and `lm convert --to-hf` read a fine-tuned model like any other.
+The task's folder `<run_dir>/<task>/` is a run dir (config.yaml, checkpoints/ with the latest state for
+`--resume`, best/ with the best params, metrics.jsonl), so `train.init_from` and `lm convert --to-hf` read a
+fine-tuned model (its best params) like any other.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lm.assembly import Assembly, assemble
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, DataConfig, from_dict, load_config, merge, parse_overrides
+from lm.data.pipeline import HostRows, global_rows
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.distributed import is_main_process
 from lm.generate import Sampling, decode_batch
@@ -34,12 +37,10 @@ from lm.glue.metrics import task_metrics
 from lm.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import TaskHead
-from lm.parallel.rules import batch_sharding
-from lm.run_dir import CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
+from lm.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
 from lm.train.init_from import initial_state
-from lm.train.logging import MetricsLogger
-from lm.train.loop import TrainingError
-from lm.train.step import make_train_step
+from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
+from lm.train.state import TrainState
 
 Features = dict[str, np.ndarray]
 
@@ -47,7 +48,7 @@ Features = dict[str, np.ndarray]
 RECIPE = {
   'optim': {'learning_rate': 2e-5, 'schedule': 'linear', 'min_lr_ratio': 0.0, 'b1': 0.9, 'b2': 0.999, 'eps': 1e-6,
             'weight_decay': 0.01, 'decay_exclude': ['bias', 'scale'], 'grad_clip': 1.0},
-  'train': {'global_batch': 32, 'log_every': 10, 'eval_batches': 0, 'checkpoint_every': 0, 'keep_checkpoints': 1,
+  'train': {'global_batch': 32, 'log_every': 10, 'eval_batches': 0, 'keep_checkpoints': 1,
             'resume': False},
   'data': {'seq_len': 128},
 }
@@ -102,6 +103,8 @@ def finetune_config(task: Task, init: str, preset: str | None, overrides: list[s
     values['optim']['warmup_steps'] = round(0.1 * steps)
   if 'eval_every' not in given.get('train', {}):
     values['train']['eval_every'] = min(steps_per_epoch, steps)
+  if 'checkpoint_every' not in given.get('train', {}):  # a killed run resumes from its last evaluation
+    values['train']['checkpoint_every'] = values['train']['eval_every']
   return from_dict(values)
 
 
@@ -186,37 +189,28 @@ def target_length(task: Task, tokenizer: Tokenizer) -> int:
 
 
 class FineTuner:
-  """Trains `config` on one task's encoded train split; evaluates and predicts the other splits."""
+  """Trains `config` on one task's encoded train split through the one loop; evaluates and predicts the other
+  splits. The task's folder holds the latest state (`checkpoints/`, for `--resume`) and the best params (`best/`)."""
 
   def __init__(self, config: Config, task: Task, train: Features, tokenizer: Tokenizer, target_len: int):
     self.config, self.task, self.train, self.tokenizer, self.target_len = config, task, train, tokenizer, target_len
     self.assembly = assemble(config)
     self.head = self.assembly.family.task_head
-    self.train_step = make_train_step(self.assembly, TaskLoss(self.assembly, self.head, task.regression))
+    self.task_dir = config.run_dir / task.name
+    self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), log_dir=self.task_dir)
     replicated = NamedSharding(self.assembly.mesh, PartitionSpec())
     a = self.assembly
     self._scores = jax.jit(lambda params, batch: self.head.apply(a.model, params, batch, deterministic=True, rngs={})
                            .astype(jnp.float32), in_shardings=(a.shardings.params, None), out_shardings=replicated)
     self.batch = config.train.global_batch
-    self.order = _epoch_orders(len(train['labels']), config.train.seed)
-
-  def _global(self, rows: Features) -> dict[str, jax.Array]:
-    """Host rows (the same on every process) -> global arrays split over the data axes."""
-    mesh = self.assembly.mesh
-    return {k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.ndim), lambda index, v=v: v[index])
-            for k, v in rows.items()}
-
-  def train_batch(self, step: int) -> dict[str, jax.Array]:
-    """Batch `step` (0-based) of the endless stream of seeded per-epoch shuffles."""
-    rows = self.order(step * self.batch, (step + 1) * self.batch)
-    return self._global({k: v[rows] for k, v in self.train.items()})
+    self.metric = f'dev_{task.main_metric}'
 
   def predict(self, params: Any, features: Features) -> np.ndarray:
     """Class ids (-1: a decoded output that is no label) or regression scores for every row."""
     n, out = len(features['labels']), []
     for start in range(0, n, self.batch):
       rows = np.arange(start, start + self.batch) % n  # the last batch wraps: fixed shapes, one compile
-      batch = self._global({k: v[rows] for k, v in features.items()})
+      batch = global_rows(self.assembly.mesh, {k: v[rows] for k, v in features.items()})
       out.append(self._predict_batch(params, batch)[:min(self.batch, n - start)])
     return np.concatenate(out)
 
@@ -231,79 +225,63 @@ class FineTuner:
     return parse_outputs(self.task, [tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row)
                                      for row in rows])
 
-  def run(self, init: str, dev: dict[str, Features]) -> dict[str, Any]:
-    """Trains, evaluating `dev` (split name -> features) every `train.eval_every` steps and at the end;
-    checkpoints the best params. Returns {'step', 'metrics', 'predictions', 'history', 'records'}."""
-    cfg, t = self.config, self.config.train
-    task_dir = cfg.run_dir / self.task.name
+  def evaluate(self, params: Any, dev: dict[str, Features], step: int) -> dict[str, Any]:
+    """The task's metrics on the dev splits as `dev_<metric>` (and, text to text, outputs that name no label)."""
+    predictions = {name: self.predict(params, features) for name, features in dev.items()}
+    scores = task_metrics(self.task, predictions, {name: f['labels'] for name, f in dev.items()})
+    record: dict[str, Any] = {f'dev_{k}': v for k, v in scores.items()}
+    note = ''
+    if self.head.kind == 'text_to_text':  # outputs that are no label, counted wrong
+      record['dev_unparseable'] = sum(int(np.sum(p == UNPARSEABLE)) for p in predictions.values())
+      note = f' ({record["dev_unparseable"]} outputs were no label)' if record['dev_unparseable'] else ''
+    print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()) + note, flush=True)
+    return record
+
+  def _start(self, init: str) -> TrainState:
     start = initial_state(self.assembly, init)
     if start.fresh:
       print(f'{self.task.name}: new head {", ".join(start.fresh)}', flush=True)
     if start.reshaped:
       print(f'{self.task.name}: new head {", ".join(start.reshaped)} (the source\'s has another shape: another '
             f'task\'s labels)', flush=True)
-    state = start.state
-    best: dict[str, Any] = {'step': None, 'metrics': None, 'predictions': None}
-    records: list[dict[str, Any]] = []
-    if is_main_process():
-      task_dir.mkdir(parents=True, exist_ok=True)
-      (task_dir / CONFIG).write_text(cfg.to_yaml())
-    saver = Checkpointer(task_dir / CHECKPOINTS, keep=1, async_save=False)
-    logger = MetricsLogger(task_dir, t.steps, 0, t.progress, enabled=is_main_process())
+    return start.state
+
+  def run(self, init: str, dev: dict[str, Features]) -> dict[str, Any] | None:
+    """Trains from `init` (or resumes, under `train.resume`), evaluating `dev` (split name -> features) every
+    `train.eval_every` steps and at the end, and keeping the best params. Returns {'step', 'metrics',
+    'predictions'} of the best evaluation, or None when a SIGTERM stopped the run."""
+    cfg, t = self.config, self.config.train
+    # Made by their first save: a source that fails to load leaves nothing behind.
+    latest = Checkpointer(self.task_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False)
+    best = Checkpointer(self.task_dir / BEST, keep=1, async_save=False, create=False)
+    stream = HostRows(self.train, self.batch, t.seed, self.assembly.mesh)
     try:
-      for step in range(1, t.steps + 1):
-        state, metrics = self.train_step(state, self.train_batch(step - 1))
-        if step % t.log_every == 0 or step == t.steps:
-          record = {'step': step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
-          self._check_finite(record)
-          records.append(record)
-          logger.log(record)
-        if step % t.eval_every == 0 or step == t.steps:
-          predictions = {name: self.predict(state.params, features) for name, features in dev.items()}
-          scores = task_metrics(self.task, predictions, {name: f['labels'] for name, f in dev.items()})
-          record = {'step': step, **{f'dev_{k}': v for k, v in scores.items()}}
-          note = ''
-          if self.head.kind == 'text_to_text':  # outputs that are no label, counted wrong
-            record['dev_unparseable'] = sum(int(np.sum(p == UNPARSEABLE)) for p in predictions.values())
-            note = f' ({record["dev_unparseable"]} outputs were no label)' if record['dev_unparseable'] else ''
-          records.append(record)
-          logger.log(record)
-          print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()) + note,
-                flush=True)
-          if best['metrics'] is None or scores[self.task.main_metric] > best['metrics'][self.task.main_metric]:
-            best = {'step': step, 'metrics': scores, 'predictions': predictions}
-            saver.save_params(step, state.params, cfg.to_dict())
+      state = restore_or_start(latest, self.assembly, stream, lambda: self._start(init))
+      if is_main_process():
+        self.task_dir.mkdir(parents=True, exist_ok=True)
+        (self.task_dir / CONFIG).write_text(cfg.to_yaml())
+      self.loop.run(state, stream,
+                    [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every),
+                     KeepBest(best, self.metric, t.eval_every, cfg.to_dict())],
+                    Checkpoint(latest, t.checkpoint_every, stream, cfg.to_dict()))
+      if self.loop.stopped_at is not None:
+        return None
+      step = best.latest_step()
+      params = best.restore_params(step, self.assembly.abstract_params)
+      scores = {k[len('dev_'):]: v for k, v in best.saved_metrics(step).items() if k != 'dev_unparseable'}
     finally:
-      saver.close()
-      logger.close()
-    return {**best, 'records': records}
+      latest.close()
+      best.close()
+    return {'step': step, 'metrics': scores,
+            'predictions': {name: self.predict(params, features) for name, features in dev.items()}}
 
   def best_params(self) -> Any:
     """The checkpointed best params, on this run's mesh."""
-    saved = Checkpointer(self.config.run_dir / self.task.name / CHECKPOINTS, create=False, async_save=False)
+    saved = Checkpointer(self.task_dir / BEST, create=False, async_save=False)
     try:
       return saved.restore_params(saved.latest_step(), self.assembly.abstract_params)
     finally:
       saved.close()
-
-  def _check_finite(self, record: dict[str, Any]) -> None:
-    if record.get('nonfinite') and self.config.train.on_nonfinite == 'stop':
-      raise TrainingError(f'{self.task.name} step {record["step"]}: the loss or gradient is not finite; lower '
-                        f'optim.learning_rate, or set train.on_nonfinite=skip to drop such steps')
-
-
-def _epoch_orders(n: int, seed: int):
-  """rows(begin, end): positions begin..end-1 of the concatenated per-epoch permutations of n rows."""
-  cache: dict[int, np.ndarray] = {}
-
-  def epoch(e: int) -> np.ndarray:
-    if e not in cache:
-      cache[e] = np.random.default_rng([seed, e]).permutation(n)
-    return cache[e]
-
-  def rows(begin: int, end: int) -> np.ndarray:
-    return np.array([epoch(i // n)[i % n] for i in range(begin, end)])
-  return rows
 
 
 def load_tokenizer(config: Config) -> Tokenizer:

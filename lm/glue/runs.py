@@ -11,14 +11,21 @@ from etils import epath
 
 from lm.config import ConfigError, parse_overrides
 from lm.glue.data import SplitData, read_split, split_path
-from lm.glue.finetune import (FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer,
-                              target_length)
+from lm.glue.finetune import FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer, target_length
 from lm.glue.metrics import glue_score
-from lm.glue.outputs import (EVAL_RESULTS, plot_curves, write_dev_predictions, write_eval_results, write_submission,
-                             zip_submission)
+from lm.glue.outputs import (
+  EVAL_RESULTS,
+  plot_curves,
+  write_dev_predictions,
+  write_eval_results,
+  write_submission,
+  zip_submission,
+)
 from lm.glue.tasks import AX, GLUE_ORDER, Task, get_task
 from lm.models import get_family
 from lm.report import format_lines
+from lm.run_dir import CHECKPOINTS
+from lm.train.logging import read_metrics
 
 
 @dataclass(frozen=True)
@@ -45,9 +52,10 @@ def _read(task: Task, split: str, options: Options, required: bool = True) -> Sp
   return data
 
 
-def finetune_task(name: str, options: Options) -> dict[str, Any]:
+def finetune_task(name: str, options: Options) -> dict[str, Any] | None:
   """Fine-tunes one task; writes its eval results, dev predictions, curves and submission files.
-  MNLI's model also predicts AX when the diagnostic file is there. Returns {'task', 'step', 'metrics'}."""
+  MNLI's model also predicts AX when the diagnostic file is there. Returns {'task', 'step', 'metrics'}, or None
+  when a SIGTERM stopped it (its state checkpointed for `--resume`)."""
   task = get_task(name)
   train = _read(task, 'train', options)
   dev = {s.name: _read(task, s.name, options) for s in task.splits_of('dev')}
@@ -62,11 +70,13 @@ def finetune_task(name: str, options: Options) -> dict[str, Any]:
         f'{config.train.global_batch}; outputs in {config.run_dir / task.name}', flush=True)
   tuner = FineTuner(config, task, encode(train), tokenizer, target_len)
   result = tuner.run(options.init, {split: encode(data) for split, data in dev.items()})
+  if result is None:
+    return None
   task_dir = config.run_dir / task.name
   write_eval_results(task_dir, task, result['step'], result['metrics'])
   for split, predictions in result['predictions'].items():
     write_dev_predictions(task_dir, task, split, dev[split].examples, predictions)
-  plot_curves(task_dir, task, result['records'])
+  plot_curves(task_dir, task, read_metrics(task_dir))
   if task.name == 'mnli':
     tests.append((AX, AX.splits[0], _read(AX, 'test', options, required=False)))
   tests = [(t, s, data) for t, s, data in tests if data is not None]
@@ -78,8 +88,9 @@ def finetune_task(name: str, options: Options) -> dict[str, Any]:
   return {'task': task.name, 'step': result['step'], 'metrics': result['metrics'], 'run_dir': str(config.run_dir)}
 
 
-def finetune_glue(options: Options) -> dict[str, Any]:
-  """All nine tasks in GLUE's order (AX with MNLI's model), a summary table, and submission.zip."""
+def finetune_glue(options: Options) -> dict[str, Any] | None:
+  """All nine tasks in GLUE's order (AX with MNLI's model), a summary table, and submission.zip; None when a
+  SIGTERM stopped it."""
   if options.source == 'tsv':
     for name in GLUE_ORDER:  # fail before hours of training, not at the seventh task
       task = get_task(name)
@@ -88,7 +99,11 @@ def finetune_glue(options: Options) -> dict[str, Any]:
         if not path.is_file():
           raise ConfigError(f'--task glue needs every task\'s files, and {path} is missing; pass the directory '
                             f'GLUE\'s download script wrote, or fine-tune single tasks with --task')
-  results = {name: finetune_task(name, options) for name in GLUE_ORDER}
+  results = {}
+  for name in GLUE_ORDER:
+    results[name] = finetune_task(name, options)
+    if results[name] is None:  # stopped by SIGTERM: `--resume` goes on from this task
+      return None
   run_dir = epath.Path(results[GLUE_ORDER[0]]['run_dir'])
   summary = {'tasks': {name: r['metrics'] for name, r in results.items()},
              'score': glue_score({name: r['metrics'] for name, r in results.items()})}
@@ -117,9 +132,10 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, ...]]:
   return list(itertools.product(*axes))
 
 
-def sweep(names: Sequence[str], options: Options, grid: list[tuple[str, ...]]) -> dict[str, Any]:
+def sweep(names: Sequence[str], options: Options, grid: list[tuple[str, ...]]) -> dict[str, Any] | None:
   """Each grid point a run dir under the sweep's; per task the main metric's mean, std and best point.
-  Points whose eval_results.json exists are finished: a rerun skips them."""
+  Points whose eval_results.json exists are finished: a rerun skips them, and resumes one it interrupted.
+  None when a SIGTERM stopped it."""
   root = epath.Path(parse_overrides(list(options.overrides)).get('train', {}).get('run_dir')
                     or default_run_dir(options.init)) / 'sweep'
   runs: dict[str, list[tuple[str, float, dict[str, float]]]] = {name: [] for name in names}
@@ -133,7 +149,12 @@ def sweep(names: Sequence[str], options: Options, grid: list[tuple[str, ...]]) -
         print(f'{label} {name}: done, skipped', flush=True)
         metrics = json.loads(done.read_text())['metrics']
       else:
-        metrics = finetune_task(name, point_options)['metrics']
+        started = (root / label / name / CHECKPOINTS).exists()  # a point the sweep was stopped in: resumed
+        result = finetune_task(name, Options(**{**point_options.__dict__, 'overrides': point_options.overrides + (
+          ('train.resume=true',) if started else ())}))
+        if result is None:
+          return None
+        metrics = result['metrics']
       runs[name].append((label, metrics[get_task(name).main_metric], metrics))
   report = {}
   for name, points in runs.items():

@@ -12,15 +12,17 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
 from lm.models.task_heads import Classifier, TaskHead, TextToText
+from lm.ops.scores import continuation_scores
 
 if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
@@ -87,6 +89,19 @@ class Family:
   def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
     raise NotImplementedError
 
+  def scoring_rows(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], length: int, pad_id: int
+                   ) -> dict[str, np.ndarray]:
+    """A batch that `score` reads: one row per (context, continuation) pair of token ids, `length` positions
+    (the context is cut from the left to fit, as lm-eval-harness does)."""
+    raise ConfigError(f'the {self.name} family is not a generative model: it gives no log-likelihood of a '
+                      f'continuation; score with a decoder-only or encoder-decoder model')
+
+  def score(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """Per example of a `scoring_rows` batch: the continuation's summed log-probability ('logprob'), its token
+    count ('tokens') and whether greedy decoding would produce it ('greedy')."""
+    head = self.apply(model, params, batch, deterministic=True, rngs={})['logits']
+    return continuation_scores(head.logits(), batch['targets'], batch['weights'])
+
   def forward_flops(self, k: KernelSizes, cfg: ModelConfig, seq_len: int,
                     pairs: Callable[[int], float]) -> float:
     """Forward matmul FLOPs of one row of `seq_len` tokens; `pairs(n)` counts a causal n x n square."""
@@ -136,6 +151,20 @@ class DecoderOnly(Family):
     check_vocabulary(config, tokenizer)
     return CausalLM(config.data.seq_len)
 
+  def scoring_rows(self, pairs, length, pad_id):
+    """Context and continuation in one row: inputs are its tokens but the last, targets its tokens but the
+    first, weighted over the continuation."""
+    rows = {k: np.zeros((len(pairs), length), np.int32) for k in ('inputs', 'targets', 'segment_ids', 'weights')}
+    rows['inputs'][:], rows['targets'][:] = pad_id, pad_id
+    for i, (context, continuation) in enumerate(pairs):
+      whole = (list(context) + list(continuation))[-(length + 1):]
+      n = len(whole) - 1
+      rows['inputs'][i, :n], rows['targets'][i, :n] = whole[:-1], whole[1:]
+      rows['segment_ids'][i, :n] = 1
+      rows['weights'][i, max(n - len(continuation), 0):n] = 1
+    rows['positions'] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(pairs), length)).copy()
+    return rows
+
   def forward_flops(self, k, cfg, seq_len, pairs):
     return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))
 
@@ -172,6 +201,22 @@ class EncoderDecoder(Family):
   def target_length(self, seq_len: int) -> int:
     """Decoder tokens of a row whose encoder sees `seq_len` tokens."""
     raise NotImplementedError
+
+  def scoring_rows(self, pairs, length, pad_id):
+    """The context to the encoder, the continuation as the decoder's targets behind the decoder start (the pad
+    id, T5's): `length` positions each."""
+    rows = {k: np.zeros((len(pairs), length), np.int32)
+            for k in ('inputs', 'segment_ids', 'decoder_inputs', 'decoder_segment_ids', 'targets', 'weights')}
+    for k in ('inputs', 'decoder_inputs', 'targets'):
+      rows[k][:] = pad_id
+    for i, (context, continuation) in enumerate(pairs):
+      context, continuation = list(context)[-length:], list(continuation)[:length]
+      rows['inputs'][i, :len(context)], rows['segment_ids'][i, :len(context)] = context, 1
+      n = len(continuation)
+      rows['decoder_inputs'][i, :n] = [pad_id] + continuation[:-1]
+      rows['targets'][i, :n] = continuation
+      rows['decoder_segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
+    return rows
 
   def forward_flops(self, k, cfg, seq_len, pairs):
     enc, dec = seq_len, self.target_length(seq_len)

@@ -56,7 +56,7 @@ def recorded_losses(run_dir: epath.Path) -> dict[int, float]:
 
 def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
   """step -> held-out loss of every checkpoint, evaluated afresh on the devices present."""
-  from lm.train.loop import Trainer
+  from lm.pretraining import Pretraining
   if not config.train.eval_batches:
     config = from_dict(merge(config.to_dict(), {'train': {'eval_batches': DEFAULT_EVAL_BATCHES}}))
   saved = checkpoints(run_dir)
@@ -64,7 +64,7 @@ def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
     steps = [s for s in saved.all_steps() if s > 0]
     if not steps:
       raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
-    trainer = Trainer(config)
+    trainer = Pretraining(config)
     return {step: trainer.evaluate(saved.restore_params(step, trainer.assembly.abstract_params),
                                    trainer.val_batches, config.train.eval_batches) for step in steps}
   finally:

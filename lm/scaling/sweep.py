@@ -118,7 +118,7 @@ def finished(run_dir: epath.Path, steps: int) -> bool:
 def sweep(base: Config, out: str, points: Sequence[Point]) -> list[str]:
   """Runs every unfinished point under `out`; returns the run dirs in plan order."""
   from lm.distributed import is_main_process
-  from lm.train.loop import Trainer
+  from lm.pretraining import Pretraining
   root = epath.Path(out)
   if is_main_process():
     root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def sweep(base: Config, out: str, points: Sequence[Point]) -> list[str]:
       continue
     print(head, flush=True)
     config = from_dict(merge(base.to_dict(), parse_overrides([*point.overrides, f'train.run_dir={run_dir}'])))
-    Trainer(check_config(config)).run()
+    Pretraining(check_config(config)).run()
   return runs
 
 

@@ -1,174 +1,247 @@
-"""The training loop: build everything from a Config, then step, log, evaluate and checkpoint."""
+"""The one training loop: a state over a stream of batches, with callbacks at their cadence.
+
+Jobs (pretraining, GLUE fine-tuning, scaling sweeps) build the data, the loss and the callbacks and hand them
+here. Every step's metrics are logged (metrics.jsonl, TensorBoard, a bar or lines), the last of each logging
+interval with tokens/s and MFU; a non-finite loss or gradient stops the run (`train.on_nonfinite=stop`) before
+any later checkpoint, or only withholds that step's update (skip). Callbacks (evaluation, the latest checkpoint,
+the best params) run after the steps their cadence names and after the last one, with every record up to that
+step written first, so after a crash (kill -9) a resumed run's metrics.jsonl matches an uninterrupted one's. On
+SIGTERM to any process (the preemption notice of TPU VMs and SLURM) every process finishes the same step, runs
+the checkpoint callback and returns, so `--resume` continues exactly.
+"""
 from __future__ import annotations
 
-import functools
 import math
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import jax
 
-from lm.assembly import assemble
+from lm.assembly import Assembly
 from lm.checkpoint import UNRESTORABLE, Checkpointer
-from lm.config import Config, ConfigError
-from lm.data.pipeline import Batches, build_batches
+from lm.config import ConfigError
 from lm.distributed import barrier, is_main_process
 from lm.parallel.chips import peak_flops
-from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.accounting import mfu
-from lm.train.init_from import initial_state
-from lm.train.logging import MetricsLogger
+from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
 from lm.train.state import TrainState
-from lm.train.step import make_eval_step, make_train_step
+from lm.train.step import Batch, StepLoss, make_train_step
+
+Record = dict[str, Any]
 
 
 class TrainingError(RuntimeError):
   """The run cannot go on (e.g. a non-finite loss); the message names the step and what to change."""
 
 
-class Trainer:
-  """The assembly (mesh, model, sharded abstract state), data and jitted steps for one Config."""
+@dataclass(frozen=True)
+class After:
+  """What a callback sees: the step just taken, the state after it, and every record logged so far (a resumed
+  run's included)."""
+  step: int
+  state: TrainState
+  history: list[Record]
 
-  def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None):
-    self.config = config
-    self.assembly = assemble(config, devices)
-    self.mesh, self.model = self.assembly.mesh, self.assembly.model
-    self.train_step = make_train_step(self.assembly)
-    self.eval_step = make_eval_step(self.assembly)
-    self.flops_per_token = self.assembly.flops_per_token()
-    self.peak_flops = config.train.peak_flops or peak_flops(self.mesh.devices.flat[0])
-    self.tokenizer, self.train_batches, self.val_batches = build_batches(
-      config, self.mesh, functools.partial(self.assembly.family.objective, config))
 
-  def init_state(self) -> TrainState:
-    return self.assembly.init_state()
+class Callback:
+  """Runs after every `every`-th step and after the final one (`every` 0: the final only); returns records to log."""
+  every: int = 0
 
-  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
-    """Mean NLL per target token over the first `num_batches` validation batches."""
-    nll, weight = 0.0, 0.0
-    for batch in batches.first(num_batches):
-      out = jax.device_get(self.eval_step(params, batch))
-      nll, weight = nll + float(out['nll']), weight + float(out['weight'])
-    return nll / max(weight, 1.0)
+  def due(self, step: int, final: bool, stopping: bool) -> bool:
+    """Whether to run after `step`: `final` is train.steps; `stopping`, a step a SIGTERM stops the run after."""
+    return final or bool(self.every and step % self.every == 0)
 
-  def _restore_or_init(self, checkpoints: Checkpointer) -> TrainState:
-    cfg = self.config
-    if checkpoints.is_params_only():
-      raise ConfigError(f'{cfg.run_dir} holds an imported model (params only), which training would overwrite; '
-                        f'train from it in a new directory: train.init_from={cfg.run_dir} train.run_dir=NEW_DIR')
-    steps = checkpoints.all_steps()
-    if steps and not cfg.train.resume:
-      raise ConfigError(f'{cfg.run_dir} already holds checkpoints (latest step {steps[-1]}); pass --resume '
-                        f'(train.resume=true) to continue, or choose another train.run_dir')
-    if steps:
-      restored = checkpoints.restore_latest(self.assembly.abstract_state, cfg.to_dict(), self.train_batches.iterator)
-      if restored is None:
-        raise ConfigError(f'no checkpoint in {checkpoints.directory} restores (each is kept as '
-                          f'<step>{UNRESTORABLE}); start a new train.run_dir')
-      if restored[0] >= cfg.train.steps:
-        print(f'run already complete at step {restored[0]} (train.steps={cfg.train.steps}); raise train.steps '
-              f'to train on', flush=True)
-      else:
-        print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
-      return restored[1]
+  def start(self, step: int, state: TrainState, history: list[Record]) -> list[Record]:
+    """Before the first step (`step` 0 for a fresh run, the checkpoint's step for a resumed one)."""
+    return []
+
+  def __call__(self, after: After) -> list[Record]:
+    return []
+
+  def finish(self) -> None:
+    """After the last step: wait for anything still in flight."""
+
+
+class Evaluate(Callback):
+  """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
+  when asked."""
+
+  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False):
+    self.evaluator, self.every, self.at_start = evaluator, every, at_start
+
+  def start(self, step, state, history):
+    return [{'step': 0, **self.evaluator(state.params, 0)}] if self.at_start and step == 0 else []
+
+  def __call__(self, after):
+    return [{'step': after.step, **self.evaluator(after.state.params, after.step)}]
+
+
+class Checkpoint(Callback):
+  """The latest state, the data position and the config, every `every` steps, after the final one and at a
+  SIGTERM; asynchronous unless the checkpointer says otherwise."""
+
+  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict):
+    self.checkpointer, self.every, self.data, self.config = checkpointer, every, data, config
+
+  def due(self, step, final, stopping):
+    return stopping or super().due(step, final, stopping)
+
+  def __call__(self, after):
+    self.checkpointer.save(after.step, after.state, self.data, self.config)
+    return []
+
+  def finish(self):
+    self.checkpointer.wait()
+
+
+class KeepBest(Callback):
+  """A params-only checkpoint whenever `metric` (logged by an evaluation at the same cadence, before this) beats
+  every earlier value (higher is better; the first of equals is kept). The record holding it is saved with the
+  params, so a resumed run compares against it and a job reads the best metrics back."""
+
+  def __init__(self, checkpointer: Checkpointer, metric: str, every: int, config: dict):
+    self.checkpointer, self.metric, self.every, self.config = checkpointer, metric, every, config
+    self.best: float | None = None
+
+  def start(self, step, state, history):
+    if step == 0:  # a fresh run: best params of an earlier start that never checkpointed are not this run's
+      self.checkpointer.delete_all()
+    saved = self.checkpointer.latest_step()
+    self.best = None if saved is None else self.checkpointer.saved_metrics(saved)[self.metric]
+    return []
+
+  def __call__(self, after):
+    record = next((r for r in reversed(after.history) if r['step'] == after.step and self.metric in r), None)
+    if record is not None and (self.best is None or record[self.metric] > self.best):
+      self.best = record[self.metric]
+      self.checkpointer.save_params(after.step, after.state.params, self.config,
+                                    metrics={k: v for k, v in record.items() if k != 'step'})
+    return []
+
+  def finish(self):
+    self.checkpointer.wait()
+
+
+class Resumable(Protocol):
+  """A data stream whose position checkpoints save (grain's iterators; `lm.data.pipeline.HostRows`)."""
+  def get_state(self) -> Any: ...
+  def set_state(self, state: Any) -> None: ...
+
+
+def restore_or_start(checkpoints: Checkpointer, assembly: Assembly, data: Resumable,
+                     start: Callable[[], TrainState]) -> TrainState:
+  """The latest checkpoint's state (and `data` moved to its position) under `train.resume`, else `start()`;
+  refuses to write over another run's checkpoints or an imported model."""
+  cfg = assembly.config
+  if checkpoints.is_params_only():
+    raise ConfigError(f'{checkpoints.directory} holds an imported model (params only), which training would '
+                      f'overwrite; train from it in a new directory: train.init_from={cfg.run_dir} '
+                      f'train.run_dir=NEW_DIR')
+  steps = checkpoints.all_steps()
+  if steps and not cfg.train.resume:
+    raise ConfigError(f'{checkpoints.directory.parent} already holds checkpoints (latest step {steps[-1]}); pass '
+                      f'--resume (train.resume=true) to continue, or choose another train.run_dir')
+  if not steps:
     if cfg.train.resume:
       print(f'no checkpoint in {checkpoints.directory}; starting at step 0', flush=True)
-    if cfg.train.init_from is None:
-      return self.init_state()
-    start = initial_state(self.assembly, cfg.train.init_from)
-    print(f'initialised from {cfg.train.init_from}' +
-          (f'; new: {", ".join(start.fresh + start.reshaped)}' if start.fresh or start.reshaped else '') +
-          (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
-    return start.state
+    return start()
+  restored = checkpoints.restore_latest(assembly.abstract_state, cfg.to_dict(), data)
+  if restored is None:
+    raise ConfigError(f'no checkpoint in {checkpoints.directory} restores (each is kept as '
+                      f'<step>{UNRESTORABLE}); start a new train.run_dir')
+  if restored[0] >= cfg.train.steps:
+    print(f'run already complete at step {restored[0]} (train.steps={cfg.train.steps}); raise train.steps '
+          f'to train on', flush=True)
+  else:
+    print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
+  return restored[1]
 
-  def run(self) -> list[dict[str, Any]]:
-    """Trains to `train.steps`, resuming if asked; returns the logged records.
 
-    On SIGTERM to any process (the preemption notice of TPU VMs and SLURM) every process finishes
-    the same step, checkpoints and returns, so `--resume` continues exactly. Records are written
-    before each checkpoint, so after a crash (kill -9) a resumed run's metrics.jsonl matches an
-    uninterrupted one's. A non-finite loss or gradient stops the run (train.on_nonfinite=stop) before
-    any later checkpoint, or only withholds that step's update (skip).
-    """
-    cfg, t = self.config, self.config.train
-    is_main = is_main_process()
+class Trainer:
+  """Trains an assembly's state with `loss` (default: the family's pretraining objective) to `train.steps`,
+  logging into `log_dir`."""
+
+  def __init__(self, assembly: Assembly, loss: StepLoss | None = None, *, log_dir: Any):
+    self.assembly, self.config, self.log_dir = assembly, assembly.config, log_dir
+    self.train_step = make_train_step(assembly, loss)
+    self.flops_per_token = assembly.flops_per_token()
+    self.peak_flops = self.config.train.peak_flops or peak_flops(assembly.mesh.devices.flat[0])
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
-    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
-    logger = None
+    self.final_state: TrainState | None = None
+
+  def run(self, state: TrainState, batches: Iterator[Batch], callbacks: Sequence[Callback] = (),
+          checkpoint: Checkpoint | None = None) -> list[Record]:
+    """Steps `state` on `batches` from its step to `train.steps`, running `callbacks` in order, then `checkpoint`
+    (which also agrees across processes on the step a SIGTERM stops at); returns the records this call logged."""
+    callbacks = list(callbacks) + ([checkpoint] if checkpoint else [])
+    t, is_main = self.config.train, is_main_process()
+    start = int(jax.device_get(state.step))
+    history = [r for r in read_metrics(self.log_dir) if r['step'] <= start] if start and is_main else []
+    logger = MetricsLogger(self.log_dir, t.steps, start, t.progress, enabled=is_main)
+    records: list[Record] = []
+
+    def emit(new: list[Record]) -> None:
+      for record in new:
+        records.append(record)
+        history.append(record)
+        logger.log(record)
+
     try:
-      state = self._restore_or_init(checkpoints)
-      if is_main:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-      start = int(jax.device_get(state.step))
-      logger = MetricsLogger(cfg.run_dir, t.steps, start, t.progress, enabled=is_main)
-      records: list[dict[str, Any]] = []
-
-      def emit(new: list[dict[str, Any]]) -> None:
-        for record in new:
-          records.append(record)
-          logger.log(record)
-
-      if start == 0 and t.eval_batches:
-        emit([{'step': 0, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)}])
+      for callback in callbacks:
+        emit(callback.start(start, state, history))
       pending: list[tuple[int, Any]] = []
       timer = time.perf_counter()
-      with preemption(checkpoints) as reached:
+      with preemption(checkpoint.checkpointer if checkpoint else None) as reached:
         for done in range(start + 1, t.steps + 1):
-          state, step_metrics = self.train_step(state, next(self.train_batches))
+          state, step_metrics = self.train_step(state, next(batches))
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
-          save = bool(t.checkpoint_every and done % t.checkpoint_every == 0) or last
-          if done % t.log_every == 0 or last or save:  # every record up to a checkpoint is written before it
+          due = [c for c in callbacks if c.due(done, done == t.steps, preempted)]
+          if done % t.log_every == 0 or last or due:  # every record up to a callback's step is written before it
             flushed = self._records(pending, timer)
             emit(flushed)
             logger.advance(len(pending))
-            pending, timer = [], time.perf_counter()
+            pending = []
             self._check_finite(flushed)
-          if t.eval_batches and (done % t.eval_every == 0 or done == t.steps):
-            emit([{'step': done, 'val_loss': self.evaluate(state.params, self.val_batches, t.eval_batches)}])
+            for callback in due:
+              emit(callback(After(done, state, history)))
             timer = time.perf_counter()
-          if save:
-            checkpoints.save(done, state, self.train_batches.iterator, cfg.to_dict())
           if preempted:
             self.stopped_at = done
             break
-      checkpoints.wait()
+      for callback in callbacks:
+        callback.finish()
       if self.stopped_at is not None:
         barrier('stopped')  # every process has written its part of the checkpoint
         then = ask_requeue() if is_main else 'continue with --resume'
         print(f'stopped by SIGTERM after step {self.stopped_at}; checkpoint saved, {then}', flush=True)
     finally:
-      checkpoints.close()
-      if logger is not None:
-        logger.close()
+      logger.close()
     self.final_state = state
     return records
 
-  def _check_finite(self, records: list[dict[str, Any]]) -> None:
+  def _check_finite(self, records: list[Record]) -> None:
     """Under train.on_nonfinite=stop, the first non-finite step ends the run (its state was never updated)."""
     bad = next((r for r in records if r.get('nonfinite')), None)
     if bad is None or self.config.train.on_nonfinite != 'stop':
       return
-    metric = next((k for k in ('loss', 'z_loss', 'grad_norm') if not math.isfinite(bad[k])), 'grad_norm')
+    metric = next((k for k in ('loss', 'z_loss', 'grad_norm') if k in bad and not math.isfinite(bad[k])),
+                  'grad_norm')
     raise TrainingError(f'step {bad["step"]}: {metric} is {bad[metric]}; stopped with the state of step '
                         f'{bad["step"] - 1} (no later checkpoint); lower optim.learning_rate, or set '
                         f'train.on_nonfinite=skip to drop such steps')
 
-  def _records(self, pending: list[tuple[int, Any]], since: float) -> list[dict[str, Any]]:
+  def _records(self, pending: list[tuple[int, Any]], since: float) -> list[Record]:
     """Metrics of the steps since the last log; the last one carries throughput over the interval."""
     fetched = jax.device_get(pending)  # blocks until those steps are done
     elapsed = time.perf_counter() - since
     records = [{'step': s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
     tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
     records[-1]['tokens_per_sec'] = tokens_per_sec
-    utilisation = mfu(tokens_per_sec, self.flops_per_token, self.mesh.devices.size, self.peak_flops)
+    utilisation = mfu(tokens_per_sec, self.flops_per_token, self.assembly.mesh.devices.size, self.peak_flops)
     if utilisation is not None:
       records[-1]['mfu'] = utilisation
     return records
-
-
-def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[dict[str, Any]]:
-  return Trainer(config, devices).run()

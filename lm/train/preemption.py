@@ -14,14 +14,14 @@ from lm.checkpoint import Checkpointer
 
 
 @contextlib.contextmanager
-def preemption(checkpoints: Checkpointer) -> Iterator[Callable[[int], bool]]:
+def preemption(checkpoints: Checkpointer | None) -> Iterator[Callable[[int], bool]]:
   """Yields `reached(step)`, True at the step where the run should checkpoint and stop.
 
-  One process: a SIGTERM handler sets a flag (handlers only run on the main thread). Several: JAX's
-  preemption service catches the SIGTERM of any process and agrees on one step for all, through
-  orbax's `reached_preemption`; a handler of ours would hide the signal from it.
+  One process (or a run that does not checkpoint): a SIGTERM handler sets a flag (handlers only run on the main
+  thread). Several: JAX's preemption service catches the SIGTERM of any process and agrees on one step for all,
+  through orbax's `reached_preemption`; a handler of ours would hide the signal from it.
   """
-  if jax.process_count() > 1:
+  if jax.process_count() > 1 and checkpoints is not None:
     yield checkpoints.manager.reached_preemption
     return
   flag = threading.Event()

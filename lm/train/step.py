@@ -8,6 +8,7 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
@@ -152,3 +153,15 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
       _, nll, _, weight = token_loss(head, batch['targets'], batch['weights'])
     return {'nll': nll, 'weight': weight}
   return jax.jit(step, in_shardings=(assembly.shardings.params, None))
+
+
+def make_score_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
+  """jit: the family's per-example scores (`Family.score`) of a `scoring_rows` batch split over the mesh's batch
+  axes, returned whole to every process."""
+  family, model, mesh = assembly.family, assembly.model, assembly.mesh
+
+  def step(params: Any, batch: Batch) -> Metrics:
+    with sharding_context(mesh):
+      return family.score(model, params, batch)
+  return jax.jit(step, in_shardings=(assembly.shardings.params, None),
+                 out_shardings=NamedSharding(mesh, PartitionSpec()))

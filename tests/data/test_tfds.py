@@ -12,7 +12,7 @@ from lm import cli
 from lm.config import load_config
 from lm.data.sources import embedded_documents
 from lm.train.logging import read_metrics
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from tests.conftest import SMALL
 
 
@@ -36,22 +36,22 @@ def corpus(tmp_path_factory):
 def test_every_family_trains_from_the_tfds_corpus(corpus, preset, extra, tmp_path):
   config = load_config(preset, SMALL + extra + corpus + ['train.steps=40', 'train.eval_every=40',
                                                          'train.eval_batches=2', f'train.run_dir={tmp_path}'])
-  records = Trainer(config, jax.devices()[:1]).run()
+  records = Pretraining(config, jax.devices()[:1]).run()
   evals = [r['val_loss'] for r in records if 'val_loss' in r]
   assert evals[-1] < evals[0] - 1.0, evals
 
 
 def losses_and_params(config, run_dir, *, preempt_at=None, resume=False):
-  trainer = Trainer(config(f'train.run_dir={run_dir}', f'train.resume={str(resume).lower()}'), jax.devices()[:1])
+  trainer = Pretraining(config(f'train.run_dir={run_dir}', f'train.resume={str(resume).lower()}'), jax.devices()[:1])
   if preempt_at is not None:
-    step_fn, calls = trainer.train_step, []
+    step_fn, calls = trainer.loop.train_step, []
 
     def preempt(*args):
       calls.append(1)
       if len(calls) == preempt_at:
         os.kill(os.getpid(), signal.SIGTERM)
       return step_fn(*args)
-    trainer.train_step = preempt
+    trainer.loop.train_step = preempt
   trainer.run()
   return trainer
 

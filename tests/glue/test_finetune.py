@@ -120,7 +120,8 @@ def test_each_family_learns_the_pair_task_and_writes_glue_files(family, glue_dir
   records = [json.loads(line) for line in (out / task / 'metrics.jsonl').read_text().splitlines()]
   dev = {r['step']: r[f'dev_{main}'] for r in records if f'dev_{main}' in r}
   assert dev[results['step']] == max(dev.values())
-  assert [p.name for p in (out / task / 'checkpoints').iterdir()] == [str(results['step'])]
+  assert [p.name for p in (out / task / 'best').iterdir()] == [str(results['step'])]
+  assert [p.name for p in (out / task / 'checkpoints').iterdir()] == [str(records[-1]['step'])]  # the last state
 
   submission = read_tsv(out / 'submission' / f'{folder}.tsv')
   assert submission[0] == ['index', 'prediction'] and len(submission) == 21

@@ -10,7 +10,7 @@ import pytest
 
 from lm.config import load_config
 from lm.ops import mixed
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from tests.conftest import SMALL
 
 CASES = [  # spec, a's shape and dtype, b's shape and dtype, out dtype: each use in the model
@@ -70,7 +70,7 @@ def dots(hlo: str) -> list[str]:
 def test_every_dot_of_a_bf16_training_step_multiplies_bf16_into_float32(preset, tmp_path):
   """The whole step (forward, backward, for each family): no dot runs at the float32 rate."""
   config = load_config(preset, SMALL + ['model.dtype=bfloat16', f'train.run_dir={tmp_path}'])
-  trainer = Trainer(config, jax.devices()[:1])
+  trainer = Pretraining(config, jax.devices()[:1])
   state = trainer.init_state()
   hlo = trainer.train_step.lower(state, next(trainer.train_batches)).as_text()
   kinds = dots(hlo)

@@ -13,7 +13,7 @@ from lm.assembly import assemble
 from lm.config import ConfigError
 from lm.parallel.mesh import mesh_shape, strategy_name
 from lm.parallel.rules import sharding_context
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from lm.train.step import PretrainingLoss, abstract_batch, lay_out_sequences, make_train_step
 from tests.parallel.test_sharding import family_config, rel
 
@@ -39,7 +39,7 @@ def configured(family, tmp_path, documents, *overrides):
 
 def train(config, devices, steps):
   """The gradients of the first batch, then the losses of `steps` steps from it."""
-  trainer = Trainer(config, devices)
+  trainer = Pretraining(config, devices)
   a = trainer.assembly
   loss = PretrainingLoss(a)
 

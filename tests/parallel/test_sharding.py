@@ -5,7 +5,7 @@ import pytest
 
 from lm.assembly import assemble
 from lm.parallel.mesh import mesh_shape, strategy_name
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from lm.train.step import compile_train_step
 
 MESHES = {
@@ -18,7 +18,7 @@ MESHES = {
 
 
 def run_steps(config, devices, steps=5):
-  trainer = Trainer(config, devices)
+  trainer = Pretraining(config, devices)
   state = trainer.init_state()
   losses = []
   for _ in range(steps):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lm.config import load_config
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from tests.conftest import SMALL
 
 FAMILIES = {'gpt_tiny': [], 'bert_tiny': ['model.max_len=32'], 't5_tiny': ['model.d_ff=128'],
@@ -19,7 +19,7 @@ CASES = [('gpt_tiny', '1 device')] + [(preset, '2x2x2') for preset in FAMILIES] 
 
 def losses(preset, overrides, devices, steps=10):
   config = load_config(preset, SMALL + FAMILIES[preset] + overrides + ['train.run_dir=/tmp/unused'])
-  trainer = Trainer(config, devices)
+  trainer = Pretraining(config, devices)
   state, out = trainer.init_state(), []
   for _ in range(steps):
     state, metrics = trainer.train_step(state, next(trainer.train_batches))

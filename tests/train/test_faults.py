@@ -13,7 +13,8 @@ from lm import cli
 from lm.checkpoint import Checkpointer
 from lm.run_dir import load_params, one_device_mesh
 from lm.train.logging import read_metrics
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
+from lm.train.loop import restore_or_start
 from tests.conftest import SMALL, one_device_env
 
 TIMING = ('tokens_per_sec', 'mfu')  # wall-clock figures differ between any two runs
@@ -102,7 +103,7 @@ def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path,
 def test_skip_drops_non_finite_updates_and_counts_them(small_config):
   config = small_config('optim.learning_rate=1e4', 'optim.warmup_steps=0', 'optim.grad_clip=0', 'train.steps=20',
                         'train.on_nonfinite=skip')
-  trainer = Trainer(config, jax.devices()[:1])
+  trainer = Pretraining(config, jax.devices()[:1])
   records = trainer.run()
   steps = [r for r in records if 'loss' in r]
   assert len(steps) == 20 and steps[-1]['skipped_steps'] == sum(r['nonfinite'] for r in steps) > 0
@@ -113,12 +114,13 @@ def test_skip_drops_non_finite_updates_and_counts_them(small_config):
 def test_restore_onto_other_meshes_and_device_counts(small_config, tmp_path):
   """Saved on 8 devices (fsdp=8); restored on 4 (data=2 x tensor=2), then on 1: identical params."""
   first = small_config('train.steps=2', 'mesh.data=1', 'mesh.fsdp=8')
-  trainer = Trainer(first, jax.devices())
+  trainer = Pretraining(first, jax.devices())
   trainer.run()
   want = jax.device_get(trainer.final_state.params)
   for devices, mesh in ((jax.devices()[:4], ['mesh.data=2', 'mesh.tensor=2']), (jax.devices()[:1], ['mesh.data=1'])):
-    again = Trainer(small_config('train.steps=2', 'train.resume=true', *mesh), devices)
-    state = again._restore_or_init(Checkpointer(first.run_dir / 'checkpoints'))
+    again = Pretraining(small_config('train.steps=2', 'train.resume=true', *mesh), devices)
+    state = restore_or_start(Checkpointer(first.run_dir / 'checkpoints'), again.assembly, again.train_batches.iterator,
+                             again.init_state)
     assert state.params['decoder']['layers']['mlp']['wi']['kernel'].sharding.mesh.devices.size == len(devices)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), want)
 

@@ -7,7 +7,7 @@ from lm import cli
 from lm.config import ConfigError, load_config
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from tests.conftest import SMALL
 
 
@@ -21,7 +21,7 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp('init_from')
   config = load_config('gpt_tiny', SMALL + ['train.steps=40', 'train.eval_every=40', 'train.eval_batches=2',
                                             f'train.run_dir={root}/source'])
-  Trainer(config, jax.devices()[:1]).run()
+  Pretraining(config, jax.devices()[:1]).run()
   assert cli.main(['convert', '--to-hf', str(root / 'hf'), '--from', str(root / 'source')]) == 0
   assert cli.main(['convert', '--from-hf', str(root / 'hf'), '--to', str(root / 'imported')]) == 0
   return root
@@ -32,7 +32,7 @@ def test_a_new_run_starts_where_the_source_ended(trained, source, tmp_path):
   """Step-0 validation loss equals the source run's final one, through HF and back and across layer layouts."""
   config = load_config('gpt_tiny', SMALL + ['train.steps=1', 'train.eval_batches=2', f'train.run_dir={tmp_path}',
                                             f'train.init_from={trained / source}'])
-  Trainer(config, jax.devices()[:1]).run()
+  Pretraining(config, jax.devices()[:1]).run()
   want, got = val_losses(trained / 'source')[-1], val_losses(tmp_path)[0]
   assert val_losses(trained / 'source')[0] - want > 1.0  # the source did learn
   assert abs(got - want) <= 1e-5 * want, (got, want)
@@ -62,7 +62,7 @@ def test_a_mismatched_model_is_one_line_naming_the_parameter_and_both_shapes(tra
   assert err.count('\n') == 1 and 'Traceback' not in err
   assert 'parameter decoder/layers/mlp/wi/bias has shape (2, 256) there but (2, 128) in this model' in err
   with pytest.raises(ConfigError, match=r'has no parameter lm_head/kernel \(64, 264\), which this gpt model needs'):
-    Trainer(load_config('gpt_tiny', SMALL + ['model.tie_embeddings=false', f'train.init_from={trained / "source"}',
+    Pretraining(load_config('gpt_tiny', SMALL + ['model.tie_embeddings=false', f'train.init_from={trained / "source"}',
                                              f'train.run_dir={tmp_path}/b']), jax.devices()[:1]).run()
 
 
@@ -70,18 +70,18 @@ def test_heads_the_source_lacks_start_fresh_and_are_listed(tmp_path, capsys):
   """A BERT pretrained without NSP, fine-tuned with it: pooler and NSP head are new, the rest is loaded."""
   base = SMALL + ['model.max_len=32', 'train.eval_batches=1']
   plain = load_config('bert_tiny', base + ['train.steps=2', f'train.run_dir={tmp_path}/plain'])
-  source = Trainer(plain, jax.devices()[:1])
+  source = Pretraining(plain, jax.devices()[:1])
   source.run()
   capsys.readouterr()
   config = load_config('bert_tiny', base + ['train.steps=2', 'model.nsp=true', 'model.type_vocab_size=2',
                                             f'train.init_from={tmp_path}/plain', f'train.run_dir={tmp_path}/nsp'])
-  trainer = Trainer(config, jax.devices()[:1])
+  trainer = Pretraining(config, jax.devices()[:1])
   records = trainer.run()
   out = capsys.readouterr().out
   assert 'new: nsp_head/bias, nsp_head/kernel, pooler/bias, pooler/kernel' in out
   assert all(np.isfinite(r['nsp_loss']) for r in records if 'nsp_loss' in r)
   before = source.final_state.params['encoder']['layers']['mlp']['wi']['kernel']
-  state = initial_state(Trainer(config, jax.devices()[:1]).assembly, f'{tmp_path}/plain').state
+  state = initial_state(Pretraining(config, jax.devices()[:1]).assembly, f'{tmp_path}/plain').state
   np.testing.assert_array_equal(np.asarray(state.params['encoder']['layers']['mlp']['wi']['kernel']),
                                 np.asarray(before))
   assert int(state.step) == 0 and all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
@@ -89,5 +89,5 @@ def test_heads_the_source_lacks_start_fresh_and_are_listed(tmp_path, capsys):
 
   back = load_config('bert_tiny', base + ['train.steps=1', f'train.init_from={tmp_path}/nsp',
                                           f'train.run_dir={tmp_path}/back'])
-  Trainer(back, jax.devices()[:1]).run()
+  Pretraining(back, jax.devices()[:1]).run()
   assert 'not used: nsp_head/bias, nsp_head/kernel, pooler/bias, pooler/kernel' in capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 
 from lm.config import ConfigError
 from lm.train.logging import read_metrics
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 
 
 def train_losses(records):
@@ -16,11 +16,11 @@ def train_losses(records):
 
 def test_resume_is_exact(small_config, tmp_path):
   common = ['optim.decay_steps=20', 'train.checkpoint_every=5', 'train.eval_every=10']
-  straight = Trainer(small_config('train.steps=20', f'train.run_dir={tmp_path}/a', *common), jax.devices()[:1])
+  straight = Pretraining(small_config('train.steps=20', f'train.run_dir={tmp_path}/a', *common), jax.devices()[:1])
   straight.run()
-  first = Trainer(small_config('train.steps=10', f'train.run_dir={tmp_path}/b', *common), jax.devices()[:1])
+  first = Pretraining(small_config('train.steps=10', f'train.run_dir={tmp_path}/b', *common), jax.devices()[:1])
   first.run()
-  second = Trainer(small_config('train.steps=20', f'train.run_dir={tmp_path}/b', 'train.resume=true', *common),
+  second = Pretraining(small_config('train.steps=20', f'train.run_dir={tmp_path}/b', 'train.resume=true', *common),
                    jax.devices()[:1])
   second.run()
   a, b = train_losses(read_metrics(tmp_path / 'a')), train_losses(read_metrics(tmp_path / 'b'))
@@ -34,7 +34,7 @@ def test_resume_is_exact(small_config, tmp_path):
 def test_run_outputs(small_config, tmp_path):
   config = small_config('train.steps=6', 'train.log_every=3', 'train.eval_every=3', 'train.peak_flops=1e12',
                         f'train.run_dir={tmp_path}/run')
-  Trainer(config, jax.devices()[:1]).run()
+  Pretraining(config, jax.devices()[:1]).run()
   records = read_metrics(tmp_path / 'run')
   train = [r for r in records if 'loss' in r]
   assert [r['step'] for r in train] == list(range(1, 7))
@@ -54,11 +54,11 @@ def test_run_outputs(small_config, tmp_path):
 
 def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
   run = f'train.run_dir={tmp_path}/run'
-  Trainer(small_config('train.steps=2', run), jax.devices()[:1]).run()
+  Pretraining(small_config('train.steps=2', run), jax.devices()[:1]).run()
   with pytest.raises(ConfigError, match='already holds checkpoints.*--resume'):
-    Trainer(small_config('train.steps=4', run), jax.devices()[:1]).run()
+    Pretraining(small_config('train.steps=4', run), jax.devices()[:1]).run()
   with pytest.raises(ConfigError, match='different model.*model.d_model'):
-    Trainer(small_config('train.steps=4', run, 'train.resume=true', 'model.d_model=32'), jax.devices()[:1]).run()
+    Pretraining(small_config('train.steps=4', run, 'train.resume=true', 'model.d_model=32'), jax.devices()[:1]).run()
 
 
 @pytest.mark.parametrize('preset, extra, start, end', [
@@ -76,7 +76,7 @@ def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):
   from tests.conftest import SMALL
   config = load_config(preset, SMALL + extra + ['train.steps=40', 'train.eval_every=40', 'train.eval_batches=2',
                                                 f'train.run_dir={tmp_path}'])
-  records = Trainer(config, jax.devices()[:1]).run()
+  records = Pretraining(config, jax.devices()[:1]).run()
   evals = [r['val_loss'] for r in records if 'val_loss' in r]
   assert evals[0] > start and evals[-1] < end, evals
 
@@ -86,7 +86,7 @@ def test_bert_with_next_sentence_prediction(small_config, tmp_path):
   from tests.conftest import SMALL
   config = load_config('bert_tiny', SMALL + ['model.max_len=32', 'model.nsp=true',
                                              'train.steps=6', f'train.run_dir={tmp_path}'])
-  records = Trainer(config, jax.devices()[:1]).run()
+  records = Pretraining(config, jax.devices()[:1]).run()
   steps = [r for r in records if 'nsp_loss' in r]
   assert len(steps) == 6 and all(0 <= r['nsp_accuracy'] <= 1 for r in steps)
   assert abs(steps[0]['nsp_loss'] - np.log(2)) < 0.3
@@ -96,21 +96,21 @@ def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
   import os
   import signal
   run = f'train.run_dir={tmp_path}/run'
-  trainer = Trainer(small_config('train.steps=10', run), jax.devices()[:1])
-  step_fn, calls = trainer.train_step, []
+  trainer = Pretraining(small_config('train.steps=10', run), jax.devices()[:1])
+  step_fn, calls = trainer.loop.train_step, []
 
   def preempt_on_third_step(*args):
     calls.append(1)
     if len(calls) == 3:
       os.kill(os.getpid(), signal.SIGTERM)
     return step_fn(*args)
-  trainer.train_step = preempt_on_third_step
+  trainer.loop.train_step = preempt_on_third_step
   trainer.run()
   assert int(trainer.final_state.step) == 3
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-  resumed = Trainer(small_config('train.steps=10', run, 'train.resume=true'), jax.devices()[:1])
+  resumed = Pretraining(small_config('train.steps=10', run, 'train.resume=true'), jax.devices()[:1])
   resumed.run()
-  straight = Trainer(small_config('train.steps=10', f'train.run_dir={tmp_path}/straight'), jax.devices()[:1])
+  straight = Pretraining(small_config('train.steps=10', f'train.run_dir={tmp_path}/straight'), jax.devices()[:1])
   straight.run()
   losses, expected = (train_losses(read_metrics(tmp_path / d)) for d in ('run', 'straight'))
   assert sorted(losses) == list(range(1, 11)) and losses == expected

@@ -11,7 +11,7 @@ import pytest
 from lm.models.transformer import relayout
 from lm.run_dir import read_config
 from lm.train.logging import read_metrics
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 
 COMMON = ['train.steps=4', 'train.checkpoint_every=2', 'optim.decay_steps=4']
 FIXTURE = Path(__file__).parent.parent / 'fixtures' / 'gpt_run'
@@ -31,11 +31,11 @@ def losses(run_dir):
 ])
 def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys, before, after, rtol, mesh):
   devices = jax.devices()[:int(mesh.split('=')[1])]
-  straight = Trainer(small_config(*COMMON, before, mesh, f'train.run_dir={tmp_path}/a'), devices)
+  straight = Pretraining(small_config(*COMMON, before, mesh, f'train.run_dir={tmp_path}/a'), devices)
   straight.run()
-  Trainer(small_config(*COMMON, before, mesh, 'train.steps=2', f'train.run_dir={tmp_path}/b'), devices).run()
+  Pretraining(small_config(*COMMON, before, mesh, 'train.steps=2', f'train.run_dir={tmp_path}/b'), devices).run()
   capsys.readouterr()
-  resumed = Trainer(small_config(*COMMON, after, mesh, 'train.resume=true', f'train.run_dir={tmp_path}/b'), devices)
+  resumed = Pretraining(small_config(*COMMON, after, mesh, 'train.resume=true', f'train.run_dir={tmp_path}/b'), devices)
   resumed.run()
   key, old = before.split('=')
   assert f'written with other execution settings: {key}={old} -> {after.split("=")[1]}' in capsys.readouterr().out
@@ -53,9 +53,9 @@ def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys,
 
 def test_resume_still_refuses_a_change_of_parameters(small_config, tmp_path):
   from lm.config import ConfigError
-  Trainer(small_config('train.steps=1'), jax.devices()[:1]).run()
+  Pretraining(small_config('train.steps=1'), jax.devices()[:1]).run()
   with pytest.raises(ConfigError, match=r'different model \(differs in model.num_kv_heads\)'):
-    Trainer(small_config('train.steps=2', 'train.resume=true', 'model.num_kv_heads=4', 'model.dtype=bfloat16'),
+    Pretraining(small_config('train.steps=2', 'train.resume=true', 'model.num_kv_heads=4', 'model.dtype=bfloat16'),
             jax.devices()[:1]).run()
 
 
@@ -69,7 +69,7 @@ def test_a_run_directory_from_an_earlier_version_resumes(tmp_path):
   run = tmp_path / 'gpt_run'
   shutil.copytree(FIXTURE, run)
   config = read_config(run, [f'train.run_dir={run}', 'train.resume=true', 'train.steps=3'])
-  Trainer(config, jax.devices()[:1]).run()
+  Pretraining(config, jax.devices()[:1]).run()
   expected = json.loads((FIXTURE.parent / 'gpt_run_step3.json').read_text())
   records = [r for r in read_metrics(run) if r['step'] == 3]
   got = {k: r[k] for r in records for k in ('loss', 'val_loss') if k in r}

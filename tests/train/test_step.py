@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 
 
 def one_update(trainer):
@@ -29,13 +29,13 @@ def assert_same_update(got, want):
 
 @pytest.mark.parametrize('k', [2, 4])
 def test_microbatches_give_the_same_update(small_config, k):
-  one, accumulated = (one_update(Trainer(small_config(f'train.microbatches={m}'), jax.devices()[:1])) for m in (1, k))
+  one, accumulated = (one_update(Pretraining(small_config(f'train.microbatches={m}'), jax.devices()[:1])) for m in (1, k))
   assert_same_update(accumulated, one)
 
 
 def test_microbatches_on_a_mesh(small_config):
   """Accumulation under dp x fsdp keeps every microbatch spread over all data shards: the update equals one
   device's whole-batch update."""
-  one = one_update(Trainer(small_config('train.microbatches=1'), jax.devices()[:1]))
-  mesh = one_update(Trainer(small_config('train.microbatches=2', 'mesh.data=2', 'mesh.fsdp=4'), jax.devices()))
+  one = one_update(Pretraining(small_config('train.microbatches=1'), jax.devices()[:1]))
+  mesh = one_update(Pretraining(small_config('train.microbatches=2', 'mesh.data=2', 'mesh.fsdp=4'), jax.devices()))
   assert_same_update(mesh, one)

@@ -8,7 +8,7 @@ import pytest
 
 from lm.config import load_config
 from lm.parallel.rules import sharding_context
-from lm.train.loop import Trainer
+from lm.pretraining import Pretraining
 from lm.train.step import PretrainingLoss
 from tests.conftest import SMALL
 
@@ -20,7 +20,7 @@ MESHES = {'1 device': [], '2x2x2': ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2
 def loss_and_grads(preset: str, mesh: str, loss_chunk: int):
   overrides = SMALL + FAMILIES[preset] + MESHES[mesh] + [f'model.loss_chunk={loss_chunk}', 'train.z_loss=1e-3',
                                                          'train.run_dir=/tmp/unused']
-  trainer = Trainer(load_config(preset, overrides), jax.devices()[:1] if mesh == '1 device' else jax.devices())
+  trainer = Pretraining(load_config(preset, overrides), jax.devices()[:1] if mesh == '1 device' else jax.devices())
   state, batch = trainer.init_state(), next(trainer.train_batches)
   loss = PretrainingLoss(trainer.assembly)
 

@@ -1,0 +1,89 @@
+"""`lm train`: pretraining with the family's objective on the config's data, through the one loop.
+
+Builds the assembly, the training and validation batches, and the callbacks (validation NLL at step 0, every
+`train.eval_every` steps and at the end; the latest checkpoint every `train.checkpoint_every` steps, at the end
+and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+
+from lm.assembly import assemble
+from lm.checkpoint import Checkpointer
+from lm.config import Config
+from lm.data.pipeline import Batches, build_batches
+from lm.distributed import is_main_process
+from lm.run_dir import CHECKPOINTS, CONFIG
+from lm.train.init_from import initial_state
+from lm.train.loop import Checkpoint, Evaluate, Record, Trainer, restore_or_start
+from lm.train.state import TrainState
+from lm.train.step import make_eval_step
+
+
+class Pretraining:
+  """The assembly (mesh, model, sharded abstract state), data and loop of one Config."""
+
+  def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None):
+    self.config = config
+    self.assembly = assemble(config, devices)
+    self.mesh, self.model = self.assembly.mesh, self.assembly.model
+    self.tokenizer, self.train_batches, self.val_batches = build_batches(
+      config, self.mesh, functools.partial(self.assembly.family.objective, config))
+    self.eval_step = make_eval_step(self.assembly)
+    self.loop = Trainer(self.assembly, log_dir=config.run_dir)
+
+  @property
+  def train_step(self):
+    return self.loop.train_step
+
+  @property
+  def stopped_at(self) -> int | None:
+    return self.loop.stopped_at
+
+  @property
+  def final_state(self) -> TrainState | None:
+    return self.loop.final_state
+
+  def init_state(self) -> TrainState:
+    return self.assembly.init_state()
+
+  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
+    """Mean NLL per target token over the first `num_batches` validation batches."""
+    nll, weight = 0.0, 0.0
+    for batch in batches.first(num_batches):
+      out = jax.device_get(self.eval_step(params, batch))
+      nll, weight = nll + float(out['nll']), weight + float(out['weight'])
+    return nll / max(weight, 1.0)
+
+  def _start(self) -> TrainState:
+    cfg = self.config
+    if cfg.train.init_from is None:
+      return self.init_state()
+    start = initial_state(self.assembly, cfg.train.init_from)
+    print(f'initialised from {cfg.train.init_from}' +
+          (f'; new: {", ".join(start.fresh + start.reshaped)}' if start.fresh or start.reshaped else '') +
+          (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
+    return start.state
+
+  def run(self) -> list[Record]:
+    """Trains to `train.steps`, resuming if asked; returns the logged records."""
+    cfg, t = self.config, self.config.train
+    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
+    try:
+      state = restore_or_start(checkpoints, self.assembly, self.train_batches.iterator, self._start)
+      if is_main_process():
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
+      validation = Evaluate(lambda params, _: {'val_loss': self.evaluate(params, self.val_batches, t.eval_batches)},
+                            t.eval_every, at_start=True)
+      return self.loop.run(state, self.train_batches, [validation] if t.eval_batches else [],
+                           Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict()))
+    finally:
+      checkpoints.close()
+
+
+def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[Record]:
+  return Pretraining(config, devices).run()

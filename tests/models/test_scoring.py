@@ -1,0 +1,82 @@
+"""The scoring seam (`Family.scoring_rows` + `Family.score`, jitted by `make_score_step`): per example, a
+continuation's summed log-probability, token count and greediness, against float64 NumPy from the model's own
+logits on each pair alone (no padding, no batch)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm.assembly import assemble
+from lm.config import ConfigError, load_config
+from lm.data.pipeline import global_rows
+from lm.train.step import make_score_step
+
+SMALL = ['model.d_model=64', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=128', 'model.dtype=float32',
+         'train.global_batch=8']
+MESHES = {'1 device': (1, ['mesh.data=1']), 'data x fsdp': (8, ['mesh.data=2', 'mesh.fsdp=4'])}
+LENGTH = 16
+
+
+def log_softmax64(logits) -> np.ndarray:
+  x = np.asarray(logits, np.float64)
+  x = x - x.max(axis=-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def reference_logits(assembly, params, context, continuation) -> np.ndarray:
+  """The model's logits for the continuation's tokens, [len(continuation), vocab], from this pair alone."""
+  model = assembly.model
+  if assembly.family.decoding == 'decoder':
+    row = jnp.asarray([list(context) + list(continuation)[:-1]], jnp.int32)
+    return np.asarray(model.apply({'params': params}, row))[0, len(context) - 1:]
+  decoder_inputs = jnp.asarray([[0] + list(continuation)[:-1]], jnp.int32)
+  return np.asarray(model.apply({'params': params}, jnp.asarray([list(context)], jnp.int32), decoder_inputs))[0]
+
+
+def greedy_continuation(assembly, params, context, n) -> list[int]:
+  continuation = []
+  for _ in range(n):
+    logits = reference_logits(assembly, params, context, continuation + [0])
+    continuation.append(int(np.argmax(logits[-1])))
+  return continuation
+
+
+@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('preset', ['gpt_tiny', 'llama_tiny', 't5_tiny'])
+def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mesh):
+  count, overrides = MESHES[mesh]
+  assembly = assemble(load_config(preset, SMALL + overrides), jax.devices()[:count])
+  params = assembly.init_state().params
+  rng = np.random.default_rng(0)
+  words = lambda n: rng.integers(3, 250, n).tolist()
+  pairs = [(words(5), words(1)), (words(3), words(7)), (words(9), words(2)), (words(1), words(4)),
+           (words(12), words(3)), (words(2), words(1)), (words(6), words(6))]
+  greedy_context = words(4)
+  pairs.append((greedy_context, greedy_continuation(assembly, params, greedy_context, 3)))  # greedy, 3 tokens
+  rows = assembly.family.scoring_rows(pairs, LENGTH, pad_id=0)
+  got = jax.device_get(make_score_step(assembly)(params, global_rows(assembly.mesh, rows)))
+  for i, (context, continuation) in enumerate(pairs):
+    log_probs = log_softmax64(reference_logits(assembly, params, context, continuation))
+    want = log_probs[np.arange(len(continuation)), continuation].sum()
+    assert got['logprob'][i] == pytest.approx(want, rel=1e-5), i
+    assert got['tokens'][i] == len(continuation)
+    assert bool(got['greedy'][i]) == all(np.argmax(log_probs, axis=-1) == continuation), i
+  assert bool(got['greedy'][-1]) and not got['greedy'][1]  # both outcomes occur
+
+
+def test_a_context_longer_than_the_row_is_cut_from_the_left():
+  assembly = assemble(load_config('gpt_tiny', SMALL + ['mesh.data=1']), jax.devices()[:1])
+  params = assembly.init_state().params
+  context, continuation = list(range(10, 40)), [7, 8]
+  rows = assembly.family.scoring_rows([(context, continuation)], LENGTH, pad_id=0)
+  kept = (context + continuation)[-(LENGTH + 1):]
+  assert rows['inputs'][0].tolist() == kept[:-1] and rows['targets'][0].tolist() == kept[1:]
+  got = jax.device_get(make_score_step(assembly)(params, global_rows(assembly.mesh, rows)))
+  log_probs = log_softmax64(reference_logits(assembly, params, kept[:-2], continuation))
+  assert got['logprob'][0] == pytest.approx(log_probs[[0, 1], continuation].sum(), rel=1e-5)
+
+
+def test_an_encoder_gives_no_continuation_scores():
+  assembly = assemble(load_config('bert_tiny', ['mesh.data=1']), jax.devices()[:1])
+  with pytest.raises(ConfigError, match='not a generative model'):
+    assembly.family.scoring_rows([([1, 2], [3])], LENGTH, pad_id=0)
