@@ -1,6 +1,8 @@
 """The scoring seam (`Family.scoring_rows` + `Family.score`, jitted by `make_score_step`): per example, a
 continuation's summed log-probability, token count and greediness, against float64 NumPy from the model's own
 logits on each pair alone (no padding, no batch)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,47 +27,52 @@ def log_softmax64(logits) -> np.ndarray:
 
 def reference_logits(assembly, params, context, continuation) -> np.ndarray:
   """The model's logits for the continuation's tokens, [len(continuation), vocab], from this pair alone."""
-  model = assembly.model
+  apply = jax.jit(lambda p, *xs: assembly.model.apply({'params': p}, *xs))
   if assembly.family.decoding == 'decoder':
-    row = jnp.asarray([list(context) + list(continuation)[:-1]], jnp.int32)
-    return np.asarray(model.apply({'params': params}, row))[0, len(context) - 1:]
+    return np.asarray(apply(params, jnp.asarray([list(context) + list(continuation)[:-1]], jnp.int32))
+                      )[0, len(context) - 1:]
   decoder_inputs = jnp.asarray([[0] + list(continuation)[:-1]], jnp.int32)
-  return np.asarray(model.apply({'params': params}, jnp.asarray([list(context)], jnp.int32), decoder_inputs))[0]
+  return np.asarray(apply(params, jnp.asarray([list(context)], jnp.int32), decoder_inputs))[0]
 
 
-def greedy_continuation(assembly, params, context, n) -> list[int]:
-  continuation = []
-  for _ in range(n):
-    logits = reference_logits(assembly, params, context, continuation + [0])
-    continuation.append(int(np.argmax(logits[-1])))
-  return continuation
+def config(preset, mesh):
+  return load_config(preset, SMALL + MESHES[mesh][1])
 
 
-@pytest.mark.parametrize('mesh', MESHES)
-@pytest.mark.parametrize('preset', ['gpt_tiny', 'llama_tiny', 't5_tiny'])
-def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mesh):
-  count, overrides = MESHES[mesh]
-  assembly = assemble(load_config(preset, SMALL + overrides), jax.devices()[:count])
+@functools.cache
+def reference(preset):
+  """(pairs, each pair's float64 log-probabilities of every position of its continuation) on one device; the
+  last pair's continuation is the model's greedy one (3 tokens)."""
+  assembly = assemble(config(preset, '1 device'), jax.devices()[:1])
   params = assembly.init_state().params
   rng = np.random.default_rng(0)
   words = lambda n: rng.integers(3, 250, n).tolist()
   pairs = [(words(5), words(1)), (words(3), words(7)), (words(9), words(2)), (words(1), words(4)),
            (words(12), words(3)), (words(2), words(1)), (words(6), words(6))]
-  greedy_context = words(4)
-  pairs.append((greedy_context, greedy_continuation(assembly, params, greedy_context, 3)))  # greedy, 3 tokens
+  context, greedy = words(4), []
+  for _ in range(3):
+    greedy.append(int(np.argmax(reference_logits(assembly, params, context, greedy + [0])[-1])))
+  pairs.append((context, greedy))
+  return pairs, [log_softmax64(reference_logits(assembly, params, *pair)) for pair in pairs]
+
+
+@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('preset', ['gpt_tiny', 'llama_tiny', 't5_tiny'])
+def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mesh):
+  """Rows of several lengths padded to one, in one batch split over the mesh (the same seed's params)."""
+  pairs, log_probs = reference(preset)
+  assembly = assemble(config(preset, mesh), jax.devices()[:MESHES[mesh][0]])
   rows = assembly.family.scoring_rows(pairs, LENGTH, pad_id=0)
-  got = jax.device_get(make_score_step(assembly)(params, global_rows(assembly.mesh, rows)))
-  for i, (context, continuation) in enumerate(pairs):
-    log_probs = log_softmax64(reference_logits(assembly, params, context, continuation))
-    want = log_probs[np.arange(len(continuation)), continuation].sum()
-    assert got['logprob'][i] == pytest.approx(want, rel=1e-5), i
+  got = jax.device_get(make_score_step(assembly)(assembly.init_state().params, global_rows(assembly.mesh, rows)))
+  for i, ((_, continuation), lp) in enumerate(zip(pairs, log_probs)):
+    assert got['logprob'][i] == pytest.approx(lp[np.arange(len(continuation)), continuation].sum(), rel=1e-5), i
     assert got['tokens'][i] == len(continuation)
-    assert bool(got['greedy'][i]) == all(np.argmax(log_probs, axis=-1) == continuation), i
+    assert bool(got['greedy'][i]) == all(np.argmax(lp, axis=-1) == continuation), i
   assert bool(got['greedy'][-1]) and not got['greedy'][1]  # both outcomes occur
 
 
 def test_a_context_longer_than_the_row_is_cut_from_the_left():
-  assembly = assemble(load_config('gpt_tiny', SMALL + ['mesh.data=1']), jax.devices()[:1])
+  assembly = assemble(config('gpt_tiny', '1 device'), jax.devices()[:1])
   params = assembly.init_state().params
   context, continuation = list(range(10, 40)), [7, 8]
   rows = assembly.family.scoring_rows([(context, continuation)], LENGTH, pad_id=0)
