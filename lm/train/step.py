@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
-from lm.ops.ring_attention import zigzag_order
+from lm.ops.attention.ring import zigzag_order
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
 from lm.train.loss import pretraining_loss, token_loss
 from lm.train.state import TrainState

@@ -76,7 +76,7 @@ def test_a_split_sequence_trains_as_one_device(family, mesh, tmp_path, documents
   grads, losses, segments = train(config, jax.devices(), 20)
   assert 'Involuntary full rematerialization' not in capfd.readouterr().err
   want_grads, want_losses, _ = one_device(family)
-  assert min(len(set(row)) for row in segments) >= 2  # every row packs documents (padding: test_ring_attention)
+  assert min(len(set(row)) for row in segments) >= 2  # every row packs documents (padding: tests/ops/attention/test_ring.py)
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
   assert rel(flat(grads), flat(want_grads)) < 1e-5
   for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):

@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from lm.ops import vendor_attention
-from tests.kernels.test_flash_attention import reference, rel
+from lm.ops.attention import vendor
+from tests.ops.attention.test_flash import reference, rel
 
 KERNELS = {
   # name: (function, takes bias, needs TPU interpret mode around the jit on CPU)
-  'tpu_flash': (vendor_attention.tpu_flash, True, True),
-  'tpu_splash': (vendor_attention.tpu_splash, False, False),
+  'tpu_flash': (vendor.tpu_flash, True, True),
+  'tpu_splash': (vendor.tpu_splash, False, False),
   # cuDNN needs a GPU: this runs our cudnn entry (padding, layout, masks) through jax.nn.dot_product_attention's
   # XLA implementation, not the cuDNN kernel.
-  'cudnn_entry_via_xla': (lambda *a, **kw: vendor_attention.cudnn(*a, implementation='xla', **kw), True, False),
+  'cudnn_entry_via_xla': (lambda *a, **kw: vendor.cudnn(*a, implementation='xla', **kw), True, False),
 }
 
 
@@ -57,7 +57,7 @@ def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
 def test_splash_kernel_is_reused_across_jits():
   """The kernel is cached by shape: a second jit with the same shapes must not see the first one's tracers."""
   q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 2, 64)), jnp.float32)
-  run = lambda q: vendor_attention.tpu_splash(q, q, q, causal=True, segment_ids=None, kv_segment_ids=None,
+  run = lambda q: vendor.tpu_splash(q, q, q, causal=True, segment_ids=None, kv_segment_ids=None,
                                               bias=None, scale=0.125, platform='cpu')
   first, second = jax.jit(run)(q), jax.jit(lambda q: run(q) * 1.0)(q)
   np.testing.assert_array_equal(np.asarray(first), np.asarray(second))

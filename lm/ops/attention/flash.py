@@ -25,14 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MASKED = -1e30  # finite: a fully masked row must give 0, never inf - inf
+from lm.ops.attention.masking import MASKED, round_up
+
 _LSE_ROWS = 8  # the log-sum-exp leaves the forward kernel as [8, rows]: one sublane tile
 _TRANS_B = (((1,), (1,)), ((), ()))  # contract the last dims: x @ y.T
 _TRANS_A = (((0,), (0,)), ((), ()))  # contract the first dims: x.T @ y
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def _tpu_params(semantics: tuple[str, ...]) -> Any:
@@ -426,9 +423,9 @@ class _Blocks:
                kv_segment_ids: jax.Array | None, block_q: int, block_k: int):
     b, self.lq, _, _ = q_shape
     self.lk = kv_shape[1]
-    self.bq = min(_round_up(block_q, 128), _round_up(self.lq, 8))  # lse blocks are [8, bq]: 128-lane multiples
-    self.bk = min(_round_up(block_k, 128), _round_up(self.lk, 128))
-    self.pq, self.pk = _round_up(self.lq, self.bq), _round_up(self.lk, self.bk)
+    self.bq = min(round_up(block_q, 128), round_up(self.lq, 8))  # lse blocks are [8, bq]: 128-lane multiples
+    self.bk = min(round_up(block_k, 128), round_up(self.lk, 128))
+    self.pq, self.pk = round_up(self.lq, self.bq), round_up(self.lk, self.bk)
     if segment_ids is None:
       segment_ids = jnp.ones((b, self.lq), jnp.int32)
     if kv_segment_ids is None:

@@ -16,15 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
+from lm.ops.attention.masking import round_up
 
 
 def _padded(q, k, v, segment_ids, kv_segment_ids, multiple):
   """Pads lengths to `multiple`, with segment id 0 on the padding (so it is masked)."""
   b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
-  pq, pk = _round_up(lq, multiple), _round_up(lk, multiple)
+  pq, pk = round_up(lq, multiple), round_up(lk, multiple)
   q_seg = jnp.ones((b, lq), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   if kv_segment_ids is None:
     kv_segment_ids = q_seg if lq == lk else jnp.ones((b, lk), jnp.int32)

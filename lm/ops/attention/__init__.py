@@ -2,7 +2,9 @@
 
 Layout is Flax's: q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] where
 kv_heads divides heads (grouped-query attention when smaller). Segment ids are [batch, len] with 0
-marking padding; tokens attend only within their segment.
+marking padding; tokens attend only within their segment. The implementations sit side by side in this
+package: `xla` (einsums), `ring` (a sequence sharded over the mesh), `flash` (our Pallas kernel), `vendor`
+(the kernels JAX ships).
 """
 from __future__ import annotations
 
@@ -15,92 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import AttentionImpl
-from lm.kernels.flash_attention import flash_attention
-from lm.ops import mixed, vendor_attention
-from lm.ops.ring_attention import _MASKED, QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
+from lm.ops.attention import vendor
+from lm.ops.attention.flash import flash_attention
+from lm.ops.attention.ring import QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
+from lm.ops.attention.xla import _causal_blocks, attention_mask, blocked_causal_attention, xla_attention
 from lm.parallel.rules import active_sharding, axis_size, spec_for, target_platform
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
-
-
-def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Array | None,
-                   kv_segment_ids: jax.Array | None, mask: jax.Array | None) -> jax.Array | None:
-  """Boolean [batch or 1, 1, q_len, kv_len] of allowed pairs, or None when all are allowed."""
-  allowed = None
-  if causal:
-    allowed = (jnp.arange(q_len)[:, None] >= jnp.arange(kv_len)[None, :])[None, None]
-  if segment_ids is not None:
-    kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
-    same = (segment_ids[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
-    allowed = same[:, None] if allowed is None else allowed & same[:, None]
-  elif kv_segment_ids is not None:  # only the keys carry padding (e.g. cross-attention while decoding)
-    valid = (kv_segment_ids != 0)[:, None, None, :]
-    allowed = valid if allowed is None else allowed & valid
-  if mask is not None:
-    allowed = mask if allowed is None else allowed & mask
-  return allowed
-
-
-def masked_softmax(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
-  """Softmax over the last axis of the allowed entries; rows with none allowed give zeros.
-
-  Written out rather than `where(allowed, softmax(where(allowed, logits, -big)), 0)`, which selects on the
-  logits and again on the probabilities (about 2% slower on gpt_bench's CPU step). The row max is a constant of
-  the softmax, so no gradient flows through it.
-  """
-  if allowed is None:
-    return jax.nn.softmax(logits, axis=-1)
-  row_max = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, logits, _MASKED), axis=-1, keepdims=True))
-  e = jnp.exp(jnp.where(allowed, logits - row_max, -jnp.inf))  # masked: exactly 0, and no inf to reach a gradient
-  total = jnp.sum(e, axis=-1, keepdims=True)  # at least 1 where a key is allowed (its max term is exp(0))
-  return e / jnp.where(total > 0, total, 1.0)  # an empty row: zeros (a select, not a max: no gradient split at ties)
-
-
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array | None,
-                  bias: jax.Array | None, scale: float, dropout_rate: float = 0.0,
-                  dropout_rng: jax.Array | None = None) -> jax.Array:
-  """Reference path: einsum logits, float32 softmax, rows with no allowed key give zeros."""
-  logits = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  probs = masked_softmax(logits, allowed)
-  if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-  return mixed.einsum('bhqk,bkhd->bqhd', probs, v, dtype=v.dtype)
-
-
-def _causal_blocks(q_len: int, kv_len: int) -> int:
-  """How many query blocks a causal self-attention is split into (1: no split)."""
-  if q_len != kv_len:
-    return 1
-  for n in (4, 2):
-    if q_len % n == 0 and q_len // n >= 32:
-      return n
-  return 1
-
-
-def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array,
-                             bias: jax.Array | None, scale: float, num_blocks: int) -> jax.Array:
-  """`xla_attention` for causal self-attention, skipping the key blocks a query block cannot see.
-
-  Query block i only scores keys [0, (i + 1) * block): the causal mask zeroes the rest, so the
-  result equals the reference path while doing about (n + 1) / 2n of its attention work.
-  """
-  block = q.shape[1] // num_blocks
-  qt = jnp.swapaxes(q, 1, 2)  # [batch, heads, q_len, head_dim]
-  kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  outs = []
-  for i in range(num_blocks):
-    q_sl, k_end = slice(i * block, (i + 1) * block), (i + 1) * block
-    logits = mixed.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end], dtype=q.dtype,
-                          out_dtype=jnp.float32) * scale
-    if bias is not None:
-      b = jnp.broadcast_to(bias, bias.shape[:2] + (q.shape[1], k.shape[1]))
-      logits = logits + b[:, :, q_sl, :k_end].astype(jnp.float32)
-    probs = masked_softmax(logits, allowed[:, :, q_sl, :k_end])
-    outs.append(mixed.einsum('bhqk,bhkd->bhqd', probs, vt[:, :, :k_end], dtype=v.dtype))
-  return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
 def repeat_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
@@ -195,9 +118,9 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
 
 KERNELS: dict[str, Callable[..., jax.Array]] = {
   'flash': flash_attention,
-  'tpu_flash': vendor_attention.tpu_flash,
-  'tpu_splash': vendor_attention.tpu_splash,
-  'cudnn': vendor_attention.cudnn,
+  'tpu_flash': vendor.tpu_flash,
+  'tpu_splash': vendor.tpu_splash,
+  'cudnn': vendor.cudnn,
 }
 GROUPED_KV = frozenset({'flash'})  # kernels that read grouped key/value heads without a repeated copy
 

@@ -3,9 +3,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from lm.ops.ring_attention import causal_pairs_per_shard, ring_attention, ring_flash_attention, zigzag_order
+from lm.ops.attention.ring import causal_pairs_per_shard, ring_attention, ring_flash_attention, zigzag_order
 
 SHARDS = 4
 

@@ -82,7 +82,7 @@ def test_grouped_key_value_heads_match_float64(impl, kv_heads):
 def test_blocked_causal_path_matches_float64_forward_and_gradients(length, blocks, monkeypatch):
   """Causal self-attention of 64+ tokens (every default CPU run) takes the blocked path: packed segments with
   padding and a bias, against the float64 reference, values and gradients."""
-  from tests.kernels.test_flash_attention import reference as reference_with_grads
+  from tests.ops.attention.test_flash import reference as reference_with_grads
   calls, blocked = [], attention_module.blocked_causal_attention
   monkeypatch.setattr(attention_module, 'blocked_causal_attention',
                       lambda *a, **kw: calls.append(kw['num_blocks']) or blocked(*a, **kw))

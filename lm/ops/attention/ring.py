@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.kernels.flash_attention import MASKED, flash_block, flash_block_grads
 from lm.ops import mixed
-
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows give no NaN (attention.py's too)
+from lm.ops.attention.flash import flash_block, flash_block_grads
+from lm.ops.attention.masking import MASKED
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -60,7 +59,7 @@ def _logits(q, k, bias_rows, kv_pos, allowed, scale):
   s = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
   if bias_rows is not None:  # the rows of this shard's queries, every key column: take the block's keys
     s = s + jnp.take(bias_rows, kv_pos, axis=-1).astype(jnp.float32)
-  return s if allowed is None else jnp.where(allowed, s, _MASKED)
+  return s if allowed is None else jnp.where(allowed, s, MASKED)
 
 
 def _ring(axis_name: str):
@@ -131,7 +130,7 @@ def _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_se
     return o, m, l, send(blocks)
 
   chunks = lq // c
-  init = (jnp.zeros((chunks, b, c, h, d), jnp.float32), jnp.full((chunks, b, h, c), _MASKED, jnp.float32),
+  init = (jnp.zeros((chunks, b, c, h, d), jnp.float32), jnp.full((chunks, b, h, c), MASKED, jnp.float32),
           jnp.zeros((chunks, b, h, c), jnp.float32), (k, v, kv_pos, kv_seg))
   o, m, l, _ = jax.lax.fori_loop(0, n, step, init)
   o, m, l = _joined(o, 1), _joined(m, 2), _joined(l, 2)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.kernels.flash_attention import flash_attention, heads_per_block
 from lm.ops.attention import attention
+from lm.ops.attention.flash import flash_attention, heads_per_block
 
 
 def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale):
