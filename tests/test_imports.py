@@ -27,6 +27,11 @@ def test_data_never_imports_models_or_anything_above():
   assert not offenders((LM / 'data').rglob('*.py'), ('lm.models', 'lm.train', 'lm.assembly', 'lm.glue'))
 
 
+def test_models_and_ops_never_import_training_assembly_or_checkpoints():
+  files = [*(LM / 'models').rglob('*.py'), *(LM / 'ops').rglob('*.py'), *(LM / 'parallel').rglob('*.py')]
+  assert not offenders(files, ('lm.train', 'lm.assembly', 'lm.checkpoint', 'lm.run_dir', 'lm.pretraining'))
+
+
 def test_config_imports_nothing_of_lm_but_the_mesh_axes_leaf():
   assert offenders([LM / 'config.py'], ('lm.',)) == ['lm/config.py imports lm.mesh_axes']
   assert not offenders([LM / 'mesh_axes.py'], ('lm',))

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from lm.train.loss import cross_entropy, squared_error
+from lm.ops.losses import cross_entropy, squared_error
 
 if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer

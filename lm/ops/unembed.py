@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lm.ops import mixed
+from lm.ops.losses import cross_entropy, weighted_sums
 from lm.parallel.rules import constrain
 
 Dtype = Any
@@ -82,11 +83,6 @@ def _tile_logits(layout: str, dtype: Dtype, h: jax.Array, kernel: jax.Array, bia
   return e / total, log_z, jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), is_target
 
 
-def _losses(z_loss: float, log_z: jax.Array, target_logits: jax.Array, weights: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
-  return jnp.sum((log_z - target_logits) * weights), jnp.sum(z_loss * jnp.square(log_z) * weights)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 @jax.named_scope('output_loss')  # profiles (bench/profile_step.py) group its kernels by this name
 def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
@@ -94,7 +90,7 @@ def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
   def tile(sums, xs):
     h, t, w = xs
     _, log_z, target_logits, _ = _tile_logits(layout, dtype, h, kernel, bias, t)
-    nll, z = _losses(z_loss, log_z, target_logits, w)
+    nll, z = weighted_sums(z_loss, log_z, target_logits, w)
     return (sums[0] + nll, sums[1] + z), None
   (nll, z), _ = jax.lax.scan(tile, (jnp.float32(0), jnp.float32(0)), (hidden, targets, weights))
   return nll + z, (nll, z)
@@ -112,7 +108,7 @@ def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weigh
     d_kernel, d_bias, nll_sum, z_sum = carry
     h, t, w = xs
     probs, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, kernel, bias, t)
-    nll, z = _losses(z_loss, log_z, target_logits, w)
+    nll, z = weighted_sums(z_loss, log_z, target_logits, w)
     # d(nll + z)/d logits = w (1 + 2 z_loss log_z) softmax - w onehot(target)
     d_logits = probs * (w * (1.0 + 2.0 * z_loss * log_z))[..., None] - jnp.where(is_target, w[..., None], 0.0)
     d_logits = constrain(d_logits, ('batch', 'length', 'vocab'))
@@ -139,3 +135,17 @@ def _fused_bwd(layout, axes, dtype, z_loss, residuals, cotangents):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def token_loss(head: Unembedding, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(sum of weighted NLL + z-loss, the NLL sum, the z-loss sum, sum of weights) of the output layer `head`
+  against `targets`: untiled, or in tiles when `head.chunk` > 0 (`model.loss_chunk`). Only the first is
+  differentiated; the sums are metrics."""
+  weights = weights.astype(jnp.float32)
+  if head.chunk:
+    loss, nll, z = tiled_cross_entropy(head, targets, weights, z_loss)
+  else:
+    nll, z, _ = cross_entropy(head.logits(), targets, weights, z_loss)
+    loss, nll, z = nll + z, jax.lax.stop_gradient(nll), jax.lax.stop_gradient(z)
+  return loss, nll, z, jnp.sum(weights)

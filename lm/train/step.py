@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
 from lm.data.pipeline import feature_specs
+from lm.models.family import Head
 from lm.ops.attention.ring import zigzag_order
+from lm.ops.losses import sequence_classification
+from lm.ops.unembed import token_loss
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
-from lm.train.loss import pretraining_loss, token_loss
 from lm.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -51,6 +53,24 @@ def lay_out_sequences(batch: Batch, mesh: jax.sharding.Mesh, seq_len: int) -> Ba
   per_token = lambda x: x.ndim >= 2 and x.shape[1] == seq_len
   return {k: constrain(jnp.take(x, order, axis=1), ('batch', 'length') + (None,) * (x.ndim - 2)) if per_token(x)
           else x for k, x in batch.items()}
+
+
+def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch: dict[str, jax.Array],
+                     z_loss: float, total_weight: jax.Array, total_sequences: jax.Array
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Token loss per target token, plus each active head's loss per sequence (BERT's NSP).
+
+  Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly.
+  Returns (loss, sums of the pieces for metrics: 'nll', 'z', and '{head}_nll', '{head}_correct').
+  """
+  token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
+  loss = token_sum / total_weight
+  sums = {'nll': nll, 'z': z}
+  for head in heads:
+    sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(
+      outputs[head.name], batch[head.labels])
+    loss = loss + sums[f'{head.name}_nll'] / total_sequences
+  return loss, sums
 
 
 class StepLoss(Protocol):

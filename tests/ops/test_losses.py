@@ -1,7 +1,7 @@
 """Cross-entropy and z-loss against float64 NumPy."""
 import numpy as np
 
-from lm.train.loss import cross_entropy
+from lm.ops.losses import cross_entropy
 
 
 def test_weighted_cross_entropy_and_z_loss():
