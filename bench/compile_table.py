@@ -116,7 +116,7 @@ def main() -> None:
     'optimizer state, scanned layers, our flash attention through Mosaic) for the slice with `lm compile`.',
     'Memory is XLA\'s per-device `memory_analysis()`: arguments (sharded state and batch; the donated',
     'state aliases the outputs) plus temporaries. Step times are model FLOPs (6N plus causal attention,',
-    f'`lm/train/accounting.py`) over the slice\'s bf16 peak, and at an assumed {MFU:.0%} MFU.',
+    f'`lm/assembly/accounting.py`) over the slice\'s bf16 peak, and at an assumed {MFU:.0%} MFU.',
     '',
     *scaling_rows(reports),
     '',

@@ -20,10 +20,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from lm.assembly.state import TrainState, shardings_of
 from lm.config import EXECUTION_FIELDS, Config, ConfigError
 from lm.distributed import all_processes, barrier
 from lm.models.transformer import relayout
-from lm.train.state import TrainState, shardings_of
 
 UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
 

@@ -56,9 +56,9 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   import jax
 
   from lm.assembly import assemble
+  from lm.assembly.accounting import count_params, estimate_memory
   from lm.compile import compiled_memory
   from lm.parallel.mesh import strategy_name
-  from lm.train.accounting import count_params, estimate_memory
   from lm.train.step import compile_train_step
 
   assembly = assemble(config)

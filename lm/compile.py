@@ -18,13 +18,14 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
+from lm.assembly.accounting import count_params, shard_bytes
 from lm.config import Config, ConfigError
 from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
-from lm.train.accounting import count_params, shard_bytes
 from lm.train.step import compile_train_step
+
 
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
                    num_slices: int = 1) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Candidates are every split of the slice's chips into data x fsdp x tensor (powers of two; the rules table must
 shard the parameters evenly), each remat policy, and each power-of-two microbatch count that splits the batch
 evenly over the data-parallel devices. Each candidate gets
-- a memory estimate (`lm.train.accounting.estimate_memory`: the sharded state exactly, activations roughly), and
+- a memory estimate (`lm.assembly.accounting.estimate_memory`: the sharded state exactly, activations roughly), and
 - a predicted step time, a roofline: compute is the model FLOPs plus what remat recomputes, at the chip's peak;
   communication is the collective traffic per chip over its interconnect plus a latency per ring step of each
   collective. FSDP's weight gathers and gradient reduce-scatters and the data-parallel gradient all-reduce
@@ -25,11 +25,11 @@ import jax
 import yaml
 
 from lm.assembly import Assembly, assemble
+from lm.assembly.accounting import estimate_memory
 from lm.compile import compile_report
 from lm.config import Config, ConfigError, Remat, merge
 from lm.parallel.chips import hbm_bytes, ici_bytes_per_s, peak_flops, physical_topology, topology_devices
 from lm.report import format_bytes
-from lm.train.accounting import estimate_memory
 
 # Share of a step's model FLOPs each remat policy adds by recomputing the forward pass (a third of the FLOPs):
 # all of it (full); the MLP's first matmul and the attention core, about a third of it (projections); nothing

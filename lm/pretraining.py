@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import jax
 
 from lm.assembly import assemble
+from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config
 from lm.data.pipeline import Batches, build_batches
@@ -19,7 +20,6 @@ from lm.distributed import is_main_process
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, Record, Trainer, restore_or_start
-from lm.train.state import TrainState
 from lm.train.step import make_eval_step
 
 

@@ -1,9 +1,9 @@
 """The scaling-table presets: every one loads, and parameter counts match the published figures."""
 import pytest
 
+from lm.assembly.accounting import count_params
 from lm.config import CONFIG_DIR, load_config
 from lm.models import abstract_params, build_model
-from lm.train.accounting import count_params
 
 # preset: (published parameters, relative tolerance, source)
 PUBLISHED = {

@@ -26,6 +26,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly, assemble
+from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, DataConfig, from_dict, load_config, merge, parse_overrides
 from lm.data.pipeline import HostRows, global_rows
@@ -40,7 +41,6 @@ from lm.models.task_heads import TaskHead
 from lm.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
-from lm.train.state import TrainState
 
 Features = dict[str, np.ndarray]
 

@@ -46,7 +46,7 @@ class Head:
 
 @dataclass(frozen=True)
 class KernelSizes:
-  """Weights of the dense kernels by the tokens they see (`lm.train.accounting.kernel_sizes`)."""
+  """Weights of the dense kernels by the tokens they see (`lm.assembly.accounting.kernel_sizes`)."""
   encoder: int  # under the top-level 'encoder' module (the stacks of T5 and BERT)
   other: int  # every other per-token kernel: decoder stacks, output and MLM layers
   cross_kv: int  # cross-attention key/value projections: they see encoder tokens

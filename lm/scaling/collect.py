@@ -13,11 +13,11 @@ from typing import Any, Sequence
 
 from etils import epath
 
+from lm.assembly import accounting
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
 from lm.run_dir import CONFIG, checkpoints, read_config
 from lm.scaling.sweep import sweep_runs
-from lm.train import accounting
 from lm.train.logging import read_metrics
 
 DEFAULT_EVAL_BATCHES = 20  # --evaluate on a run that trained without evaluation

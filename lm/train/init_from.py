@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from lm.assembly import Assembly
+from lm.assembly.state import TrainState, shardings_of
 from lm.config import ConfigError
 from lm.models.transformer import relayout
 from lm.run_dir import load_params
-from lm.train.state import TrainState, shardings_of
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import jax
 
 from lm.assembly import Assembly
+from lm.assembly.accounting import mfu
+from lm.assembly.state import TrainState
 from lm.checkpoint import UNRESTORABLE, Checkpointer
 from lm.config import ConfigError
 from lm.distributed import barrier, is_main_process
 from lm.parallel.chips import peak_flops
-from lm.train.accounting import mfu
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
-from lm.train.state import TrainState
 from lm.train.step import Batch, StepLoss, make_train_step
 
 Record = dict[str, Any]

@@ -11,13 +11,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
+from lm.assembly.state import TrainState
 from lm.data.pipeline import feature_specs
 from lm.models.family import Head
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
-from lm.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]

@@ -9,8 +9,8 @@ import pytest
 import transformers
 
 from lm.assembly import assemble
+from lm.assembly.accounting import count_params
 from lm.config import load_config
-from lm.train.accounting import count_params
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / 'bench'))

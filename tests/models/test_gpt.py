@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lm.assembly.accounting import count_params
 from lm.config import load_config
 from lm.models import abstract_params, build_model
-from lm.train.accounting import count_params
 
 SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=24', 'data.seq_len=24',
          'model.scan_layers=true']

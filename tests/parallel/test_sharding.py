@@ -131,9 +131,9 @@ def test_initialisation_creates_each_shard_where_it_lives(tmp_path, mesh):
   """The compiled init function: its outputs carry the state's shardings, each device's output is its shards
   (about 1/8 of the state here), and its temporaries stay far below the whole params (it never builds the
   whole model on a device and slices it)."""
+  from lm.assembly.accounting import shard_bytes
+  from lm.assembly.state import make_init_fn
   from lm.config import load_config
-  from lm.train.accounting import shard_bytes
-  from lm.train.state import make_init_fn
   a = assemble(load_config('gpt_tiny', [f'train.run_dir={tmp_path}', 'mesh.data=1', *mesh]), jax.devices())
   compiled = make_init_fn(a.family, a.model, a.tx, a.shardings, a.config.data.seq_len).lower(
     jax.random.key(0)).compile()

@@ -15,13 +15,13 @@ import jax
 import optax
 from jax.sharding import Mesh
 
+from lm.assembly import accounting
+from lm.assembly.optim import make_optimizer
+from lm.assembly.state import TrainState, abstract_state, make_init_fn, shardings_of
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family
 from lm.models.family import Family
 from lm.parallel.mesh import make_mesh
-from lm.train import accounting
-from lm.train.optim import make_optimizer
-from lm.train.state import TrainState, abstract_state, make_init_fn, shardings_of
 
 
 @dataclass(frozen=True)

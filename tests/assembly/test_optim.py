@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lm.assembly.optim import decay_mask, learning_rate_schedule, make_optimizer
 from lm.config import OptimConfig
-from lm.train.optim import decay_mask, learning_rate_schedule, make_optimizer
 
 
 @pytest.mark.parametrize('kind', ['cosine', 'linear', 'constant'])

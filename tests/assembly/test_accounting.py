@@ -3,8 +3,8 @@ import jax
 import pytest
 
 from lm.assembly import assemble
+from lm.assembly.accounting import flops_per_sequence, flops_per_token, mfu
 from lm.config import load_config
-from lm.train.accounting import flops_per_sequence, flops_per_token, mfu
 from lm.train.step import compile_train_step
 
 SEQ, BATCH = 64, 4
