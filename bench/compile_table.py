@@ -1,6 +1,6 @@
 """The preset table: compile every preset for the TPU slice it names ahead of time and write docs/scaling_table.md.
 
-  python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE]
+  python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE] [--resume]
 
 Needs libtpu (the `tpu` extra), no TPU. Each row is `lm compile --config PRESET` of the preset's real train
 step for the slice its header names, with the mesh, remat and microbatches the preset carries; memory is XLA's
@@ -91,22 +91,42 @@ def main() -> None:
   parser.add_argument('--remat', action=argparse.BooleanOptionalAction, default=True,
                       help=f'also compare remat policies on {REMAT_PRESET} (three compiles; default %(default)s)')
   parser.add_argument('--out', default='docs/scaling_table.md')
-  parser.add_argument('--json', default='bench/results/compile_table.json')
+  parser.add_argument('--json', default='bench/results/compile_table.json',
+                      help='the reports, rewritten after every compile')
+  parser.add_argument('--resume', action='store_true',
+                      help='keep the reports --json already holds and compile only the others (an interrupted run)')
   args = parser.parse_args()
 
   start = time.perf_counter()
+  saved = json.loads(Path(args.json).read_text()) if args.resume and Path(args.json).is_file() else {}
   reports: dict[str, dict[str, Any]] = {}
+  remat: dict[str, dict[str, Any]] = {}
+  spent = saved.get('seconds', 0.0)
+
+  def keep() -> None:  # an interrupted run loses at most the compile in flight
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({'table': reports, 'remat': remat,
+                                           'seconds': spent + time.perf_counter() - start}, indent=2) + '\n')
+
   for name in args.only or PLAN:
+    if name in saved.get('table', {}):
+      reports[name] = saved['table'][name]
+      print(f'{name:16s} kept from {args.json}', flush=True)
+      continue
     reports[name] = compile_report(check_config(load_config(name)), preset_slice(name), MFU)
+    keep()
     r = reports[name]
     print(f'{name:16s} {r["topology"]:9s} {gib(r["memory_per_device"]["total"]):>8s} GiB/device '
           f'fits={r["fits"]} compiled in {r["compile_seconds"]:.1f}s', flush=True)
-  remat: dict[str, dict[str, Any]] = {}
   for policy in ('none', 'projections', 'full') if args.remat else ():
+    if policy in saved.get('remat', {}):
+      remat[policy] = saved['remat'][policy]
+      continue
     config = load_config(REMAT_PRESET, REMAT_OVERRIDES + [f'model.remat={policy}'])
     remat[policy] = compile_report(config, REMAT_TOPOLOGY, MFU)
+    keep()
     print(f'{REMAT_PRESET} remat={policy:12s} temp {gib(remat[policy]["memory_per_device"]["temp"])} GiB', flush=True)
-  total_s = time.perf_counter() - start
+  total_s = spent + time.perf_counter() - start
 
   lines = [
     '# The scaling table, compiled for TPU slices',
@@ -134,8 +154,7 @@ def main() -> None:
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text('\n'.join(lines))
-  Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.json).write_text(json.dumps({'table': reports, 'remat': remat, 'seconds': total_s}, indent=2) + '\n')
+  keep()
   print('\n'.join(lines))
   print(f'wrote {out} in {total_s:.0f}s')
 

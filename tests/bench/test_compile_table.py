@@ -37,6 +37,13 @@ def test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits(tmp_path):
   assert cells[3] == f'{report["topology"]} ({report["chips"]} chips)'
   assert cells[7].startswith(f'{memory["total"] / 2**30:,.2f} (') and cells[9] == 'yes'
   assert cells[12] == f'{report["tokens_per_sec"]:,.0f}'
+  # --resume keeps the reports the JSON holds (the whole table takes over an hour here): nothing is compiled again.
+  again = subprocess.run([sys.executable, str(ROOT / 'bench/compile_table.py'), '--only', 'transformer_base',
+                          '--no-remat', '--out', str(tmp_path / 'again.md'), '--json', str(result), '--resume'],
+                         capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f'transformer_base kept from {result}' in again.stdout and 'compiled in' not in again.stdout
+  assert [line for line in (tmp_path / 'again.md').read_text().splitlines() if line.startswith('| transformer')] == rows
 
 
 def test_the_table_covers_every_preset():
