@@ -91,8 +91,8 @@ def main() -> None:
   parser.add_argument('--remat', action=argparse.BooleanOptionalAction, default=True,
                       help=f'also compare remat policies on {REMAT_PRESET} (three compiles; default %(default)s)')
   parser.add_argument('--out', default='docs/scaling_table.md')
-  parser.add_argument('--json', default='bench/results/compile_table.json',
-                      help='the reports, rewritten after every compile')
+  parser.add_argument('--json', default='docs/scaling_table.json',
+                      help='the reports behind the table, rewritten after every compile')
   parser.add_argument('--resume', action='store_true',
                       help='keep the reports --json already holds and compile only the others (an interrupted run)')
   args = parser.parse_args()

@@ -30,10 +30,11 @@ class Pretraining:
     self.config = config
     self.assembly = assemble(config, devices)
     self.mesh, self.model = self.assembly.mesh, self.assembly.model
+    # The loop first: its step checks the batch against the mesh, before any batch is laid out on it.
+    self.loop = Trainer(self.assembly, log_dir=config.run_dir)
     self.tokenizer, self.train_batches, self.val_batches = build_batches(
       config, self.mesh, functools.partial(self.assembly.family.objective, config))
     self.eval_step = make_eval_step(self.assembly)
-    self.loop = Trainer(self.assembly, log_dir=config.run_dir)
 
   @property
   def train_step(self):
