@@ -6,12 +6,11 @@ at the recipe's batch and length; median step time after compilation; prints a t
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from timing import time_calls
 
 from lm.assembly import assemble
 from lm.config import load_config
@@ -45,17 +44,13 @@ def main() -> None:
     rows['token_types'] = (np.arange(length)[None] >= length // 2).astype(np.int32).repeat(batch_size, 0)
   batch = {k: jax.device_put(v, batch_sharding(assembly.mesh, v.ndim)) for k, v in rows.items()}
   state = assembly.init_state()
-  t0 = time.perf_counter()
-  state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(args.steps):
-    t0 = time.perf_counter()
+
+  def one_step():
+    nonlocal state
     state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
-  step_s = statistics.median(times)
+    return metrics
+  timing = time_calls(one_step, args.steps)
+  compile_s, times, step_s = timing.first, timing.times, timing.median
   m = config.model
   result = {'config': config.name, 'overrides': args.overrides, 'backend': jax.default_backend(),
             'devices': jax.device_count(), 'layers': m.num_layers, 'd_model': m.d_model, 'batch': batch_size,

@@ -15,21 +15,21 @@ import os
 
 os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+from pathlib import Path
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from scipy.stats import spearmanr
+from timing import time_calls
 
-from lm.assembly import assemble  # noqa: E402
-from lm.config import load_config  # noqa: E402
-from lm.plan import Candidate, Chip, predict_seconds  # noqa: E402
-from lm.train.step import abstract_batch, make_train_step  # noqa: E402
+from lm.assembly import assemble
+from lm.config import load_config
+from lm.plan import Candidate, Chip, predict_seconds
+from lm.train.step import abstract_batch, make_train_step
 
 MODEL = ['model.d_model=256', 'model.num_heads=4', 'model.d_ff=1024', 'model.num_layers=2', 'data.seq_len=256',
          'model.max_len=256', 'train.global_batch=32']
@@ -50,11 +50,7 @@ def separated_pairs(predicted: list[float]) -> list[tuple[int, int]]:
 
 
 def _rate(fn, x, work: float, repeats: int = 10) -> float:
-  fn(x).block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(repeats):
-    fn(x).block_until_ready()
-  return repeats * work / (time.perf_counter() - t0)
+  return repeats * work / sum(time_calls(lambda: fn(x), repeats).times)
 
 
 def host_chip(devices: int) -> Chip:
@@ -87,16 +83,16 @@ def main() -> None:
     runs.append({'candidate': c, 'step': compiled, 'state': jax.tree.map(zeros, assembly.abstract_state),
                  'batch': jax.tree.map(zeros, batch_spec), 'predicted': predict_seconds(assembly, chip)['step'],
                  'times': []})
+  def stepper(run):
+    def step():
+      run['state'], metrics = run['step'](run['state'], run['batch'])
+      return metrics
+    return step
   for run in runs:  # warm-up
-    run['state'], metrics = run['step'](run['state'], run['batch'])
-    jax.block_until_ready(metrics)
+    time_calls(stepper(run), 0)
   for _ in range(args.rounds):
     for run in runs:
-      for _ in range(args.steps):
-        t0 = time.perf_counter()
-        run['state'], metrics = run['step'](run['state'], run['batch'])
-        jax.block_until_ready(metrics)
-        run['times'].append(time.perf_counter() - t0)
+      run['times'] += time_calls(stepper(run), args.steps, warmup=0).times
 
   predicted = [r['predicted'] for r in runs]
   # The fastest of a candidate's steps: the one least disturbed by other work on the host (as timeit takes).

@@ -5,15 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
+from timing import time_calls
 
 from lm.config import load_config
-from lm.report import format_lines, write_json
 from lm.pretraining import Pretraining
+from lm.report import format_lines, write_json
 
 
 def main() -> None:
@@ -26,21 +25,14 @@ def main() -> None:
 
   config = load_config(args.config, args.overrides)
   trainer = Pretraining(config)
-  state = trainer.init_state()
-  batch = next(trainer.train_batches)
-  t0 = time.perf_counter()
-  state, metrics = trainer.train_step(state, batch)
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  state, metrics = trainer.train_step(state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(args.steps):
-    t0 = time.perf_counter()
+  state, batch = trainer.init_state(), next(trainer.train_batches)
+
+  def step():
+    nonlocal state
     state, metrics = trainer.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
-  step_s = statistics.median(times)
+    return metrics
+  timing = time_calls(step, args.steps, warmup=2)
+  compile_s, times, step_s = timing.first, timing.times, timing.median
   tokens = config.train.global_batch * config.data.seq_len
   m = config.model
   result = {

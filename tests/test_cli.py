@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from lm import cli
 from lm.train.logging import read_metrics
@@ -24,6 +25,7 @@ def test_info_json_reports_counts_flops_mesh_memory(capsys):
   assert mem['params'] == 3_292_672 * 4 and mem['optimizer'] == 2 * mem['params'] + 2 * 4
 
 
+@pytest.mark.long(0.2)
 def test_train_command_runs_and_logs(tmp_path, capsys):
   argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',
           'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8', 'train.steps=4', 'train.log_every=2',
@@ -39,6 +41,7 @@ def test_train_command_runs_and_logs(tmp_path, capsys):
   assert len([r for r in read_metrics(tmp_path / 'run') if 'loss' in r]) == 4
 
 
+@pytest.mark.long(0.2)
 def test_resume_from_the_command_line_continues_the_same_run(tmp_path):
   argv = ['train', '--config', 'gpt_tiny', 'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2',
           'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8', 'train.eval_every=2', 'train.eval_batches=1',
@@ -74,6 +77,7 @@ def test_commands_are_quiet_where_libtpu_is_installed_without_a_tpu():
   assert result.stdout.startswith('config ')
 
 
+@pytest.mark.long(0.2)
 def test_info_simulates_devices_and_reports_the_compiled_step(tmp_path):
   """`lm info --devices 4 --compile` plans on 4 simulated CPU devices (a fresh process, as a user runs it) and
   reports the compiled step's memory: the same figures as compiling that step here on 4 of the 8 devices."""

@@ -39,6 +39,7 @@ def test_bad_slice_names_are_explained(name, match):
 @needs_libtpu
 # The suite sets a persistent compilation cache (conftest.py), which cannot load TPU executables back: had
 # compile_report written its executable there, the second compile of the same step below would warn.
+@pytest.mark.long(0.2)
 @pytest.mark.filterwarnings('error')
 def test_compile_report_equals_the_compiled_memory_analysis(tmp_path):
   config = load_config('gpt_tiny', TPU_TINY + ['train.global_batch=8'])
@@ -74,12 +75,14 @@ def _dots_in_lowered_step(layers: int, scan: bool) -> int:
   return text.count('stablehlo.dot_general')
 
 
+@pytest.mark.long(0.2)
 def test_scanned_layers_lower_to_a_program_whose_size_does_not_grow_with_depth():
   """What XLA compiles is one layer body in a loop, so compile time stays flat as depth grows."""
   assert _dots_in_lowered_step(2, scan=True) == _dots_in_lowered_step(48, scan=True)
   assert _dots_in_lowered_step(8, scan=False) > 3 * _dots_in_lowered_step(2, scan=False)
 
 
+@pytest.mark.long(0.5)
 @needs_libtpu
 def test_two_slices_compile_with_data_parallelism_across_them():
   config = load_config('gpt_tiny', TPU_TINY + ['train.global_batch=16', 'data.seq_len=256', 'model.max_len=256'])
@@ -196,6 +199,7 @@ def test_on_tpu_bf16_dots_write_bf16_activations_and_float32_gradients_of_weight
   assert _dot_types(text) == {'bf16,bf16->bf16', 'bf16,bf16->f32'}
 
 
+@pytest.mark.long(0.2)
 @needs_libtpu
 def test_on_tpu_fsdp_gathers_weights_in_bf16_and_reduces_their_gradients_in_float32(tmp_path):
   """The compiled TPU program (XLA's optimized HLO, dumped by a process of its own) of a bf16 step with fsdp over

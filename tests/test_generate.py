@@ -55,7 +55,7 @@ def relative_error(got, want):
 
 
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
-@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny', 'llama_tiny'])
+@pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny'])
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)
   rows, logits = generate_with_logits(model, params, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0),
@@ -87,6 +87,7 @@ def test_greedy_is_deterministic_argmax_and_stops_at_eos(preset):
   assert np.all(np.asarray(logits)[0, end:] == 0) and np.all(np.asarray(logits)[0, :end] != 0)
 
 
+@pytest.mark.long(0.2)
 def test_top_k_one_and_tiny_top_p_equal_greedy_and_sampling_is_reproducible():
   model, params = tiny('gpt_tiny')
   run = functools.partial(generate, model, params, PROMPTS, max_new_tokens=8)
@@ -173,6 +174,7 @@ def trained_run(tmp_path_factory):
   return run_dir
 
 
+@pytest.mark.long(0.2)
 def test_cli_prints_continuations(trained_run, capsys):
   argv = ['generate', '--run', str(trained_run), '--prompt', 'def ', '--prompt', 'The', '--max-new-tokens', '12']
   assert cli.main(argv) == 0

@@ -25,6 +25,7 @@ def test_the_peer_gpt2_has_lm_gpt_bench_parameter_for_parameter():
   assert sum(p.numel() for p in theirs.parameters()) == ours
 
 
+@pytest.mark.long(1)
 def test_one_round_reports_each_contender_and_the_ratio(tmp_path):
   out = tmp_path / 'peers.json'
   done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--rounds', '2', '--steps', '1', '--only',
@@ -64,6 +65,7 @@ class FlaxGPT2LMHeadModel:
 '''
 
 
+@pytest.mark.long(0.5)
 def test_the_flax_worker_runs_with_its_python(tmp_path):
   """`--flax-python`: the worker script starts, trains and reports in that Python (here this one, with a stub
   `transformers` in front: the real Flax GPT-2 needs transformers<5, another environment)."""

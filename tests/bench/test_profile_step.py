@@ -31,6 +31,7 @@ def result(tmp_path_factory):
   return json.loads(out.read_text())
 
 
+@pytest.mark.long(0.5)
 def test_matmul_flops_from_the_hlo_equal_the_count_by_hand(result):
   """32 tokens attend unblocked (the whole square), so the compiled dots are the accounting's 'full' count:
   dense layers, attention and the tied output layer, forward and backward."""

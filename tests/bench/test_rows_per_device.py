@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lm.compile import compile_report
 from lm.config import load_config
 from tests.conftest import needs_libtpu
@@ -12,6 +14,7 @@ from tests.test_compile import TPU_TINY
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long(0.2)
 @needs_libtpu
 def test_each_row_count_reports_the_compiled_memory_of_that_batch(tmp_path):
   out = tmp_path / 'rows.json'

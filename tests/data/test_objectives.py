@@ -110,6 +110,7 @@ def test_span_lengths_fit_t5_defaults():
   assert len(inputs) == lengths.inputs and len(targets) == lengths.targets
 
 
+@pytest.mark.long(0.2)
 def test_next_sentence_pairs():
   rng = np.random.default_rng(0)
   n, seq = 400, 64

@@ -177,6 +177,7 @@ def test_a_vocabulary_without_room_for_the_sentinels_is_refused():
     make_objective(config, get_tokenizer('byte'))
 
 
+@pytest.mark.long(0.2)
 def test_one_small_text_file_trains_with_validation_held_out_from_its_tail(tmp_path):
   """Too few files to split by file: the last pieces are held out, disjoint from the training pieces."""
   from lm import cli

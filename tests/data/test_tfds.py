@@ -31,6 +31,7 @@ def corpus(tmp_path_factory):
   return data + [f'data.tokenizer=sentencepiece:{root / "sp.model"}', 'model.vocab_size=1024']
 
 
+@pytest.mark.long(1)
 @pytest.mark.parametrize('preset, extra', [('gpt_tiny', []), ('bert_tiny', ['model.max_len=32']),
                                            ('t5_tiny', ['model.d_ff=128'])])
 def test_every_family_trains_from_the_tfds_corpus(corpus, preset, extra, tmp_path):
@@ -56,6 +57,7 @@ def losses_and_params(config, run_dir, *, preempt_at=None, resume=False):
   return trainer
 
 
+@pytest.mark.long(0.2)
 def test_resume_after_sigterm_is_exact(corpus, tmp_path):
   """Preempted at step 20 and resumed: every step's loss and the final params equal 40 steps straight."""
   config = lambda *o: load_config('gpt_tiny', SMALL + corpus + ['train.steps=40', 'train.eval_batches=0',
@@ -89,3 +91,7 @@ def test_building_over_an_existing_dataset_is_refused(corpus, tmp_path, capsys):
   assert cli.main(['data', 'build', '--name', 'lm_test_corpus', '--from', str(tmp_path / 'x.txt'),
                    '--data-dir', data_dir]) == 2
   assert 'already exists; choose another --name or remove it' in capsys.readouterr().err
+  from lm.config import ConfigError
+  from lm.data.build import build_tfds
+  with pytest.raises(ConfigError, match='lower snake_case'):
+    build_tfds('Bad-Name', [str(tmp_path / 'x.txt')], data_dir)

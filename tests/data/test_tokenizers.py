@@ -50,6 +50,7 @@ def wordpiece_dir(tmp_path_factory):
   return directory
 
 
+@pytest.mark.long(0.2)
 def test_sentencepiece_round_trips_the_corpus_and_names_its_specials(sentencepiece_model):
   tok = get_tokenizer(sentencepiece_model)
   for text in SAMPLE:
@@ -112,6 +113,7 @@ def test_bad_tokenizer_specs_are_one_line_errors(spec, message, capsys):
   assert message in err and err.count('\n') == 1
 
 
+@pytest.mark.long(0.2)
 def test_a_vocabulary_smaller_than_the_tokenizer_is_one_line(sentencepiece_model, capsys):
   assert cli.main(['train', '--config', 'gpt_tiny', f'data.tokenizer={sentencepiece_model}']) == 2
   err = capsys.readouterr().err

@@ -225,6 +225,7 @@ def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files,
   assert set(summary['tasks']) == set(METRICS) and 0 <= summary['score'] <= 1
 
 
+@pytest.mark.long(1)
 def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys):
   out = tmp_path / 'runs'
   argv = ['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert),
@@ -299,6 +300,7 @@ def save_hf_t5(directory, version):
   return directory
 
 
+@pytest.mark.long(1)
 @pytest.mark.parametrize('version', ['v1_0', 'v1_1'])
 def test_an_hf_t5_directory_fine_tunes_text_to_text(version, glue_dir, tmp_path):
   """`--init` an HF T5 directory: the run takes its architecture (v1.0 or v1.1) and its spiece.model, fine-tunes

@@ -69,6 +69,7 @@ def straight(glue_dir, hf_bert, tmp_path_factory):
   return out
 
 
+@pytest.mark.long(0.5)
 def test_a_fine_tune_stopped_by_sigterm_resumes_to_the_same_results(glue_dir, hf_bert, straight, tmp_path,
                                                                        monkeypatch, capsys):
   """SIGTERM at step 6 (no evaluation or checkpoint is due there): the step is checkpointed and nothing is
@@ -91,6 +92,7 @@ def test_a_fine_tune_stopped_by_sigterm_resumes_to_the_same_results(glue_dir, hf
     json.loads((straight / 'mrpc' / 'eval_results.json').read_text())['step']
 
 
+@pytest.mark.long(0.2)
 def test_a_killed_fine_tune_resumes_from_its_last_checkpoint(glue_dir, hf_bert, straight, tmp_path):
   """kill -9 at step 10 (in a process of its own): the resumed run starts from the last checkpoint that was
   written (step 8 or 4; none is half-used) and ends as the uninterrupted run."""
@@ -105,6 +107,7 @@ def test_a_killed_fine_tune_resumes_from_its_last_checkpoint(glue_dir, hf_bert, 
   assert_same_run(out, straight)
 
 
+@pytest.mark.long(0.5)
 def test_an_interrupted_sweep_resumes_the_point_it_stopped_in(glue_dir, hf_bert, tmp_path, monkeypatch, capsys):
   sweep = ['--sweep', 'train.seed=0,1']
   assert cli.main(argv(glue_dir, hf_bert, tmp_path / 'straight', *sweep)) == 0

@@ -71,6 +71,7 @@ def test_a_failing_process_stops_the_others(tmp_path):
   assert 'process 1 exited with status 3' in out.stderr
 
 
+@pytest.mark.long(0.5)
 def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
   """The preemption notice reaches one host; every process saves the same step and exits 0."""
   port = free_port()
@@ -135,3 +136,15 @@ def test_lm_is_found_beside_python_when_the_venv_is_not_activated(monkeypatch, t
   with pytest.raises(SystemExit, match='launch: lmx is not on PATH nor beside .*; activate the venv'):
     resolve(['lmx', 'train'])
   assert resolve([sys.executable, '-m', 'lm.cli']) == [sys.executable, '-m', 'lm.cli']  # a path stays as given
+
+
+def test_the_cluster_kind_comes_from_the_environment():
+  from lm.config import ConfigError
+  from lm.distributed import EXPLICIT, cluster
+  explicit = dict(zip(EXPLICIT, ('localhost:1234', '2', '0')))
+  assert cluster(explicit) == 'explicit' and cluster({**explicit, 'LM_NUM_PROCESSES': '1'}) is None
+  with pytest.raises(ConfigError, match='missing LM_PROCESS_ID'):
+    cluster({k: v for k, v in explicit.items() if k != 'LM_PROCESS_ID'})
+  slurm = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NODELIST': 'n1', 'SLURM_NTASKS': '4', 'SLURM_PROCID': '0',
+           'SLURM_LOCALID': '0'}
+  assert cluster(slurm) == 'slurm' and cluster({**slurm, 'SLURM_NTASKS': '1'}) is None

@@ -68,6 +68,7 @@ def one_device(tmp_path_factory, documents):
   return get
 
 
+@pytest.mark.long(1)
 @pytest.mark.parametrize('mesh', MESHES)
 @pytest.mark.parametrize('family', ['gpt', 'llama', 'bert'])
 def test_a_split_sequence_trains_as_one_device(family, mesh, tmp_path, documents, one_device, capfd):
@@ -87,6 +88,7 @@ def test_a_split_sequence_trains_as_one_device(family, mesh, tmp_path, documents
   assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.long(0.2)
 def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_device):
   config = configured('gpt', tmp_path, documents, *MESHES['dp+cp'], 'train.microbatches=2', 'model.remat=full')
   grads, losses, _ = train(config, jax.devices(), 3)
@@ -96,6 +98,7 @@ def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_
   np.testing.assert_allclose(losses, want_losses[:3], rtol=1e-4)
 
 
+@pytest.mark.long(1)
 @pytest.mark.parametrize('family', ['gpt', 'bert'])
 def test_flash_blocks_in_the_ring_train_as_one_device(family, tmp_path, documents, one_device):
   """`model.attention_impl=flash` on a split sequence: each hop's blocks through our kernel (interpreted here),
@@ -108,6 +111,7 @@ def test_flash_blocks_in_the_ring_train_as_one_device(family, tmp_path, document
   np.testing.assert_allclose(losses, want_losses[:3], rtol=1e-4)
 
 
+@pytest.mark.long(0.2)
 def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(small_config):
   """The compiled step passes blocks between neighbours (collective permutes); its per-device activation memory
   falls as the sequence splits further (attention's [length, length] scores above all), and so does its state:
@@ -163,6 +167,7 @@ def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small
   assert 'collective_permute' in text and 'tpu_custom_call' not in text
 
 
+@pytest.mark.long(0.5)
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 def test_flash_blocks_in_the_ring_compile_for_a_tpu_slice(small_config):
   """The flash ring through Mosaic: the kernel inside the ring's loop and its branches compiles for v5e, and the

@@ -64,8 +64,8 @@ def reference(tmp_path_factory):
 
 # Every mesh for GPT; for the other families (the same layers and rules table, their own attention, norms and
 # heads) tensor parallelism over all 8 devices, which splits their heads, and the mesh with every axis.
-CASES = [(family, name) for family in FAMILIES for name in MESHES
-         if family == 'gpt' or name in ('tp', 'dp_fsdp_tp')]
+CASES = [pytest.param(family, name, marks=() if family == 'gpt' else pytest.mark.long(0.2))  # the fast tier: GPT
+         for family in FAMILIES for name in MESHES if family == 'gpt' or name in ('tp', 'dp_fsdp_tp')]
 
 
 @pytest.mark.parametrize('family, name', CASES)
@@ -92,6 +92,7 @@ def test_sharded_training_equals_one_device(family, name, tmp_path, reference, c
     assert rel(got, want_leaves[path]) < 1e-5, name
 
 
+@pytest.mark.long(0.5)
 @pytest.mark.parametrize('mesh', [('mesh.data=8',), ('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')])
 def test_dropout_is_the_same_on_any_mesh(small_config, reference, mesh):
   """Hidden and attention dropout draw the same masks on every mesh (the losses equal one device's), and they
@@ -104,6 +105,7 @@ def test_dropout_is_the_same_on_any_mesh(small_config, reference, mesh):
   assert all(abs(a - b) > 1e-4 for a, b in zip(losses, no_dropout[:3]))
 
 
+@pytest.mark.long(0.2)
 def test_fsdp_splits_params_and_optimizer_state_eight_ways(tmp_path):
   # gpt_tiny's width: biases over the heads and mlp axes stay replicated, a share that falls as 1/d_model.
   from lm.config import load_config
@@ -114,6 +116,7 @@ def test_fsdp_splits_params_and_optimizer_state_eight_ways(tmp_path):
   assert ratio <= 1 / 8 * 1.05, ratio
 
 
+@pytest.mark.long(0.2)
 def test_a_two_slice_mesh_trains_like_one_device(tmp_path, reference):
   """Data parallel across two (simulated) slices, fsdp and tensor within each: the slice axis enters through
   the rules table alone (the batch splits over slice x data x fsdp)."""

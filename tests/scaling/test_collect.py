@@ -27,6 +27,7 @@ def read(path):
     return list(csv.DictReader(f))
 
 
+@pytest.mark.long(0.2)
 def test_points_carry_hand_derived_sizes_tokens_and_flops(runs, tmp_path):
   out = tmp_path / 'points.csv'
   assert cli.main(['scaling', 'collect', *(str(runs / str(w)) for w in WIDTHS), '--out', str(out)]) == 0
@@ -54,6 +55,8 @@ def test_evaluate_reproduces_the_recorded_losses_from_the_checkpoints(runs, tmp_
   assert cli.main(['scaling', 'collect', *paths, '--out', str(evaluated), '--evaluate']) == 0
   want, got = read(recorded), read(evaluated)
   assert [r['step'] for r in got] == [r['step'] for r in want]
+  from lm.scaling.collect import recorded_losses  # the recorded column is metrics.jsonl's validation losses
+  assert [float(r['loss']) for r in want] == [loss for w in WIDTHS for loss in recorded_losses(runs / str(w)).values()]
   for a, b in zip(want, got):
     assert float(b['loss']) == pytest.approx(float(a['loss']), rel=1e-5)
 

@@ -137,6 +137,9 @@ def test_cli_fit_json_matches_the_library(tmp_path, capsys):
   assert printed['params'] == pytest.approx(direct['params'], rel=1e-6)
   assert printed['optimal'][0]['tokens_per_param'] == pytest.approx(direct['optimal'][0]['tokens_per_param'], rel=1e-5)
   assert set(printed) >= {'law', 'params', 'a', 'b', 'optimal'}
+  from lm.scaling.report import format_fit  # without --json: the same fit as lines
+  assert cli.main(['scaling', 'fit', csv_path, '--budget', '1e21']) == 0
+  assert capsys.readouterr().out == format_fit(printed) + '\n'
 
 
 @pytest.mark.parametrize('header, rows, argv, message', [
@@ -161,6 +164,9 @@ def test_plot_draws_points_fit_and_isoflop_profiles(tmp_path, capsys):
   assert cli.main(['scaling', 'plot', csv_path, '--fit', str(tmp_path / 'fit.json'), '--out',
                    str(tmp_path / 'fig.png')]) == 0
   assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  from lm.scaling.plot import plot
+  direct = plot(points, tmp_path / 'direct.png', json.loads((tmp_path / 'fit.json').read_text()))
+  assert direct.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   (tmp_path / 'bad.json').write_text('{"not": "a fit"}')
   capsys.readouterr()
   assert cli.main(['scaling', 'plot', csv_path, '--fit', str(tmp_path / 'bad.json'), '--out',

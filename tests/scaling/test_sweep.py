@@ -55,6 +55,7 @@ def test_sweep_collect_fit_plot(tmp_path, capsys):
   assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.long(0.2)
 def test_an_interrupted_point_resumes(tmp_path):
   """A point stopped before its last step is continued from its checkpoint, not restarted."""
   out = tmp_path / 'sweep'

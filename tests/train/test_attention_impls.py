@@ -27,6 +27,7 @@ def losses(preset, overrides, devices, steps=10):
   return np.array(out)
 
 
+@pytest.mark.long(1)
 @pytest.mark.parametrize('preset, mesh', CASES)
 def test_flash_training_matches_xla(preset, mesh):
   devices = jax.devices()[:1] if mesh == '1 device' else jax.devices()

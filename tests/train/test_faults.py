@@ -59,6 +59,7 @@ def damage(step_dir):
     f.write_bytes(f.read_bytes()[:100])
 
 
+@pytest.mark.long(0.5)
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path):
   # Run and resumed as a user runs them, each in a process of its own (one device, this XLA): whatever Python,
   # orbax and TensorStore print reaches its stderr (under pytest, Python's reports of ignored exceptions would not).
@@ -84,6 +85,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path
   assert without_timing(read_metrics(tmp_path)) == straight  # resumed from step 5, redone exactly
 
 
+@pytest.mark.long(0.2)
 def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path, capsys):
   argv = ['train', '--config', 'gpt_tiny', *SMALL, 'mesh.data=-1', 'optim.learning_rate=1e4', 'optim.warmup_steps=0',
           'optim.grad_clip=0', 'train.steps=40', 'train.checkpoint_every=2', f'train.run_dir={tmp_path}']
@@ -100,6 +102,7 @@ def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path,
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.long(0.2)
 def test_skip_drops_non_finite_updates_and_counts_them(small_config):
   config = small_config('optim.learning_rate=1e4', 'optim.warmup_steps=0', 'optim.grad_clip=0', 'train.steps=20',
                         'train.on_nonfinite=skip')
@@ -111,6 +114,7 @@ def test_skip_drops_non_finite_updates_and_counts_them(small_config):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(trainer.final_state.params))
 
 
+@pytest.mark.long(0.2)
 def test_restore_onto_other_meshes_and_device_counts(small_config, tmp_path):
   """Saved on 8 devices (fsdp=8); restored on 4 (data=2 x tensor=2), then on 1: identical params."""
   first = small_config('train.steps=2', 'mesh.data=1', 'mesh.fsdp=8')
@@ -125,6 +129,7 @@ def test_restore_onto_other_meshes_and_device_counts(small_config, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), want)
 
 
+@pytest.mark.long(0.2)
 def test_flash_attention_with_x64_enabled():
   code = '''
 import jax, jax.numpy as jnp, numpy as np

@@ -38,6 +38,7 @@ def test_a_new_run_starts_where_the_source_ended(trained, source, tmp_path):
   assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
+@pytest.mark.long(0.2)
 def test_config_yaml_of_an_imported_run_trains_from_its_weights(trained, tmp_path, capsys):
   argv = ['train', '--config', str(trained / 'imported' / 'config.yaml'), 'train.steps=1', 'train.eval_batches=2',
           'data.seq_len=32', 'train.global_batch=16', 'train.progress=false']
@@ -48,6 +49,7 @@ def test_config_yaml_of_an_imported_run_trains_from_its_weights(trained, tmp_pat
   assert 'holds an imported model' in capsys.readouterr().err
 
 
+@pytest.mark.long(0.2)
 def test_generate_samples_from_an_imported_run(trained, capsys):
   assert cli.main(['generate', '--run', str(trained / 'imported'), '--prompt', 'def ', '--max-new-tokens', '8']) == 0
   out = capsys.readouterr().out
@@ -66,6 +68,7 @@ def test_a_mismatched_model_is_one_line_naming_the_parameter_and_both_shapes(tra
                                              f'train.run_dir={tmp_path}/b']), jax.devices()[:1]).run()
 
 
+@pytest.mark.long(0.5)
 def test_heads_the_source_lacks_start_fresh_and_are_listed(tmp_path, capsys):
   """A BERT pretrained without NSP, fine-tuned with it: pooler and NSP head are new, the rest is loaded."""
   base = SMALL + ['model.max_len=32', 'train.eval_batches=1']

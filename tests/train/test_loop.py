@@ -14,6 +14,7 @@ def train_losses(records):
   return {r['step']: r['loss'] for r in records if 'loss' in r}
 
 
+@pytest.mark.long(0.2)
 def test_resume_is_exact(small_config, tmp_path):
   common = ['optim.decay_steps=20', 'train.checkpoint_every=5', 'train.eval_every=10']
   straight = Pretraining(small_config('train.steps=20', f'train.run_dir={tmp_path}/a', *common), jax.devices()[:1])
@@ -31,6 +32,7 @@ def test_resume_is_exact(small_config, tmp_path):
   assert int(second.final_state.step) == 20
 
 
+@pytest.mark.long(0.2)
 def test_run_outputs(small_config, tmp_path):
   config = small_config('train.steps=6', 'train.log_every=3', 'train.eval_every=3', 'train.peak_flops=1e12',
                         f'train.run_dir={tmp_path}/run')
@@ -63,12 +65,13 @@ def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
 
 @pytest.mark.parametrize('preset, extra, start, end', [
   ('gpt_tiny', [], 5.4, 3.5),
-  ('llama_tiny', ['model.num_kv_heads=2'], 5.4, 3.5),
-  ('bert_tiny', ['model.max_len=32'], 5.0, 4.0),
-  ('t5_tiny', ['model.d_ff=128'], 5.0, 3.8),
+  pytest.param('llama_tiny', ['model.num_kv_heads=2'], 5.4, 3.5, marks=pytest.mark.long(0.2)),
+  pytest.param('bert_tiny', ['model.max_len=32'], 5.0, 4.0, marks=pytest.mark.long(0.2)),
+  pytest.param('t5_tiny', ['model.d_ff=128'], 5.0, 3.8, marks=pytest.mark.long(0.5)),
   # Vaswani et al.'s encoder-decoder (sinusoidal positions, post-LN, ReLU, dropout 0.1 / 0.3) at tiny width
-  *[(name, ['model.vocab_size=384', 'data.tokenizer=byte', 'model.max_len=32', 'model.num_heads=4', 'model.d_ff=128',
-            'model.num_decoder_layers=2', 'model.dtype=float32', 'model.attention_impl=xla'], 5.9, 5.4)
+  *[pytest.param(name, ['model.vocab_size=384', 'data.tokenizer=byte', 'model.max_len=32', 'model.num_heads=4',
+                        'model.d_ff=128', 'model.num_decoder_layers=2', 'model.dtype=float32',
+                        'model.attention_impl=xla'], 5.9, 5.4, marks=pytest.mark.long(0.5))
     for name in ('transformer_base', 'transformer_big')],
 ])
 def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):
@@ -81,6 +84,7 @@ def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):
   assert evals[0] > start and evals[-1] < end, evals
 
 
+@pytest.mark.long(0.2)
 def test_bert_with_next_sentence_prediction(small_config, tmp_path):
   from lm.config import load_config
   from tests.conftest import SMALL
@@ -92,6 +96,7 @@ def test_bert_with_next_sentence_prediction(small_config, tmp_path):
   assert abs(steps[0]['nsp_loss'] - np.log(2)) < 0.3
 
 
+@pytest.mark.long(0.5)
 def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
   import os
   import signal
@@ -116,3 +121,11 @@ def test_sigterm_checkpoints_and_resume_continues(small_config, tmp_path):
   assert sorted(losses) == list(range(1, 11)) and losses == expected
   for x, y in zip(jax.tree.leaves(straight.final_state), jax.tree.leaves(resumed.final_state)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_callback_runs_at_its_cadence_and_after_the_final_step():
+  from lm.train.loop import Callback
+  every_3, final_only = Callback(), Callback()
+  every_3.every = 3
+  assert [s for s in range(1, 11) if every_3.due(s, s == 10, False)] == [3, 6, 9, 10]
+  assert [s for s in range(1, 11) if final_only.due(s, s == 10, False)] == [10]

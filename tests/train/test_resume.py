@@ -29,6 +29,7 @@ def losses(run_dir):
   ('model.attention_block_q=128', 'model.attention_block_q=16', 1e-5, 'mesh.fsdp=1'),
   ('model.dtype=float32', 'model.dtype=bfloat16', 2e-2, 'mesh.fsdp=1'),
 ])
+@pytest.mark.long(1)
 def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys, before, after, rtol, mesh):
   devices = jax.devices()[:int(mesh.split('=')[1])]
   straight = Pretraining(small_config(*COMMON, before, mesh, f'train.run_dir={tmp_path}/a'), devices)

@@ -33,6 +33,7 @@ def test_microbatches_give_the_same_update(small_config, k):
   assert_same_update(accumulated, one)
 
 
+@pytest.mark.long(0.2)
 def test_microbatches_on_a_mesh(small_config):
   """Accumulation under dp x fsdp keeps every microbatch spread over all data shards: the update equals one
   device's whole-batch update."""
