@@ -17,7 +17,9 @@ from typing import Any
 
 from lm.compile import compile_report
 from lm.config import load_config, preset_slice
+from lm.mesh_axes import mesh_text
 from lm.models import check_config
+from lm.report import format_bytes
 
 MFU = 0.5
 # preset: published parameters (None: a CPU preset of ours), in table order. Each preset's header names its slice
@@ -40,7 +42,7 @@ REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']
 
 
 def gib(n: float) -> str:
-  return f'{n / 2**30:,.2f}'
+  return format_bytes(n, 'GiB', 2, suffix=False)
 
 
 def seconds(s: float) -> str:
@@ -51,9 +53,8 @@ def published(params: float | None) -> str:
   return '-' if params is None else f'{params / 1e6:,.0f}M'
 
 
-def mesh_text(r: dict[str, Any]) -> str:
-  m = r['mesh']
-  return f'{m["data"]}x{m["fsdp"]}x{m["tensor"]} ({m["strategy"]})'
+def mesh_cell(r: dict[str, Any]) -> str:
+  return f'{mesh_text(r["mesh"])} ({r["mesh"]["strategy"]})'
 
 
 def batch_text(r: dict[str, Any]) -> str:
@@ -62,14 +63,14 @@ def batch_text(r: dict[str, Any]) -> str:
 
 
 def scaling_rows(reports: dict[str, dict[str, Any]]) -> list[str]:
-  rows = ['| preset | params (ours) | published | topology | mesh data x fsdp x tensor | remat | batch | '
+  rows = ['| preset | params (ours) | published | topology | mesh | remat | batch | '
           'memory/device GiB (args + temp) | HBM GiB | fits | step at peak | step at 50% MFU | tokens/s |',
           '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for name, r in reports.items():
     mem = r['memory_per_device']
     rows.append(
       f'| {name} | {r["params"]["total"] / 1e6:,.1f}M | {published(PLAN[name])} | {r["topology"]} '
-      f'({r["chips"]} chips) | {mesh_text(r)} | {r["remat"]} | {batch_text(r)} | {gib(mem["total"])} '
+      f'({r["chips"]} chips) | {mesh_cell(r)} | {r["remat"]} | {batch_text(r)} | {gib(mem["total"])} '
       f'({gib(mem["arguments"])} + {gib(mem["temp"])}) | {gib(r["hbm_per_device"])} | '
       f'{"yes" if r["fits"] else "**no**"} | {seconds(r["step_seconds_at_peak"])} | {seconds(r["step_seconds"])} | '
       f'{r["tokens_per_sec"]:,.0f} |')

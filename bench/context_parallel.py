@@ -20,8 +20,8 @@ from pathlib import Path
 from lm.compile import compile_report
 from lm.config import load_config
 from lm.parallel.chips import physical_topology, topology_devices
+from lm.report import format_bytes
 
-GIB = 2 ** 30
 # model.attention_impl -> what runs: without a split sequence `auto` is the flash kernel on TPU; with one, the ring
 ATTENTION = {'auto': 'flash kernel (no ring)', 'xla': 'ring, XLA blocks', 'flash': 'ring, flash-kernel blocks'}
 
@@ -48,20 +48,20 @@ def main() -> None:
     t0 = time.perf_counter()
     report = compile_report(load_config(args.config, overrides), args.topology, assumed_mfu=args.mfu)
     memory = report['memory_per_device']
+    gib = [format_bytes(memory[k], 'GiB', 2, suffix=False) for k in ('arguments', 'temp', 'total')]
     rows.append(f"| {n} | {ATTENTION[impl]} | {report['mesh']['fsdp']} x {n} | {chips // n} | {args.length // n:,} | "
-                f"{memory['arguments'] / GIB:.2f} | {memory['temp'] / GIB:.2f} | {memory['total'] / GIB:.2f} | "
-                f"{'yes' if report['fits'] else 'no'} | {report['step_seconds']:.3g} | "
+                f"{' | '.join(gib)} | {'yes' if report['fits'] else 'no'} | {report['step_seconds']:.3g} | "
                 f"{report['tokens_per_sec']:,.0f} |")
     reports.append({'sequence': n, 'attention': ATTENTION[impl], 'overrides': overrides, **report})
     print(rows[-1], f'({time.perf_counter() - t0:.0f} s to compile)', flush=True)
 
-  hbm = reports[0]['hbm_per_device'] / GIB
+  hbm = format_bytes(reports[0]['hbm_per_device'], 'GiB', 0)
   table = '\n'.join([
     f'# Context parallelism: {args.config} at {args.length:,} tokens on {args.topology} ({chips} chips)', '',
     f'`python bench/context_parallel.py --config {args.config} --topology {args.topology} --length {args.length}`: '
     f'the train step compiled ahead of time for each `mesh.sequence`, one sequence per {chips} / sequence chips '
     f'(fsdp fills the rest; parameters and optimizer state shard over fsdp x sequence). Memory per device '
-    f'against {hbm:.0f} GiB of HBM; step time from model FLOPs at {args.mfu:.0%} MFU.', '',
+    f'against {hbm} of HBM; step time from model FLOPs at {args.mfu:.0%} MFU.', '',
     '| mesh.sequence | attention | fsdp x sequence | global batch | tokens per chip | arguments GiB | temp GiB | '
     'total GiB | fits | step s | tokens/s |',
     '|---|---|---|---|---|---|---|---|---|---|---|', *rows, ''])

@@ -13,14 +13,17 @@ last with Flax models) and this jax.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
+
+import timing
+from timing import interleaved, time_calls
 
 CONTENDERS = ('lm fp32', 'lm bf16', 'torch eager fp32', 'torch.compile fp32', 'torch eager bf16 autocast')
 FLAX = 'HF Flax GPT-2 fp32'
@@ -76,8 +79,7 @@ def torch_worker(config_name: str, mode: str) -> Callable[[], None]:
 
 
 FLAX_WORKER = '''
-import json, sys, time
-from typing import Callable  # serve's annotation
+import json, sys
 import jax, jax.numpy as jnp, optax, transformers
 cfg = json.loads(sys.argv[1])
 model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(**cfg['gpt2']), seed=0)
@@ -104,16 +106,10 @@ def step():
 
 def serve(step: Callable[[], None]) -> None:
   """Warm up (compile) with two steps, then answer each `run N` line on stdin with N step times as JSON."""
-  step()
-  step()
+  time_calls(step, 0, warmup=2)
   print('ready', flush=True)
   for line in sys.stdin:
-    times = []
-    for _ in range(int(line.split()[1])):
-      t0 = time.perf_counter()
-      step()
-      times.append(time.perf_counter() - t0)
-    print(json.dumps(times), flush=True)
+    print(json.dumps(time_calls(step, int(line.split()[1]), warmup=0).times), flush=True)
 
 
 def wait_ready(name: str, worker: subprocess.Popen) -> None:
@@ -156,16 +152,14 @@ def main() -> None:
                                                          ('learning_rate', 'b1', 'b2', 'eps', 'weight_decay',
                                                           'grad_clip')},
             'batch': config.train.global_batch, 'seq': config.data.seq_len}
-    commands[FLAX] = [args.flax_python, '-c', FLAX_WORKER + inspect.getsource(serve) + 'serve(step)\n',
-                      json.dumps(spec)]
+    commands[FLAX] = [args.flax_python, '-c', inspect.getsource(timing) + FLAX_WORKER + inspect.getsource(serve)
+                      + 'serve(step)\n', json.dumps(spec)]
   workers = {}
   for name, command in commands.items():  # one at a time: compiling two at once would slow both
     workers[name] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     wait_ready(name, workers[name])
-  times: dict[str, list[float]] = {name: [] for name in workers}
-  for _ in range(args.rounds):
-    for name, worker in workers.items():
-      times[name].append(statistics.median(time_round(worker, args.steps)))
+  times = interleaved(args.rounds, {name: functools.partial(time_round, worker, args.steps)
+                                    for name, worker in workers.items()})
   for worker in workers.values():
     worker.stdin.close()
     worker.wait(timeout=60)

@@ -16,11 +16,11 @@ from typing import Any
 from lm.compile import compile_report
 from lm.config import load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
-from lm.report import format_lines, write_json
+from lm.report import format_bytes, format_lines, write_json
 
 
 def gib(n: float) -> str:
-  return f'{n / 2**30:,.2f} GiB'
+  return format_bytes(n, 'GiB', 2)
 
 
 def main() -> None:

@@ -3,13 +3,19 @@ benchmarks' JSON writer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal
 
 
-def format_bytes(n: float) -> str:
-  """GiB from 128 MiB up, MiB below: `0.209 GiB`, `12.56 MiB`."""
-  return f'{n / 2**30:,.3f} GiB' if n >= 2**27 else f'{n / 2**20:,.2f} MiB'
+def format_bytes(n: float, unit: Literal['GiB', 'MiB'] | None = None, digits: int | None = None,
+                 suffix: bool = True) -> str:
+  """`0.209 GiB`, `12.56 MiB`: GiB (3 decimals) from 128 MiB up and MiB (2) below, or the `unit` and `digits`
+  given; `suffix=False` leaves the unit out (a table cell under a `GiB` heading)."""
+  unit = unit or ('GiB' if n >= 2**27 else 'MiB')
+  digits = (3 if unit == 'GiB' else 2) if digits is None else digits
+  text = f'{n / (2**30 if unit == "GiB" else 2**20):,.{digits}f}'
+  return f'{text} {unit}' if suffix else text
 
 
 def format_lines(lines: Sequence[tuple[str, str]]) -> str:
