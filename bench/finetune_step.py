@@ -1,5 +1,5 @@
-"""GLUE fine-tuning step time: a classifier head (BERT's pooled [CLS], a decoder's last token) on random rows
-at the recipe's batch and length; median step time after compilation; prints a table, writes JSON.
+"""GLUE fine-tuning step time: the family's task head (BERT's pooled [CLS], a decoder's last token, T5's label
+text) on random MRPC-shaped pairs at the recipe's batch and length; median step time after compilation; prints a table, writes JSON.
 
   python bench/finetune_step.py --config bert_base [key=value ...] [--steps 5] [--out FILE]
 """
@@ -14,7 +14,10 @@ from timing import time_calls
 
 from lm.assembly import assemble
 from lm.config import load_config
+from lm.data.tokenizers import get_tokenizer
 from lm.glue.finetune import RECIPE, TaskLoss
+from lm.glue.tasks import TASKS
+from lm.models import get_family
 from lm.parallel.chips import quiet_libtpu
 from lm.parallel.rules import batch_sharding
 from lm.report import format_lines, write_json
@@ -31,18 +34,19 @@ def main() -> None:
   quiet_libtpu()  # before JAX starts its backends
 
   recipe = [f'train.global_batch={RECIPE["train"]["global_batch"]}', f'data.seq_len={RECIPE["data"]["seq_len"]}']
-  config = load_config(args.config, ['model.num_labels=2', *recipe, *args.overrides])
+  task, tokenizer = TASKS['mrpc'], get_tokenizer('byte')  # byte ids lie inside every preset's vocabulary
+  head = get_family(load_config(args.config).model.family).task_head
+  config = load_config(args.config, [f'model.num_labels={head.num_labels(task)}', *recipe, *args.overrides])
   assembly = assemble(config)
-  head = assembly.family.task_head
   step = make_train_step(assembly, TaskLoss(assembly, head, regression=False))
   batch_size, length = config.train.global_batch, config.data.seq_len
   rng = np.random.default_rng(0)
-  rows = {'inputs': rng.integers(1, config.model.vocab_size, (batch_size, length), dtype=np.int32),
-          'segment_ids': np.ones((batch_size, length), np.int32),
-          'labels': rng.integers(0, 2, batch_size, dtype=np.int32), 'weights': np.ones(batch_size, np.float32)}
-  if getattr(head, 'token_types', False):
-    rows['token_types'] = (np.arange(length)[None] >= length // 2).astype(np.int32).repeat(batch_size, 0)
-  batch = {k: jax.device_put(v, batch_sharding(assembly.mesh, v.ndim)) for k, v in rows.items()}
+  text = lambda: ''.join(rng.choice(list('abcdefgh '), length))  # a pair fills the row
+  target_len = head.target_length(task, tokenizer)
+  rows = [{**head.encode(tokenizer, task, (text(), text()), label, length, target_len), 'labels': np.int32(label)}
+          for label in rng.integers(0, 2, batch_size).tolist()]
+  batch = {k: jax.device_put(np.stack([row[k] for row in rows]), batch_sharding(assembly.mesh, rows[0][k].ndim + 1))
+           for k in rows[0]}
   state = assembly.init_state()
 
   def one_step():

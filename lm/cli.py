@@ -141,7 +141,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
   import jax
 
-  from lm.generate import Sampling, generate_text, load_run
+  from lm.generate import generate_text, load_run
+  from lm.models.decode import Sampling
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
   config, params = load_run(args.run, args.overrides)
   texts = generate_text(config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,

@@ -1,66 +1,27 @@
-"""KV-cached sampling: prefill the prompt in one call, then one token per step.
+"""`lm generate`: text in, text out, through the KV-cached loop of `lm.models.decode`.
 
-How depends on the family record's `decoding`. Decoder-only models (GPT, Llama): prompts are
-left-padded to a common length (segment id 0 on the padding, positions counting real tokens
-only) so every row's next token lands in the same cache slot. Encoder-decoders (T5): prompts are
-the encoder inputs; the encoder runs once and the decoder starts from `decoder_start_id` on its
-cache. The steps run inside one jitted `lax.while_loop` that stops when every row has emitted EOS.
+Prompts are laid out as the family record's `decoding` needs (left-padded for a decoder-only model, encoder inputs
+for an encoder-decoder); T5's span sentinels are named in prompts and outputs as `<extra_id_N>`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import span_sentinels
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.models import FAMILIES, build_model, get_family
-from lm.models.family import Decoding
+from lm.models.decode import Decoding, Sampling, decode_batch, pad_prompts
 from lm.parallel.mesh import make_mesh
 from lm.run_dir import load_params, read_config
-
-
-@dataclass(frozen=True)
-class Sampling:
-  """Greedy at temperature 0; otherwise softmax(logits / temperature) over the `top_k` likeliest
-  tokens, cut to the smallest set whose probability reaches `top_p` (nucleus)."""
-  temperature: float = 0.0
-  top_k: int | None = None
-  top_p: float | None = None
-
-  def __post_init__(self) -> None:
-    if self.temperature < 0:
-      raise ConfigError(f'temperature={self.temperature} must be >= 0 (0 decodes greedily)')
-    if self.top_k is not None and self.top_k < 1:
-      raise ConfigError(f'top_k={self.top_k} must be a positive number of tokens')
-    if self.top_p is not None and not 0 < self.top_p <= 1:
-      raise ConfigError(f'top_p={self.top_p} must lie in (0, 1]')
-
-
-def sample_logits(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.Array:
-  """Next tokens [batch] drawn from logits [batch, vocab]."""
-  if sampling.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32)
-  if sampling.top_k is None and sampling.top_p is None:
-    return jax.random.categorical(rng, logits / sampling.temperature, axis=-1).astype(jnp.int32)
-  values, indices = jax.lax.top_k(logits, min(sampling.top_k or logits.shape[-1], logits.shape[-1]))
-  values = values / sampling.temperature  # sorted, likeliest first
-  if sampling.top_p is not None:
-    probs = jax.nn.softmax(values, axis=-1)
-    likelier = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
-    values = jnp.where(likelier < sampling.top_p, values, -jnp.inf)
-  choice = jax.random.categorical(rng, values, axis=-1)
-  return jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def decoding(cfg: ModelConfig) -> Decoding:
@@ -73,87 +34,6 @@ def decoding(cfg: ModelConfig) -> Decoding:
     able = [name for name, f in FAMILIES.items() if f.decoding]
     raise ConfigError(f'model.family={cfg.family!r} cannot generate text; generation needs one of: {", ".join(able)}')
   return mode
-
-
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
-  """Token ids and segment ids (1 real, 0 padding) [batch, longest], padded on the left or the right."""
-  length = max(len(p) for p in prompts)
-  tokens = np.full((len(prompts), length), pad_id, np.int32)
-  segment_ids = np.zeros((len(prompts), length), np.int32)
-  for row, prompt in enumerate(prompts):
-    cols = slice(length - len(prompt), length) if left else slice(0, len(prompt))
-    tokens[row, cols], segment_ids[row, cols] = prompt, 1
-  return tokens, segment_ids
-
-
-def _init_cache(model: nn.Module, batch: int, length: int, context: tuple[jax.Array, jax.Array] | None) -> Any:
-  """A zeroed cache for `length` decoder tokens (the params `init` also builds are dead code under jit)."""
-  tokens = jnp.zeros((batch, length), jnp.int32)
-  if context is None:
-    return model.init(jax.random.key(0), tokens, decode=True)['cache']
-  return model.init(jax.random.key(0), context[0], tokens, decode=True, method='decode')['cache']
-
-
-def _cached_call(model: nn.Module, params: Any, cache: Any, tokens: jax.Array, segment_ids: jax.Array,
-                 positions: jax.Array | None, context: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, Any]:
-  """Appends `tokens` [batch, length] to the cache; logits [batch, vocab] after the last one, and the new cache."""
-  variables = {'params': params, 'cache': cache}
-  if context is None:
-    logits, mutated = model.apply(variables, tokens, segment_ids, positions, decode=True, mutable=['cache'])
-  else:
-    encoded, encoded_segment_ids = context
-    logits, mutated = model.apply(variables, encoded, tokens, encoded_segment_ids, segment_ids, decode=True,
-                                  mutable=['cache'], method='decode')
-  return logits[:, -1], mutated['cache']
-
-
-@functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens', 'sampling', 'keep_logits'))
-def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segment_ids: jax.Array, rng: jax.Array,
-                 *, max_new_tokens: int, sampling: Sampling, eos_id: int, pad_id: int, decoder_start_id: int,
-                 keep_logits: bool = False) -> tuple[jax.Array, jax.Array | None]:
-  """The jitted loop on arrays: prompts [batch, length] as `pad_prompts` lays them out (left-padded for GPT).
-
-  Returns new tokens [batch, max_new_tokens], padding after each row's EOS and wherever the loop
-  stopped early, and with `keep_logits` the float32 logits [batch, max_new_tokens, vocab] each was
-  drawn from (zeros for steps never run). Token ids are traced, so new values do not recompile;
-  `eos_id=-1` never stops.
-  """
-  batch = prompt.shape[0]
-  if decoding(model.cfg) == 'encoder_decoder':
-    context = (model.apply({'params': params}, prompt, prompt_segment_ids, method='encode'), prompt_segment_ids)
-    first, first_positions, lengths = jnp.full((batch, 1), decoder_start_id, jnp.int32), None, None
-    first_segment_ids = jnp.ones_like(first)
-    cache = _init_cache(model, batch, max_new_tokens, context)
-  else:
-    context, first, first_segment_ids = None, prompt, prompt_segment_ids
-    lengths = prompt_segment_ids.sum(axis=1)
-    first_positions = jnp.maximum(jnp.cumsum(prompt_segment_ids, axis=1) - 1, 0)  # padding takes position 0
-    cache = _init_cache(model, batch, prompt.shape[1] + max_new_tokens - 1, None)
-
-  def choose(logits: jax.Array, t: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-    token = jnp.where(done, pad_id, sample_logits(logits, jax.random.fold_in(rng, t), sampling))
-    return token, done | (token == eos_id)
-
-  logits, cache = _cached_call(model, params, cache, first, first_segment_ids, first_positions, context)
-  token, done = choose(logits, jnp.int32(0), jnp.zeros((batch,), bool))
-  out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
-  kept = jnp.zeros((batch, max_new_tokens, logits.shape[-1]), jnp.float32).at[:, 0].set(logits) if keep_logits else None
-
-  def unfinished(carry: tuple) -> jax.Array:
-    t, _, _, done, _, _ = carry
-    return (t < max_new_tokens) & ~jnp.all(done)
-
-  def step(carry: tuple) -> tuple:
-    t, cache, token, done, out, kept = carry
-    positions = None if lengths is None else (lengths + t - 1)[:, None]  # real tokens before the fed one
-    logits, cache = _cached_call(model, params, cache, token[:, None], jnp.ones((batch, 1), jnp.int32),
-                                 positions, context)
-    token, done = choose(logits, t, done)
-    kept = None if kept is None else kept.at[:, t].set(logits.astype(jnp.float32))
-    return t + 1, cache, token, done, out.at[:, t].set(token), kept
-
-  *_, out, kept = jax.lax.while_loop(unfinished, step, (jnp.int32(1), cache, token, done, out, kept))
-  return out, kept
 
 
 def _check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -177,9 +57,10 @@ def _run(model: nn.Module, params: Any, prompts: Sequence[Sequence[int]], max_ne
   _check_prompts(model.cfg, prompts, max_new_tokens)
   if rng is None and sampling.temperature > 0:
     raise ConfigError('sampling at temperature > 0 needs an explicit rng key')
-  tokens, segment_ids = pad_prompts(prompts, pad_id, left=decoding(model.cfg) == 'decoder')
+  mode = decoding(model.cfg)
+  tokens, segment_ids = pad_prompts(prompts, pad_id, left=mode == 'decoder')
   out, logits = decode_batch(model, params, tokens, segment_ids, jax.random.key(0) if rng is None else rng,
-                             max_new_tokens=max_new_tokens, sampling=sampling,
+                             mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_id=-1 if eos_id is None else eos_id, pad_id=pad_id,
                              decoder_start_id=pad_id if decoder_start_id is None else decoder_start_id,
                              keep_logits=keep_logits)

@@ -10,9 +10,9 @@ import pytest
 from lm import cli
 from lm.config import ConfigError, load_config
 from lm.data.tokenizers import ByteTokenizer
-from lm.generate import (Sampling, decode_batch, decode_ids, decoding, encode_prompt, generate, generate_text,
-                         generate_with_logits, load_run, pad_prompts, sample_logits)
+from lm.generate import decode_ids, decoding, encode_prompt, generate, generate_text, generate_with_logits, load_run
 from lm.models import build_model, init_params
+from lm.models.decode import Sampling, decode_batch, pad_prompts, sample_logits
 from lm.pretraining import Pretraining
 
 TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
@@ -80,8 +80,9 @@ def test_greedy_is_deterministic_argmax_and_stops_at_eos(preset):
   assert stopped == [row[:row.index(eos) + 1] if eos in row else row for row in greedy]
   # On arrays: padding after EOS, and a lone finished row ends the loop (later steps never run).
   prompt, segment_ids = pad_prompts(PROMPTS[:1], 0, left=preset == 'gpt_tiny')
-  out, logits = decode_batch(model, params, prompt, segment_ids, jax.random.key(0), max_new_tokens=8,
-                             sampling=Sampling(), eos_id=eos, pad_id=0, decoder_start_id=0, keep_logits=True)
+  out, logits = decode_batch(model, params, prompt, segment_ids, jax.random.key(0), mode=decoding(model.cfg),
+                             max_new_tokens=8, sampling=Sampling(), eos_id=eos, pad_id=0, decoder_start_id=0,
+                             keep_logits=True)
   end = greedy[0].index(eos) + 1
   assert np.asarray(out[0]).tolist() == greedy[0][:end] + [0] * (8 - end)
   assert np.all(np.asarray(logits)[0, end:] == 0) and np.all(np.asarray(logits)[0, :end] != 0)

@@ -32,12 +32,11 @@ from lm.config import Config, ConfigError, DataConfig, from_dict, load_config, m
 from lm.data.pipeline import HostRows, global_rows
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.distributed import is_main_process
-from lm.generate import Sampling, decode_batch
 from lm.glue.data import SplitData
 from lm.glue.metrics import task_metrics
 from lm.glue.tasks import Task
 from lm.models import get_family
-from lm.models.task_heads import TaskHead
+from lm.models.task_heads import UNPARSEABLE, TaskHead
 from lm.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
@@ -85,7 +84,7 @@ def finetune_config(task: Task, init: str, preset: str | None, overrides: list[s
   tokenizer are the source's, with the task head's outputs; `train.steps` from epochs unless given."""
   source = source_config(init)
   values = load_config(preset).to_dict() if preset else source.to_dict()
-  values['model'] = {**source.to_dict()['model'], 'num_labels': task.num_outputs if _classifier(source) else 0}
+  values['model'] = {**source.to_dict()['model'], 'num_labels': task_head(source).num_labels(task)}
   values['data'] = {**values['data'], 'tokenizer': source.data.tokenizer}
   values['name'] = f'{source.name}-{task.name}'
   values['train'] = {**values['train'], 'init_from': init, 'run_dir': _run_dir_of(source)}
@@ -121,11 +120,11 @@ def _unsplit_sequences(mesh: dict, given: dict) -> None:
   mesh['data'], mesh['sequence'] = (-1 if data == -1 else data * n), 1
 
 
-def _classifier(config: Config) -> bool:
+def task_head(config: Config) -> TaskHead:
   head = get_family(config.model.family).task_head
   if head is None:
     raise ConfigError(f'the {config.model.family} family declares no task head; it cannot be fine-tuned on GLUE')
-  return head.kind == 'classifier'
+  return head
 
 
 @dataclass(frozen=True)
@@ -149,16 +148,11 @@ class TaskLoss:
 
 def encode_examples(head: TaskHead, task: Task, tokenizer: Tokenizer, data: SplitData, max_len: int,
                     target_len: int) -> Features:
-  """Fixed-length rows for every example: the head's layout, `labels` (class id or score; -1 / nan when the
-  split has none) and per-row `weights` (classifier) or per-token ones (text to text)."""
+  """Fixed-length rows for every example: the head's layout and weights, and `labels` (class id or score;
+  -1 / nan when the split has none)."""
   rows = []
   for example in data.examples:
-    if head.kind == 'classifier':
-      row = head.encode(tokenizer, example.texts, max_len)
-      row['weights'] = np.float32(1.0)
-    else:
-      target = task.t5_target(example.label) if example.label is not None else ''
-      row = head.encode_pair(tokenizer, task.t5_input(example.texts), target, max_len, target_len)
+    row = head.encode(tokenizer, task, example.texts, example.label, max_len, target_len)
     row['labels'] = np.asarray(_missing(task) if example.label is None else example.label,
                                np.float32 if task.regression else np.int32)
     rows.append(row)
@@ -169,23 +163,6 @@ def encode_examples(head: TaskHead, task: Task, tokenizer: Tokenizer, data: Spli
 
 def _missing(task: Task) -> float | int:
   return float('nan') if task.regression else -1
-
-
-# A decoded output that names no label: class -1 (never right), score -1.0 (T5's string_to_float default).
-UNPARSEABLE = -1
-
-
-def parse_outputs(task: Task, texts: list[str]) -> np.ndarray:
-  """Decoded texts -> class ids or scores, UNPARSEABLE where a text is no label."""
-  values = [task.from_t5(text) for text in texts]
-  return np.asarray([UNPARSEABLE if v is None else v for v in values],
-                    np.float64 if task.regression else np.int64)
-
-
-def target_length(task: Task, tokenizer: Tokenizer) -> int:
-  """Decoder tokens a text-to-text target needs: its longest label name, plus EOS."""
-  names = task.t5_labels or [f'{x / 5:.1f}' for x in range(26)]
-  return max(len(tokenizer.encode(name)) for name in names) + 1
 
 
 class FineTuner:
@@ -200,8 +177,8 @@ class FineTuner:
     self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), log_dir=self.task_dir)
     replicated = NamedSharding(self.assembly.mesh, PartitionSpec())
     a = self.assembly
-    self._scores = jax.jit(lambda params, batch: self.head.apply(a.model, params, batch, deterministic=True, rngs={})
-                           .astype(jnp.float32), in_shardings=(a.shardings.params, None), out_shardings=replicated)
+    self._infer = jax.jit(lambda params, batch: self.head.infer(a.model, params, batch, tokenizer, target_len),
+                          in_shardings=(a.shardings.params, None), out_shardings=replicated)
     self.batch = config.train.global_batch
     self.metric = f'dev_{task.main_metric}'
 
@@ -215,25 +192,16 @@ class FineTuner:
     return np.concatenate(out)
 
   def _predict_batch(self, params: Any, batch: dict[str, jax.Array]) -> np.ndarray:
-    if self.head.kind == 'classifier':
-      return self.head.predict(np.asarray(self._scores(params, batch)), self.task.regression)
-    tok = self.tokenizer
-    ids, _ = decode_batch(self.assembly.model, params, batch['inputs'], batch['segment_ids'], jax.random.key(0),
-                          max_new_tokens=self.target_len, sampling=Sampling(), eos_id=tok.eos_id, pad_id=tok.pad_id,
-                          decoder_start_id=tok.pad_id)
-    rows = np.asarray(ids).tolist()
-    return parse_outputs(self.task, [tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row)
-                                     for row in rows])
+    return self.head.predict(np.asarray(self._infer(params, batch)), self.task, self.tokenizer)
 
   def evaluate(self, params: Any, dev: dict[str, Features], step: int) -> dict[str, Any]:
     """The task's metrics on the dev splits as `dev_<metric>` (and, text to text, outputs that name no label)."""
     predictions = {name: self.predict(params, features) for name, features in dev.items()}
     scores = task_metrics(self.task, predictions, {name: f['labels'] for name, f in dev.items()})
     record: dict[str, Any] = {f'dev_{k}': v for k, v in scores.items()}
-    note = ''
-    if self.head.kind == 'text_to_text':  # outputs that are no label, counted wrong
-      record['dev_unparseable'] = sum(int(np.sum(p == UNPARSEABLE)) for p in predictions.values())
-      note = f' ({record["dev_unparseable"]} outputs were no label)' if record['dev_unparseable'] else ''
+    # Outputs that name no label (a decoded text that is none), counted wrong: none from a classifier.
+    record['dev_unparseable'] = sum(int(np.sum(p == UNPARSEABLE)) for p in predictions.values())
+    note = f' ({record["dev_unparseable"]} outputs were no label)' if record['dev_unparseable'] else ''
     print(f'{self.task.name} step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in scores.items()) + note, flush=True)
     return record
 

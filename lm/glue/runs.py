@@ -11,7 +11,7 @@ from etils import epath
 
 from lm.config import ConfigError, parse_overrides
 from lm.glue.data import SplitData, read_split, split_path
-from lm.glue.finetune import FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer, target_length
+from lm.glue.finetune import FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer, task_head
 from lm.glue.metrics import glue_score
 from lm.glue.outputs import (
   EVAL_RESULTS,
@@ -22,7 +22,6 @@ from lm.glue.outputs import (
   zip_submission,
 )
 from lm.glue.tasks import AX, GLUE_ORDER, Task, get_task
-from lm.models import get_family
 from lm.report import format_lines
 from lm.run_dir import CHECKPOINTS
 from lm.train.logging import read_metrics
@@ -63,8 +62,8 @@ def finetune_task(name: str, options: Options) -> dict[str, Any] | None:
   config = finetune_config(task, options.init, options.preset, list(options.overrides), len(train.examples),
                            options.epochs)
   tokenizer = load_tokenizer(config)
-  head, max_len = get_family(config.model.family).task_head, config.data.seq_len
-  target_len = target_length(task, tokenizer)
+  head, max_len = task_head(config), config.data.seq_len
+  target_len = head.target_length(task, tokenizer)
   encode = lambda data: encode_examples(head, task, tokenizer, data, max_len, target_len)
   print(f'{task.name}: {len(train.examples)} training examples, {config.train.steps} steps of '
         f'{config.train.global_batch}; outputs in {config.run_dir / task.name}', flush=True)

@@ -10,9 +10,10 @@ here (`DecoderOnly`, `Encoder`, `EncoderDecoder`); a family's own record sits in
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
+from lm.models.decode import Decoding
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
 
@@ -28,7 +30,6 @@ if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
 
 Batch = dict[str, jax.Array]
-Decoding = Literal['decoder', 'encoder_decoder']
 
 
 @dataclass(frozen=True)

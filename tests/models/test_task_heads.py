@@ -7,7 +7,8 @@ import pytest
 from lm.config import load_config
 from lm.data.tokenizers import get_tokenizer
 from lm.models import abstract_params, build_model, get_family
-from lm.models.task_heads import Classifier, TextToText, truncate_longest_first
+from lm.glue.tasks import TASKS
+from lm.models.task_heads import UNPARSEABLE, Classifier, TextToText, truncate_longest_first
 
 
 def reference_truncate(a, b, budget):
@@ -30,14 +31,15 @@ def test_truncation_is_berts_longest_first(la, lb, budget):
 def test_bert_pair_layout_and_token_types():
   tok = get_tokenizer('byte')
   head = get_family('bert').task_head
-  features = head.encode(tok, ('abcdef', 'xy'), 9)  # 9 - 3 specials = 6 text tokens: 'abcd' + 'xy'
+  features = head.encode(tok, TASKS['mrpc'], ('abcdef', 'xy'), 1, 9, 0)  # 9 - 3 specials: 'abcd' + 'xy'
   a, x = tok.encode('abcd').tolist(), tok.encode('xy').tolist()
   assert features['inputs'].tolist() == [tok.bos_id, *a, tok.eos_id, *x, tok.eos_id]
   assert features['token_types'].tolist() == [0] * 6 + [1] * 3
   assert features['segment_ids'].tolist() == [1] * 9
-  single = head.encode(tok, ('ab',), 6)
+  single = head.encode(tok, TASKS['sst2'], ('ab',), None, 6, 0)
   assert single['inputs'].tolist() == [tok.bos_id, *tok.encode('ab').tolist(), tok.eos_id, tok.pad_id, tok.pad_id]
   assert single['token_types'].tolist() == [0] * 6 and single['segment_ids'].tolist() == [1, 1, 1, 1, 0, 0]
+  assert features['weights'] == single['weights'] == 1.0  # one weight per row
 
 
 @pytest.mark.parametrize('family', ['gpt', 'llama'])
@@ -52,11 +54,11 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(famil
   params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, s.dtype) * 0.05,
                         abstract_params(model))
   tok = get_tokenizer('byte')
-  rows = [head.encode(tok, ('hello there', 'hi'), n) for n in (20, 24)]
+  rows = [head.encode(tok, TASKS['mrpc'], ('hello there', 'hi'), 0, n, 0) for n in (20, 24)]
   for row in rows:
     row['inputs'] = np.where(row['segment_ids'] > 0, row['inputs'], tok.eos_id)  # pad with EOS, as GPT-2 does
-  scores = [np.asarray(head.apply(model, params, {k: jnp.asarray(v[None]) for k, v in row.items()},
-                                  deterministic=True, rngs={})) for row in rows]
+  scores = [np.asarray(head.infer(model, params, {k: jnp.asarray(v[None]) for k, v in row.items()}, tok, 0))
+            for row in rows]
   np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-6)
   real = int(rows[0]['segment_ids'].sum())
   unpadded = model.apply({'params': params}, jnp.asarray(rows[0]['inputs'][None, :real]))
@@ -78,14 +80,31 @@ def test_regression_loss_is_squared_error_and_classification_is_cross_entropy():
   total, weight = head.loss(jnp.asarray(scores[:, :1]), {'labels': jnp.asarray(targets),
                                                         'weights': jnp.asarray(weights)}, regression=True)
   assert float(total) == pytest.approx((((s[:, 0] - targets) ** 2) * weights).sum(), rel=1e-5)
-  np.testing.assert_array_equal(head.predict(scores, regression=False), scores.argmax(-1))
+  np.testing.assert_array_equal(head.predict(scores, TASKS['mnli'], None), scores.argmax(-1))
+  np.testing.assert_array_equal(head.predict(scores[:, :1], TASKS['stsb'], None), s[:, 0])
 
 
 def test_text_to_text_targets_end_in_eos_and_the_decoder_starts_from_pad():
   tok = get_tokenizer('byte')
-  row = TextToText().encode_pair(tok, 'rte sentence1: a sentence2: b', 'entailment', 40, 12)
+  assert TASKS['rte'].t5_input(('a', 'b')) == 'rte sentence1: a sentence2: b'
+  row = TextToText().encode(tok, TASKS['rte'], ('a', 'b'), 0, 40, 12)  # label 0: entailment
   target = tok.encode('entailment').tolist()
   assert row['targets'].tolist() == target + [tok.eos_id, tok.pad_id]
   assert row['decoder_inputs'].tolist() == [tok.pad_id] + target + [tok.pad_id]
   assert row['weights'].tolist() == [1.0] * 11 + [0.0]
   assert row['inputs'][row['segment_ids'] > 0].tolist()[-1] == tok.eos_id
+
+
+def test_text_to_text_reads_decoded_names_back_and_no_name_counts_wrong():
+  """`predict` turns decoded ids (padding after EOS) into class ids, UNPARSEABLE where the text names no label."""
+  tok, head = get_tokenizer('byte'), TextToText()
+  rte, stsb = TASKS['rte'], TASKS['stsb']
+  assert head.target_length(rte, tok) == len(tok.encode('not_entailment')) + 1
+  assert head.num_labels(rte) == 0 and Classifier(params=()).num_labels(rte) == 2
+
+  def decoded(*texts):
+    ids = [tok.encode(t).tolist() + [tok.eos_id] for t in texts]
+    return np.array([row + [tok.pad_id] * (20 - len(row)) for row in ids])
+  predicted = head.predict(decoded('entailment', 'maybe', ' not_entailment ', 'Entailment'), rte, tok)
+  assert predicted.tolist() == [0, UNPARSEABLE, 1, UNPARSEABLE]
+  assert head.predict(decoded('3.2', 'five'), stsb, tok).tolist() == [3.2, -1.0]
