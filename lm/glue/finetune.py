@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly, assemble
 from lm.assembly.state import TrainState
@@ -40,6 +39,7 @@ from lm.models.task_heads import UNPARSEABLE, TaskHead
 from lm.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
+from lm.train.step import make_score_step
 
 Features = dict[str, np.ndarray]
 
@@ -175,10 +175,8 @@ class FineTuner:
     self.head = self.assembly.family.task_head
     self.task_dir = config.run_dir / task.name
     self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), log_dir=self.task_dir)
-    replicated = NamedSharding(self.assembly.mesh, PartitionSpec())
-    a = self.assembly
-    self._infer = jax.jit(lambda params, batch: self.head.infer(a.model, params, batch, tokenizer, target_len),
-                          in_shardings=(a.shardings.params, None), out_shardings=replicated)
+    self._infer = make_score_step(
+      self.assembly, lambda model, params, batch: self.head.infer(model, params, batch, tokenizer, target_len))
     self.batch = config.train.global_batch
     self.metric = f'dev_{task.main_metric}'
 

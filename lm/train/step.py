@@ -175,13 +175,16 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
   return jax.jit(step, in_shardings=(assembly.shardings.params, None))
 
 
-def make_score_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
-  """jit: the family's per-example scores (`Family.score`) of a `scoring_rows` batch split over the mesh's batch
-  axes, returned whole to every process."""
-  family, model, mesh = assembly.family, assembly.model, assembly.mesh
+def make_score_step(assembly: Assembly, score: Callable[[Any, Any, Batch], Any] | None = None
+                    ) -> Callable[[Any, Batch], Any]:
+  """jit: per-example outputs of a batch split over the mesh's batch axes, returned whole to every process.
+  `score(model, params, batch)` defaults to the family's continuation scores (`Family.score` of a `scoring_rows`
+  batch); a fine-tuning head's prediction (`TaskHead.infer`) goes through the same step."""
+  model, mesh = assembly.model, assembly.mesh
+  score = assembly.family.score if score is None else score
 
-  def step(params: Any, batch: Batch) -> Metrics:
+  def step(params: Any, batch: Batch) -> Any:
     with sharding_context(mesh):
-      return family.score(model, params, batch)
+      return score(model, params, batch)
   return jax.jit(step, in_shardings=(assembly.shardings.params, None),
                  out_shardings=NamedSharding(mesh, PartitionSpec()))
