@@ -99,7 +99,7 @@ class BERTFamily(Encoder):
   module = BERT
   hf_converter = 'lm.convert.bert'
   heads = (NSP,)
-  task_head = Classifier(params=('pooler', 'classifier'), method='classify', token_types=True)
+  task_head = Classifier(params=('pooler', 'classifier'), token_types=True)
 
   def apply(self, model, params, batch, *, deterministic, rngs):
     kwargs = dict(segment_ids=batch.get('segment_ids'), positions=batch.get('positions'),

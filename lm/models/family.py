@@ -138,10 +138,15 @@ def _attention_flops(cfg: ModelConfig, pairs: float) -> float:
 
 
 class DecoderOnly(Family):
-  """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)`; with
-  `model.num_labels` the module is a classifier on the last real token."""
+  """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)` gives logits;
+  `module.classify` a classifier's scores from the last real token."""
   decoding = 'decoder'
   task_head = Classifier(params=('score',))
+
+  def init(self, model, rng, length):
+    """A classifier's params (`model.num_labels`) are made by `classify`: `score`, no output layer."""
+    method = 'classify' if model.cfg.num_labels else None
+    return model.init({'params': rng, 'dropout': rng}, *self.init_inputs(length), method=method)['params']
 
   def apply(self, model, params, batch, *, deterministic, rngs):
     return {'logits': model.apply({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),

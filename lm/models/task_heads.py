@@ -100,9 +100,9 @@ class TaskHead:
 @dataclass(frozen=True)
 class Classifier(TaskHead):
   """Scores [batch, num_labels] of `[open] A [close] (B [close])`: with [CLS]/[SEP] for BERT (and token
-  types 0 up to the first [SEP], 1 after), BOS/EOS for decoders. Batches carry `labels` and per-row `weights`."""
+  types 0 up to the first [SEP], 1 after), BOS/EOS for decoders, from the module's `classify` method. Batches
+  carry `labels` and per-row `weights`."""
   params: tuple[str, ...]
-  method: str | None = None  # the module method giving scores; None: `__call__`
   token_types: bool = False  # BERT's segment A/B embeddings
 
   def num_labels(self, task):
@@ -126,7 +126,7 @@ class Classifier(TaskHead):
   def apply(self, model, params, batch, *, deterministic, rngs):
     kwargs = {'token_types': batch['token_types']} if self.token_types else {}
     return model.apply({'params': params}, batch['inputs'], segment_ids=batch['segment_ids'],
-                       deterministic=deterministic, rngs=rngs, method=self.method, **kwargs)
+                       deterministic=deterministic, rngs=rngs, method='classify', **kwargs)
 
   def loss(self, outputs, batch, regression):
     """Squared error of the one score, or cross-entropy over the classes."""

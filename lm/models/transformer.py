@@ -12,9 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
-from lm.models.layers import (DTYPES, Attention, DenseGeneral, Embed, LearnedPositions, LMHead, Mlp,
-                              RelativePositionBias, make_norm, sinusoidal_positions)
-from lm.ops.unembed import Unembedding
+from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -139,44 +137,6 @@ class Stack(nn.Module):
     offset = position.value
     position.value = offset + length
     return relpos(length, slots.value.shape[0], offset)
-
-
-def embed_positions(cfg: ModelConfig, positions: jax.Array, name: str = 'position_embed') -> jax.Array | None:
-  """Absolute position encodings for `positions` [batch, length], or None when the model has none."""
-  if cfg.position == 'learned':
-    return LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, dtype=DTYPES[cfg.dtype],
-                            param_dtype=DTYPES[cfg.param_dtype], name=name)(positions)
-  if cfg.position == 'sinusoidal':
-    return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.dtype])
-  return None
-
-
-def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
-  """A decoder's output layer on its last hidden states `x`: the embedding table when tied, else an
-  `lm_head` layer; `.logits()` applies it, the token loss tiles it (`model.loss_chunk`).
-
-  Call from a compact module: the head becomes its child.
-  """
-  if cfg.tie_embeddings:
-    return embed.unembed(x, chunk=cfg.loss_chunk)
-  return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk, name='lm_head')(x)
-
-
-def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-  """A decoder's sequence classifier (HF GPT2ForSequenceClassification): a bias-free linear map of the
-  hidden state [batch, length, embed] at each row's last real token -> [batch, num_labels].
-
-  The last token is found from the mask (segment id > 0), never from a token id: GPT-2 pads with EOS.
-  Call from a compact module: the head becomes its child `score`.
-  """
-  if segment_ids is None:
-    last = jnp.full((x.shape[0],), x.shape[1] - 1)
-  else:
-    last = jnp.max(jnp.where(segment_ids > 0, jnp.arange(x.shape[1])[None], 0), axis=1)
-  hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-  return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                      kernel_init=nn.initializers.normal(cfg.init_std), name='score')(hidden)
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:

@@ -61,9 +61,30 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(famil
             for row in rows]
   np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-6)
   real = int(rows[0]['segment_ids'].sum())
-  unpadded = model.apply({'params': params}, jnp.asarray(rows[0]['inputs'][None, :real]))
+  unpadded = model.apply({'params': params}, jnp.asarray(rows[0]['inputs'][None, :real]), method='classify')
   np.testing.assert_allclose(scores[0], np.asarray(unpadded), rtol=1e-5, atol=1e-6)
   assert scores[0].shape == (1, 3)
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama', 'bert'])
+def test_num_labels_adds_the_head_params_and_leaves_the_forward_unchanged(family):
+  """A classifier config's params are the language model's with the head's in place of the output layer (HF's
+  ...ForSequenceClassification layout), and its forward, given the LM's params, still gives the LM's logits."""
+  overrides = ['model.d_model=32', 'model.num_layers=1', 'model.num_heads=2', 'model.max_len=16', 'data.seq_len=16']
+  lm_cfg = load_config(f'{family}_tiny', overrides).model
+  classifier_cfg = load_config(f'{family}_tiny', [*overrides, 'model.num_labels=2']).model
+  lm_model, classifier = build_model(lm_cfg), build_model(classifier_cfg)
+  lm_params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(1), s.shape, s.dtype) * 0.05,
+                           abstract_params(lm_model))
+  classifier_params = abstract_params(classifier)
+  head = set(get_family(family).task_head.params)
+  output_layer = {'lm_head'} if 'lm_head' in lm_params else set()
+  assert set(classifier_params) == (set(lm_params) - output_layer) | head
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, 200, (2, 16)))
+  with_head = {**lm_params, **{k: jax.tree.map(jnp.zeros_like, v) for k, v in classifier_params.items()
+                               if k not in lm_params}}
+  np.testing.assert_array_equal(np.asarray(classifier.apply({'params': with_head}, tokens)),
+                                np.asarray(lm_model.apply({'params': lm_params}, tokens)))
 
 
 def test_regression_loss_is_squared_error_and_classification_is_cross_entropy():

@@ -1,0 +1,92 @@
+"""The decoder-only causal LM module GPT and Llama share; their differences (positions, norms, MLP, tying) are
+config fields. Its forward always gives the language model's outputs; `classify` gives a fine-tuned sequence
+classifier's scores (the `Classifier` task head calls it)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.config import ModelConfig
+from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, LMHead, sinusoidal_positions
+from lm.models.transformer import Stack, default_positions
+from lm.ops.unembed import Unembedding
+from lm.parallel.rules import constrain
+
+
+class CausalDecoder(nn.Module):
+  """Tokens [batch, length] -> logits [batch, length, vocab].
+
+  `decode=True` runs on the key/value cache (see `lm.models.decode`); `positions` then count real tokens.
+  `unembed=False` returns the output layer unapplied (an `Unembedding`), for the tiled token loss.
+  """
+  cfg: ModelConfig
+
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               deterministic: bool = True, decode: bool = False, unembed: bool = True) -> jax.Array | Unembedding:
+    head = self._decode(tokens, segment_ids, positions, deterministic, decode,
+                        lambda x, embed: output_layer(self.cfg, embed, x))
+    return head.logits() if unembed else head
+
+  def classify(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    """[batch, model.num_labels] scores from each row's last real token (a regression value when num_labels
+    is 1). A classifier's params are made by this method: `score`, and no output layer (as HF's
+    GPT2ForSequenceClassification and LlamaForSequenceClassification)."""
+    return self._decode(tokens, segment_ids, None, deterministic, False,
+                        lambda x, embed: last_token_scores(self.cfg, x, segment_ids))
+
+  @nn.compact
+  def _decode(self, tokens: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
+              deterministic: bool, decode: bool, head: Callable[[jax.Array, Embed], Any]) -> Any:
+    """`head(last hidden states, token embedding)`, called here so the layers it makes are this module's."""
+    cfg = self.cfg
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                  init_std=cfg.init_std, scale=cfg.embedding_scale, name='token_embed')
+    x = embed(tokens)
+    positions = default_positions(tokens) if positions is None else positions
+    pos = embed_positions(cfg, positions)
+    if pos is not None:
+      x = x + pos
+    x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+    x = constrain(x, ('batch', 'length', 'embed'))
+    x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
+      x, segment_ids, deterministic=deterministic, decode=decode, positions=positions)
+    return head(x, embed)
+
+
+def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+  """Absolute position encodings for `positions` [batch, length]; None for rotary (inside attention) or none."""
+  if cfg.position == 'learned':
+    return LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, dtype=DTYPES[cfg.dtype],
+                            param_dtype=DTYPES[cfg.param_dtype], name='position_embed')(positions)
+  if cfg.position == 'sinusoidal':
+    return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.dtype])
+  return None
+
+
+def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
+  """The output layer on the last hidden states `x`: the embedding table when tied, else an `lm_head` layer;
+  `.logits()` applies it, the token loss tiles it (`model.loss_chunk`). Call from a compact method."""
+  if cfg.tie_embeddings:
+    return embed.unembed(x, chunk=cfg.loss_chunk)
+  return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk, name='lm_head')(x)
+
+
+def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  """The sequence classifier (HF GPT2ForSequenceClassification): a bias-free linear map of the hidden state
+  [batch, length, embed] at each row's last real token -> [batch, num_labels]. Call from a compact method.
+
+  The last token is found from the mask (segment id > 0), never from a token id: GPT-2 pads with EOS.
+  """
+  if segment_ids is None:
+    last = jnp.full((x.shape[0],), x.shape[1] - 1)
+  else:
+    last = jnp.max(jnp.where(segment_ids > 0, jnp.arange(x.shape[1])[None], 0), axis=1)
+  hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+  return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                      kernel_init=nn.initializers.normal(cfg.init_std), name='score')(hidden)
