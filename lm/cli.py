@@ -1,4 +1,4 @@
-"""`lm train | finetune | scaling | info | compile | convert | generate | tokenizer | data`: the command line.
+"""`lm train | finetune | eval | scaling | info | compile | convert | generate | tokenizer | data`: the command line.
 
 Config problems exit with one line naming the fix."""
 from __future__ import annotations
@@ -48,6 +48,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not args.source:
       raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
     print(f'exported {args.source} to {export_hf(args.source, args.to_hf)}', flush=True)
+  return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+  from lm.distributed import is_main_process
+  from lm.evals.run import Request, check_installed, run
+  check_installed()
+  tasks = tuple(t for t in args.tasks.split(',') if t)
+  if not tasks:
+    raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')
+  for flag, value, low in (('--num-fewshot', args.num_fewshot, 0), ('--limit', args.limit, 1),
+                           ('--batch-size', args.batch_size, 1)):
+    if value is not None and value < low:
+      raise ConfigError(f'{flag} {value} must be at least {low}')
+  results, out = run(args.model, Request(tasks=tasks, data_dir=args.data_dir, num_fewshot=args.num_fewshot,
+                                    limit=args.limit, max_length=args.max_length, batch_size=args.batch_size),
+                step=args.step, out=args.out)
+  if is_main_process():
+    from lm_eval.utils import make_table
+    print(make_table(results), flush=True)
+    print(f'results in {out}', flush=True)
   return 0
 
 
@@ -352,6 +373,20 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides, e.g. mesh.tensor=2')
   gen.set_defaults(fn=cmd_generate)
 
+  ev = sub.add_parser('eval', help='lm-eval-harness tasks on a checkpoint (run dir or HF directory)')
+  ev.add_argument('--model', required=True, metavar='PATH', help='a run dir (its latest checkpoint, or --step) or an '
+                                                                 'HF model directory')
+  ev.add_argument('--tasks', required=True, help='comma-separated harness task names, e.g. hellaswag,piqa')
+  ev.add_argument('--data-dir', type=Path, metavar='DIR', help='local task data: DIR/<task>/<split>.jsonl '
+                                                               '(default: the harness loads from the Hub)')
+  ev.add_argument('--num-fewshot', type=int, metavar='K', help='few-shot examples (default: each task\'s own)')
+  ev.add_argument('--limit', type=int, metavar='N', help='only the first N documents of each task')
+  ev.add_argument('--max-length', type=int, metavar='N', help='tokens per request (default: the model\'s context)')
+  ev.add_argument('--step', type=int, metavar='S', help='the run\'s checkpoint at step S (default: the latest)')
+  ev.add_argument('--batch-size', type=int, default=32, metavar='B', help='rows per scoring batch (default 32)')
+  ev.add_argument('--out', type=Path, metavar='DIR', help='where results go (default: PATH/eval/step_<S>)')
+  ev.set_defaults(fn=cmd_eval)
+
   tokenizer = sub.add_parser('tokenizer', help='tokenizers').add_subparsers(dest='action', required=True)
   train_tok = tokenizer.add_parser('train', help='train a SentencePiece model on a data source')
   common(train_tok)
@@ -423,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that join a multi-process job first (lm.distributed).
-DEVICE_COMMANDS = ('train', 'finetune', 'info', 'convert', 'generate')
+DEVICE_COMMANDS = ('train', 'finetune', 'info', 'convert', 'generate', 'eval')
 
 
 def main(argv: Sequence[str] | None = None) -> int:

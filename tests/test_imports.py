@@ -59,7 +59,7 @@ LAYERS = [
   ('data', 'models'),
   ('assembly', 'checkpoint', 'run_dir', 'convert', 'generate'),
   ('train',),
-  ('pretraining', 'glue', 'scaling', 'compile', 'plan'),
+  ('pretraining', 'glue', 'evals', 'scaling', 'compile', 'plan'),
   ('cli',),
 ]
 

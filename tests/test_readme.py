@@ -1,7 +1,7 @@
 """Every fenced command of the README, run in order as a new user would, in a fresh working directory.
 
 The directory holds what the README's commands name and a user would bring (a YAML config, text and JSONL
-files, an HF GPT-2 and BERT saved by transformers, GLUE files), with `launch/` and `bench/`
+files, an HF GPT-2 and BERT saved by transformers, GLUE files, evaluation task files), with `launch/` and `bench/`
 copied from this checkout. Commands run as written, with `lm` and `python` from this venv; the only
 changes are SHORTER's (fewer steps and smaller sweeps, so the whole README runs in minutes) and `--dry-run`
 on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; what another test runs
@@ -23,6 +23,7 @@ import transformers
 import yaml
 
 from lm.config import load_config
+from tests.evals import releases
 from tests.glue.test_data import write_glue_files
 from tests.glue.test_finetune import save_hf_bert
 
@@ -115,6 +116,7 @@ def user_files(cwd: Path) -> None:
     (cwd / f'corpus/{module.stem}.jsonl').write_text(''.join(json.dumps({'text': para}) + '\n'
                                                              for para in text.split('\n\n') if para.strip()))
   write_glue_files(cwd / 'glue_data')
+  releases.write_both(cwd / 'eval_data', cwd / 'eval_data_hub_layout')  # the seven tasks' release files
 
 
 def test_commands_name_every_exception():

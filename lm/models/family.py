@@ -97,6 +97,10 @@ class Family:
     raise ConfigError(f'the {self.name} family is not a generative model: it gives no log-likelihood of a '
                       f'continuation; score with a decoder-only or encoder-decoder model')
 
+  def scoring_length(self, context: int, continuation: int) -> int:
+    """Positions a row of `scoring_rows` needs for a pair of these token counts (before any cut)."""
+    raise NotImplementedError
+
   def score(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Per example of a `scoring_rows` batch: the continuation's summed log-probability ('logprob'), its token
     count ('tokens') and whether greedy decoding would produce it ('greedy')."""
@@ -171,6 +175,9 @@ class DecoderOnly(Family):
     rows['positions'] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(pairs), length)).copy()
     return rows
 
+  def scoring_length(self, context, continuation):
+    return context + continuation - 1
+
   def forward_flops(self, k, cfg, seq_len, pairs):
     return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))
 
@@ -223,6 +230,9 @@ class EncoderDecoder(Family):
       rows['targets'][i, :n] = continuation
       rows['decoder_segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
     return rows
+
+  def scoring_length(self, context, continuation):
+    return max(context, continuation)
 
   def forward_flops(self, k, cfg, seq_len, pairs):
     enc, dec = seq_len, self.target_length(seq_len)

@@ -57,6 +57,7 @@ def wait_for(path, pattern, cluster, job, timeout=180):
   raise AssertionError(f'no {pattern!r} in {path} after {timeout} s; job {cluster.job(job)}\n{text[-2000:]}')
 
 
+@pytest.mark.long(1)  # against real SLURM daemons: end to end
 def test_a_two_task_cpu_job_trains_from_a_fresh_checkout_with_its_default_port_taken(cluster, tmp_path):
   next_job = int(subprocess.run(['scontrol', 'show', 'config'], env=cluster.env, capture_output=True,
                                 text=True).stdout.split('NEXT_JOB_ID')[1].split('=')[1].split()[0])
@@ -77,6 +78,7 @@ def test_a_two_task_cpu_job_trains_from_a_fresh_checkout_with_its_default_port_t
   assert 'final val_loss' not in second and 'name: gpt_tiny' not in second
 
 
+@pytest.mark.long(1.5)  # against real SLURM daemons: end to end
 def test_scancel_full_checkpoints_requeues_and_resumes_to_the_last_step(cluster, tmp_path):
   job = submit(cluster, tmp_path, 'full', '--time', '00:10:00',
                command=[*TINY, 'train.steps=150', 'train.eval_every=150', 'train.log_every=10',
@@ -94,6 +96,7 @@ def test_scancel_full_checkpoints_requeues_and_resumes_to_the_last_step(cluster,
   assert recorded == sorted(set(recorded)) and recorded[-1] == 150  # every step once, to the last
 
 
+@pytest.mark.long(2.5)  # against real SLURM daemons: end to end
 def test_the_time_limit_signal_checkpoints_and_requeues(cluster, tmp_path):
   """`--signal-seconds` before `--time`: SLURM signals the script, the tasks checkpoint, the job requeues and
   the next start resumes from that step (the run is longer than the limit: the test then cancels it). SLURM

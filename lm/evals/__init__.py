@@ -1,0 +1,1 @@
+"""Downstream evaluation through lm-eval-harness: its tasks, prompts and metrics; lm's model and engine."""

@@ -1,0 +1,201 @@
+"""`lm eval`: a checkpoint (our run dir, or an HF model directory) on lm-eval-harness tasks.
+
+Writes `<out>/results.json` (per task: the harness's metrics with their standard errors, n, shots and version,
+plus the sha256 of every local data file read) and `<out>/<task>.jsonl` (per example: doc id, per-request
+log-likelihood and greedy flag in choice order, prediction, gold); `<out>` defaults to `RUN/eval/step_<S>`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict
+from lm.run_dir import HF_TOKENIZER_FILES, checkpoints, is_hf_dir, is_run_dir, load_params, read_config
+
+DEFAULT_BATCH = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What to evaluate: harness task names, where their data lives, and the harness's settings."""
+  tasks: tuple[str, ...]
+  data_dir: Path | None = None
+  num_fewshot: int | None = None  # None: each task's own default
+  limit: int | None = None  # the first N documents of each task
+  max_length: int | None = None  # None: the model's context
+  batch_size: int = DEFAULT_BATCH
+
+
+def _all_devices(mesh: MeshConfig) -> MeshConfig:
+  """The run's mesh with the data axis taking every device fsdp and tensor leave."""
+  return mesh if -1 in (mesh.fsdp, mesh.tensor) else dataclasses.replace(mesh, data=-1)
+
+
+def load_checkpoint(path: str | Path, step: int | None = None) -> tuple[Any, Any, int]:
+  """(assembly, params, step) of a run dir's checkpoint `step` (default: the latest) or an HF directory's weights
+  (step 0), laid out over every device."""
+  from lm.assembly import assemble
+  from lm.parallel.mesh import make_mesh
+  if is_run_dir(path):
+    run = read_config(path)
+    saved = checkpoints(path)
+    try:
+      steps = saved.all_steps()
+      if not steps:
+        raise ConfigError(f'{path} holds no checkpoint yet; train it first or import a model with lm convert')
+      step = steps[-1] if step is None else step
+      if step not in steps:
+        raise ConfigError(f'--step {step}: {path} has checkpoints at steps {", ".join(map(str, steps))}')
+      config = from_dict({**from_dict(saved.saved_config(step)).to_dict(),
+                          'mesh': dataclasses.asdict(_all_devices(run.mesh))})
+      assembly = assemble(config)
+      return assembly, saved.restore_params(step, assembly.abstract_params), step
+    finally:
+      saved.close()
+  if is_hf_dir(path):
+    if step not in (None, 0):
+      raise ConfigError(f'--step {step}: {path} is a Hugging Face directory (one set of weights); drop --step')
+    mesh = make_mesh(_all_devices(MeshConfig()))
+    model, params = load_params(path, mesh)
+    tokenizer = f'hf:{path}' if any((Path(path) / f).is_file() for f in HF_TOKENIZER_FILES) else 'byte'
+    config = from_dict(Config(name=Path(path).name, model=model, mesh=_all_devices(MeshConfig()),
+                              data=DataConfig(seq_len=model.max_len, tokenizer=tokenizer)).to_dict())
+    return assemble(config, mesh=mesh), params, 0
+  raise ConfigError(f'--model {path} is neither a run directory (with config.yaml) nor a Hugging Face model '
+                    f'directory (with config.json)')
+
+
+def check_installed() -> None:
+  import importlib.util
+  if importlib.util.find_spec('lm_eval') is None:
+    raise ConfigError("lm eval needs lm-eval-harness: pip install -e '.[eval]'")
+
+
+@contextlib.contextmanager
+def harness_output() -> Iterator[None]:
+  """The harness's chatter (progress bars, its dataset builds, `git describe`, bootstrap notes) held back, and
+  shown only when it fails. Its bootstrap runs in this process: a forked pool would copy JAX's threads."""
+  for key in ('DISABLE_MULTIPROC', 'TQDM_DISABLE', 'HF_DATASETS_DISABLE_PROGRESS_BARS'):
+    os.environ.setdefault(key, '1')
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = {fd: os.dup(fd) for fd in (1, 2)}
+  with tempfile.TemporaryFile() as held:
+    for fd in saved:
+      os.dup2(held.fileno(), fd)
+    failed = True
+    try:
+      yield
+      failed = False
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      for fd, copy in saved.items():
+        os.dup2(copy, fd)
+        os.close(copy)
+      if failed:
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors='replace'))
+
+
+def evaluate(assembly: Any, params: Any, request: Request) -> dict[str, Any]:
+  """The harness's results dict (`lm_eval.simple_evaluate`, samples logged) for `request`, plus 'data_files'
+  (path -> sha256 of each local file read)."""
+  check_installed()
+  if request.data_dir is not None:  # no download, and a clear error where the local files fall short
+    os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
+    os.environ.setdefault('HF_HUB_OFFLINE', '1')
+  import lm_eval
+
+  from lm.data.tokenizers import get_tokenizer
+  from lm.evals.engine import HarnessLM
+  from lm.evals.tasks import installed_task, local_tasks, sha256, task_manager
+  cfg = assembly.config
+  if assembly.family.decoding is None:
+    raise ConfigError(f'model.family={cfg.model.family!r} is not a generative model: lm eval scores continuations '
+                      f'with a decoder-only or encoder-decoder model')
+  max_length = request.max_length or cfg.model.max_len
+  if request.max_length is not None and not 1 < request.max_length <= cfg.model.max_len:
+    raise ConfigError(f'--max-length {request.max_length} must lie in [2, model.max_len={cfg.model.max_len}]')
+  manager = task_manager()
+  with tempfile.TemporaryDirectory() as configs:
+    if request.data_dir is None:
+      specs, files = [installed_task(manager, t).name for t in request.tasks], []
+    else:
+      files = local_tasks(manager, list(request.tasks), request.data_dir, Path(configs))
+      specs = [str(Path(configs) / f'{t}.yaml') for t in request.tasks]
+    model = HarnessLM(assembly, params, get_tokenizer(cfg.data.tokenizer), batch_size=request.batch_size,
+                      max_length=max_length)
+    with harness_output():
+      results = lm_eval.simple_evaluate(model=model, tasks=specs, num_fewshot=request.num_fewshot,
+                                        limit=request.limit, task_manager=manager, log_samples=True)
+  results['data_files'] = {str(f): sha256(f) for f in files}
+  return results
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+  """results.json: per task the harness's metrics (its filter suffix ',none' dropped) and their standard errors,
+  n, shots and version; the data files' sha256."""
+  tasks = {}
+  for task, values in results['results'].items():
+    metrics, stderr = {}, {}
+    for key, value in values.items():
+      if ',' not in key:
+        continue
+      name, filt = key.split(',', 1)
+      name = name if filt == 'none' else f'{name},{filt}'
+      if name.endswith('_stderr'):
+        stderr[name.removesuffix('_stderr')] = value
+      else:
+        metrics[name] = value
+    tasks[task] = {'metrics': metrics, 'stderr': stderr, 'n': results['n-samples'][task]['effective'],
+                   'shots': results['n-shot'][task], 'version': results['versions'][task]}
+  return {'tasks': tasks, 'data_files': results['data_files']}
+
+
+def example_records(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per example: doc id, per-request (log-likelihood, greedy) in choice order (or the generated text), the
+  prediction (argmax of the log-likelihoods) and the gold answer."""
+  records = []
+  for sample in sorted(samples, key=lambda s: s['doc_id']):
+    responses = [r[0] if isinstance(r, list) and len(r) == 1 else r for r in sample['filtered_resps']]
+    record: dict[str, Any] = {'doc_id': sample['doc_id'], 'gold': sample['target']}
+    if responses and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in responses):
+      record['loglikelihood'] = [float(r[0]) for r in responses]
+      record['greedy'] = [bool(r[1]) for r in responses]
+      record['prediction'] = max(range(len(responses)), key=lambda i: record['loglikelihood'][i])
+    else:
+      record['output'] = responses
+    records.append(record)
+  return records
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'results.json').write_text(json.dumps(summary(results), indent=2, default=str) + '\n')
+  for task, samples in results.get('samples', {}).items():
+    with open(out / f'{task}.jsonl', 'w') as f:
+      f.writelines(json.dumps(record, default=str) + '\n' for record in example_records(samples))
+
+
+def run(path: str | Path, request: Request, *, step: int | None = None, out: str | Path | None = None
+        ) -> tuple[dict[str, Any], Path]:
+  """`lm eval`: evaluates, writes the outputs (the main process); returns the harness's results and where the
+  outputs went."""
+  from lm.distributed import is_main_process
+  check_installed()
+  if request.data_dir is not None and not request.data_dir.is_dir():
+    raise ConfigError(f'--data-dir {request.data_dir} is not a directory')
+  assembly, params, step = load_checkpoint(path, step)
+  results = evaluate(assembly, params, request)
+  out = Path(out) if out else Path(path) / 'eval' / f'step_{step}'
+  if is_main_process():
+    write_results(results, out)
+  return results, out

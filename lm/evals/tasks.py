@@ -1,0 +1,101 @@
+"""Harness tasks on local files: a folder per task under `--data-dir`, named as the task, holding
+`<split>.jsonl` in the layout of the Hugging Face dataset the harness's task loads, or (seven tasks) the task's
+original release files (`lm.evals.releases`). Each task gets a config that
+`include:`s the harness's own (its prompts, splits, metrics and few-shot settings unchanged) and reads the local
+files instead of the Hub."""
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lm_eval.tasks import TaskManager
+
+from lm.config import ConfigError
+from lm.evals.releases import RELEASES, convert_release, release_files, task_folder
+
+SPLITS = ('training_split', 'validation_split', 'test_split', 'fewshot_split')
+
+
+@functools.cache
+def task_manager() -> TaskManager:
+  """The harness's index of its installed tasks (built once per process: it reads every task's YAML)."""
+  return TaskManager()
+
+
+def installed_task(manager: TaskManager, name: str) -> Any:
+  """The harness's index entry of task `name`; a one-line error naming close names when it has none."""
+  entry = manager.task_index.get(name)
+  if entry is None:
+    close = [t for t in manager.all_tasks if name in t or t in name][:8]
+    hint = f' (close: {", ".join(close)})' if close else ''
+    raise ConfigError(f'--tasks: lm-eval-harness has no task {name!r}{hint}; `lm eval --list-tasks` lists them')
+  if entry.yaml_path is None or entry.kind.name.lower() != 'task':
+    raise ConfigError(f'--tasks: {name!r} is a {entry.kind.name.lower()} of the harness, not one task; with '
+                      f'--data-dir name its tasks one by one')
+  return entry
+
+
+def evaluated_split(cfg: dict[str, Any]) -> str:
+  """The split the harness scores: the test split where the task names one, else the validation split."""
+  return cfg.get('test_split') or cfg.get('validation_split')
+
+
+def local_task_config(entry: Any, folder: Path) -> tuple[dict[str, Any], list[Path]]:
+  """(a task config reading `folder`'s `<split>.jsonl`, the files it reads). Splits the harness's config names
+  but the folder lacks are dropped, except the evaluated one (a ConfigError naming the file)."""
+  cfg = entry.cfg or {}
+  files: dict[str, str] = {}
+  out: dict[str, Any] = {'include': str(entry.yaml_path), 'task': entry.name, 'dataset_path': 'json',
+                         'dataset_name': None}
+  needed = evaluated_split(cfg)
+  for key in SPLITS:
+    split = cfg.get(key)
+    if not split:
+      continue
+    path = folder / f'{split}.jsonl'
+    if path.is_file():
+      files[split] = str(path.resolve())
+    elif split == needed:
+      raise ConfigError(f'{path} not found: {entry.name} is scored on its {split!r} split; write it there as JSON '
+                        f'lines with the fields of the Hugging Face dataset {cfg.get("dataset_path")}')
+    else:
+      out[key] = None
+  out['dataset_kwargs'] = {'data_files': files}
+  return out, [Path(f) for f in files.values()]
+
+
+def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path, into: Path) -> list[Path]:
+  """Writes a config per task into `into` (to pass as the harness's include path), converting original
+  releases into `into/data/<task>/` first; returns the files read (the release's own where converted)."""
+  configs, files = [], []
+  for name in tasks:
+    entry = installed_task(manager, name)
+    folder = task_folder(data_dir, name)
+    if not folder.is_dir():
+      raise ConfigError(f'--data-dir {data_dir} has no folder {folder.name}/; put {name}\'s files there')
+    needed = evaluated_split(entry.cfg or {})
+    release = {} if (folder / f'{needed}.jsonl').is_file() else release_files(folder, name)
+    if release:
+      if needed not in release:
+        pattern = RELEASES[name][1][needed][0]
+        raise ConfigError(f'{folder}/{pattern} not found: {name} is scored on its {needed!r} split')
+      folder = into / 'data' / name
+      originals = convert_release(name, release, folder)
+    config, read = local_task_config(entry, folder)
+    configs.append((name, config))
+    files += originals if release else read
+  into.mkdir(parents=True, exist_ok=True)
+  for name, config in configs:
+    (into / f'{name}.yaml').write_text(yaml.safe_dump(config, sort_keys=False))
+  return files
+
+
+def sha256(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return digest.hexdigest()

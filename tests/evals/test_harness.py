@@ -1,0 +1,132 @@
+"""`lm eval` against lm-eval-harness's own Hugging Face backend (torch) on the same GPT-2 weights, tokenizer, task
+files and settings: the same requests, log-likelihoods within 1e-4 relative, every metric equal."""
+import json
+
+import numpy as np
+import pytest
+import tokenizers
+import transformers
+
+from lm import cli
+from lm.data.sources import embedded_documents
+from lm.evals.run import Request, run
+from lm.evals.tasks import local_tasks, task_manager
+from tests.evals import releases
+
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope='module')
+def setup(tmp_path_factory):
+  """(HF GPT-2 dir, our run dir converted from it, the seven tasks' files in their release layouts; the same rows
+  in the HF layouts beside it, in hf_layout/)."""
+  root = tmp_path_factory.mktemp('harness')
+  hf, run, data = root / 'hf', root / 'run', root / 'data'
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator([text for _, text in embedded_documents()[::60]], vocab_size=300,
+                          special_tokens=['<|endoftext|>'])
+  transformers.set_seed(0)
+  model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=MAX_LENGTH, bos_token_id=0, eos_token_id=0))
+  model.save_pretrained(hf, safe_serialization=True)
+  bpe.save_model(str(hf))
+  (hf / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'GPT2Tokenizer', 'bos_token': '<|endoftext|>',
+                                                        'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}))
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 0
+  releases.write_both(data, root / 'hf_layout')
+  return hf, run, data
+
+
+def harness_reference(hf, data, tasks, num_fewshot, configs):
+  """The harness's HF backend on the same files (configs written by lm's own task mapping)."""
+  import lm_eval
+  from lm_eval.models.huggingface import HFLM
+  local_tasks(task_manager(), tasks, data, configs)
+  model = HFLM(pretrained=str(hf), batch_size=4, device='cpu', max_length=MAX_LENGTH, dtype='float32')
+  return lm_eval.simple_evaluate(model=model, tasks=[str(configs / f'{t}.yaml') for t in tasks],
+                                 num_fewshot=num_fewshot, task_manager=task_manager(), log_samples=True)
+
+
+@pytest.mark.long(1)
+@pytest.mark.parametrize('num_fewshot', [0, 3])
+def test_lm_eval_equals_the_harness_hf_backend(setup, num_fewshot, tmp_path):
+  hf, run_dir, data = setup
+  tasks = list(releases.TASKS)
+  out = tmp_path / 'out'
+  results, _ = run(run_dir, Request(tasks=tuple(tasks), data_dir=data, num_fewshot=num_fewshot, batch_size=4),
+                   out=out)
+  reference = harness_reference(hf, data, tasks, num_fewshot, tmp_path / 'configs')
+  ours = json.loads((out / 'results.json').read_text())
+  for task in tasks:
+    expected = reference['results'][task]
+    got = ours['tasks'][task]
+    assert got['shots'] == num_fewshot and got['n'] == len(reference['samples'][task])
+    metrics = [k.split(',')[0] for k in expected if k.endswith(',none') and '_stderr' not in k]
+    assert sorted(got['metrics']) == sorted(metrics)
+    for metric in metrics:
+      if metric == 'perplexity':  # exp of a mean log-likelihood: as close as the log-likelihoods
+        assert got['metrics'][metric] == pytest.approx(expected[f'{metric},none'], rel=1e-3)
+      else:
+        assert got['metrics'][metric] == expected[f'{metric},none'], metric
+    records = [json.loads(line) for line in (out / f'{task}.jsonl').read_text().splitlines()]
+    samples = sorted(reference['samples'][task], key=lambda s: s['doc_id'])
+    assert [r['doc_id'] for r in records] == [s['doc_id'] for s in samples]
+    ours_samples = sorted(results['samples'][task], key=lambda s: s['doc_id'])
+    assert [s['arguments'] for s in ours_samples] == [s['arguments'] for s in samples]  # the same prompts
+    for record, sample in zip(records, samples):
+      want = [float(r[0][0]) for r in sample['resps']]
+      np.testing.assert_allclose(record['loglikelihood'], want, rtol=1e-4)
+      assert record['greedy'] == [bool(r[0][1]) for r in sample['resps']]
+      assert record['gold'] == sample['target']
+  assert sorted(ours['data_files']) == sorted(str(p) for p in data.rglob('*') if p.is_file())  # each file read
+
+
+@pytest.mark.long(1)
+def test_release_and_dataset_layouts_give_identical_results(setup, tmp_path):
+  """Each task's original release files, converted by lm, score exactly as the same rows in the HF layout."""
+  _, run_dir, data = setup
+  tasks = tuple(releases.TASKS)
+  results = [run(run_dir, Request(tasks=tasks, data_dir=d, num_fewshot=2, batch_size=4), out=tmp_path / d.name)[0]
+             for d in (data, data.parent / 'hf_layout')]
+  for task in tasks:
+    a, b = (json.loads((tmp_path / d / 'results.json').read_text())['tasks'][task] for d in ('data', 'hf_layout'))
+    assert a == b
+    samples = [sorted(r['samples'][task], key=lambda s: s['doc_id']) for r in results]
+    assert [s['arguments'] for s in samples[0]] == [s['arguments'] for s in samples[1]]
+    assert [s['resps'] for s in samples[0]] == [s['resps'] for s in samples[1]]
+
+
+@pytest.mark.parametrize('argv, message', [
+  (['--tasks', 'hellaswagg'], "lm-eval-harness has no task 'hellaswagg'"),
+  (['--tasks', 'piqa', '--data-dir', 'EMPTY'], 'has no folder piqa/'),
+  (['--tasks', 'piqa', '--data-dir', 'BROKEN'], "valid.jsonl:2: no field 'sol2'"),
+  (['--tasks', 'arc_easy', '--data-dir', 'NOTEST'], 'ARC-Easy-Test.jsonl not found'),
+  (['--tasks', 'piqa', '--step', '7'], '--step 7: '),
+  (['--tasks', 'piqa', '--max-length', '1000'], '--max-length 1000 must lie in'),
+])
+def test_bad_input_is_one_line_and_writes_nothing(setup, argv, message, tmp_path, capsys):
+  _, run_dir, _ = setup
+  (tmp_path / 'EMPTY').mkdir()
+  broken = tmp_path / 'BROKEN' / 'piqa'
+  broken.mkdir(parents=True)
+  (broken / 'valid.jsonl').write_text('{"goal": "a", "sol1": "b", "sol2": "c"}\n{"goal": "a", "sol1": "b"}\n')
+  (broken / 'valid-labels.lst').write_text('0\n1\n')
+  notest = tmp_path / 'NOTEST' / 'arc' / 'ARC-V1-Feb2018-2' / 'ARC-Easy'
+  notest.mkdir(parents=True)
+  (notest / 'ARC-Easy-Train.jsonl').write_text('')
+  argv = [str(tmp_path / a) if a in ('EMPTY', 'BROKEN', 'NOTEST') else a for a in argv]
+  before = sorted(p.relative_to(run_dir) for p in run_dir.rglob('*'))
+  assert cli.main(['eval', '--model', str(run_dir), *argv, '--out', str(tmp_path / 'out')]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1, err
+  assert not (tmp_path / 'out').exists() and sorted(p.relative_to(run_dir) for p in run_dir.rglob('*')) == before
+
+
+def test_bert_is_not_a_generative_model(tmp_path, capsys):
+  run_dir = tmp_path / 'bert'
+  assert cli.main(['train', '--config', 'bert_tiny', f'train.run_dir={run_dir}', 'train.steps=1',
+                   'model.num_layers=1', 'model.d_model=32', 'model.num_heads=2', 'data.seq_len=16',
+                   'train.global_batch=8', 'train.eval_batches=1']) == 0
+  capsys.readouterr()
+  assert cli.main(['eval', '--model', str(run_dir), '--tasks', 'piqa']) == 2
+  assert 'not a generative model' in capsys.readouterr().err
