@@ -64,7 +64,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
       raise ConfigError(f'{flag} {value} must be at least {low}')
   results, out = run(args.model, Request(tasks=tasks, data_dir=args.data_dir, num_fewshot=args.num_fewshot,
                                     limit=args.limit, max_length=args.max_length, batch_size=args.batch_size),
-                step=args.step, out=args.out)
+                step=args.step, out=args.out, overrides=args.overrides)
   if is_main_process():
     from lm_eval.utils import make_table
     print(make_table(results), flush=True)
@@ -385,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument('--step', type=int, metavar='S', help='the run\'s checkpoint at step S (default: the latest)')
   ev.add_argument('--batch-size', type=int, default=32, metavar='B', help='rows per scoring batch (default 32)')
   ev.add_argument('--out', type=Path, metavar='DIR', help='where results go (default: PATH/eval/step_<S>)')
+  ev.add_argument('overrides', nargs='*', metavar='mesh.axis=N', help='how to lay the model over the devices, e.g. '
+                                                                    'mesh.fsdp=4 (default: data over all)')
   ev.set_defaults(fn=cmd_eval)
 
   tokenizer = sub.add_parser('tokenizer', help='tokenizers').add_subparsers(dest='action', required=True)

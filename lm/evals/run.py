@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lm.config import Config, ConfigError, DataConfig, MeshConfig, from_dict
+from lm.config import Config, ConfigError, DataConfig, from_dict, merge, parse_overrides
 from lm.run_dir import HF_TOKENIZER_FILES, checkpoints, is_hf_dir, is_run_dir, load_params, read_config
 
 DEFAULT_BATCH = 32
@@ -33,18 +33,26 @@ class Request:
   batch_size: int = DEFAULT_BATCH
 
 
-def _all_devices(mesh: MeshConfig) -> MeshConfig:
-  """The run's mesh with the data axis taking every device fsdp and tensor leave."""
-  return mesh if -1 in (mesh.fsdp, mesh.tensor) else dataclasses.replace(mesh, data=-1)
+def _mesh(base: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+  """The mesh to evaluate on: `base` with `mesh.*` overrides; the data axis takes the devices fsdp and tensor
+  leave unless an override sets it."""
+  values = parse_overrides(list(overrides))
+  if set(values) - {'mesh'}:
+    raise ConfigError(f'lm eval takes mesh.* overrides only (e.g. mesh.fsdp=4); got {", ".join(overrides)}')
+  mesh = merge(base, values.get('mesh', {}))
+  if 'data' not in values.get('mesh', {}) and -1 not in (mesh.get('fsdp'), mesh.get('tensor')):
+    mesh['data'] = -1
+  return mesh
 
 
-def load_checkpoint(path: str | Path, step: int | None = None) -> tuple[Any, Any, int]:
+def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequence[str] = ()
+                    ) -> tuple[Any, Any, int]:
   """(assembly, params, step) of a run dir's checkpoint `step` (default: the latest) or an HF directory's weights
-  (step 0), laid out over every device."""
+  (step 0), laid out over every device (`mesh.*` overrides choose how)."""
   from lm.assembly import assemble
-  from lm.parallel.mesh import make_mesh
+  from lm.convert.hf import hf_model_config
   if is_run_dir(path):
-    run = read_config(path)
+    mesh = _mesh(read_config(path).to_dict()['mesh'], overrides)
     saved = checkpoints(path)
     try:
       steps = saved.all_steps()
@@ -53,21 +61,21 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> tuple[Any, Any
       step = steps[-1] if step is None else step
       if step not in steps:
         raise ConfigError(f'--step {step}: {path} has checkpoints at steps {", ".join(map(str, steps))}')
-      config = from_dict({**from_dict(saved.saved_config(step)).to_dict(),
-                          'mesh': dataclasses.asdict(_all_devices(run.mesh))})
-      assembly = assemble(config)
+      assembly = assemble(from_dict({**saved.saved_config(step), 'mesh': mesh}))
       return assembly, saved.restore_params(step, assembly.abstract_params), step
     finally:
       saved.close()
   if is_hf_dir(path):
     if step not in (None, 0):
       raise ConfigError(f'--step {step}: {path} is a Hugging Face directory (one set of weights); drop --step')
-    mesh = make_mesh(_all_devices(MeshConfig()))
-    model, params = load_params(path, mesh)
+    mesh = _mesh(Config().to_dict()['mesh'], overrides)
+    model = hf_model_config(path)
     tokenizer = f'hf:{path}' if any((Path(path) / f).is_file() for f in HF_TOKENIZER_FILES) else 'byte'
-    config = from_dict(Config(name=Path(path).name, model=model, mesh=_all_devices(MeshConfig()),
-                              data=DataConfig(seq_len=model.max_len, tokenizer=tokenizer)).to_dict())
-    return assemble(config, mesh=mesh), params, 0
+    config = from_dict({**Config(name=Path(path).name, model=model,
+                                 data=DataConfig(seq_len=model.max_len, tokenizer=tokenizer)).to_dict(), 'mesh': mesh})
+    assembly = assemble(config)
+    _, params = load_params(path, assembly.mesh)
+    return assembly, params, 0
   raise ConfigError(f'--model {path} is neither a run directory (with config.yaml) nor a Hugging Face model '
                     f'directory (with config.json)')
 
@@ -185,15 +193,15 @@ def write_results(results: dict[str, Any], out: Path) -> None:
       f.writelines(json.dumps(record, default=str) + '\n' for record in example_records(samples))
 
 
-def run(path: str | Path, request: Request, *, step: int | None = None, out: str | Path | None = None
-        ) -> tuple[dict[str, Any], Path]:
+def run(path: str | Path, request: Request, *, step: int | None = None, out: str | Path | None = None,
+        overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Path]:
   """`lm eval`: evaluates, writes the outputs (the main process); returns the harness's results and where the
   outputs went."""
   from lm.distributed import is_main_process
   check_installed()
   if request.data_dir is not None and not request.data_dir.is_dir():
     raise ConfigError(f'--data-dir {request.data_dir} is not a directory')
-  assembly, params, step = load_checkpoint(path, step)
+  assembly, params, step = load_checkpoint(path, step, overrides)
   results = evaluate(assembly, params, request)
   out = Path(out) if out else Path(path) / 'eval' / f'step_{step}'
   if is_main_process():

@@ -1,6 +1,10 @@
 """`lm eval` against lm-eval-harness's own Hugging Face backend (torch) on the same GPT-2 weights, tokenizer, task
 files and settings: the same requests, log-likelihoods within 1e-4 relative, every metric equal."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from lm.evals.tasks import local_tasks, task_manager
 from tests.evals import releases
 
 MAX_LENGTH = 64
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope='module')
@@ -130,3 +135,32 @@ def test_bert_is_not_a_generative_model(tmp_path, capsys):
   capsys.readouterr()
   assert cli.main(['eval', '--model', str(run_dir), '--tasks', 'piqa']) == 2
   assert 'not a generative model' in capsys.readouterr().err
+
+
+@pytest.mark.long(1.5)
+def test_one_device_equals_eight_devices_and_two_processes(setup, tmp_path):
+  """The same scores on 1 device, on 8 simulated devices (data x fsdp) and on 2 processes of 4 devices each."""
+  _, run_dir, data = setup
+  args = ['eval', '--model', str(run_dir), '--tasks', 'piqa,lambada_openai,winogrande', '--data-dir', str(data),
+          '--batch-size', '4', '--num-fewshot', '1']
+  lm = [sys.executable, '-m', 'lm.cli']
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  one = subprocess.run([*lm, *args, '--out', str(tmp_path / 'one')], env=env, capture_output=True, text=True,
+                       timeout=900, check=False)
+  assert one.returncode == 0, one.stderr[-2000:]
+  assert cli.main([*args, '--out', str(tmp_path / 'eight'), 'mesh.data=2', 'mesh.fsdp=4']) == 0
+  two = subprocess.run([sys.executable, str(ROOT / 'launch' / 'local.py'), '--processes', '2',
+                        '--devices-per-process', '4', '--', *lm, *args, '--out', str(tmp_path / 'two'),
+                        'mesh.data=2', 'mesh.fsdp=4'], env=env, capture_output=True, text=True, timeout=900,
+                       check=False)
+  assert two.returncode == 0, two.stderr[-2000:]
+  reference = json.loads((tmp_path / 'one' / 'results.json').read_text())
+  for name in ('eight', 'two'):
+    got = json.loads((tmp_path / name / 'results.json').read_text())
+    for task in ('piqa', 'lambada_openai', 'winogrande'):
+      for metric, value in reference['tasks'][task]['metrics'].items():
+        assert got['tasks'][task]['metrics'][metric] == pytest.approx(value, rel=1e-5), (name, task, metric)
+      lines = [[json.loads(line) for line in (tmp_path / d / f'{task}.jsonl').read_text().splitlines()]
+               for d in ('one', name)]
+      for a, b in zip(*lines):
+        np.testing.assert_allclose(b['loglikelihood'], a['loglikelihood'], rtol=1e-5)
