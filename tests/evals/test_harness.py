@@ -164,3 +164,38 @@ def test_one_device_equals_eight_devices_and_two_processes(setup, tmp_path):
                for d in ('one', name)]
       for a, b in zip(*lines):
         np.testing.assert_allclose(b['loglikelihood'], a['loglikelihood'], rtol=1e-5)
+
+
+@pytest.mark.long(1)
+def test_t5_equals_the_harness_seq2seq_backend(tmp_path):
+  """T5 through the harness's seq2seq path: the context alone into the encoder (ending in EOS, as the HF tokenizer's
+  special tokens add), the continuation as decoder targets; on piqa and boolq, 0- and 2-shot."""
+  from tokenizers.processors import TemplateProcessing
+  hf, run_dir, data = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'data'
+  bpe = tokenizers.ByteLevelBPETokenizer()
+  bpe.train_from_iterator([text for _, text in embedded_documents()[::60]], vocab_size=300,
+                          special_tokens=['<pad>', '</s>', '<unk>'])
+  bpe.post_processor = TemplateProcessing(single='$A </s>', special_tokens=[('</s>', bpe.token_to_id('</s>'))])
+  transformers.set_seed(0)
+  config = transformers.T5Config(vocab_size=320, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                 feed_forward_proj='gated-gelu', tie_word_embeddings=False, decoder_start_token_id=0,
+                                 pad_token_id=0, eos_token_id=1)
+  transformers.T5ForConditionalGeneration(config).save_pretrained(hf, safe_serialization=True)
+  bpe.save(str(hf / 'tokenizer.json'))
+  (hf / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'PreTrainedTokenizerFast',
+                                                        'eos_token': '</s>', 'pad_token': '<pad>',
+                                                        'unk_token': '<unk>'}))
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run_dir)]) == 0
+  releases.write_both(data, tmp_path / 'hf_layout')
+  tasks = ['piqa', 'boolq']
+  for shots in (0, 2):
+    results, _ = run(run_dir, Request(tasks=tuple(tasks), data_dir=data, num_fewshot=shots, batch_size=4,
+                                      max_length=MAX_LENGTH), out=tmp_path / f'out{shots}')
+    reference = harness_reference(hf, data, tasks, shots, tmp_path / f'configs{shots}')
+    for task in tasks:
+      ours = sorted(results['samples'][task], key=lambda s: s['doc_id'])
+      theirs = sorted(reference['samples'][task], key=lambda s: s['doc_id'])
+      assert [s['arguments'] for s in ours] == [s['arguments'] for s in theirs]
+      for a, b in zip(ours, theirs):
+        np.testing.assert_allclose([r[0][0] for r in a['resps']], [r[0][0] for r in b['resps']], rtol=1e-4)
+      assert results['results'][task]['acc,none'] == reference['results'][task]['acc,none']
