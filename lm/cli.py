@@ -53,8 +53,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
   from lm.distributed import is_main_process
-  from lm.evals.run import Request, check_installed, run
-  check_installed()
+  from lm.evals.run import Request, run
   tasks = tuple(t for t in args.tasks.split(',') if t)
   if not tasks:
     raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')

@@ -78,6 +78,7 @@ def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path, into: Pa
       raise ConfigError(f'--data-dir {data_dir} has no folder {folder.name}/; put {name}\'s files there')
     needed = evaluated_split(entry.cfg or {})
     release = {} if (folder / f'{needed}.jsonl').is_file() else release_files(folder, name)
+    originals = []
     if release:
       if needed not in release:
         pattern = RELEASES[name][1][needed][0]
@@ -86,7 +87,7 @@ def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path, into: Pa
       originals = convert_release(name, release, folder)
     config, read = local_task_config(entry, folder)
     configs.append((name, config))
-    files += originals if release else read
+    files += originals or read
   into.mkdir(parents=True, exist_ok=True)
   for name, config in configs:
     (into / f'{name}.yaml').write_text(yaml.safe_dump(config, sort_keys=False))
