@@ -336,6 +336,17 @@ PATH_FIELDS = (('data', 'data_dir'), ('data', 'paths'), ('data', 'tokenizer'), (
                ('train', 'init_from'))
 
 
+def inference_mesh(mesh: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+  """The mesh to run a trained model on: a config's mesh section with the `mesh.*` overrides; the data axis takes
+  the devices fsdp and tensor leave (training's data size was its batch's split, not these devices') unless an
+  override sets it."""
+  values = parse_overrides(overrides).get('mesh', {})
+  mesh = merge(mesh, values)
+  if 'data' not in values and -1 not in (mesh.get('fsdp'), mesh.get('tensor')):
+    mesh['data'] = -1
+  return mesh
+
+
 def expand_path(value: str) -> str:
   """`~/x`, `$HOME/x` -> absolute local paths; `gs://...` and other URIs unchanged; a tokenizer spec's path
   (`hf:~/tok`) expanded after its scheme."""

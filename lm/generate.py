@@ -5,7 +5,6 @@ for an encoder-decoder); T5's span sentinels are named in prompts and outputs as
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from lm.config import Config, ConfigError, ModelConfig
+from lm.config import Config, ConfigError, MeshConfig, ModelConfig, inference_mesh
 from lm.data.objectives import span_sentinels
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.models import FAMILIES, build_model, get_family
@@ -98,10 +97,7 @@ def load_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[Config
   trained or imported, on this machine's devices: split over mesh.fsdp and mesh.tensor as configured,
   replicated over the data axis, which takes the devices left over."""
   config = read_config(run_dir, list(overrides))
-  mesh = config.mesh
-  if -1 not in (mesh.fsdp, mesh.tensor):
-    mesh = dataclasses.replace(mesh, data=-1)
-  _, params = load_params(run_dir, make_mesh(mesh))
+  _, params = load_params(run_dir, make_mesh(MeshConfig(**inference_mesh(config.to_dict()['mesh'], overrides))))
   return config, params
 
 

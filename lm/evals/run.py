@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lm.config import Config, ConfigError, DataConfig, from_dict, merge, parse_overrides
+from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh, parse_overrides
 from lm.run_dir import HF_TOKENIZER_FILES, checkpoints, is_hf_dir, is_run_dir, load_params, read_config
 
 DEFAULT_BATCH = 32
@@ -34,15 +34,9 @@ class Request:
 
 
 def _mesh(base: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-  """The mesh to evaluate on: `base` with `mesh.*` overrides; the data axis takes the devices fsdp and tensor
-  leave unless an override sets it."""
-  values = parse_overrides(list(overrides))
-  if set(values) - {'mesh'}:
+  if set(parse_overrides(list(overrides))) - {'mesh'}:
     raise ConfigError(f'lm eval takes mesh.* overrides only (e.g. mesh.fsdp=4); got {", ".join(overrides)}')
-  mesh = merge(base, values.get('mesh', {}))
-  if 'data' not in values.get('mesh', {}) and -1 not in (mesh.get('fsdp'), mesh.get('tensor')):
-    mesh['data'] = -1
-  return mesh
+  return inference_mesh(base, list(overrides))
 
 
 def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequence[str] = ()
