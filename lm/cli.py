@@ -58,11 +58,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
   if not tasks:
     raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')
   for flag, value, low in (('--num-fewshot', args.num_fewshot, 0), ('--limit', args.limit, 1),
-                           ('--batch-size', args.batch_size, 1)):
+                           ('--subset', args.subset, 1), ('--batch-size', args.batch_size, 1)):
     if value is not None and value < low:
       raise ConfigError(f'{flag} {value} must be at least {low}')
+  if args.limit is not None and args.subset is not None:
+    raise ConfigError('--limit and --subset both choose the documents: pass one')
   results, out = run(args.model, Request(tasks=tasks, data_dir=args.data_dir, num_fewshot=args.num_fewshot,
-                                    limit=args.limit, max_length=args.max_length, batch_size=args.batch_size),
+                                         limit=args.limit, subset=args.subset, max_length=args.max_length,
+                                         batch_size=args.batch_size),
                 step=args.step, out=args.out, overrides=args.overrides)
   if is_main_process():
     from lm_eval.utils import make_table
@@ -380,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                '(default: the harness loads from the Hub)')
   ev.add_argument('--num-fewshot', type=int, metavar='K', help='few-shot examples (default: each task\'s own)')
   ev.add_argument('--limit', type=int, metavar='N', help='only the first N documents of each task')
+  ev.add_argument('--subset', type=int, metavar='N', help='N documents of each task drawn with a fixed seed (those '
+                                                          'train.evals_limit=N evaluates in training)')
   ev.add_argument('--max-length', type=int, metavar='N', help='tokens per request (default: the model\'s context)')
   ev.add_argument('--step', type=int, metavar='S', help='the run\'s checkpoint at step S (default: the latest)')
   ev.add_argument('--batch-size', type=int, default=32, metavar='B', help='rows per scoring batch (default 32)')

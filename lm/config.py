@@ -168,6 +168,12 @@ class TrainConfig:
   causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
   init_from: str | None = None  # start from these params (our run dir or an HF model directory), fresh optimizer
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
+  # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
+  evals: tuple[str, ...] = ()
+  evals_every: int = 0  # steps between them, and after the last; 0: train.eval_every
+  evals_limit: int | None = None  # N documents of each task, drawn with a fixed seed (lm eval --subset N); None: all
+  evals_num_fewshot: int | None = None  # None: each task's own default
+  evals_data_dir: str | None = None  # local task files (lm eval --data-dir); None: the harness loads from the Hub
 
 
 @dataclass(frozen=True)
@@ -333,7 +339,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
 
 # Path-valued fields: `~` and $VARS expand as a shell would (it does not after `key=`); URIs stay as written.
 PATH_FIELDS = (('data', 'data_dir'), ('data', 'paths'), ('data', 'tokenizer'), ('train', 'run_dir'),
-               ('train', 'init_from'))
+               ('train', 'init_from'), ('train', 'evals_data_dir'))
 
 
 def inference_mesh(mesh: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
@@ -457,6 +463,8 @@ def validate(config: Config) -> None:
       f'make the batch a multiple of the microbatch count')
   if t.checkpoint_every < 0 or t.eval_batches < 0 or o.warmup_steps < 0:
     raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
+  if t.evals_every < 0 or (t.evals_limit is not None and t.evals_limit < 1) or (t.evals_num_fewshot or 0) < 0:
+    raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
   if m.attention_impl not in ('xla', 'auto') and m.attention_dropout > 0:

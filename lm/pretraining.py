@@ -1,25 +1,28 @@
 """`lm train`: pretraining with the family's objective on the config's data, through the one loop.
 
 Builds the assembly, the training and validation batches, and the callbacks (validation NLL at step 0, every
-`train.eval_every` steps and at the end; the latest checkpoint every `train.checkpoint_every` steps, at the end
-and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
+`train.eval_every` steps and at the end; lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and
+at the end; the latest checkpoint every `train.checkpoint_every` steps, at the end and at a SIGTERM), then hands
+them to `lm.train.loop.Trainer`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 
 from lm.assembly import assemble
 from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
-from lm.config import Config
+from lm.config import Config, ConfigError
 from lm.data.pipeline import Batches, build_batches
 from lm.distributed import is_main_process
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.init_from import initial_state
-from lm.train.loop import Checkpoint, Evaluate, Record, Trainer, restore_or_start
+from lm.train.loop import Callback, Checkpoint, Evaluate, Record, Trainer, restore_or_start
 from lm.train.step import make_eval_step
 
 
@@ -35,6 +38,7 @@ class Pretraining:
     self.tokenizer, self.train_batches, self.val_batches = build_batches(
       config, self.mesh, functools.partial(self.assembly.family.objective, config))
     self.eval_step = make_eval_step(self.assembly)
+    self.task_evals = self._task_evals()  # before the run dir is written: a bad task name stops here
 
   @property
   def train_step(self):
@@ -59,6 +63,20 @@ class Pretraining:
       nll, weight = nll + float(out['nll']), weight + float(out['weight'])
     return nll / max(weight, 1.0)
 
+  def _task_evals(self) -> list[Callback]:
+    """`train.evals` through the harness on the training devices, recorded as eval/<task>/<metric>."""
+    t = self.config.train
+    if not t.evals:
+      return []
+    from lm.evals.run import Request, TaskEvaluator, metric_records
+    data_dir = None if t.evals_data_dir is None else Path(t.evals_data_dir)
+    if data_dir is not None and not data_dir.is_dir():
+      raise ConfigError(f'train.evals_data_dir={data_dir} is not a directory; point it at the task files '
+                        f'(as lm eval --data-dir takes them) or drop it to load from the Hub')
+    evaluator = TaskEvaluator(self.assembly, Request(tasks=t.evals, data_dir=data_dir, subset=t.evals_limit,
+                                                     num_fewshot=t.evals_num_fewshot))
+    return [Evaluate(lambda params, _: metric_records(evaluator(params)), t.evals_every or t.eval_every)]
+
   def _start(self) -> TrainState:
     cfg = self.config
     if cfg.train.init_from is None:
@@ -80,7 +98,7 @@ class Pretraining:
         (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
       validation = Evaluate(lambda params, _: {'val_loss': self.evaluate(params, self.val_batches, t.eval_batches)},
                             t.eval_every, at_start=True)
-      return self.loop.run(state, self.train_batches, [validation] if t.eval_batches else [],
+      return self.loop.run(state, self.train_batches, ([validation] if t.eval_batches else []) + self.task_evals,
                            Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict()))
     finally:
       checkpoints.close()

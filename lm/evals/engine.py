@@ -74,6 +74,10 @@ class HarnessLM(TemplateLM):
     self.batch_size = batch_size
     self.scorer = Scorer(assembly, params, tokenizer.pad_id, batch_size, max_length)
 
+  def set_params(self, params: Any) -> None:
+    """Scores and generations from here on use `params` (the same shapes: nothing recompiles)."""
+    self.params = self.scorer.params = params
+
   @property
   def max_length(self) -> int:
     return self._max_length

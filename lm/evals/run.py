@@ -16,10 +16,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh, parse_overrides
 from lm.run_dir import HF_TOKENIZER_FILES, checkpoints, is_hf_dir, is_run_dir, load_params, read_config
 
 DEFAULT_BATCH = 32
+SUBSET_SEED = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Request:
   data_dir: Path | None = None
   num_fewshot: int | None = None  # None: each task's own default
   limit: int | None = None  # the first N documents of each task
+  subset: int | None = None  # N documents of each task drawn with SUBSET_SEED (the same N in every run)
   max_length: int | None = None  # None: the model's context
   batch_size: int = DEFAULT_BATCH
 
@@ -107,39 +111,73 @@ def harness_output() -> Iterator[None]:
         sys.stderr.write(held.read().decode(errors='replace'))
 
 
-def evaluate(assembly: Any, params: Any, request: Request) -> dict[str, Any]:
-  """The harness's results dict (`lm_eval.simple_evaluate`, samples logged) for `request`, plus 'data_files'
-  (path -> sha256 of each local file read)."""
-  check_installed()
-  if request.data_dir is not None:  # no download, and a clear error where the local files fall short
-    os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
-    os.environ.setdefault('HF_HUB_OFFLINE', '1')
-  import lm_eval
+def subset_indices(size: int, count: int) -> list[int]:
+  """`count` of a task's `size` documents, drawn with SUBSET_SEED, in document order (all when count >= size)."""
+  rng = np.random.default_rng(SUBSET_SEED)
+  return sorted(int(i) for i in rng.choice(size, size=min(count, size), replace=False))
 
-  from lm.data.tokenizers import get_tokenizer
-  from lm.evals.engine import HarnessLM
-  from lm.evals.tasks import installed_task, local_tasks, sha256, task_manager
-  cfg = assembly.config
-  if assembly.family.decoding is None:
-    raise ConfigError(f'model.family={cfg.model.family!r} is not a generative model: lm eval scores continuations '
-                      f'with a decoder-only or encoder-decoder model')
-  max_length = request.max_length or cfg.model.max_len
-  if request.max_length is not None and not 1 < request.max_length <= cfg.model.max_len:
-    raise ConfigError(f'--max-length {request.max_length} must lie in [2, model.max_len={cfg.model.max_len}]')
-  manager = task_manager()
-  with tempfile.TemporaryDirectory() as configs:
+
+class TaskEvaluator:
+  """The harness's evaluation of `request` with one assembly's model, for any params of it (a checkpoint's, or
+  the training state's in the loop): the tasks are resolved, their local configs written and the subsets drawn
+  once; the engine's programs compile on the first call."""
+
+  def __init__(self, assembly: Any, request: Request):
+    check_installed()
+    if request.data_dir is not None:  # no download, and a clear error where the local files fall short
+      os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
+      os.environ.setdefault('HF_HUB_OFFLINE', '1')
+    from lm.data.tokenizers import get_tokenizer
+    from lm.evals.engine import HarnessLM
+    from lm.evals.tasks import installed_task, local_tasks, task_manager
+    cfg = assembly.config
+    if assembly.family.decoding is None:
+      raise ConfigError(f'model.family={cfg.model.family!r} is not a generative model: lm eval scores continuations '
+                        f'with a decoder-only or encoder-decoder model')
+    max_length = request.max_length or cfg.model.max_len
+    if request.max_length is not None and not 1 < request.max_length <= cfg.model.max_len:
+      raise ConfigError(f'--max-length {request.max_length} must lie in [2, model.max_len={cfg.model.max_len}]')
+    self.request, self.manager = request, task_manager()
+    self._configs = tempfile.TemporaryDirectory()  # the local task configs, for this evaluator's life
     if request.data_dir is None:
-      specs, files = [installed_task(manager, t).name for t in request.tasks], []
+      self.specs, self.files = [installed_task(self.manager, t).name for t in request.tasks], []
     else:
-      files = local_tasks(manager, list(request.tasks), request.data_dir, Path(configs))
-      specs = [str(Path(configs) / f'{t}.yaml') for t in request.tasks]
-    model = HarnessLM(assembly, params, get_tokenizer(cfg.data.tokenizer), batch_size=request.batch_size,
-                      max_length=max_length)
+      self.files = local_tasks(self.manager, list(request.tasks), request.data_dir, Path(self._configs.name))
+      self.specs = [str(Path(self._configs.name) / f'{t}.yaml') for t in request.tasks]
+    self.model = HarnessLM(assembly, None, get_tokenizer(cfg.data.tokenizer), batch_size=request.batch_size,
+                           max_length=max_length)
+    self.samples = None if request.subset is None else self._draw(request.subset)
+
+  def _draw(self, count: int) -> dict[str, list[int]]:
+    """Each task's subset of `count` documents (a group's member tasks each get their own)."""
     with harness_output():
-      results = lm_eval.simple_evaluate(model=model, tasks=specs, num_fewshot=request.num_fewshot,
-                                        limit=request.limit, task_manager=manager, log_samples=True)
-  results['data_files'] = {str(f): sha256(f) for f in files}
-  return results
+      tasks = self.manager.load(self.specs)['tasks']
+    return {name: subset_indices(len(task.eval_docs), count) for name, task in tasks.items()}
+
+  def __call__(self, params: Any) -> dict[str, Any]:
+    """The harness's results dict (`lm_eval.simple_evaluate`, samples logged), plus 'data_files' (path -> sha256
+    of each local file read)."""
+    import lm_eval
+
+    from lm.evals.tasks import sha256
+    self.model.set_params(params)
+    with harness_output():
+      results = lm_eval.simple_evaluate(model=self.model, tasks=self.specs, num_fewshot=self.request.num_fewshot,
+                                        limit=self.request.limit, samples=self.samples, task_manager=self.manager,
+                                        log_samples=True)
+    results['data_files'] = {str(f): sha256(f) for f in self.files}
+    return results
+
+
+def evaluate(assembly: Any, params: Any, request: Request) -> dict[str, Any]:
+  """The harness's results for `request` on these params (see TaskEvaluator)."""
+  return TaskEvaluator(assembly, request)(params)
+
+
+def metric_records(results: dict[str, Any]) -> dict[str, float]:
+  """`eval/<task>/<metric>` of every numeric metric (standard errors left out), for metrics.jsonl."""
+  return {f'eval/{task}/{name}': float(value) for task, entry in summary(results)['tasks'].items()
+          for name, value in entry['metrics'].items() if isinstance(value, (int, float))}
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ _SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('learning_r
 def format_record(record: dict[str, Any]) -> str:
   """One console line: `step 250 | loss 2.2990 | lr 0.000354 | grad_norm 0.741 | 3,412 tokens/s`."""
   parts = [f'step {record["step"]}'] + [fmt.format(record[k]) for k, fmt in _SHOWN if record.get(k) is not None]
+  parts += [f'{k.removeprefix("eval/")} {v:.4f}' for k, v in record.items() if k.startswith('eval/')]  # tasks
   return ' | '.join(parts)
 
 
@@ -94,10 +95,12 @@ class MetricsLogger:
     for key, value in record.items():
       if key != 'step' and isinstance(value, (int, float)):
         self.tensorboard.add_scalar(key, value, record['step'])
-    if self.bar is not None:
+    if self.bar is not None and any(k.startswith('eval/') for k in record):
+      self.bar.write(format_record(record))
+    elif self.bar is not None:
       self.shown.update({k: f'{record[k]:.4g}' for k in ('loss', 'val_loss', 'tokens_per_sec') if k in record})
       self.bar.set_postfix(self.shown, refresh=False)
-    elif 'tokens_per_sec' in record or 'val_loss' in record:
+    elif 'tokens_per_sec' in record or 'val_loss' in record or any(k.startswith('eval/') for k in record):
       print(format_record(record), flush=True)
 
   def advance(self, steps: int) -> None:

@@ -108,6 +108,7 @@ def test_release_and_dataset_layouts_give_identical_results(setup, tmp_path):
   (['--tasks', 'arc_easy', '--data-dir', 'NOTEST'], 'ARC-Easy-Test.jsonl not found'),
   (['--tasks', 'piqa', '--step', '7'], '--step 7: '),
   (['--tasks', 'piqa', '--max-length', '1000'], '--max-length 1000 must lie in'),
+  (['--tasks', 'piqa', '--limit', '2', '--subset', '2'], '--limit and --subset both choose'),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(setup, argv, message, tmp_path, capsys):
   _, run_dir, _ = setup
@@ -125,6 +126,23 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, argv, message, tmp_path
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1, err
   assert not (tmp_path / 'out').exists() and sorted(p.relative_to(run_dir) for p in run_dir.rglob('*')) == before
+
+
+def test_a_run_without_a_checkpoint_or_without_the_extra_is_one_line(setup, tmp_path, capsys, monkeypatch):
+  _, run_dir, _ = setup
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  (empty / 'config.yaml').write_text((run_dir / 'config.yaml').read_text())
+  assert cli.main(['eval', '--model', str(empty), '--tasks', 'piqa']) == 2
+  err = capsys.readouterr().err.strip()
+  assert 'holds no checkpoint yet' in err and len(err.splitlines()) == 1, err
+  assert sorted(p.name for p in empty.iterdir()) == ['config.yaml']
+  import importlib.util
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'lm_eval' else find_spec(name, *a))
+  assert cli.main(['eval', '--model', str(run_dir), '--tasks', 'piqa']) == 2
+  err = capsys.readouterr().err.strip()
+  assert "pip install -e '.[eval]'" in err and len(err.splitlines()) == 1, err
 
 
 def test_bert_is_not_a_generative_model(tmp_path, capsys):
