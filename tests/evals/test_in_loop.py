@@ -33,7 +33,7 @@ def test_in_loop_records_equal_lm_eval_on_the_same_checkpoint(tmp_path, capsys):
   assert sorted(records) == [2, 4]
   for step, record in records.items():
     run(run_dir, Request(tasks=('piqa', 'lambada_openai'), data_dir=data, subset=6), step=step,
-                     out=tmp_path / f'out{step}')
+        out=tmp_path / f'out{step}')
     summary = json.loads((tmp_path / f'out{step}' / 'results.json').read_text())
     assert {t: s['n'] for t, s in summary['tasks'].items()} == {'piqa': 6, 'lambada_openai': 6}
     expected = {f'eval/{task}/{name}': value for task, s in summary['tasks'].items()
