@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
   ev = sub.add_parser('eval', help='lm-eval-harness tasks on a checkpoint (run dir or HF directory)')
   ev.add_argument('--model', required=True, metavar='PATH', help='a run dir (its latest checkpoint, or --step) or an '
                                                                  'HF model directory')
-  ev.add_argument('--tasks', required=True, help='comma-separated harness task names, e.g. hellaswag,piqa')
+  ev.add_argument('--tasks', required=True, help='comma-separated harness task names or task YAML files, e.g. '
+                                                 'hellaswag,piqa')
   ev.add_argument('--data-dir', type=Path, metavar='DIR', help='local task data: DIR/<task>/<split>.jsonl '
                                                                '(default: the harness loads from the Hub)')
   ev.add_argument('--num-fewshot', type=int, metavar='K', help='few-shot examples (default: each task\'s own)')

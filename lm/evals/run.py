@@ -139,11 +139,18 @@ class TaskEvaluator:
       raise ConfigError(f'--max-length {request.max_length} must lie in [2, model.max_len={cfg.model.max_len}]')
     self.request, self.manager = request, task_manager()
     self._configs = tempfile.TemporaryDirectory()  # the local task configs, for this evaluator's life
+    own = [Path(t) for t in request.tasks if t.endswith(('.yaml', '.yml'))]  # a researcher's task files
+    for path in own:
+      if not path.is_file():
+        raise ConfigError(f'--tasks {path}: no such task file (a harness task YAML)')
+    names = [t for t in request.tasks if not t.endswith(('.yaml', '.yml'))]
     if request.data_dir is None:
-      self.specs, self.files = [installed_task(self.manager, t).name for t in request.tasks], []
+      specs = {t: installed_task(self.manager, t).name for t in names}
+      self.files = own
     else:
-      self.files = local_tasks(self.manager, list(request.tasks), request.data_dir, Path(self._configs.name))
-      self.specs = [str(Path(self._configs.name) / f'{t}.yaml') for t in request.tasks]
+      self.files = own + local_tasks(self.manager, names, request.data_dir, Path(self._configs.name))
+      specs = {t: str(Path(self._configs.name) / f'{t}.yaml') for t in names}
+    self.specs = [specs.get(t) or str(Path(t).resolve()) for t in request.tasks]
     self.model = HarnessLM(assembly, None, get_tokenizer(cfg.data.tokenizer), batch_size=request.batch_size,
                            max_length=max_length)
     self.samples = None if request.subset is None else self._draw(request.subset)

@@ -217,3 +217,39 @@ def test_t5_equals_the_harness_seq2seq_backend(tmp_path):
       for a, b in zip(ours, theirs):
         np.testing.assert_allclose([r[0][0] for r in a['resps']], [r[0][0] for r in b['resps']], rtol=1e-4)
       assert results['results'][task]['acc,none'] == reference['results'][task]['acc,none']
+
+
+GENERATIVE = """task: continue_text
+dataset_path: json
+dataset_kwargs: {data_files: {test: DATA}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{answer}}"
+generation_kwargs: {until: ["\\n", "."], max_gen_toks: 12, do_sample: false}
+metric_list: [{metric: exact_match}]
+"""
+
+
+@pytest.mark.long(1)
+def test_generate_until_gives_the_hf_backends_strings(setup, tmp_path):
+  """A generative task of the researcher's own (a task YAML): greedy continuations, cut at the stop strings and at
+  max_gen_toks, equal the harness's HF backend's, for prompts short, unicode and longer than the model."""
+  import lm_eval
+  from lm_eval.models.huggingface import HFLM
+  hf, run_dir, _ = setup
+  texts = [text for _, text in embedded_documents()[:40:4]]
+  rows = [{'prompt': text[:n], 'answer': text[n:n + 8]} for text, n in zip(texts, (3, 17, 40, 90, 400, 1000, 25,
+                                                                                     60, 8, 200))]
+  rows[1]['prompt'] = 'naïve café — ünïcödé ' + rows[1]['prompt']
+  (tmp_path / 'test.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  task = tmp_path / 'continue_text.yaml'
+  task.write_text(GENERATIVE.replace('DATA', str(tmp_path / 'test.jsonl')))
+  ours, _ = run(run_dir, Request(tasks=(str(task),), batch_size=4), out=tmp_path / 'out')
+  model = HFLM(pretrained=str(hf), batch_size=4, device='cpu', max_length=MAX_LENGTH, dtype='float32')
+  reference = lm_eval.simple_evaluate(model=model, tasks=[str(task)], log_samples=True)
+  by_doc = lambda results: [s['filtered_resps'] for s in sorted(results['samples']['continue_text'],
+                                                               key=lambda s: s['doc_id'])]
+  assert by_doc(ours) == by_doc(reference)
+  assert sum(len(r[0]) for r in by_doc(ours)) > 20  # text was generated, not only stop strings
+  assert ours['results']['continue_text'] == reference['results']['continue_text']
