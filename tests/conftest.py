@@ -64,9 +64,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
   """Long tests first, longest first (`@pytest.mark.long(minutes)`; a stable sort): xdist hands tests out in
-  this order, and a long test started last would leave the other workers idle at the end. Workers steal queued
-  tests from each other (`--dist=worksteal`): with xdist's default a quarter of the suite is dealt out up front,
-  and the worker dealt the heaviest share ran alone for the last ten minutes."""
+  this order, and a long test started last would leave the other workers idle at the end. It hands them one at
+  a time to whichever worker is free (`--dist=load --maxschedchunk=1`, pyproject.toml): with its default chunks a
+  quarter of the suite is dealt out up front, and with `--dist=worksteal` the first worker is dealt every long
+  test (a contiguous third), so both left long tests running alone at the end."""
   def minutes(item: pytest.Item) -> float:
     mark = item.get_closest_marker('long')
     return mark.args[0] if mark else 0.0

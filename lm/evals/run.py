@@ -182,9 +182,11 @@ def evaluate(assembly: Any, params: Any, request: Request) -> dict[str, Any]:
 
 
 def metric_records(results: dict[str, Any]) -> dict[str, float]:
-  """`eval/<task>/<metric>` of every numeric metric (standard errors left out), for metrics.jsonl."""
+  """`eval/<task>/<metric>` of every numeric metric (standard errors left out) and the task loss, for
+  metrics.jsonl."""
   return {f'eval/{task}/{name}': float(value) for task, entry in summary(results)['tasks'].items()
-          for name, value in entry['metrics'].items() if isinstance(value, (int, float))}
+          for name, value in [*entry['metrics'].items(), ('task_loss', entry.get('task_loss'))]
+          if isinstance(value, (int, float))}
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +206,24 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         metrics[name] = value
     tasks[task] = {'metrics': metrics, 'stderr': stderr, 'n': results['n-samples'][task]['effective'],
                    'shots': results['n-shot'][task], 'version': results['versions'][task]}
+    loss = task_loss(results.get('samples', {}).get(task, []))
+    if loss is not None:
+      tasks[task]['task_loss'] = loss
   return {'tasks': tasks, 'data_files': results['data_files']}
+
+
+def task_loss(samples: Sequence[dict[str, Any]]) -> float | None:
+  """The task loss of Bhagia et al. 2024 (what a ladder fits before mapping it to accuracy): the mean over
+  documents of the correct continuation's negative log-likelihood per UTF-8 byte of it, in nats. None where the
+  task scores no continuations (generative, rolling) or its gold answer is no choice index."""
+  losses = []
+  for sample, record in zip(sorted(samples, key=lambda s: s['doc_id']), example_records(samples)):
+    gold = record['gold'] if len(sample['arguments']) > 1 else 0
+    if 'loglikelihood' not in record or isinstance(gold, bool) or not isinstance(gold, int):
+      return None
+    continuation = sample['arguments'][gold][1]
+    losses.append(-record['loglikelihood'][gold] / max(len(continuation.encode()), 1))
+  return float(np.mean(losses)) if losses else None
 
 
 def example_records(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -83,7 +83,16 @@ def test_lm_eval_equals_the_harness_hf_backend(setup, num_fewshot, tmp_path):
       np.testing.assert_allclose(record['loglikelihood'], want, rtol=1e-4)
       assert record['greedy'] == [bool(r[0][1]) for r in sample['resps']]
       assert record['gold'] == sample['target']
+    # Bhagia et al.'s task loss, from the backend's log-likelihoods: the gold continuation's nats per byte
+    gold = [s['target'] if len(s['arguments']) > 1 else 0 for s in samples]
+    if all(isinstance(g, int) for g in gold):
+      want = np.mean([-float(s['resps'][g][0][0]) / len(s['arguments'][g][1].encode())
+                      for s, g in zip(samples, gold)])
+      assert got['task_loss'] == pytest.approx(want, rel=1e-4)
+    else:  # a gold answer that is no choice index (winogrande's is the continuation)
+      assert 'task_loss' not in got
   assert sorted(ours['data_files']) == sorted(str(p) for p in data.rglob('*') if p.is_file())  # each file read
+  assert sorted(t for t in tasks if 'task_loss' not in ours['tasks'][t]) == ['winogrande']
 
 
 @pytest.mark.long(1)

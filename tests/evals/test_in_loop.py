@@ -37,9 +37,9 @@ def test_in_loop_records_equal_lm_eval_on_the_same_checkpoint(tmp_path, capsys):
     summary = json.loads((tmp_path / f'out{step}' / 'results.json').read_text())
     assert {t: s['n'] for t, s in summary['tasks'].items()} == {'piqa': 6, 'lambada_openai': 6}
     expected = {f'eval/{task}/{name}': value for task, s in summary['tasks'].items()
-                for name, value in s['metrics'].items()}
+                for name, value in [*s['metrics'].items(), ('task_loss', s['task_loss'])]}
     assert set(expected) == {k for k in record if k.startswith('eval/')}
-    assert {'eval/piqa/acc', 'eval/lambada_openai/perplexity'} <= set(expected)
+    assert {'eval/piqa/acc', 'eval/piqa/task_loss', 'eval/lambada_openai/perplexity'} <= set(expected)
     for key, value in expected.items():
       assert record[key] == pytest.approx(value, rel=1e-6), key
 
