@@ -237,7 +237,20 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
   if any(not c > 0 for c in args.budget):
     raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
-  result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
+  if args.law == 'task':
+    from lm.scaling.laws import fit_task
+    from lm.scaling.points import read_column
+    if not args.task:
+      raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
+                        '--metric (default acc)')
+    if len(args.target) % 2 or any(not x > 0 for x in args.target):
+      raise ConfigError('--target takes pairs of positive N D (params and tokens), e.g. --target 7e9 1.4e11')
+    targets = list(zip(args.target[::2], args.target[1::2]))
+    result = fit_task(read_points(args.points, args.params, f'{args.task}/task_loss'),
+                      read_column(args.points, f'{args.task}/{args.metric}'), targets, args.bootstrap)
+    result.update(task=args.task, metric=args.metric)
+  else:
+    result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
   print(json.dumps(result, indent=2) if args.json else format_fit(result))
   if args.out:
     from pathlib import Path
@@ -434,11 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
 
   fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')
   fit.add_argument('points', help='CSV of lm scaling collect, or any with params,tokens,loss columns')
-  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop'), default='chinchilla',
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task'), default='chinchilla',
                    help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
-                   'compute frontier; isoflop: parabolas per budget (approach 2)')
+                   'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
+                   'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024)')
+  fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
+  fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
+  fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
+                   help='--law task: models (params, tokens) to predict task loss and accuracy for')
   fit.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to fit')
-  fit.add_argument('--bootstrap', type=int, default=0, metavar='N', help='chinchilla: N resamples for 95%% intervals')
+  fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
+                   help='chinchilla, task: N resamples for 95%% intervals')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')

@@ -196,6 +196,72 @@ def fit_isoflop(points: Points, budgets: Sequence[float] = ()) -> dict[str, Any]
           'a': float(a), 'b': float(b), 'budgets': fits, 'optimal': optimal, 'points': len(points)}
 
 
+# ---------------------------------------------------------------- task accuracy (Bhagia et al. 2024)
+
+SIGMOID = ('a', 'k', 'L0', 'b')
+
+
+def sigmoid(loss: np.ndarray, a: float, k: float, L0: float, b: float) -> np.ndarray:
+  """Accuracy from task loss: a / (1 + e^(-k (L - L0))) + b (k < 0: accuracy falls as the loss grows)."""
+  return a / (1 + np.exp(-k * (loss - L0))) + b
+
+
+def fit_sigmoid(loss: np.ndarray, accuracy: np.ndarray, start: dict[str, float] | None = None) -> dict[str, float]:
+  """Least squares of `sigmoid`, from `start` or else from a grid of slopes (scaled to the losses' spread), the
+  best of them."""
+  spread = max(float(np.ptp(loss)), 1e-6)
+  lo, hi = float(accuracy.min()), float(accuracy.max())
+  starts = [np.array([max(hi - lo, 1e-3) * 1.2, k, float(np.median(loss)), lo - 0.1 * (hi - lo)])
+            for k in -np.array([1, 2, 4, 8, 16, 32]) / spread] if start is None else [np.array(list(start.values()))]
+  best = None
+  for start_at in starts:
+    fitted = optimize.least_squares(lambda t: sigmoid(loss, *t) - accuracy, start_at, method='lm', max_nfev=20000,
+                                    xtol=1e-14, ftol=1e-14)
+    if best is None or fitted.cost < best.cost:
+      best = fitted
+  return dict(zip(SIGMOID, (float(v) for v in best.x)))
+
+
+def _predict(law: dict[str, float], curve: dict[str, float], params: float, tokens: float) -> tuple[float, float]:
+  loss = law['E'] + law['A'] / params ** law['alpha'] + law['B'] / tokens ** law['beta']
+  return float(loss), float(sigmoid(np.array(loss), **curve))
+
+
+def fit_task(points: Points, accuracy: np.ndarray, targets: Sequence[tuple[float, float]] = (),
+             bootstrap: int = 0, seed: int = 0) -> dict[str, Any]:
+  """The two steps of Bhagia et al. 2024: task loss L(N, D) = E + A/N^alpha + B/D^beta fitted (approach 3) to each
+  run's final point (`points.loss` holds the task loss), then accuracy as `sigmoid` of the task loss fitted to
+  every point; each target (N, D) gets its predicted task loss and accuracy. With `bootstrap`, both steps are
+  refitted on resampled points for 95% percentile intervals of the parameters and the predictions."""
+  final = points.final()
+  _enough(final, 5, 'the task law\'s first step (E, A, B, alpha, beta)')
+  _enough(points, 4, 'the task law\'s second step (a, k, L0, b)')
+  step1 = fit_chinchilla(final)
+  law, curve = step1['params'], fit_sigmoid(points.loss, accuracy)
+  predictions = [dict(zip(('params', 'tokens', 'task_loss', 'accuracy'), (n, d, *_predict(law, curve, n, d))))
+                 for n, d in targets]
+  out: dict[str, Any] = {'law': 'task', 'params': {**law, **curve}, 'points': len(points),
+                         'predictions': predictions}
+  if bootstrap:
+    rng = np.random.default_rng(seed)
+    first = np.array([law[k] for k in ('A', 'B', 'E')])
+    theta = np.array([np.log(first[0]), np.log(first[1]), np.log(first[2]), law['alpha'], law['beta']])
+    samples = []
+    for _ in range(bootstrap):
+      rows = rng.integers(0, len(points), len(points))
+      final_rows = rng.integers(0, len(final), len(final))
+      fitted = {**_as_law(_minimise(theta, final.take(final_rows))[1]),
+                **fit_sigmoid(points.loss[rows], accuracy[rows], curve)}
+      for n, d in targets:
+        fitted[f'task_loss@{n:g},{d:g}'], fitted[f'accuracy@{n:g},{d:g}'] = _predict(
+          fitted, {k: fitted[k] for k in SIGMOID}, n, d)
+      samples.append(fitted)
+    out['ci'] = {key: [float(np.percentile([s[key] for s in samples], q)) for q in (2.5, 97.5)]
+                 for key in samples[0]}
+    out['bootstrap'] = bootstrap
+  return out
+
+
 def _enough(points: Points, count: int, what: str) -> None:
   if len(points) < count:
     raise ConfigError(f'{what} has {count} parameters but the points number {len(points)}; collect at least '

@@ -1,7 +1,8 @@
 """Scaling points: one row per (run, evaluation) in a CSV that `lm scaling collect` writes and `fit` reads.
 
 The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
-carry `run, step, non_embedding_params, flops_6nd`.
+carry `run, step, non_embedding_params, flops_6nd`, and with `collect --tasks` a `<task>/<metric>` column per
+harness metric and `<task>/task_loss`.
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ class Points:
     return self.take(np.array(sorted(last.values()), int))
 
 
-def read_points(path: str | Path, params: str = 'total') -> Points:
-  """The CSV's points, N from `params` ('total': the params column, or 'non_embedding'); a ConfigError
-  naming the file, the row and the fix for a missing column or a value that is not a positive number."""
+def read_points(path: str | Path, params: str = 'total', loss: str = 'loss') -> Points:
+  """The CSV's points, N from `params` ('total': the params column, or 'non_embedding') and L from the column
+  `loss` (a task's `<task>/task_loss` for the task law); a ConfigError naming the file, the row and the fix for a
+  missing column or a value that is not a positive number."""
   path = Path(path)
   if not path.is_file():
     raise ConfigError(f'{path} does not exist; write it with lm scaling collect RUN_DIRS... --out {path}')
@@ -54,7 +56,7 @@ def read_points(path: str | Path, params: str = 'total') -> Points:
     reader = csv.DictReader(f)
     columns = reader.fieldnames or []
     n_column = 'params' if params == 'total' else 'non_embedding_params'
-    needed = (n_column, 'tokens', 'loss')
+    needed = (n_column, 'tokens', loss)
     missing = [c for c in needed if c not in columns]
     if missing:
       raise ConfigError(f'{path} has no column {", ".join(missing)} (it has: {", ".join(columns) or "nothing"}); '
@@ -76,15 +78,30 @@ def read_points(path: str | Path, params: str = 'total') -> Points:
     if not row.get('flops'):
       values['flops'][i] = 6 * values[n_column][i] * values['tokens'][i]
   steps = np.array([float(row.get('step') or 0) for row in rows])
-  return Points(values[n_column], values['tokens'], values['flops'], values['loss'],
+  return Points(values[n_column], values['tokens'], values['flops'], values[loss],
                 tuple(row.get('run') or f'row {i}' for i, row in enumerate(rows)), steps)
 
 
+def read_column(path: str | Path, column: str) -> np.ndarray:
+  """One numeric column of the CSV (e.g. a task's accuracy), row by row; a ConfigError naming what is missing."""
+  with Path(path).open(newline='') as f:
+    reader = csv.DictReader(f)
+    if column not in (reader.fieldnames or []):
+      tasks = [c for c in reader.fieldnames or [] if '/' in c]
+      raise ConfigError(f'{path} has no column {column} (task columns: {", ".join(tasks) or "none"}); collect '
+                        f'them with lm scaling collect RUN_DIRS --tasks ...')
+    try:
+      return np.array([float(row[column]) for row in reader])
+    except ValueError as e:
+      raise ConfigError(f'{path}: column {column} holds a value that is not a number ({e})') from None
+
+
 def write_points(path: str | Path, rows: list[dict]) -> None:
-  """Rows of COLUMNS as CSV (the parent directory is made)."""
+  """Rows of COLUMNS, then any task columns, as CSV (the parent directory is made)."""
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
+  extra = sorted({key for row in rows for key in row} - set(COLUMNS))
   with path.open('w', newline='') as f:
-    writer = csv.DictWriter(f, COLUMNS)
+    writer = csv.DictWriter(f, COLUMNS + tuple(extra))
     writer.writeheader()
     writer.writerows(rows)

@@ -13,7 +13,8 @@ def _interval(fit: dict[str, Any], key: str) -> str:
 
 def format_fit(fit: dict[str, Any]) -> str:
   """The law's parameters (with 95% bootstrap intervals when fitted), exponents and compute-optimal sizes."""
-  lines = [('law', f'{fit["law"]} on {fit["points"]} points')]
+  task = f' ({fit["task"]}, {fit["metric"]})' if 'task' in fit else ''
+  lines = [('law', f'{fit["law"]}{task} on {fit["points"]} points')]
   lines += [(name, f'{value:.6g}{_interval(fit, name)}') for name, value in fit['params'].items()]
   for key in ('a', 'b'):
     if key in fit:
@@ -28,4 +29,9 @@ def format_fit(fit: dict[str, Any]) -> str:
     lines.append((f'optimal at C {opt["flops"]:.3g}',
                   f'N {opt["params"]:.4g}, D {opt["tokens"]:.4g}, {opt["tokens_per_param"]:.1f} tokens/param'
                   + (f', loss {opt["loss"]:.4f}' if 'loss' in opt else '')))
+  for p in fit.get('predictions', []):
+    at = f'{p["params"]:g},{p["tokens"]:g}'
+    lines.append((f'N {p["params"]:.3g}, D {p["tokens"]:.3g}',
+                  (f'task loss {p["task_loss"]:.4f}{_interval(fit, f"task_loss@{at}")}, '
+                   f'accuracy {p["accuracy"]:.4f}{_interval(fit, f"accuracy@{at}")}')))
   return format_lines(lines)

@@ -189,3 +189,79 @@ def test_chinchilla_and_isoflop_fit_each_runs_final_evaluation(tmp_path):
   for name, value in TRUE.items():
     assert fitted['params'][name] == pytest.approx(value, rel=1e-6), name
   assert laws.fit(points, 'kaplan')['points'] == 98
+
+
+# The task law (Bhagia et al. 2024): task loss as Chinchilla's form, accuracy as a sigmoid of it.
+TASK = {'E': 0.9, 'A': 200.0, 'B': 300.0, 'alpha': 0.3, 'beta': 0.28}
+CURVE = {'a': 0.6, 'k': -3.0, 'L0': 2.2, 'b': 0.25}
+TARGET = (7e9, 1.4e11)
+
+
+def task_truth(n, d):
+  loss = TASK['E'] + TASK['A'] / n ** TASK['alpha'] + TASK['B'] / d ** TASK['beta']
+  return loss, CURVE['a'] / (1 + np.exp(-CURVE['k'] * (loss - CURVE['L0']))) + CURVE['b']
+
+
+def ladder(sigma: float, seed: int) -> tuple[Points, np.ndarray]:
+  """A ladder: 5 sizes (1e7-1e9) x 2 token budgets (20 and 80 tokens per param), each run evaluated at a quarter,
+  half, three quarters and all of its tokens; task loss times exp(N(0, sigma^2)), accuracy plus N(0, sigma^2)."""
+  rng = np.random.default_rng(seed)
+  rows = [(n, ratio * n * f, f'{n:g}x{ratio}', step) for n in np.logspace(7, 9, 5) for ratio in (20, 80)
+          for step, f in enumerate((0.25, 0.5, 0.75, 1.0), 1)]
+  n, d = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+  loss, accuracy = task_truth(n, d)
+  loss = loss * np.exp(rng.normal(0, sigma, n.shape))
+  accuracy = accuracy + rng.normal(0, sigma, n.shape)
+  return Points(n, d, 6 * n * d, loss, tuple(r[2] for r in rows), np.array([r[3] for r in rows])), accuracy
+
+
+def test_the_task_law_without_noise_returns_every_parameter_and_the_target():
+  points, accuracy = ladder(0.0, 0)
+  fit = laws.fit_task(points, accuracy, [TARGET])
+  for name, value in {**TASK, **CURVE}.items():
+    assert fit['params'][name] == pytest.approx(value, rel=1e-4), name
+  loss, acc = task_truth(*TARGET)
+  assert fit['predictions'][0]['task_loss'] == pytest.approx(loss, rel=1e-6)
+  assert fit['predictions'][0]['accuracy'] == pytest.approx(acc, rel=1e-5)
+
+
+@pytest.mark.long(0.5)
+@pytest.mark.parametrize('seed', range(3))
+def test_the_task_law_with_noise_predicts_the_target_within_its_interval(seed):
+  """Noise of 0.5% (task loss) and 0.005 (accuracy): the predicted accuracy of a model 7x the largest, on 140x
+  the tokens, lies within 0.03 of the truth and inside the bootstrap's 95% interval; the exponents within 0.05."""
+  points, accuracy = ladder(0.005, seed)
+  fit = laws.fit_task(points, accuracy, [TARGET], bootstrap=40, seed=seed)
+  _, acc = task_truth(*TARGET)
+  predicted = fit['predictions'][0]['accuracy']
+  low, high = fit['ci'][f'accuracy@{TARGET[0]:g},{TARGET[1]:g}']
+  assert abs(predicted - acc) < 0.03 and low <= acc <= high, (predicted, acc, low, high)
+  assert abs(fit['params']['alpha'] - TASK['alpha']) < 0.05 and abs(fit['params']['beta'] - TASK['beta']) < 0.05
+
+
+def write_ladder(path, points, accuracy):
+  rows = ['run,step,params,tokens,loss,piqa/task_loss,piqa/acc'] + [
+    f'{r},{s:g},' + ','.join(repr(float(x)) for x in (n, d, 3.0, lo, a)) for r, s, n, d, lo, a in
+    zip(points.run, points.step, points.params, points.tokens, points.loss, accuracy)]
+  path.write_text('\n'.join(rows) + '\n')
+
+
+def test_cli_task_law_matches_the_library_and_names_what_is_missing(tmp_path, capsys):
+  points, accuracy = ladder(0.005, 0)
+  csv = tmp_path / 'points.csv'
+  write_ladder(csv, points, accuracy)
+  assert cli.main(['scaling', 'fit', str(csv), '--law', 'task', '--task', 'piqa', '--target', '7e9', '1.4e11',
+                   '--json']) == 0
+  got = json.loads(capsys.readouterr().out)
+  want = laws.fit_task(points, accuracy, [TARGET])
+  assert got['task'] == 'piqa' and got['metric'] == 'acc'
+  for name, value in want['params'].items():
+    assert got['params'][name] == pytest.approx(value, rel=1e-9), name
+  assert got['predictions'][0]['accuracy'] == pytest.approx(want['predictions'][0]['accuracy'], rel=1e-9)
+  for argv, message in ((['--law', 'task'], 'name it with --task'),
+                        (['--law', 'task', '--task', 'hellaswag'], 'no column hellaswag/task_loss'),
+                        (['--law', 'task', '--task', 'piqa', '--metric', 'acc_norm'], 'no column piqa/acc_norm'),
+                        (['--law', 'task', '--task', 'piqa', '--target', '7e9'], '--target takes pairs')):
+    assert cli.main(['scaling', 'fit', str(csv), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, (argv, err)
