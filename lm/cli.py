@@ -223,7 +223,19 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
   if bad := [item for item in overrides if '=' not in item]:
     raise ConfigError(f'--evaluate {bad[0]}: takes key=value overrides (e.g. data.paths=[held_out/*.txt]); put run '
                       f'dirs before --evaluate')
-  rows = collect(runs, args.evaluate is not None, overrides)
+  tasks = None
+  if args.tasks is not None:
+    from lm.evals.run import Request, check_installed
+    check_installed()
+    names = tuple(t for t in args.tasks.split(',') if t)
+    if not names:
+      raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')
+    if args.tasks_data_dir is not None and not args.tasks_data_dir.is_dir():
+      raise ConfigError(f'--tasks-data-dir {args.tasks_data_dir} is not a directory')
+    if args.tasks_limit is not None and args.tasks_limit < 1:
+      raise ConfigError(f'--tasks-limit {args.tasks_limit} must be at least 1')
+    tasks = Request(tasks=names, data_dir=args.tasks_data_dir, subset=args.tasks_limit)
+  rows = collect(runs, args.evaluate is not None, overrides, tasks)
   write_points(args.out, rows)
   print(f'{len(rows)} points from {len({r["run"] for r in rows})} runs written to {args.out}', flush=True)
   return 0
@@ -262,7 +274,7 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from lm.scaling.plot import plot
-  from lm.scaling.points import read_points
+  from lm.scaling.points import read_column, read_points, task_accuracies
   fit = None
   if args.fit:
     try:
@@ -272,7 +284,12 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
     if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
       raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
                         f'lm scaling fit {args.points} --out FIT.json')
-  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit)}', flush=True)
+  tasks = task_accuracies(args.points)
+  if fit is not None and fit['law'] == 'task':  # the fitted metric, with its sigmoid
+    column = f'{fit["task"]}/{fit["metric"]}'
+    tasks = {k: v for k, v in tasks.items() if k.split('/')[0] != fit['task']}
+    tasks[column] = (read_column(args.points, column), read_column(args.points, f'{fit["task"]}/task_loss'))
+  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit, tasks)}', flush=True)
   return 0
 
 
@@ -443,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
   collect.add_argument('--evaluate', nargs='*', metavar='KEY=VALUE', default=None,
                        help='evaluate held-out loss from every checkpoint instead of reading metrics.jsonl, with '
                             'these overrides (e.g. data.* for another eval set)')
+  collect.add_argument('--tasks', metavar='T1,T2', help='add harness task columns (<task>/<metric>, <task>/task_loss): '
+                       'the in-loop records of train.evals, else the checkpoint evaluated')
+  collect.add_argument('--tasks-data-dir', type=Path, metavar='DIR', help='local task files, as lm eval --data-dir')
+  collect.add_argument('--tasks-limit', type=int, metavar='N', help='N documents per task (as lm eval --subset N and '
+                                                                    'train.evals_limit)')
   collect.set_defaults(fn=cmd_scaling_collect, joins_job=True)  # --evaluate runs on the job's devices
 
   fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')

@@ -5,11 +5,14 @@ held-out losses from the `val_loss` records of metrics.jsonl, or with `evaluate`
 restored through orbax onto the devices present and evaluated on the run's validation split (or on
 another, through `data.*` overrides). Tokens are the row tokens trained on (step x batch x length);
 `flops` is our accounting's count for them and `flops_6nd` 6ND with N the total parameters. Step 0 is
-no point: an untrained model says nothing of a law.
+no point: an untrained model says nothing of a law. With `tasks`, each point also gets a `<task>/<metric>`
+column per harness metric and `<task>/task_loss`: from the run's in-loop records of that step (`train.evals`)
+where they exist, else by evaluating that step's checkpoint (`lm.evals.run`).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from etils import epath
 
@@ -71,6 +74,35 @@ def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
     saved.close()
 
 
+def task_columns(run_dir: epath.Path, steps: Sequence[int], request: Any) -> dict[int, dict[str, float]]:
+  """step -> `<task>/<metric>` of `request.tasks`: recorded in the loop, else evaluated on the step's checkpoint
+  (the evaluator built once per run; a step with neither is a ConfigError)."""
+  wanted = set(request.tasks)
+  columns: dict[int, dict[str, float]] = {step: {} for step in steps}
+  for record in read_metrics(run_dir):
+    if record['step'] in columns:
+      columns[record['step']].update({k.removeprefix('eval/'): float(v) for k, v in record.items()
+                                      if k.startswith('eval/') and k.split('/')[1] in wanted and v is not None})
+  missing = [step for step in steps if {key.split('/')[0] for key in columns[step]} != wanted]
+  if not missing:
+    return columns
+  from lm.evals.run import TaskEvaluator, load_checkpoint, metric_records
+  saved = checkpoints(run_dir)
+  try:
+    have = set(saved.all_steps())
+    if absent := [step for step in missing if step not in have]:
+      raise ConfigError(f'{run_dir} step {absent[0]}: no task records and no checkpoint to evaluate; train with '
+                        f'train.evals=... or keep its checkpoints (train.keep_checkpoints)')
+    assembly, params, _ = load_checkpoint(run_dir, missing[0])
+    evaluator = TaskEvaluator(assembly, request)
+    for step in missing:
+      params = params if step == missing[0] else saved.restore_params(step, assembly.abstract_params)
+      columns[step] = {k.removeprefix('eval/'): v for k, v in metric_records(evaluator(params)).items()}
+  finally:
+    saved.close()
+  return columns
+
+
 def _expand(paths: Sequence[str]) -> list[str]:
   """Run dirs, a sweep's directory standing for its started runs."""
   runs = []
@@ -87,9 +119,11 @@ def _expand(paths: Sequence[str]) -> list[str]:
   return runs
 
 
-def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = (),
+            tasks: Any = None) -> list[dict[str, Any]]:
   """Every run's points in the order given (a sweep's directory: its runs), by step. `overrides` (e.g.
-  another eval set's `data.*`) apply to the runs' configs when evaluating."""
+  another eval set's `data.*`) apply to the runs' configs when evaluating; `tasks` (an `lm.evals.run.Request`)
+  adds task columns."""
   rows = []
   for name in _expand(run_dirs):
     run_dir = epath.Path(name)
@@ -104,5 +138,7 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
         raise ConfigError(f'{run_dir} has no val_loss records in metrics.jsonl; evaluate its checkpoints with '
                           f'--evaluate, or train it with train.eval_batches > 0')
     sizes = _sizes(config)
-    rows += [_row(str(run_dir), step, config, sizes, loss) for step, loss in sorted(losses.items())]
+    extra = {} if tasks is None else task_columns(run_dir, sorted(losses), tasks)
+    rows += [{**_row(str(run_dir), step, config, sizes, loss), **extra.get(step, {})}
+             for step, loss in sorted(losses.items())]
   return rows

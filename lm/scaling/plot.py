@@ -1,5 +1,6 @@
 """`lm scaling plot`: loss against compute with every run's curve, the frontier and the fitted law; IsoFLOP
-curves with their parabolas; N_opt and D_opt against compute with the fitted power laws (matplotlib, Agg)."""
+curves with their parabolas; N_opt and D_opt against compute with the fitted power laws; each task's accuracy
+against compute, and against its task loss with the task law's sigmoid (matplotlib, Agg)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,21 +32,29 @@ def _isoflop(points: Points, fit: dict[str, Any] | None) -> dict[str, Any] | Non
     return None
 
 
-def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None) -> Path:
+def _runs(points: Points) -> list[np.ndarray]:
+  """Each run's rows in order of compute."""
+  rows = [np.array([i for i, r in enumerate(points.run) if r == run]) for run in dict.fromkeys(points.run)]
+  return [r[np.argsort(points.flops[r])] for r in rows]
+
+
+def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
+         tasks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Path:
+  """`tasks`: column name (`<task>/<metric>`) -> (that accuracy, the task's task loss) per point."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  iso = _isoflop(points, fit)
+  tasks = tasks or {}
+  iso = _isoflop(points, fit) if fit is None or fit['law'] != 'task' else None
   optimal = fit is not None and fit['law'] == 'chinchilla' or iso is not None
-  panels = 1 + (iso is not None) + optimal
+  law_task = f'{fit["task"]}/{fit["metric"]}' if fit is not None and fit['law'] == 'task' else None
+  panels = 1 + (iso is not None) + optimal + len(tasks) + (law_task in tasks)
   figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5), squeeze=False)
   axes = list(axes[0])
 
   ax = axes.pop(0)
-  for run in dict.fromkeys(points.run):
-    rows = np.array([i for i, r in enumerate(points.run) if r == run])
-    rows = rows[np.argsort(points.flops[rows])]
+  for rows in _runs(points):
     ax.plot(points.flops[rows], points.loss[rows], '-', color='tab:blue', alpha=0.35, lw=1)
   edge = laws.frontier(points)
   ax.plot(points.flops[edge], points.loss[edge], 'k.-', lw=1.5, label='frontier')
@@ -89,6 +98,19 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None) -> 
                       capsize=3)
     ax.set(xscale='log', yscale='log', xlabel='compute C (FLOPs)', ylabel='N, D', title='compute-optimal allocation')
     ax.legend(fontsize='small')
+
+  for column, (accuracy, task_loss) in tasks.items():
+    ax = axes.pop(0)
+    for rows in _runs(points):
+      ax.plot(points.flops[rows], accuracy[rows], '.-', color='tab:green', alpha=0.5, lw=1)
+    ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel=column, title=f'{column} against compute')
+    if column == law_task:
+      ax = axes.pop(0)
+      ax.plot(task_loss, accuracy, 'o', color='tab:green', ms=4, label='points')
+      x = np.linspace(task_loss.min(), task_loss.max(), 100)
+      ax.plot(x, laws.sigmoid(x, **{k: fit['params'][k] for k in laws.SIGMOID}), 'r--', label='sigmoid fit')
+      ax.set(xlabel=f'{column.split("/")[0]} task loss (nats/byte)', ylabel=column, title='accuracy against task loss')
+      ax.legend(fontsize='small')
 
   figure.tight_layout()
   out = Path(out)

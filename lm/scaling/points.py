@@ -105,3 +105,16 @@ def write_points(path: str | Path, rows: list[dict]) -> None:
     writer = csv.DictWriter(f, COLUMNS + tuple(extra))
     writer.writeheader()
     writer.writerows(rows)
+
+
+def task_accuracies(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Per task of the CSV's task columns, the accuracy to plot (acc_norm where the task has it, else acc, as
+  scaling papers plot them) and the task loss: `<task>/<metric>` -> (accuracy, task loss)."""
+  with Path(path).open(newline='') as f:
+    columns = csv.DictReader(f).fieldnames or []
+  out = {}
+  for task in dict.fromkeys(c.split('/')[0] for c in columns if c.endswith('/task_loss')):
+    metric = next((f'{task}/{m}' for m in ('acc_norm', 'acc') if f'{task}/{m}' in columns), None)
+    if metric is not None:
+      out[metric] = (read_column(path, metric), read_column(path, f'{task}/task_loss'))
+  return out

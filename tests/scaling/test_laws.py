@@ -258,6 +258,10 @@ def test_cli_task_law_matches_the_library_and_names_what_is_missing(tmp_path, ca
   for name, value in want['params'].items():
     assert got['params'][name] == pytest.approx(value, rel=1e-9), name
   assert got['predictions'][0]['accuracy'] == pytest.approx(want['predictions'][0]['accuracy'], rel=1e-9)
+  (tmp_path / 'fit.json').write_text(json.dumps(got))
+  assert cli.main(['scaling', 'plot', str(csv), '--fit', str(tmp_path / 'fit.json'), '--out',
+                   str(tmp_path / 'fig.png')]) == 0  # loss, accuracy against compute, accuracy against task loss
+  assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   for argv, message in ((['--law', 'task'], 'name it with --task'),
                         (['--law', 'task', '--task', 'hellaswag'], 'no column hellaswag/task_loss'),
                         (['--law', 'task', '--task', 'piqa', '--metric', 'acc_norm'], 'no column piqa/acc_norm'),
