@@ -29,10 +29,17 @@ def test_plan_fits_each_schedule_to_its_budget():
     assert abs(p.tokens - 1e10 / (6 * p.params)) <= 8 * 32 / 2
 
 
-@pytest.mark.long(1)
+@pytest.mark.long(2)
 def test_sweep_collect_fit_plot(tmp_path, capsys):
+  """The ladder trains with a harness task in the loop; `collect --tasks` takes the recorded values, and evaluates
+  the checkpoints of a run whose records are gone to the same values; `fit --law task` and the plot run on them."""
+  from tests.evals import releases
+  data = tmp_path / 'data'
+  releases.write_both(data, tmp_path / 'hub')
   out = tmp_path / 'sweep'
-  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE]
+  evals = ['train.evals=piqa', 'train.evals_limit=8', f'train.evals_data_dir={data}']
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE,
+          *evals]
   assert cli.main(argv) == 0
   plan_ = json.loads((out / 'sweep.json').read_text())['points']
   assert len(plan_) == 6
@@ -54,6 +61,31 @@ def test_sweep_collect_fit_plot(tmp_path, capsys):
   assert cli.main(['scaling', 'fit', str(points), '--law', 'kaplan', '--out', str(fit)]) == 0
   assert cli.main(['scaling', 'plot', str(points), '--fit', str(fit), '--out', str(tmp_path / 'fig.png')]) == 0
   assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+  points = tmp_path / 'task_points.csv'
+  collect = ['scaling', 'collect', str(out), '--tasks', 'piqa', '--tasks-data-dir', str(data), '--tasks-limit', '8']
+  assert cli.main([*collect, '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    recorded = list(csv.DictReader(f))
+  assert len(recorded) == 12 and all(float(r['piqa/acc']) >= 0 and float(r['piqa/task_loss']) > 0 for r in recorded)
+  run = out / json.loads((out / 'sweep.json').read_text())['points'][0]['label']
+  metrics = run / 'metrics.jsonl'
+  lines = [{k: v for k, v in json.loads(line).items() if not k.startswith('eval/')}
+           for line in metrics.read_text().splitlines()]
+  metrics.write_text(''.join(json.dumps(r) + '\n' for r in lines))
+  assert cli.main([*collect, '--out', str(tmp_path / 'evaluated.csv')]) == 0
+  with open(tmp_path / 'evaluated.csv', newline='') as f:
+    evaluated = list(csv.DictReader(f))
+  for a, b in zip(recorded, evaluated):
+    assert a['run'] == b['run'] and a['step'] == b['step']
+    for column in ('piqa/acc', 'piqa/acc_norm', 'piqa/task_loss'):
+      assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-6), (a['run'], a['step'], column)
+  fit = tmp_path / 'task_fit.json'
+  assert cli.main(['scaling', 'fit', str(points), '--law', 'task', '--task', 'piqa', '--target', '1e6', '1e8',
+                   '--out', str(fit)]) == 0
+  assert math.isfinite(json.loads(fit.read_text())['predictions'][0]['accuracy'])
+  assert cli.main(['scaling', 'plot', str(points), '--fit', str(fit), '--out', str(tmp_path / 'tasks.png')]) == 0
+  assert (tmp_path / 'tasks.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 @pytest.mark.long(0.2)
@@ -82,40 +114,3 @@ def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and message in err, err
 
-
-@pytest.mark.long(1.5)
-def test_a_ladder_with_task_evals_collects_fits_and_plots(tmp_path, capsys):
-  """A reduced ladder trained with a harness task in the loop: `collect --tasks` takes the recorded values, and
-  evaluates the checkpoints of a run whose records are gone to the same values; `fit --law task` and the plot run
-  on the result."""
-  from tests.evals import releases
-  data = tmp_path / 'data'
-  releases.write_both(data, tmp_path / 'hub')
-  out = tmp_path / 'sweep'
-  evals = ['train.evals=piqa', 'train.evals_limit=8', f'train.evals_data_dir={data}']
-  assert cli.main(['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2',
-                   *BASE, *evals]) == 0
-  points = tmp_path / 'points.csv'
-  collect = ['scaling', 'collect', str(out), '--tasks', 'piqa', '--tasks-data-dir', str(data), '--tasks-limit', '8']
-  assert cli.main([*collect, '--out', str(points)]) == 0
-  with open(points, newline='') as f:
-    recorded = list(csv.DictReader(f))
-  assert len(recorded) == 12 and all(float(r['piqa/acc']) >= 0 and float(r['piqa/task_loss']) > 0 for r in recorded)
-  run = out / json.loads((out / 'sweep.json').read_text())['points'][0]['label']
-  metrics = run / 'metrics.jsonl'
-  lines = [{k: v for k, v in json.loads(line).items() if not k.startswith('eval/')}
-           for line in metrics.read_text().splitlines()]
-  metrics.write_text(''.join(json.dumps(r) + '\n' for r in lines))
-  assert cli.main([*collect, '--out', str(tmp_path / 'evaluated.csv')]) == 0
-  with open(tmp_path / 'evaluated.csv', newline='') as f:
-    evaluated = list(csv.DictReader(f))
-  for a, b in zip(recorded, evaluated):
-    assert a['run'] == b['run'] and a['step'] == b['step']
-    for column in ('piqa/acc', 'piqa/acc_norm', 'piqa/task_loss'):
-      assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-6), (a['run'], a['step'], column)
-  fit = tmp_path / 'fit.json'
-  assert cli.main(['scaling', 'fit', str(points), '--law', 'task', '--task', 'piqa', '--target', '1e6', '1e8',
-                   '--out', str(fit)]) == 0
-  assert math.isfinite(json.loads(fit.read_text())['predictions'][0]['accuracy'])
-  assert cli.main(['scaling', 'plot', str(points), '--out', str(tmp_path / 'fig.png')]) == 0
-  assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
