@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import os
+import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
-from lm_eval.tasks import TaskManager
+from lm_eval.tasks import TaskManager, manager
+from lm_eval.tasks._index import Entry, Kind, TaskIndex
 
 from lm.config import ConfigError
 from lm.evals.releases import RELEASES, convert_release, release_files, task_folder
@@ -19,10 +25,50 @@ from lm.evals.releases import RELEASES, convert_release, release_files, task_fol
 SPLITS = ('training_split', 'validation_split', 'test_split', 'fewshot_split')
 
 
+def cache_dir() -> Path:
+  """Where lm keeps what it can rebuild: $LM_CACHE_DIR, else ~/.cache/lm."""
+  return Path(os.environ.get('LM_CACHE_DIR') or Path.home() / '.cache' / 'lm')
+
+
+def index_file() -> Path:
+  """The installed harness's task index as JSON, named by its version and where its tasks live."""
+  tasks = Path(manager.__file__).parent
+  key = hashlib.sha256(str(tasks.resolve()).encode()).hexdigest()[:12]
+  return cache_dir() / f'lm_eval-{version("lm-eval")}-tasks-{key}.json'
+
+
+def _entry_json(entry: Entry) -> dict[str, Any]:
+  return {'name': entry.name, 'kind': entry.kind.name, 'tags': sorted(entry.tags), 'cfg': entry.cfg,
+          'yaml_path': None if entry.yaml_path is None else str(entry.yaml_path)}
+
+
+def _entry(record: dict[str, Any]) -> Entry:
+  path = record['yaml_path']
+  return Entry(name=record['name'], kind=Kind[record['kind']], yaml_path=None if path is None else Path(path),
+               cfg=record['cfg'], tags=set(record['tags']))
+
+
 @functools.cache
 def task_manager() -> TaskManager:
-  """The harness's index of its installed tasks (built once per process: it reads every task's YAML)."""
-  return TaskManager()
+  """The harness's TaskManager of its installed tasks. The harness builds its index by parsing each of its ~14,000
+  task YAMLs (~10 s, at every `lm eval` and in-loop evaluation); the index is kept in `index_file()` and the
+  manager built from it (~0.5 s). A file that does not load is rebuilt."""
+  path = index_file()
+  try:
+    index = {name: _entry(record) for name, record in json.loads(path.read_text())['index'].items()}
+  except (OSError, ValueError, KeyError, TypeError):
+    built = TaskManager()
+    records = {name: _entry_json(entry) for name, entry in built.task_index.items()}
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False) as f:
+        json.dump({'index': records}, f)  # then renamed: a concurrent reader sees the whole file or none
+      os.replace(f.name, path)
+    except OSError:  # a read-only cache: the next process builds the index again
+      pass
+    return built
+  with mock.patch.object(TaskIndex, 'build', staticmethod(lambda paths, **_: index)):
+    return TaskManager()  # its own bookkeeping (task, group and tag lists) over the stored index
 
 
 def installed_task(manager: TaskManager, name: str) -> Any:
