@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices (before JAX starts) and a small GPT config factory."""
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -75,6 +76,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark = item.get_closest_marker('long')
     return mark.args[0] if mark else 0.0
   items.sort(key=minutes, reverse=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+  """With LM_TEST_CPU_LOG=FILE, each test's CPU seconds (its worker's threads and the processes it waited for)
+  appended to FILE as JSON lines: the suite is CPU-bound on 2 cores, and wall times under load hide where it goes."""
+  log = os.environ.get('LM_TEST_CPU_LOG')
+  before = os.times()
+  yield
+  if log:
+    after = os.times()
+    cpu = sum(after[i] - before[i] for i in range(4))  # user, system, waited-for children's user and system
+    with open(log, 'a') as f:
+      f.write(json.dumps({'test': item.nodeid, 'cpu_s': round(cpu, 2)}) + '\n')
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
