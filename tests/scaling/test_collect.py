@@ -6,6 +6,7 @@ import json
 import pytest
 
 from lm import cli
+from lm.config import load_config
 
 WIDTHS = (32, 64)
 LAYERS, SEQ, BATCH, VOCAB, MAX_LEN = 2, 32, 8, 264, 256
@@ -61,10 +62,10 @@ def test_evaluate_reproduces_the_recorded_losses_from_the_checkpoints(runs, tmp_
     assert float(b['loss']) == pytest.approx(float(a['loss']), rel=1e-5)
 
 
-def test_a_run_without_metrics_is_one_line(runs, tmp_path, capsys):
+def test_a_run_without_metrics_is_one_line(tmp_path, capsys):
   bare = tmp_path / 'bare'
   bare.mkdir()
-  (bare / 'config.yaml').write_text((runs / '32' / 'config.yaml').read_text())
+  (bare / 'config.yaml').write_text(load_config('gpt_tiny', [f'train.run_dir={bare}']).to_yaml())
   assert cli.main(['scaling', 'collect', str(bare), '--out', str(tmp_path / 'p.csv')]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and 'no val_loss records' in err and '--evaluate' in err
