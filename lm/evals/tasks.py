@@ -5,6 +5,7 @@ original release files (`lm.evals.releases`). Each task gets a config that
 files instead of the Hub."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -48,25 +49,36 @@ def _entry(record: dict[str, Any]) -> Entry:
                cfg=record['cfg'], tags=set(record['tags']))
 
 
+def _read_index(path: Path) -> dict[str, Entry] | None:
+  try:
+    return {name: _entry(record) for name, record in json.loads(path.read_text())['index'].items()}
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 @functools.cache
 def task_manager() -> TaskManager:
   """The harness's TaskManager of its installed tasks. The harness builds its index by parsing each of its ~14,000
   task YAMLs (~10 s, at every `lm eval` and in-loop evaluation); the index is kept in `index_file()` and the
-  manager built from it (~0.5 s). A file that does not load is rebuilt."""
+  manager built from it (~0.5 s). A file that does not load is rebuilt, by one process while others wait."""
   path = index_file()
-  try:
-    index = {name: _entry(record) for name, record in json.loads(path.read_text())['index'].items()}
-  except (OSError, ValueError, KeyError, TypeError):
-    built = TaskManager()
-    records = {name: _entry_json(entry) for name, entry in built.task_index.items()}
+  index = _read_index(path)
+  if index is None:
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
-      with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False) as f:
-        json.dump({'index': records}, f)  # then renamed: a concurrent reader sees the whole file or none
-      os.replace(f.name, path)
-    except OSError:  # a read-only cache: the next process builds the index again
-      pass
-    return built
+      lock = open(path.with_suffix('.lock'), 'w')  # noqa: SIM115 (held until the index is written)
+    except OSError:  # a read-only cache: every process builds the index
+      return TaskManager()
+    with lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      index = _read_index(path)  # written by another process while this one waited
+      if index is None:
+        built = TaskManager()
+        records = {name: _entry_json(entry) for name, entry in built.task_index.items()}
+        with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False) as f:
+          json.dump({'index': records}, f)  # then renamed: a reader sees the whole file or none
+        os.replace(f.name, path)
+        return built
   with mock.patch.object(TaskIndex, 'build', staticmethod(lambda paths, **_: index)):
     return TaskManager()  # its own bookkeeping (task, group and tag lists) over the stored index
 

@@ -2,6 +2,7 @@
 harness's own, entry for entry; a damaged file is rebuilt."""
 import json
 
+import pytest
 from lm_eval.tasks import TaskManager
 
 from lm.evals import tasks
@@ -16,6 +17,7 @@ def build(monkeypatch, cache) -> TaskManager:
     tasks.task_manager.cache_clear()
 
 
+@pytest.mark.long(0.3)  # builds the harness's index (~10 s here, ~25 s under the suite's load)
 def test_the_stored_index_gives_the_harness_own_manager(monkeypatch, tmp_path):
   monkeypatch.setenv('LM_CACHE_DIR', str(tmp_path))
   tasks.index_file().write_text('{"index": {"piqa": ')  # a write cut short
