@@ -68,7 +68,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, left: bool) -> tu
   return tokens, segment_ids
 
 
-def _init_cache(model: nn.Module, batch: int, length: int, context: tuple[jax.Array, jax.Array] | None) -> Any:
+def init_cache(model: nn.Module, batch: int, length: int, context: tuple[jax.Array, jax.Array] | None = None
+               ) -> Any:
   """A zeroed cache for `length` decoder tokens (the params `init` also builds are dead code under jit)."""
   tokens = jnp.zeros((batch, length), jnp.int32)
   if context is None:
@@ -76,17 +77,15 @@ def _init_cache(model: nn.Module, batch: int, length: int, context: tuple[jax.Ar
   return model.init(jax.random.key(0), context[0], tokens, decode=True, method='decode')['cache']
 
 
-def _cached_call(model: nn.Module, params: Any, cache: Any, tokens: jax.Array, segment_ids: jax.Array,
-                 positions: jax.Array | None, context: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, Any]:
-  """Appends `tokens` [batch, length] to the cache; logits [batch, vocab] after the last one, and the new cache."""
-  variables = {'params': params, 'cache': cache}
-  if context is None:
-    logits, mutated = model.apply(variables, tokens, segment_ids, positions, decode=True, mutable=['cache'])
-  else:
-    encoded, encoded_segment_ids = context
-    logits, mutated = model.apply(variables, encoded, tokens, encoded_segment_ids, segment_ids, decode=True,
-                                  mutable=['cache'], method='decode')
-  return logits[:, -1], mutated['cache']
+def take_cache_rows(model: nn.Module, cache: Any, rows: jax.Array) -> Any:
+  """The cache of a decoder-only `model` with its batch rows taken at `rows` (repeats allowed): one prefilled
+  context continued by several rows. Each leaf's batch axis is where its shape differs from a cache of twice the
+  batch (axis 1 under scanned layers), read abstractly."""
+  batch, length = next((x.shape[-4], x.shape[-3]) for x in jax.tree.leaves(cache) if x.ndim >= 4)  # keys
+  twice = jax.eval_shape(lambda: init_cache(model, 2 * batch, length))
+  axes = jax.tree.map(lambda x, y: next((i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n), None),
+                      cache, twice)
+  return jax.tree.map(lambda x, axis: x if axis is None else jnp.take(x, rows, axis=axis), cache, axes)
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'mode', 'max_new_tokens', 'sampling', 'keep_logits'))
@@ -106,12 +105,12 @@ def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segmen
     context = (model.apply({'params': params}, prompt, prompt_segment_ids, method='encode'), prompt_segment_ids)
     first, first_positions, lengths = jnp.full((batch, 1), decoder_start_id, jnp.int32), None, None
     first_segment_ids = jnp.ones_like(first)
-    cache = _init_cache(model, batch, max_new_tokens, context)
+    cache = init_cache(model, batch, max_new_tokens, context)
   else:
     context, first, first_segment_ids = None, prompt, prompt_segment_ids
     lengths = prompt_segment_ids.sum(axis=1)
     first_positions = jnp.maximum(jnp.cumsum(prompt_segment_ids, axis=1) - 1, 0)  # padding takes position 0
-    cache = _init_cache(model, batch, prompt.shape[1] + max_new_tokens - 1, None)
+    cache = init_cache(model, batch, prompt.shape[1] + max_new_tokens - 1, None)
 
   def choose(logits: jax.Array, t: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
     token = jnp.where(done, pad_id, sample_logits(logits, jax.random.fold_in(rng, t), sampling))

@@ -22,7 +22,7 @@ import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
-from lm.models.decode import Decoding
+from lm.models.decode import Decoding, init_cache, take_cache_rows
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
 
@@ -101,6 +101,20 @@ class Family:
     """Positions a row of `scoring_rows` needs for a pair of these token counts (before any cut)."""
     raise NotImplementedError
 
+  # Whether `score_shared` computes a context once for all its continuations (`shared_scoring_rows`).
+  shares_contexts: ClassVar[bool] = False
+
+  def shared_scoring_rows(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+                          owners: Sequence[int], context_length: int, continuation_length: int, pad_id: int
+                          ) -> dict[str, np.ndarray]:
+    """A batch that `score_shared` reads: each context once ('context_*' rows, `context_length` positions) and
+    each continuation in a row of its own (`continuation_length` positions) with its context's row ('owner')."""
+    raise NotImplementedError
+
+  def score_shared(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """`score` of a `shared_scoring_rows` batch, per continuation row."""
+    raise NotImplementedError
+
   def score(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
     """Per example of a `scoring_rows` batch: the continuation's summed log-probability ('logprob'), its token
     count ('tokens') and whether greedy decoding would produce it ('greedy')."""
@@ -177,6 +191,41 @@ class DecoderOnly(Family):
 
   def scoring_length(self, context, continuation):
     return context + continuation - 1
+
+  shares_contexts = True
+
+  def shared_scoring_rows(self, contexts, continuations, owners, context_length, continuation_length, pad_id):
+    """Each context but its last token, left-padded as the sampler's prompts are, prefills a KV cache; each
+    continuation row then feeds its context's last token and its own tokens but the last (right-padded, at the
+    positions after its context) and is scored on its own tokens."""
+    rows = {f'context_{k}': np.zeros((len(contexts), context_length), np.int32)
+            for k in ('inputs', 'segment_ids', 'positions')}
+    rows['context_inputs'][:] = pad_id
+    for i, context in enumerate(contexts):
+      n = len(context) - 1
+      if n:
+        rows['context_inputs'][i, -n:], rows['context_segment_ids'][i, -n:] = context[:-1], 1
+        rows['context_positions'][i, -n:] = np.arange(n)
+    for k in ('inputs', 'targets', 'segment_ids', 'weights', 'positions'):
+      rows[k] = np.zeros((len(continuations), continuation_length), np.int32)
+    rows['inputs'][:], rows['targets'][:] = pad_id, pad_id
+    for i, (continuation, owner) in enumerate(zip(continuations, owners)):
+      context, n = contexts[owner], len(continuation)
+      rows['inputs'][i, :n], rows['targets'][i, :n] = [context[-1], *continuation[:-1]], continuation
+      rows['segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
+      rows['positions'][i] = len(context) - 1 + np.arange(continuation_length)
+    rows['owner'] = np.asarray(owners, np.int32)
+    return rows
+
+  def score_shared(self, model, params, batch):
+    contexts = batch['context_inputs']
+    cache = init_cache(model, contexts.shape[0], contexts.shape[1] + batch['inputs'].shape[1])
+    _, filled = model.apply({'params': params, 'cache': cache}, contexts, batch['context_segment_ids'],
+                            batch['context_positions'], decode=True, unembed=False, mutable=['cache'])
+    cache = take_cache_rows(model, filled['cache'], batch['owner'])
+    head, _ = model.apply({'params': params, 'cache': cache}, batch['inputs'], batch['segment_ids'],
+                          batch['positions'], decode=True, unembed=False, mutable=['cache'])
+    return continuation_scores(head.logits(), batch['targets'], batch['weights'])
 
   def forward_flops(self, k, cfg, seq_len, pairs):
     return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))

@@ -35,15 +35,15 @@ def reference_logits(assembly, params, context, continuation) -> np.ndarray:
   return np.asarray(apply(params, jnp.asarray([list(context)], jnp.int32), decoder_inputs))[0]
 
 
-def config(preset, mesh):
-  return load_config(preset, SMALL + MESHES[mesh][1])
+def config(preset, mesh, scan=False):
+  return load_config(preset, SMALL + MESHES[mesh][1] + [f'model.scan_layers={str(scan).lower()}'])
 
 
 @functools.cache
-def reference(preset):
+def reference(preset, scan=False):
   """(pairs, each pair's float64 log-probabilities of every position of its continuation) on one device; the
   last pair's continuation is the model's greedy one (3 tokens)."""
-  assembly = assemble(config(preset, '1 device'), jax.devices()[:1])
+  assembly = assemble(config(preset, '1 device', scan), jax.devices()[:1])
   params = assembly.init_state().params
   rng = np.random.default_rng(0)
   words = lambda n: rng.integers(3, 250, n).tolist()
@@ -70,6 +70,32 @@ def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mes
     assert got['tokens'][i] == len(continuation)
     assert bool(got['greedy'][i]) == all(np.argmax(lp, axis=-1) == continuation), i
   assert bool(got['greedy'][-1]) and not got['greedy'][1]  # both outcomes occur
+
+
+@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('preset, scan', [('gpt_tiny', False), pytest.param('llama_tiny', True, marks=pytest.mark.long(0.2))])
+def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
+  """Each context prefilled once (a KV cache, its rows taken for each continuation; scanned layers put the cache's
+  batch on axis 1): the same float64 reference, with contexts of one token, continuations of one and of many, and
+  unused rows."""
+  pairs, log_probs = reference(preset, scan)
+  assembly = assemble(config(preset, mesh, scan), jax.devices()[:MESHES[mesh][0]])
+  family = assembly.family
+  assert family.shares_contexts
+  # Two continuations per context: the pair's own and the last pair's (scored after this context too).
+  contexts = [context for context, _ in pairs]
+  continuations = [c for _, own in pairs for c in (own, pairs[-1][1])]
+  owners = [i for i in range(len(pairs)) for _ in range(2)]
+  rows = family.shared_scoring_rows(contexts + [[0]] * 8, continuations + [[0]] * 8, owners + [0] * 8,
+                                    context_length=LENGTH, continuation_length=8, pad_id=0)
+  step = make_score_step(assembly, family.score_shared)
+  got = jax.device_get(step(assembly.init_state().params, global_rows(assembly.mesh, rows)))
+  for i, ((context, continuation), lp) in enumerate(zip(pairs, log_probs)):
+    assert got['logprob'][2 * i] == pytest.approx(lp[np.arange(len(continuation)), continuation].sum(), rel=1e-5), i
+    assert got['tokens'][2 * i] == len(continuation)
+    assert bool(got['greedy'][2 * i]) == all(np.argmax(lp, axis=-1) == continuation), i
+    other = log_softmax64(reference_logits(assembly, assembly.init_state().params, context, pairs[-1][1]))
+    assert got['logprob'][2 * i + 1] == pytest.approx(other[np.arange(3), pairs[-1][1]].sum(), rel=1e-5), i
 
 
 def test_a_context_longer_than_the_row_is_cut_from_the_left():
