@@ -88,6 +88,19 @@ def take_cache_rows(model: nn.Module, cache: Any, rows: jax.Array) -> Any:
   return jax.tree.map(lambda x, axis: x if axis is None else jnp.take(x, rows, axis=axis), cache, axes)
 
 
+def _cached_call(model: nn.Module, params: Any, cache: Any, tokens: jax.Array, segment_ids: jax.Array,
+                 positions: jax.Array | None, context: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, Any]:
+  """Appends `tokens` [batch, length] to the cache; logits [batch, vocab] after the last one, and the new cache."""
+  variables = {'params': params, 'cache': cache}
+  if context is None:
+    logits, mutated = model.apply(variables, tokens, segment_ids, positions, decode=True, mutable=['cache'])
+  else:
+    encoded, encoded_segment_ids = context
+    logits, mutated = model.apply(variables, encoded, tokens, encoded_segment_ids, segment_ids, decode=True,
+                                  mutable=['cache'], method='decode')
+  return logits[:, -1], mutated['cache']
+
+
 @functools.partial(jax.jit, static_argnames=('model', 'mode', 'max_new_tokens', 'sampling', 'keep_logits'))
 def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segment_ids: jax.Array, rng: jax.Array,
                  *, mode: Decoding, max_new_tokens: int, sampling: Sampling, eos_id: int, pad_id: int,
