@@ -2,8 +2,9 @@
 KV-cached sampler, sharded over the mesh.
 
 The harness owns tasks, prompts, few-shot sampling and metrics; this module only turns its requests into
-scores. Requests are sorted by length and bucketed into a few fixed shapes (powers of two up to the model's
-context), so a whole task compiles a handful of programs; each batch is split over the mesh's batch axes and every
+scores. Requests are sorted by length and bucketed into a few fixed shapes (2^k and 3 * 2^(k-1) up to the model's
+context), so a whole task compiles a handful of programs; a context with several continuations (multiple choice)
+is computed once where the family can (a KV cache); each batch is split over the mesh's batch axes and every
 process receives every score (each process hands the harness the same lists).
 """
 from __future__ import annotations
@@ -25,40 +26,92 @@ from lm.parallel.rules import axis_size
 from lm.train.step import make_score_step
 
 Pair = tuple[Sequence[int], Sequence[int]]
-SHORTEST = 16  # the smallest bucket: shorter rows are padded to it
+SHORTEST = 16  # the smallest row: shorter ones are padded to it
+SHORTEST_CONTINUATION = 4  # the smallest continuation row of a shared context
 DEFAULT_GEN_TOKENS = 256  # the harness's default max_gen_toks
 
 
-def bucket_length(tokens: int, max_length: int) -> int:
-  """The row length a request of `tokens` positions is padded to: the next power of two, at most `max_length`."""
-  return min(max(SHORTEST, 1 << max(tokens - 1, 0).bit_length()), max_length)
+def bucket_length(tokens: int, max_length: int, shortest: int = SHORTEST) -> int:
+  """The row length `tokens` positions are padded to: the next of 2^k and 3 * 2^(k-1) (at most half again as
+  long; two shapes per doubling), at least `shortest`, at most `max_length`."""
+  power = 1 << max(tokens - 1, 0).bit_length()
+  length = power * 3 // 4 if tokens <= power * 3 // 4 else power
+  return min(max(shortest, length), max_length)
 
 
 class Scorer:
-  """(log-probability, greedy) of continuations given contexts, as token ids, in request order."""
+  """(log-probability, greedy) of continuations given contexts, as token ids, in request order. Where the family
+  shares contexts and a context has several continuations (a multiple-choice question's), the context is
+  computed once: `batch_size` continuations per call, after the contexts they continue."""
 
   def __init__(self, assembly: Assembly, params: Any, pad_id: int, batch_size: int, max_length: int):
-    shards = axis_size(assembly.mesh, 'batch')
+    self.shards = axis_size(assembly.mesh, 'batch')
     self.family, self.mesh, self.params, self.pad_id = assembly.family, assembly.mesh, params, pad_id
-    self.rows = -(-batch_size // shards) * shards  # whole rows on every data-parallel shard
+    self.rows = -(-batch_size // self.shards) * self.shards  # whole rows on every data-parallel shard
     self.max_length = max_length
     self.step = make_score_step(assembly)
+    self.shared_step = make_score_step(assembly, self.family.score_shared) if self.family.shares_contexts else None
 
   def __call__(self, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
-    lengths = [bucket_length(self.family.scoring_length(len(c), len(k)), self.max_length) for c, k in pairs]
-    order = sorted(range(len(pairs)), key=lambda i: -lengths[i])  # longest first: a too-long input fails early
     out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (context, _) in enumerate(pairs):
+      groups.setdefault(tuple(context), []).append(i)
+    fits = lambda members: all(self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])) <= self.max_length
+                               for i in members)
+    shared = [m for m in groups.values() if self.shared_step is not None and len(m) > 1 and fits(m)]
+    alone = sorted(i for m in groups.values() if not (len(m) > 1 and self.shared_step is not None and fits(m))
+                   for i in m)
+    self._score_alone(pairs, alone, out)
+    if shared:
+      self._score_shared(pairs, shared, out)
+    return out
+
+  def _score_alone(self, pairs: Sequence[Pair], members: list[int], out: list[tuple[float, bool]]) -> None:
+    """One row per pair (the context cut from the left to fit `max_length`)."""
+    lengths = {i: bucket_length(self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])), self.max_length)
+               for i in members}
+    order = sorted(members, key=lambda i: -lengths[i])  # longest first: a too-long input fails early
     start = 0
     while start < len(order):
       length = lengths[order[start]]
       chunk = [i for i in order[start:start + self.rows] if lengths[i] == length]
       start += len(chunk)
       batch = [pairs[i] for i in chunk] + [([self.pad_id], [self.pad_id])] * (self.rows - len(chunk))
-      scores = self.step(self.params, global_rows(self.mesh, self.family.scoring_rows(batch, length, self.pad_id)))
-      logprob, greedy = np.asarray(scores['logprob']), np.asarray(scores['greedy'])
-      for row, i in enumerate(chunk):
-        out[i] = (float(logprob[row]), bool(greedy[row]))
-    return out
+      self._collect(self.step, self.family.scoring_rows(batch, length, self.pad_id), chunk, out)
+
+  def _score_shared(self, pairs: Sequence[Pair], groups: list[list[int]], out: list[tuple[float, bool]]) -> None:
+    """Calls of `contexts` contexts (the rows over the usual number of continuations per context, a power of
+    two) and their continuations, `self.rows` of them, grouped by the contexts' padded length."""
+    usual = 1 << (int(np.median([len(m) for m in groups])) - 1).bit_length()
+    contexts = max(self.shards, -(-self.rows // usual // self.shards) * self.shards)
+    context_length = lambda m: bucket_length(len(pairs[m[0]][0]) - 1, self.max_length)
+    groups = sorted(groups, key=lambda m: (-context_length(m), -max(len(pairs[i][1]) for i in m)))
+    start = 0
+    while start < len(groups):
+      length, chunk, rows = context_length(groups[start]), [], 0
+      while (start < len(groups) and len(chunk) < contexts and context_length(groups[start]) == length
+             and (not chunk or rows + len(groups[start]) <= self.rows)):
+        chunk.append(groups[start])
+        rows += len(groups[start])
+        start += 1
+      members = [i for m in chunk for i in m]
+      for first in range(0, len(members), self.rows):  # a context with more continuations than rows: several calls
+        part = members[first:first + self.rows]
+        owners = [next(c for c, m in enumerate(chunk) if i in m) for i in part]
+        continuation = bucket_length(max(len(pairs[i][1]) for i in part), self.max_length, SHORTEST_CONTINUATION)
+        rows_batch = self.family.shared_scoring_rows(
+          [pairs[m[0]][0] for m in chunk] + [[self.pad_id]] * (contexts - len(chunk)),
+          [pairs[i][1] for i in part] + [[self.pad_id]] * (self.rows - len(part)),
+          owners + [0] * (self.rows - len(part)), length, continuation, self.pad_id)
+        self._collect(self.shared_step, rows_batch, part, out)
+
+  def _collect(self, step: Any, rows: dict[str, np.ndarray], members: list[int],
+               out: list[tuple[float, bool]]) -> None:
+    scores = step(self.params, global_rows(self.mesh, rows))
+    logprob, greedy = np.asarray(scores['logprob']), np.asarray(scores['greedy'])
+    for row, i in enumerate(members):
+      out[i] = (float(logprob[row]), bool(greedy[row]))
 
 
 class HarnessLM(TemplateLM):

@@ -213,7 +213,7 @@ class DecoderOnly(Family):
       context, n = contexts[owner], len(continuation)
       rows['inputs'][i, :n], rows['targets'][i, :n] = [context[-1], *continuation[:-1]], continuation
       rows['segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
-      rows['positions'][i] = len(context) - 1 + np.arange(continuation_length)
+      rows['positions'][i, :n] = len(context) - 1 + np.arange(n)  # padding at 0: inside any position table
     rows['owner'] = np.asarray(owners, np.int32)
     return rows
 
