@@ -57,11 +57,10 @@ class Scorer:
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (context, _) in enumerate(pairs):
       groups.setdefault(tuple(context), []).append(i)
-    fits = lambda members: all(self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])) <= self.max_length
-                               for i in members)
-    shared = [m for m in groups.values() if self.shared_step is not None and len(m) > 1 and fits(m)]
-    alone = sorted(i for m in groups.values() if not (len(m) > 1 and self.shared_step is not None and fits(m))
-                   for i in m)
+    sharable = lambda members: self.shared_step is not None and len(members) > 1 and all(
+      self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])) <= self.max_length for i in members)
+    shared = [m for m in groups.values() if sharable(m)]
+    alone = sorted(i for m in groups.values() if not sharable(m) for i in m)
     self._score_alone(pairs, alone, out)
     if shared:
       self._score_shared(pairs, shared, out)
@@ -95,10 +94,9 @@ class Scorer:
         chunk.append(groups[start])
         rows += len(groups[start])
         start += 1
-      members = [i for m in chunk for i in m]
+      members = [(i, c) for c, m in enumerate(chunk) for i in m]  # (pair, its context's row)
       for first in range(0, len(members), self.rows):  # a context with more continuations than rows: several calls
-        part = members[first:first + self.rows]
-        owners = [next(c for c, m in enumerate(chunk) if i in m) for i in part]
+        part, owners = (list(x) for x in zip(*members[first:first + self.rows]))
         continuation = bucket_length(max(len(pairs[i][1]) for i in part), self.max_length, SHORTEST_CONTINUATION)
         rows_batch = self.family.shared_scoring_rows(
           [pairs[m[0]][0] for m in chunk] + [[self.pad_id]] * (contexts - len(chunk)),
