@@ -35,7 +35,8 @@ SHORTER = [
   (r'^\.venv/bin/', lambda m: ''),  # the set-up's first command, from the venv that is on PATH here
   (r'^lm (train|finetune) .*$', lambda m: m[0] + ' ' + ' '.join(TRAINING)),
   (r'^lm scaling sweep (.*)$', lambda m: 'lm scaling sweep ' + re.sub(r' --budgets \S+', '', m[1])
-   + ' --sizes 64x1,128x1,192x1' + (' --budgets 2e9,4e9' if '--budgets' in m[1] else ' --tokens 4096,8192')),
+   + (' --sizes 64x1,128x1 --budgets 2e9,4e9' if '--budgets' in m[1]
+      else ' --sizes 64x1,128x1,192x1 --tokens 4096,8192')),
   (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 20000{m[2]}'),
   (r'^(lm train .*data\.tokenizer=sentencepiece:.*) model\.vocab_size=16000(.*)$',
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
@@ -166,13 +167,21 @@ def test_every_group_runs_commands():
   assert all(group_commands().values()), {name: runs for name, runs in group_commands().items() if not runs}
 
 
+@pytest.fixture(scope='session')
+def user_template(tmp_path_factory) -> Path:
+  """user_files made once per test process (HF models, tokenizer, corpus: ~6 s) and copied for each group."""
+  template = tmp_path_factory.mktemp('readme_user') / 'work'
+  template.mkdir()
+  user_files(template)
+  return template
+
+
 @pytest.mark.long(3)
 @pytest.mark.parametrize('group', [*GROUPS, *CATCH_ALL])
-def test_every_readme_command_runs(tmp_path, group):
+def test_every_readme_command_runs(tmp_path, group, user_template):
   cwd, home = tmp_path / 'work', tmp_path / 'home'
-  cwd.mkdir()
+  shutil.copytree(user_template, cwd, symlinks=True)
   home.mkdir()
-  user_files(cwd)
   venv = str(Path(sys.executable).parent)
   # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps), with the
   # suite's compilation cache (conftest.py): most of the commands compile the same few programs.

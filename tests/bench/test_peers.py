@@ -28,8 +28,9 @@ def test_the_peer_gpt2_has_lm_gpt_bench_parameter_for_parameter():
 @pytest.mark.long(1)
 def test_one_round_reports_each_contender_and_the_ratio(tmp_path):
   out = tmp_path / 'peers.json'
-  done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--rounds', '2', '--steps', '1', '--only',
-                         'lm fp32', 'torch eager fp32', '--out', str(out)], capture_output=True, text=True, timeout=600)
+  done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--config', 'gpt_tiny', '--rounds', '2',
+                         '--steps', '1', '--only', 'lm fp32', 'torch eager fp32', '--out', str(out)],
+                        capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(out.read_text())
   assert set(result['tokens_per_sec']) == {'lm fp32', 'torch eager fp32'}
@@ -75,8 +76,8 @@ def test_the_flax_worker_runs_with_its_python(tmp_path):
   python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "stub"} exec {sys.executable} "$@"\n')
   python.chmod(0o755)
   out = tmp_path / 'peers.json'
-  done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--rounds', '1', '--steps', '1', '--only',
-                         'lm fp32', '--flax-python', str(python), '--out', str(out)],
+  done = subprocess.run([sys.executable, str(ROOT / 'bench/peers.py'), '--config', 'gpt_tiny', '--rounds', '1',
+                         '--steps', '1', '--only', 'lm fp32', '--flax-python', str(python), '--out', str(out)],
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert set(json.loads(out.read_text())['tokens_per_sec']) == {'lm fp32', 'HF Flax GPT-2 fp32'}
