@@ -4,8 +4,8 @@ KV-cached sampler, sharded over the mesh.
 The harness owns tasks, prompts, few-shot sampling and metrics; this module only turns its requests into
 scores. Requests are sorted by length and bucketed into a few fixed shapes (2^k and 3 * 2^(k-1) up to the model's
 context), so a whole task compiles a handful of programs; a context with several continuations (multiple choice)
-is computed once where the family can (a KV cache); each batch is split over the mesh's batch axes and every
-process receives every score (each process hands the harness the same lists).
+is computed once (a decoder's KV cache, an encoder-decoder's encoding); each batch is split over the mesh's batch
+axes and every process receives every score (each process hands the harness the same lists).
 """
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ class Scorer:
     two) and their continuations, `self.rows` of them, grouped by the contexts' padded length."""
     usual = 1 << (int(np.median([len(m) for m in groups])) - 1).bit_length()
     contexts = max(self.shards, -(-self.rows // usual // self.shards) * self.shards)
-    context_length = lambda m: bucket_length(len(pairs[m[0]][0]) - 1, self.max_length)
+    context_length = lambda m: bucket_length(self.family.shared_context_length(len(pairs[m[0]][0])),
+                                               self.max_length)
     groups = sorted(groups, key=lambda m: (-context_length(m), -max(len(pairs[i][1]) for i in m)))
     start = 0
     while start < len(groups):

@@ -104,6 +104,10 @@ class Family:
   # Whether `score_shared` computes a context once for all its continuations (`shared_scoring_rows`).
   shares_contexts: ClassVar[bool] = False
 
+  def shared_context_length(self, context: int) -> int:
+    """Positions a context of `context` tokens takes in a context row of `shared_scoring_rows`."""
+    raise NotImplementedError
+
   def shared_scoring_rows(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
                           owners: Sequence[int], context_length: int, continuation_length: int, pad_id: int
                           ) -> dict[str, np.ndarray]:
@@ -194,6 +198,9 @@ class DecoderOnly(Family):
 
   shares_contexts = True
 
+  def shared_context_length(self, context):
+    return context - 1  # the last token starts the continuation's row
+
   def shared_scoring_rows(self, contexts, continuations, owners, context_length, continuation_length, pad_id):
     """Each context but its last token, left-padded as the sampler's prompts are, prefills a KV cache; each
     continuation row then feeds its context's last token and its own tokens but the last (right-padded, at the
@@ -282,6 +289,38 @@ class EncoderDecoder(Family):
 
   def scoring_length(self, context, continuation):
     return max(context, continuation)
+
+  shares_contexts = True
+
+  def shared_context_length(self, context):
+    return context
+
+  def shared_scoring_rows(self, contexts, continuations, owners, context_length, continuation_length, pad_id):
+    """Each context once, as the encoder's input; each continuation as `scoring_rows` has it, with its context's
+    row ('owner')."""
+    rows = {k: np.zeros((len(contexts), context_length), np.int32) for k in ('context_inputs', 'context_segment_ids')}
+    rows['context_inputs'][:] = pad_id
+    for i, context in enumerate(contexts):
+      rows['context_inputs'][i, :len(context)], rows['context_segment_ids'][i, :len(context)] = context, 1
+    for k in ('decoder_inputs', 'decoder_segment_ids', 'targets', 'weights'):
+      rows[k] = np.zeros((len(continuations), continuation_length), np.int32)
+    rows['decoder_inputs'][:], rows['targets'][:] = pad_id, pad_id
+    for i, continuation in enumerate(continuations):
+      n = len(continuation)
+      rows['decoder_inputs'][i, :n], rows['targets'][i, :n] = [pad_id, *continuation[:-1]], continuation
+      rows['decoder_segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
+    rows['owner'] = np.asarray(owners, np.int32)
+    return rows
+
+  def score_shared(self, model, params, batch):
+    """The contexts encoded once; each continuation's row decoded against its context's encoding."""
+    encoded = model.apply({'params': params}, batch['context_inputs'], batch['context_segment_ids'],
+                          method='encode')
+    owner = batch['owner']
+    head = model.apply({'params': params}, encoded[owner], batch['decoder_inputs'],
+                       batch['context_segment_ids'][owner], batch['decoder_segment_ids'], unembed=False,
+                       method='decode')
+    return continuation_scores(head.logits(), batch['targets'], batch['weights'])
 
   def forward_flops(self, k, cfg, seq_len, pairs):
     enc, dec = seq_len, self.target_length(seq_len)

@@ -20,8 +20,9 @@ def test_bucket_lengths_pad_by_half_at_most():
 
 
 @pytest.mark.long(0.3)
-def test_shared_contexts_score_as_pairs_alone():
-  assembly = assemble(load_config('gpt_tiny', SMALL), jax.devices()[:1])  # meshes: test_scoring.py
+@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny'])  # a decoder's context row is one token shorter
+def test_shared_contexts_score_as_pairs_alone(preset):
+  assembly = assemble(load_config(preset, SMALL), jax.devices()[:1])  # meshes: test_scoring.py
   params = assembly.init_state().params
   rng = np.random.default_rng(0)
   words = lambda n: rng.integers(3, 250, n).tolist()

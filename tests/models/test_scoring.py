@@ -73,11 +73,12 @@ def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mes
 
 
 @pytest.mark.parametrize('mesh', MESHES)
-@pytest.mark.parametrize('preset, scan', [('gpt_tiny', False), pytest.param('llama_tiny', True, marks=pytest.mark.long(0.2))])
+@pytest.mark.parametrize('preset, scan', [('gpt_tiny', False), *(pytest.param(p, scan, marks=pytest.mark.long(0.2))
+                                                               for p, scan in (('llama_tiny', True), ('t5_tiny', False)))])
 def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
-  """Each context prefilled once (a KV cache, its rows taken for each continuation; scanned layers put the cache's
-  batch on axis 1): the same float64 reference, with contexts of one token, continuations of one and of many, and
-  unused rows."""
+  """Each context computed once (decoders: a KV cache prefilled, its rows taken for each continuation, scanned
+  layers putting the cache's batch on axis 1; T5: the encoding, its rows taken likewise): the same float64
+  reference, with contexts of one token, continuations of one and of many, and unused rows."""
   pairs, log_probs = reference(preset, scan)
   assembly = assemble(config(preset, mesh, scan), jax.devices()[:MESHES[mesh][0]])
   family = assembly.family
