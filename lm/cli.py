@@ -63,7 +63,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
       raise ConfigError(f'{flag} {value} must be at least {low}')
   if args.limit is not None and args.subset is not None:
     raise ConfigError('--limit and --subset both choose the documents: pass one')
-  results, out = run(args.model, Request(tasks=tasks, data_dir=args.data_dir, num_fewshot=args.num_fewshot,
+  data_dir = Path(args.data_dir) if args.data_dir and args.source == 'files' else args.data_dir
+  results, out = run(args.model, Request(tasks=tasks, data_dir=data_dir, source=args.source,
+                                         num_fewshot=args.num_fewshot,
                                          limit=args.limit, subset=args.subset, max_length=args.max_length,
                                          batch_size=args.batch_size),
                 step=args.step, out=args.out, overrides=args.overrides)
@@ -410,8 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  'HF model directory')
   ev.add_argument('--tasks', required=True, help='comma-separated harness task names or task YAML files, e.g. '
                                                  'hellaswag,piqa')
-  ev.add_argument('--data-dir', type=Path, metavar='DIR', help='local task data: DIR/<task>/<split>.jsonl '
-                                                               '(default: the harness loads from the Hub)')
+  ev.add_argument('--data-dir', metavar='DIR', help='local task data: DIR/<task>/<split>.jsonl or the release '
+                                                   'files (default: the harness loads from the Hub); with --source '
+                                                   'tfds, the TFDS data dir')
+  ev.add_argument('--source', choices=('files', 'tfds'), default='files',
+                  help='tfds: prepared TFDS datasets (hellaswag, piqa, ai2_arc, winogrande, super_glue/boolq)')
   ev.add_argument('--num-fewshot', type=int, metavar='K', help='few-shot examples (default: each task\'s own)')
   ev.add_argument('--limit', type=int, metavar='N', help='only the first N documents of each task')
   ev.add_argument('--subset', type=int, metavar='N', help='N documents of each task drawn with a fixed seed (those '

@@ -67,7 +67,7 @@ def test_cached_step_logits_match_uncached_forward(preset, scan):
   assert max(errors) < 1e-5
 
 
-@pytest.mark.parametrize('preset', ['gpt_tiny', 't5_tiny'])
+@pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2))])
 def test_greedy_is_deterministic_argmax_and_stops_at_eos(preset):
   model, params = tiny(preset)
   greedy = generate(model, params, PROMPTS, max_new_tokens=8)

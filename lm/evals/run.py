@@ -29,7 +29,8 @@ SUBSET_SEED = 0
 class Request:
   """What to evaluate: harness task names, where their data lives, and the harness's settings."""
   tasks: tuple[str, ...]
-  data_dir: Path | None = None
+  data_dir: Path | str | None = None  # local task files; with source 'tfds', TFDS's data dir (may be gs://)
+  source: str = 'files'  # files (data_dir's, else the Hub's) | tfds (prepared TFDS datasets)
   num_fewshot: int | None = None  # None: each task's own default
   limit: int | None = None  # the first N documents of each task
   subset: int | None = None  # N documents of each task drawn with SUBSET_SEED (the same N in every run)
@@ -124,7 +125,7 @@ class TaskEvaluator:
 
   def __init__(self, assembly: Any, request: Request):
     check_installed()
-    if request.data_dir is not None:  # no download, and a clear error where the local files fall short
+    if request.data_dir is not None or request.source == 'tfds':  # no download; a clear error where data falls short
       os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
       os.environ.setdefault('HF_HUB_OFFLINE', '1')
     from lm.data.tokenizers import get_tokenizer
@@ -144,11 +145,11 @@ class TaskEvaluator:
       if not path.is_file():
         raise ConfigError(f'--tasks {path}: no such task file (a harness task YAML)')
     names = [t for t in request.tasks if not t.endswith(('.yaml', '.yml'))]
-    if request.data_dir is None:
+    if request.data_dir is None and request.source != 'tfds':
       specs = {t: installed_task(self.manager, t).name for t in names}
       self.files = own
     else:
-      self.files = own + local_tasks(self.manager, names, request.data_dir, Path(self._configs.name))
+      self.files = own + local_tasks(self.manager, names, request.data_dir, Path(self._configs.name), request.source)
       specs = {t: str(Path(self._configs.name) / f'{t}.yaml') for t in names}
     self.specs = [specs.get(t) or str(Path(t).resolve()) for t in request.tasks]
     self.model = HarnessLM(assembly, None, get_tokenizer(cfg.data.tokenizer), batch_size=request.batch_size,
@@ -257,7 +258,9 @@ def run(path: str | Path, request: Request, *, step: int | None = None, out: str
   outputs went."""
   from lm.distributed import is_main_process
   check_installed()
-  if request.data_dir is not None and not request.data_dir.is_dir():
+  if request.source not in ('files', 'tfds'):
+    raise ConfigError(f'--source {request.source} is not a task data source; choose files or tfds')
+  if request.source == 'files' and request.data_dir is not None and not Path(request.data_dir).is_dir():
     raise ConfigError(f'--data-dir {request.data_dir} is not a directory')
   assembly, params, step = load_checkpoint(path, step, overrides)
   results = evaluate(assembly, params, request)

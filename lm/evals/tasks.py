@@ -22,6 +22,7 @@ from lm_eval.tasks._index import Entry, Kind, TaskIndex
 
 from lm.config import ConfigError
 from lm.evals.releases import RELEASES, convert_release, release_files, task_folder
+from lm.evals.tfds_tasks import convert_tfds
 
 SPLITS = ('training_split', 'validation_split', 'test_split', 'fewshot_split')
 
@@ -125,24 +126,20 @@ def local_task_config(entry: Any, folder: Path) -> tuple[dict[str, Any], list[Pa
   return out, [Path(f) for f in files.values()]
 
 
-def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path, into: Path) -> list[Path]:
+def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path | str | None, into: Path,
+                source: str = 'files') -> list[Path]:
   """Writes a config per task into `into` (to pass as the harness's include path), converting original
-  releases into `into/data/<task>/` first; returns the files read (the release's own where converted)."""
+  releases (or, with source 'tfds', prepared TFDS datasets in `data_dir`) into `into/data/<task>/` first; returns
+  the files read (the release's own where converted)."""
   configs, files = [], []
   for name in tasks:
     entry = installed_task(manager, name)
-    folder = task_folder(data_dir, name)
-    if not folder.is_dir():
-      raise ConfigError(f'--data-dir {data_dir} has no folder {folder.name}/; put {name}\'s files there')
-    needed = evaluated_split(entry.cfg or {})
-    release = {} if (folder / f'{needed}.jsonl').is_file() else release_files(folder, name)
-    originals = []
-    if release:
-      if needed not in release:
-        pattern = RELEASES[name][1][needed][0]
-        raise ConfigError(f'{folder}/{pattern} not found: {name} is scored on its {needed!r} split')
-      folder = into / 'data' / name
-      originals = convert_release(name, release, folder)
+    if source == 'tfds':
+      cfg, folder, originals = entry.cfg or {}, into / 'data' / name, []
+      convert_tfds(name, [cfg[k] for k in SPLITS if cfg.get(k)], evaluated_split(cfg),
+                   None if data_dir is None else str(data_dir), folder)
+    else:
+      folder, originals = _local_folder(entry, name, Path(data_dir), into)
     config, read = local_task_config(entry, folder)
     configs.append((name, config))
     files += originals or read
@@ -150,6 +147,21 @@ def local_tasks(manager: TaskManager, tasks: list[str], data_dir: Path, into: Pa
   for name, config in configs:
     (into / f'{name}.yaml').write_text(yaml.safe_dump(config, sort_keys=False))
   return files
+
+
+def _local_folder(entry: Any, name: str, data_dir: Path, into: Path) -> tuple[Path, list[Path]]:
+  """(the folder of `name`'s `<split>.jsonl` files, the release files they were converted from, if any)."""
+  folder = task_folder(data_dir, name)
+  if not folder.is_dir():
+    raise ConfigError(f'--data-dir {data_dir} has no folder {folder.name}/; put {name}\'s files there')
+  needed = evaluated_split(entry.cfg or {})
+  release = {} if (folder / f'{needed}.jsonl').is_file() else release_files(folder, name)
+  if not release:
+    return folder, []
+  if needed not in release:
+    pattern = RELEASES[name][1][needed][0]
+    raise ConfigError(f'{folder}/{pattern} not found: {name} is scored on its {needed!r} split')
+  return into / 'data' / name, convert_release(name, release, into / 'data' / name)
 
 
 def sha256(path: Path) -> str:

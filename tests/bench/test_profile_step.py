@@ -40,6 +40,7 @@ def test_matmul_flops_from_the_hlo_equal_the_count_by_hand(result):
   assert result['parts']['output layer + loss (tiled)']['matmul_flops'] == pytest.approx(output_layer, rel=1e-9)
 
 
+@pytest.mark.long(0.5)  # with its sibling: the profiled step (~30 s) stays out of the fast tier
 def test_each_kernel_lands_in_the_part_that_computes_it(result):
   parts = result['parts']
   assert sum(p['seconds'] for p in parts.values()) == pytest.approx(result['kernel_seconds'])

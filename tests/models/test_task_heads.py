@@ -42,7 +42,7 @@ def test_bert_pair_layout_and_token_types():
   assert features['weights'] == single['weights'] == 1.0  # one weight per row
 
 
-@pytest.mark.parametrize('family', ['gpt', 'llama'])
+@pytest.mark.parametrize('family', ['gpt', pytest.param('llama', marks=pytest.mark.long(0.2))])
 def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(family):
   """Scores of a row are the same padded to 20 or 24 (GPT-2 pads with EOS, so the mask decides, not the ids),
   and equal those of the unpadded row without a mask (its last position)."""

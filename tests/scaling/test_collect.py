@@ -48,6 +48,7 @@ def test_points_carry_hand_derived_sizes_tokens_and_flops(runs, tmp_path):
     assert float(row['loss']) == [r['val_loss'] for r in records if r.get('step') == step and 'val_loss' in r][-1]
 
 
+@pytest.mark.long(0.2)  # with its sibling: the runs fixture (~35 s) stays out of the fast tier
 def test_evaluate_reproduces_the_recorded_losses_from_the_checkpoints(runs, tmp_path):
   """A second path to the same numbers: params restored through orbax, the validation split read again."""
   recorded, evaluated = tmp_path / 'recorded.csv', tmp_path / 'evaluated.csv'
