@@ -20,6 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from lm.assembly.optim import ema_params
 from lm.assembly.state import TrainState, shardings_of
 from lm.config import EXECUTION_FIELDS, Config, ConfigError
 from lm.distributed import all_processes, barrier
@@ -140,7 +141,8 @@ class Checkpointer:
     # A field added since the checkpoint was written is missing from it: it was written with the default.
     saved = {section: {**default, **self.saved_config(step).get(section, {})}
              for section, default in Config().to_dict().items() if isinstance(default, dict)}
-    for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'), ('train', ('seed',), 'seed')):
+    for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
+                                ('train', ('seed', 'ema_decay'), 'seed or moving average')):
       theirs, ours = saved[section], config[section]
       free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
       keys = keys or sorted((set(theirs) | set(ours)) - free)
@@ -216,6 +218,17 @@ class Checkpointer:
     """Only the params, placed on `abstract_params`' shardings."""
     return self.manager.restore(step, args=ocp.args.Composite(
       params=ocp.args.StandardRestore(abstract_params)))['params']
+
+  def restore_ema(self, step: int, abstract_state: TrainState, decay: float) -> Any:
+    """The params' moving average (`train.ema_decay`) kept in checkpoint `step`'s optimizer state, debiased and
+    placed on the params' shardings; `abstract_state` is the assembly's of the run's own config."""
+    if not decay:
+      raise ConfigError(f'--ema: {self.directory.parent} keeps no moving average of its params (trained without '
+                        f'train.ema_decay); drop --ema')
+    a = abstract_state
+    optimizer = self.manager.restore(step, args=ocp.args.Composite(optimizer=ocp.args.StandardRestore(
+      {'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))['optimizer']
+    return ema_params(optimizer['opt_state'], decay)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

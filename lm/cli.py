@@ -68,7 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                          num_fewshot=args.num_fewshot,
                                          limit=args.limit, subset=args.subset, max_length=args.max_length,
                                          batch_size=args.batch_size),
-                step=args.step, out=args.out, overrides=args.overrides)
+                step=args.step, out=args.out, overrides=args.overrides, ema=args.ema)
   if is_main_process():
     from lm_eval.utils import make_table
     print(make_table(results), flush=True)
@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           'train.evals_limit=N evaluates in training)')
   ev.add_argument('--max-length', type=int, metavar='N', help='tokens per request (default: the model\'s context)')
   ev.add_argument('--step', type=int, metavar='S', help='the run\'s checkpoint at step S (default: the latest)')
+  ev.add_argument('--ema', action='store_true', help='the params\' moving average (runs trained with '
+                                                     'train.ema_decay); results in PATH/eval/step_<S>_ema')
   ev.add_argument('--batch-size', type=int, default=32, metavar='B', help='rows per scoring batch (default 32)')
   ev.add_argument('--out', type=Path, metavar='DIR', help='where results go (default: PATH/eval/step_<S>)')
   ev.add_argument('overrides', nargs='*', metavar='mesh.axis=N', help='how to lay the model over the devices, e.g. '

@@ -33,7 +33,8 @@ AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'aut
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
 Source = Literal['embedded', 'text', 'jsonl', 'tfds']
-Schedule = Literal['cosine', 'linear', 'constant']
+Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable at the peak, then a decay
+DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
 
@@ -139,8 +140,10 @@ class OptimConfig:
   learning_rate: float = 1e-3  # peak
   warmup_steps: int = 100
   schedule: Schedule = 'cosine'  # after warmup
-  decay_steps: int | None = None  # default: train.steps
+  decay_steps: int | None = None  # the schedule's length; default: train.steps
   min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+  decay_fraction: float = 0.2  # wsd: the decay's share of the schedule's length (the last steps)
+  decay_shape: DecayShape = 'linear'  # wsd: the decay's shape
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
@@ -168,6 +171,7 @@ class TrainConfig:
   causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
   init_from: str | None = None  # start from these params (our run dir or an HF model directory), fresh optimizer
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
+  ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
   # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
   evals: tuple[str, ...] = ()
   evals_every: int = 0  # steps between them, and after the last; 0: train.eval_every
@@ -467,6 +471,16 @@ def validate(config: Config) -> None:
     raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
+  if not 0.0 <= t.ema_decay < 1.0:
+    raise ConfigError(f'train.ema_decay={t.ema_decay} must lie in [0, 1) (0: no moving average)')
+  if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 < o.decay_fraction <= 1.0:
+    raise ConfigError(f'optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1] and optim.decay_fraction='
+                      f'{o.decay_fraction} in (0, 1]')
+  length = o.decay_steps or t.steps
+  if o.schedule == 'wsd' and o.warmup_steps > length - round(o.decay_fraction * length):
+    raise ConfigError(f'optim.schedule=wsd: warmup ({o.warmup_steps} steps) runs into the decay (the last '
+                      f'{round(o.decay_fraction * length)} of {length} steps); lower optim.warmup_steps or '
+                      f'optim.decay_fraction')
   if m.attention_impl not in ('xla', 'auto') and m.attention_dropout > 0:
     raise ConfigError(f'model.attention_impl={m.attention_impl} does not do attention dropout; set '
                       f'model.attention_dropout=0 or use model.attention_impl=xla')

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
+from lm.assembly.optim import ema_params
 from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
@@ -96,9 +97,13 @@ class Pretraining:
       if is_main_process():
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-      validation = Evaluate(lambda params, _: {'val_loss': self.evaluate(params, self.val_batches, t.eval_batches)},
-                            t.eval_every, at_start=True)
-      return self.loop.run(state, self.train_batches, ([validation] if t.eval_batches else []) + self.task_evals,
+      validation = [Evaluate(lambda params, _: {'val_loss': self.evaluate(params, self.val_batches, t.eval_batches)},
+                             t.eval_every, at_start=True)]
+      if t.ema_decay:  # the moving average beside the params, on the same batches
+        validation.append(Evaluate(
+          lambda params, _: {'val_loss_ema': self.evaluate(params, self.val_batches, t.eval_batches)}, t.eval_every,
+          params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
+      return self.loop.run(state, self.train_batches, (validation if t.eval_batches else []) + self.task_evals,
                            Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict()))
     finally:
       checkpoints.close()

@@ -57,7 +57,7 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   family = get_family(check_config(config).model.family)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
-  tx, schedule = make_optimizer(config.optim, config.train.steps)
+  tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay)
   state = abstract_state(abstract_params(model, mesh), tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state)

@@ -1,28 +1,42 @@
-"""AdamW with warmup + cosine/linear decay, global-norm clipping and a weight-decay mask."""
+"""AdamW with warmup + cosine/linear/warmup-stable-decay schedules, global-norm clipping and a weight-decay mask."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from lm.config import OptimConfig
 
 
+def decay_schedule(shape: str, peak: float, ratio: float, steps: int) -> optax.Schedule:
+  """From `peak` to end = `ratio` x peak over `steps` steps (then `end`): with progress p = step / steps, linear
+  peak + (end - peak) p; sqrt end + (peak - end)(1 - sqrt p); cosine end + (peak - end)(1 + cos pi p) / 2."""
+  end = peak * ratio
+  if shape == 'linear':
+    return optax.linear_schedule(peak, end, steps)
+  if shape == 'cosine':
+    return optax.cosine_decay_schedule(peak, steps, alpha=ratio)
+  return lambda count: end + (peak - end) * (1 - jnp.sqrt(jnp.clip(count / steps, 0.0, 1.0)))
+
+
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to the peak, then cosine/linear decay to `min_lr_ratio * peak` (or constant)."""
-  peak, warmup = cfg.learning_rate, cfg.warmup_steps
-  decay_steps = max((cfg.decay_steps or total_steps) - warmup, 1)
-  end = peak * cfg.min_lr_ratio
-  if cfg.schedule == 'cosine':
-    decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
-  elif cfg.schedule == 'linear':
-    decay = optax.linear_schedule(peak, end, decay_steps)
+  """Linear warmup from 0 to the peak, then a cosine or linear decay to `min_lr_ratio` x peak at the schedule's
+  length (`decay_steps`, default `total_steps`), or constant; `wsd` stays at the peak until the last
+  `decay_fraction` of the length, then decays in `decay_shape`."""
+  peak, warmup, length = cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps or total_steps
+  if cfg.schedule == 'wsd':
+    decay = max(round(cfg.decay_fraction * length), 1)
+    parts = [optax.constant_schedule(peak), decay_schedule(cfg.decay_shape, peak, cfg.min_lr_ratio, decay)]
+    boundaries = [length - decay]
+  elif cfg.schedule == 'constant':
+    parts, boundaries = [optax.constant_schedule(peak)], []
   else:
-    decay = optax.constant_schedule(peak)
-  if warmup == 0:
-    return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+    parts, boundaries = [decay_schedule(cfg.schedule, peak, cfg.min_lr_ratio, max(length - warmup, 1))], []
+  if warmup:
+    parts, boundaries = [optax.linear_schedule(0.0, peak, warmup), *parts], [warmup, *boundaries]
+  return optax.join_schedules(parts, boundaries) if boundaries else parts[0]
 
 
 def decay_mask(params: Any, exclude: tuple[str, ...]) -> Any:
@@ -33,9 +47,42 @@ def decay_mask(params: Any, exclude: tuple[str, ...]) -> Any:
   return jax.tree_util.tree_map_with_path(applies, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+class ParamsEmaState(NamedTuple):
+  """The moving average of the params, undebiased (optax.ema's state: its count and average)."""
+  average: optax.EmaState
+
+
+def params_ema(decay: float) -> optax.GradientTransformation:
+  """Passes the updates through unchanged and keeps an exponential moving average of the params they make
+  (the chain's last transform): a_t = decay a_(t-1) + (1 - decay) params_t from a_0 = 0, read debiased
+  (`ema_params`), so it is the decay-weighted mean of the params after each update so far."""
+  ema = optax.ema(decay, debias=False)
+
+  def init(params: Any) -> ParamsEmaState:
+    return ParamsEmaState(ema.init(params))
+
+  def update(updates: Any, state: ParamsEmaState, params: Any = None) -> tuple[Any, ParamsEmaState]:
+    _, average = ema.update(optax.apply_updates(params, updates), state.average)
+    return updates, ParamsEmaState(average)
+
+  return optax.GradientTransformation(init, update)
+
+
+def ema_params(opt_state: Any, decay: float) -> Any:
+  """The params' moving average held in `opt_state` (of an optimizer made with `ema_decay=decay`), debiased."""
+  (state,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ParamsEmaState))
+              if isinstance(s, ParamsEmaState)]
+  correction = 1 - decay ** state.average.count.astype(jnp.float32)
+  return jax.tree.map(lambda a: (a / jnp.maximum(correction, 1e-12)).astype(a.dtype), state.average.ema)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept in
+  the optimizer state (sharded like the params, checkpointed with it)."""
   schedule = learning_rate_schedule(cfg, total_steps)
   adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=lambda params: decay_mask(params, cfg.decay_exclude))
-  tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
-  return tx, schedule
+  parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [adamw] + \
+    ([params_ema(ema_decay)] if ema_decay else [])
+  return (optax.chain(*parts) if len(parts) > 1 else adamw), schedule

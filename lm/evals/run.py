@@ -44,10 +44,10 @@ def _mesh(base: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
   return inference_mesh(base, list(overrides))
 
 
-def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequence[str] = ()
+def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequence[str] = (), ema: bool = False
                     ) -> tuple[Any, Any, int]:
-  """(assembly, params, step) of a run dir's checkpoint `step` (default: the latest) or an HF directory's weights
-  (step 0), laid out over every device (`mesh.*` overrides choose how)."""
+  """(assembly, params, step) of a run dir's checkpoint `step` (default: the latest; `ema`: its params' moving
+  average) or an HF directory's weights (step 0), laid out over every device (`mesh.*` overrides choose how)."""
   from lm.assembly import assemble
   from lm.convert.hf import hf_model_config
   if is_run_dir(path):
@@ -61,10 +61,15 @@ def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequen
       if step not in steps:
         raise ConfigError(f'--step {step}: {path} has checkpoints at steps {", ".join(map(str, steps))}')
       assembly = assemble(from_dict({**saved.saved_config(step), 'mesh': mesh}))
+      if ema:
+        return assembly, saved.restore_ema(step, assembly.abstract_state, assembly.config.train.ema_decay), step
       return assembly, saved.restore_params(step, assembly.abstract_params), step
     finally:
       saved.close()
   if is_hf_dir(path):
+    if ema:
+      raise ConfigError(f'--ema: {path} is a Hugging Face directory (one set of weights, no moving average); '
+                        f'drop --ema')
     if step not in (None, 0):
       raise ConfigError(f'--step {step}: {path} is a Hugging Face directory (one set of weights); drop --step')
     mesh = _mesh(Config().to_dict()['mesh'], overrides)
@@ -88,22 +93,28 @@ def check_installed() -> None:
 @contextlib.contextmanager
 def harness_output() -> Iterator[None]:
   """The harness's chatter (progress bars, its dataset builds, `git describe`, bootstrap notes) held back, and
-  shown only when it fails. Its bootstrap runs in this process: a forked pool would copy JAX's threads."""
+  shown only when it fails unexplained (not on a ConfigError's one line): the process's stdout and stderr and
+  Python's `sys.stdout`/`sys.stderr` (which a host such as pytest may have replaced) all go to one file. Its
+  bootstrap runs in this process: a forked pool would copy JAX's threads."""
   for key in ('DISABLE_MULTIPROC', 'TQDM_DISABLE', 'HF_DATASETS_DISABLE_PROGRESS_BARS'):
     os.environ.setdefault(key, '1')
   sys.stdout.flush()
   sys.stderr.flush()
   saved = {fd: os.dup(fd) for fd in (1, 2)}
   with tempfile.TemporaryFile() as held:
+    stream = open(held.fileno(), 'w', encoding='utf-8', errors='replace', closefd=False)  # noqa: SIM115
     for fd in saved:
       os.dup2(held.fileno(), fd)
     failed = True
     try:
-      yield
+      with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        yield
       failed = False
+    except ConfigError:
+      failed = False
+      raise
     finally:
-      sys.stdout.flush()
-      sys.stderr.flush()
+      stream.close()
       for fd, copy in saved.items():
         os.dup2(copy, fd)
         os.close(copy)
@@ -170,11 +181,32 @@ class TaskEvaluator:
     from lm.evals.tasks import sha256
     self.model.set_params(params)
     with harness_output():
-      results = lm_eval.simple_evaluate(model=self.model, tasks=self.specs, num_fewshot=self.request.num_fewshot,
-                                        limit=self.request.limit, samples=self.samples, task_manager=self.manager,
-                                        log_samples=True)
+      try:
+        results = lm_eval.simple_evaluate(model=self.model, tasks=self.specs, num_fewshot=self.request.num_fewshot,
+                                          limit=self.request.limit, samples=self.samples, task_manager=self.manager,
+                                          log_samples=True)
+      except ValueError as e:
+        raise too_few_shots(e, self.request.num_fewshot) or e
     results['data_files'] = {str(f): sha256(f) for f in self.files}
     return results
+
+
+def too_few_shots(error: ValueError, shots: int | None) -> ConfigError | None:
+  """The one-line error for the harness's few-shot sampler asking more documents than its task's few-shot split
+  holds (`random.sample`'s ValueError, raised while the task builds its requests), naming the task."""
+  import traceback
+
+  from lm_eval.api.task import Task
+  if 'larger than population' not in str(error):
+    return None
+  tasks = [f.f_locals['self'] for f, _ in traceback.walk_tb(error.__traceback__)
+           if isinstance(f.f_locals.get('self'), Task)]
+  if not tasks:
+    return None
+  task = tasks[-1]
+  return ConfigError(f'--num-fewshot {shots}: {task.config.task} draws its few-shot examples from '
+                     f'{len(task.fewshot_docs())} documents (one fewer where they are the evaluated split); '
+                     f'lower --num-fewshot or give it a larger few-shot split')
 
 
 def evaluate(assembly: Any, params: Any, request: Request) -> dict[str, Any]:
@@ -253,18 +285,18 @@ def write_results(results: dict[str, Any], out: Path) -> None:
 
 
 def run(path: str | Path, request: Request, *, step: int | None = None, out: str | Path | None = None,
-        overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Path]:
-  """`lm eval`: evaluates, writes the outputs (the main process); returns the harness's results and where the
-  outputs went."""
+        overrides: Sequence[str] = (), ema: bool = False) -> tuple[dict[str, Any], Path]:
+  """`lm eval`: evaluates (`ema`: the params' moving average), writes the outputs (the main process); returns the
+  harness's results and where the outputs went (default RUN/eval/step_<S>, or step_<S>_ema)."""
   from lm.distributed import is_main_process
   check_installed()
   if request.source not in ('files', 'tfds'):
     raise ConfigError(f'--source {request.source} is not a task data source; choose files or tfds')
   if request.source == 'files' and request.data_dir is not None and not Path(request.data_dir).is_dir():
     raise ConfigError(f'--data-dir {request.data_dir} is not a directory')
-  assembly, params, step = load_checkpoint(path, step, overrides)
+  assembly, params, step = load_checkpoint(path, step, overrides, ema)
   results = evaluate(assembly, params, request)
-  out = Path(out) if out else Path(path) / 'eval' / f'step_{step}'
+  out = Path(out) if out else Path(path) / 'eval' / (f'step_{step}_ema' if ema else f'step_{step}')
   if is_main_process():
     write_results(results, out)
   return results, out

@@ -66,16 +66,17 @@ class Callback:
 
 class Evaluate(Callback):
   """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
-  when asked."""
+  when asked; `params_of(state)` picks the params evaluated (default the trained ones)."""
 
-  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False):
-    self.evaluator, self.every, self.at_start = evaluator, every, at_start
+  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False,
+               params_of: Callable[[Any], Any] = lambda state: state.params):
+    self.evaluator, self.every, self.at_start, self.params_of = evaluator, every, at_start, params_of
 
   def start(self, step, state, history):
-    return [{'step': 0, **self.evaluator(state.params, 0)}] if self.at_start and step == 0 else []
+    return [{'step': 0, **self.evaluator(self.params_of(state), 0)}] if self.at_start and step == 0 else []
 
   def __call__(self, after):
-    return [{'step': after.step, **self.evaluator(after.state.params, after.step)}]
+    return [{'step': after.step, **self.evaluator(self.params_of(after.state), after.step)}]
 
 
 class Checkpoint(Callback):

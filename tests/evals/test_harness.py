@@ -118,9 +118,11 @@ def test_release_and_dataset_layouts_give_identical_results(setup, tmp_path):
   (['--tasks', 'piqa', '--step', '7'], '--step 7: '),
   (['--tasks', 'piqa', '--max-length', '1000'], '--max-length 1000 must lie in'),
   (['--tasks', 'piqa', '--limit', '2', '--subset', '2'], '--limit and --subset both choose'),
+  (['--tasks', 'piqa', '--data-dir', 'DATA', '--num-fewshot', '9'],
+   '--num-fewshot 9: piqa draws its few-shot examples from 8 documents'),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(setup, argv, message, tmp_path, capsys):
-  _, run_dir, _ = setup
+  _, run_dir, data = setup
   (tmp_path / 'EMPTY').mkdir()
   broken = tmp_path / 'BROKEN' / 'piqa'
   broken.mkdir(parents=True)
@@ -129,7 +131,7 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, argv, message, tmp_path
   notest = tmp_path / 'NOTEST' / 'arc' / 'ARC-V1-Feb2018-2' / 'ARC-Easy'
   notest.mkdir(parents=True)
   (notest / 'ARC-Easy-Train.jsonl').write_text('')
-  argv = [str(tmp_path / a) if a in ('EMPTY', 'BROKEN', 'NOTEST') else a for a in argv]
+  argv = [str(tmp_path / a) if a in ('EMPTY', 'BROKEN', 'NOTEST') else str(data) if a == 'DATA' else a for a in argv]
   before = sorted(p.relative_to(run_dir) for p in run_dir.rglob('*'))
   assert cli.main(['eval', '--model', str(run_dir), *argv, '--out', str(tmp_path / 'out')]) == 2
   err = capsys.readouterr().err.strip()
