@@ -7,6 +7,7 @@ batch is checked against the mesh where a train step is built: generation never 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,7 +46,12 @@ class Assembly:
   def init_state(self, rng: jax.Array | None = None) -> TrainState:
     """Fresh state from `rng` (default: the config's seed), each device creating only its shards."""
     rng = jax.random.key(self.config.train.seed) if rng is None else rng
-    return make_init_fn(self.family, self.model, self.tx, self.shardings, self.config.data.seq_len)(rng)
+    return self._init_fn(rng)
+
+  @functools.cached_property
+  def _init_fn(self):
+    # One jit per assembly: a state made twice (a reference, a restart) compiles its init once.
+    return make_init_fn(self.family, self.model, self.tx, self.shardings, self.config.data.seq_len)
 
   def flops_per_token(self) -> float:
     return accounting.flops_per_token(self.abstract_params, self.config.model, self.config.data.seq_len,

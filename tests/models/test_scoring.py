@@ -25,14 +25,23 @@ def log_softmax64(logits) -> np.ndarray:
   return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+@functools.cache
+def jitted_apply(model):
+  return jax.jit(lambda p, *xs: model.apply({'params': p}, *xs))
+
+
+def causal_row(tokens) -> jnp.ndarray:
+  """`tokens` as one row, right-padded to a fixed width (one compile): causal positions never see what follows."""
+  return jnp.asarray([list(tokens) + [0] * (2 * LENGTH - len(tokens))], jnp.int32)
+
+
 def reference_logits(assembly, params, context, continuation) -> np.ndarray:
   """The model's logits for the continuation's tokens, [len(continuation), vocab], from this pair alone."""
-  apply = jax.jit(lambda p, *xs: assembly.model.apply({'params': p}, *xs))
+  apply, n = jitted_apply(assembly.model), len(continuation)
   if assembly.family.decoding == 'decoder':
-    return np.asarray(apply(params, jnp.asarray([list(context) + list(continuation)[:-1]], jnp.int32))
-                      )[0, len(context) - 1:]
-  decoder_inputs = jnp.asarray([[0] + list(continuation)[:-1]], jnp.int32)
-  return np.asarray(apply(params, jnp.asarray([list(context)], jnp.int32), decoder_inputs))[0]
+    return np.asarray(apply(params, causal_row(list(context) + list(continuation)[:-1])))[0, len(context) - 1:][:n]
+  encoded = jnp.asarray([list(context)], jnp.int32)  # unpadded: the encoder attends both ways
+  return np.asarray(apply(params, encoded, causal_row([0] + list(continuation)[:-1])))[0, :n]
 
 
 def config(preset, mesh, scan=False):
@@ -90,13 +99,13 @@ def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
   owners = [i for i in range(len(pairs)) for _ in range(2)]
   rows = family.shared_scoring_rows(contexts + [[0]] * 8, continuations + [[0]] * 8, owners + [0] * 8,
                                     context_length=LENGTH, continuation_length=8, pad_id=0)
-  step = make_score_step(assembly, family.score_shared)
-  got = jax.device_get(step(assembly.init_state().params, global_rows(assembly.mesh, rows)))
+  step, params = make_score_step(assembly, family.score_shared), assembly.init_state().params
+  got = jax.device_get(step(params, global_rows(assembly.mesh, rows)))
   for i, ((context, continuation), lp) in enumerate(zip(pairs, log_probs)):
     assert got['logprob'][2 * i] == pytest.approx(lp[np.arange(len(continuation)), continuation].sum(), rel=1e-5), i
     assert got['tokens'][2 * i] == len(continuation)
     assert bool(got['greedy'][2 * i]) == all(np.argmax(lp, axis=-1) == continuation), i
-    other = log_softmax64(reference_logits(assembly, assembly.init_state().params, context, pairs[-1][1]))
+    other = log_softmax64(reference_logits(assembly, params, context, pairs[-1][1]))
     assert got['logprob'][2 * i + 1] == pytest.approx(other[np.arange(3), pairs[-1][1]].sum(), rel=1e-5), i
 
 
