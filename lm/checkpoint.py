@@ -84,15 +84,40 @@ def _drop_abandoned_read_reports() -> None:
     record.getMessage().startswith('Task exception was never retrieved') and 'orbax' in record.getMessage()))
 
 
+def with_defaults(saved: dict) -> dict:
+  """A checkpoint's config sections, a field added since it was written taking its default (it was written so)."""
+  return {section: {**default, **saved.get(section, {})}
+          for section, default in Config().to_dict().items() if isinstance(default, dict)}
+
+
+def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
+  """What a run continuing a checkpoint written under `saved` (with_defaults) must share with it and does not:
+  (the model | data order | seed or moving average, the fields that differ), or None."""
+  for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
+                              ('train', ('seed', 'ema_decay'), 'seed or moving average')):
+    theirs, ours = saved[section], config[section]
+    free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
+    keys = keys or sorted((set(theirs) | set(ours)) - free)
+    diff = [f'{section}.{k}' for k in keys if theirs.get(k) != ours.get(k)]
+    if diff:
+      return what, diff
+  return None
+
+
 class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
-  def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True):
-    """`create=False`: a missing directory holds no steps, and is made by the first save."""
+  def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True,
+               keep_steps: tuple[int, ...] = ()):
+    """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` are kept
+    besides the latest `keep`."""
     self.directory = epath.Path(directory)
     if '://' not in str(self.directory):
       self.directory = self.directory.absolute()
-    self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=async_save)
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+      ocp.checkpoint_managers.LatestN(keep), ocp.checkpoint_managers.CustomSteps(keep_steps)]) if keep_steps else None
+    self.options = ocp.CheckpointManagerOptions(max_to_keep=None if policy else keep, preservation_policy=policy,
+                                                create=create, enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=self.options)
 
   def latest_step(self) -> int | None:
@@ -138,19 +163,12 @@ class Checkpointer:
     """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
     saved position in place. Execution fields (`EXECUTION_FIELDS`) may differ: the params are converted to this
     run's layer layout when `model.scan_layers` changed, and one line on stdout says what changed."""
-    # A field added since the checkpoint was written is missing from it: it was written with the default.
-    saved = {section: {**default, **self.saved_config(step).get(section, {})}
-             for section, default in Config().to_dict().items() if isinstance(default, dict)}
-    for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
-                                ('train', ('seed', 'ema_decay'), 'seed or moving average')):
-      theirs, ours = saved[section], config[section]
-      free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
-      keys = keys or sorted((set(theirs) | set(ours)) - free)
-      diff = [k for k in keys if theirs.get(k) != ours.get(k)]
-      if diff:
-        raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different {what} (differs in '
-                          f'{", ".join(f"{section}.{k}" for k in diff)}); resume with the same settings or start '
-                          f'a new train.run_dir')
+    saved = with_defaults(self.saved_config(step))
+    mismatch = config_mismatch(saved, config)
+    if mismatch:
+      what, fields = mismatch
+      raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different {what} (differs in '
+                        f'{", ".join(fields)}); resume with the same settings or start a new train.run_dir')
     if not self.has_optimizer(step):
       raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
                         f'resume; start a new run from it with train.init_from={self.directory.parent}')

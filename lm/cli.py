@@ -42,12 +42,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
   if args.from_hf:
     if not args.to:
       raise ConfigError('lm convert --from-hf HF_DIR needs --to RUN_DIR (where to write the lm checkpoint)')
+    if args.ema:
+      raise ConfigError('lm convert --ema exports a run\'s moving average of its params: it goes with --to-hf')
     config = import_hf(args.from_hf, args.to)
     print(f'converted {args.from_hf} ({config.model.family}) into {args.to}', flush=True)
   else:
     if not args.source:
       raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
-    print(f'exported {args.source} to {export_hf(args.source, args.to_hf)}', flush=True)
+    what = ' (the moving average of its params)' if args.ema else ''
+    print(f'exported {args.source}{what} to {export_hf(args.source, args.to_hf, args.ema)}', flush=True)
   return 0
 
 
@@ -169,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
   from lm.generate import generate_text, load_run
   from lm.models.decode import Sampling
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
-  config, params = load_run(args.run, args.overrides)
+  config, params = load_run(args.run, args.overrides, args.ema)
   texts = generate_text(config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         rng=jax.random.key(args.seed))
   for prompt, text in zip(args.prompt, texts):
@@ -200,16 +203,20 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   from lm.report import format_lines
-  from lm.scaling.sweep import DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep
+  from lm.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep,
+                                 tokens_trained)
   base = _config(args)
   sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
   budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
   tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
-  points = plan(base, sizes, tokens, budgets, args.evals)
-  print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps')
-                      for p in points]), flush=True)
+  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule)
+  print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps'
+                       + (f' (the decay from step {p.branch_at})' if p.branch_at else '')) for p in points]),
+        flush=True)
+  trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
+  print(f'tokens to train: {trained:,} ({trained / alone:.0%} of the {alone:,} of independent runs)', flush=True)
   if not args.dry_run:
-    sweep(base, args.out, points)
+    sweep(base, args.out, points, args.evals)
     print(f'{len(points)} runs in {args.out}; next: lm scaling collect {args.out} --out points.csv', flush=True)
   return 0
 
@@ -365,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
   direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
   convert.add_argument('--to', metavar='RUN_DIR', help='run directory to write (with --from-hf)')
   convert.add_argument('--from', dest='source', metavar='RUN_DIR', help='run directory to export (with --to-hf)')
+  convert.add_argument('--ema', action='store_true', help='export the params\' moving average (a run trained with '
+                                                          'train.ema_decay)')
   convert.set_defaults(fn=cmd_convert)
 
   info = sub.add_parser('info', help='parameters, FLOPs per token, mesh and per-device memory of a config')
@@ -404,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument('--top-p', type=float, default=None,
                    help='sample among the likeliest tokens holding mass p (default %(default)s: all)')
   gen.add_argument('--seed', type=int, default=0)
+  gen.add_argument('--ema', action='store_true', help='sample from the params\' moving average (a run trained '
+                                                      'with train.ema_decay)')
   gen.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides, e.g. mesh.tensor=2')
   gen.set_defaults(fn=cmd_generate)
 
@@ -455,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
   design.add_argument('--budgets', default=None, metavar='C1,C2', help='IsoFLOP: compute budgets in FLOPs, '
                                                                        'each size at D = C/6N')
   sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
+  sweep.add_argument('--schedule', choices=('cosine', 'wsd'), default='cosine',
+                     help='cosine: each point its own run; wsd: warmup-stable-decay, each size one stable run with '
+                          'each point a cooldown branched off it')
   sweep.add_argument('--dry-run', action='store_true', help='print the points and stop')
   sweep.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
   sweep.set_defaults(fn=cmd_scaling_sweep, joins_job=True)

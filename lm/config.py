@@ -164,12 +164,15 @@ class TrainConfig:
   eval_batches: int = 4
   checkpoint_every: int = 500  # 0: only at the end
   keep_checkpoints: int = 2
+  checkpoint_at: tuple[int, ...] = ()  # further steps checkpointed, each kept for good (e.g. a ladder's branch points)
   run_dir: str = 'runs/{name}'
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal
   peak_flops: float | None = None  # per device, for MFU; default from the device kind
   causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
   init_from: str | None = None  # start from these params (our run dir or an HF model directory), fresh optimizer
+  init_from_ema: bool = False  # init_from a run: take its params' moving average (train.ema_decay) instead
+  branch_from: str | None = None  # continue this checkpoint's whole state (RUN or RUN/checkpoints/STEP) in a new run
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
   # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
@@ -343,7 +346,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
 
 # Path-valued fields: `~` and $VARS expand as a shell would (it does not after `key=`); URIs stay as written.
 PATH_FIELDS = (('data', 'data_dir'), ('data', 'paths'), ('data', 'tokenizer'), ('train', 'run_dir'),
-               ('train', 'init_from'), ('train', 'evals_data_dir'))
+               ('train', 'init_from'), ('train', 'branch_from'), ('train', 'evals_data_dir'))
 
 
 def inference_mesh(mesh: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
@@ -465,12 +468,20 @@ def validate(config: Config) -> None:
     raise ConfigError(
       f'train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}; '
       f'make the batch a multiple of the microbatch count')
+  if any(step < 1 for step in t.checkpoint_at):
+    raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
   if t.checkpoint_every < 0 or t.eval_batches < 0 or o.warmup_steps < 0:
     raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
   if t.evals_every < 0 or (t.evals_limit is not None and t.evals_limit < 1) or (t.evals_num_fewshot or 0) < 0:
     raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
+  if t.init_from_ema and t.init_from is None:
+    raise ConfigError('train.init_from_ema=true takes the moving average of the run train.init_from names; set '
+                      'train.init_from=RUN or drop it')
+  if t.init_from is not None and t.branch_from is not None:
+    raise ConfigError('train.init_from (params, a fresh optimizer) and train.branch_from (the whole state) both '
+                      'set; choose one')
   if not 0.0 <= t.ema_decay < 1.0:
     raise ConfigError(f'train.ema_decay={t.ema_decay} must lie in [0, 1) (0: no moving average)')
   if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 < o.decay_fraction <= 1.0:

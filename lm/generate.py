@@ -92,12 +92,13 @@ def generate_with_logits(model: nn.Module, params: Any, prompts: Sequence[Sequen
 
 # ---------------------------------------------------------------- runs and text
 
-def load_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> tuple[Config, Any]:
+def load_run(run_dir: str | Path, overrides: Sequence[str] = (), ema: bool = False) -> tuple[Config, Any]:
   """A run's config (config.yaml with `key=value` overrides) and the params of its latest checkpoint,
-  trained or imported, on this machine's devices: split over mesh.fsdp and mesh.tensor as configured,
-  replicated over the data axis, which takes the devices left over."""
+  trained or imported (`ema`: their moving average), on this machine's devices: split over mesh.fsdp and
+  mesh.tensor as configured, replicated over the data axis, which takes the devices left over."""
   config = read_config(run_dir, list(overrides))
-  _, params = load_params(run_dir, make_mesh(MeshConfig(**inference_mesh(config.to_dict()['mesh'], overrides))))
+  mesh = make_mesh(MeshConfig(**inference_mesh(config.to_dict()['mesh'], overrides)))
+  _, params = load_params(run_dir, mesh, ema)
   return config, params
 
 

@@ -22,6 +22,7 @@ from lm.config import Config, ConfigError
 from lm.data.pipeline import Batches, build_batches
 from lm.distributed import is_main_process
 from lm.run_dir import CHECKPOINTS, CONFIG
+from lm.train.branch import branch_state, resolve_branch
 from lm.train.init_from import initial_state
 from lm.train.loop import Callback, Checkpoint, Evaluate, Record, Trainer, restore_or_start
 from lm.train.step import make_eval_step
@@ -80,18 +81,22 @@ class Pretraining:
 
   def _start(self) -> TrainState:
     cfg = self.config
+    if cfg.train.branch_from is not None:
+      return branch_state(self.assembly, cfg, self.train_batches.iterator)
     if cfg.train.init_from is None:
       return self.init_state()
-    start = initial_state(self.assembly, cfg.train.init_from)
-    print(f'initialised from {cfg.train.init_from}' +
+    start = initial_state(self.assembly, cfg.train.init_from, cfg.train.init_from_ema)
+    average = ' (the moving average of its params)' if cfg.train.init_from_ema else ''
+    print(f'initialised from {cfg.train.init_from}{average}' +
           (f'; new: {", ".join(start.fresh + start.reshaped)}' if start.fresh or start.reshaped else '') +
           (f'; not used: {", ".join(start.unused)}' if start.unused else ''), flush=True)
     return start.state
 
   def run(self) -> list[Record]:
     """Trains to `train.steps`, resuming if asked; returns the logged records."""
-    cfg, t = self.config, self.config.train
-    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints)
+    self.config = cfg = resolve_branch(self.config)  # the checkpoint a branch starts from, named
+    t = cfg.train
+    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, keep_steps=t.checkpoint_at)
     try:
       state = restore_or_start(checkpoints, self.assembly, self.train_batches.iterator, self._start)
       if is_main_process():
@@ -104,7 +109,8 @@ class Pretraining:
           lambda params, _: {'val_loss_ema': self.evaluate(params, self.val_batches, t.eval_batches)}, t.eval_every,
           params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
       return self.loop.run(state, self.train_batches, (validation if t.eval_batches else []) + self.task_evals,
-                           Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict()))
+                           Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict(),
+                                      at=t.checkpoint_at))
     finally:
       checkpoints.close()
 

@@ -65,30 +65,37 @@ def model_checkpoints(run_dir: str | Path) -> Checkpointer:
   return Checkpointer(best, async_save=False, create=False) if best.is_dir() else checkpoints(run_dir)
 
 
-def load_params(path: str | Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
-  """(model config, params) from one of our run dirs (its best params or latest checkpoint) or an HF model
-  directory.
+def load_params(path: str | Path, mesh: Mesh, ema: bool = False) -> tuple[ModelConfig, Any]:
+  """(model config, params) from one of our run dirs (its best params or latest checkpoint; `ema`: that
+  checkpoint's moving average of the params, `train.ema_decay`) or an HF model directory.
 
   Params land straight on `mesh` with the shardings the rules give them, so no device ever holds
   more than its shards. The model config is the one the params were written with.
   """
   if is_run_dir(path):
-    return _run_params(epath.Path(path), mesh)
+    return _run_params(epath.Path(path), mesh, ema)
   if is_hf_dir(path):
+    if ema:
+      raise ConfigError(f'--ema: {path} is a Hugging Face directory (one set of weights, no moving average); '
+                        f'drop --ema')
     return _hf_params(Path(path), mesh)
   raise ConfigError(f'{path} is neither a run directory (with {CONFIG}) nor a Hugging Face model directory '
                     f'(with config.json); pass one of those')
 
 
-def _run_params(run_dir: epath.Path, mesh: Mesh) -> tuple[ModelConfig, Any]:
-  saved = model_checkpoints(run_dir)
+def _run_params(run_dir: epath.Path, mesh: Mesh, ema: bool) -> tuple[ModelConfig, Any]:
+  saved = checkpoints(run_dir) if ema else model_checkpoints(run_dir)  # best/ keeps params alone
   try:
     step = saved.latest_step()
     if step is None:
       raise ConfigError(f'{run_dir} holds no checkpoint yet; train it first (lm train ... train.run_dir={run_dir}) '
                         f'or import a model into it with lm convert --from-hf')
-    config = from_dict(saved.saved_config(step))
-    return config.model, saved.restore_params(step, abstract_params(build_model(check_config(config).model), mesh))
+    config = check_config(from_dict(saved.saved_config(step)))
+    if ema:
+      from lm.assembly import assemble
+      assembly = assemble(config, mesh=mesh)
+      return config.model, saved.restore_ema(step, assembly.abstract_state, config.train.ema_decay)
+    return config.model, saved.restore_params(step, abstract_params(build_model(config.model), mesh))
   finally:
     saved.close()
 
@@ -138,12 +145,12 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
   return config
 
 
-def export_hf(run_dir: str | Path, hf_dir: str | Path) -> Path:
-  """Writes the run's latest params (trained or imported) as HF directory `hf_dir`."""
+def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Path:
+  """Writes the run's latest params (trained or imported; `ema`: their moving average) as HF directory `hf_dir`."""
   from lm.convert.hf import save_hf
   run_dir = epath.Path(run_dir)
   if not is_run_dir(run_dir):
     raise ConfigError(f'{run_dir}/{CONFIG} not found; pass a run directory written by lm train or lm convert')
-  cfg, params = load_params(run_dir, one_device_mesh())
+  cfg, params = load_params(run_dir, one_device_mesh(), ema)
   hf_config = json.loads((run_dir / HF_CONFIG).read_text()) if (run_dir / HF_CONFIG).is_file() else None
   return save_hf(cfg, params, hf_dir, hf_config)

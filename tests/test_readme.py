@@ -44,7 +44,9 @@ SHORTER = [
   (r'^python bench/train_throughput\.py .*$', lambda m: m[0] + ' --steps 2'),
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
-  (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),
+  (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),  # the cooldown branches at the shortened stable run's end (step 2) and decays over its own last 2 steps
+  (r'^(lm train .*train\.branch_from=runs/stable/checkpoints/)800(.*)$',
+   lambda m: f'{m[1]}2{m[2]} train.steps=4 optim.decay_fraction=0.5'),
 ]
 OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
   'python3 -m venv': 'the set-up: CI runs it (.ci/run)',

@@ -8,6 +8,12 @@ its warmup is at most a tenth of it; it evaluates `evals` times. `DIR/sweep.json
 so `lm scaling collect DIR` finds them. Rerunning the sweep skips the finished points (a checkpoint at
 the last step) and resumes interrupted ones from their latest checkpoint. Every process of a
 multi-host job runs the same loop, each point on all devices: the same command drives a pod.
+
+With `schedule='wsd'` (Hägele et al. 2024) every point is a warmup-stable-decay run decaying over its last
+`optim.decay_fraction`, and the points of one size share their stable phase: one constant-rate run per size
+(`<size>_stable`) trains to the largest budget's decay start, checkpointing at each budget's, and each point is
+a cooldown branched off it there (`train.branch_from`), equal to the straight WSD run of its budget. Point dirs
+keep their names and layout, so `collect`, `fit` and `plot` read them as before.
 """
 from __future__ import annotations
 
@@ -38,6 +44,16 @@ class Point:
   params: int
   steps: int
   tokens: int  # steps x batch x length: the budget rounded to whole steps
+  overrides: tuple[str, ...]
+  branch_at: int = 0  # wsd: the decay's first step, where it branches off its size's stable run (0: trained alone)
+
+
+@dataclass(frozen=True)
+class Stable:
+  """A size's shared stable phase (wsd): constant rate to the last branch point, checkpointed at every one."""
+  label: str
+  steps: int
+  branches: tuple[int, ...]
   overrides: tuple[str, ...]
 
 
@@ -77,8 +93,9 @@ def _sized(base: Config, width: int, depth: int) -> tuple[Config, int]:
 
 
 def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float] = (),
-         budgets: Sequence[float] = (), evals: int = 4) -> list[Point]:
-  """The sweep's points: sizes x `tokens`, or for each compute budget every size at D = C / 6N."""
+         budgets: Sequence[float] = (), evals: int = 4, schedule: str = 'cosine') -> list[Point]:
+  """The sweep's points: sizes x `tokens`, or for each compute budget every size at D = C / 6N; with `schedule`
+  'wsd', each a warmup-stable-decay run (a size's points warm up alike, so they share a stable phase)."""
   if bool(tokens) == bool(budgets):
     raise ConfigError('a sweep takes token budgets (--tokens) or compute budgets (--budgets), one of the two')
   per_step = base.train.global_batch * base.data.seq_len
@@ -87,21 +104,57 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
     config, n = _sized(base, width, depth)
     wanted = [(f'C{c:.2g}_d{width}_l{depth}', c / (6 * n)) for c in budgets] or \
              [(f'd{width}_l{depth}_t{d:.3g}', d) for d in tokens]
+    budgeted = []
     for label, d in wanted:
       steps = round(d / per_step)
       if steps < 1:
         print(f'{label}: {d:.3g} tokens is less than one batch of {per_step}; skipped', flush=True)
         continue
+      budgeted.append((label, steps))
+    if not budgeted:
+      continue
+    shortest = min(steps for _, steps in budgeted)
+    for label, steps in budgeted:
       every = -(-steps // evals)  # ceil: at most `evals` evaluations, the last at the last step
+      warmup = min(base.optim.warmup_steps, (shortest if schedule == 'wsd' else steps) // 10)
       overrides = (f'model.d_model={width}', f'model.num_layers={depth}', f'model.num_heads={config.model.num_heads}',
-                   f'train.steps={steps}', f'optim.decay_steps={steps}',
-                   f'optim.warmup_steps={min(base.optim.warmup_steps, steps // 10)}',
+                   f'train.steps={steps}', f'optim.decay_steps={steps}', f'optim.warmup_steps={warmup}',
                    f'train.eval_every={every}', f'train.checkpoint_every={every}', 'train.resume=true')
+      branch_at = 0
+      if schedule == 'wsd':
+        overrides += ('optim.schedule=wsd',)
+        branch_at = steps - max(round(base.optim.decay_fraction * steps), 1)  # as the schedule counts its decay
       points.append(Point(label.replace('+', ''), width, depth, config.model.num_heads, n, steps,
-                          steps * per_step, overrides))
+                          steps * per_step, overrides, branch_at))
   if not points:
     raise ConfigError('every point of the sweep is shorter than one batch; raise the token or compute budgets')
   return sorted(points, key=lambda p: (p.tokens * p.params, p.label))
+
+
+def stable_label(point: Point) -> str:
+  return f'd{point.width}_l{point.depth}_stable'
+
+
+def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int], Stable]:
+  """(width, depth) -> its stable run, for the sizes whose points branch (wsd)."""
+  stable = {}
+  for size in dict.fromkeys((p.width, p.depth) for p in points if p.branch_at):
+    mine = [p for p in points if (p.width, p.depth) == size and p.branch_at]
+    steps, every = max(p.branch_at for p in mine), -(-max(p.branch_at for p in mine) // evals)
+    shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
+                                                                     'model.num_heads', 'optim.warmup_steps')]
+    stable[size] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
+                          (*shared, 'optim.schedule=constant', f'train.steps={steps}', f'train.eval_every={every}',
+                           f'train.checkpoint_every={every}',
+                           f'train.checkpoint_at=[{",".join(str(p.branch_at) for p in mine)}]', 'train.resume=true'))
+  return stable
+
+
+def tokens_trained(points: Sequence[Point], per_step: int) -> tuple[int, int]:
+  """(tokens the sweep trains, tokens its points would train as independent runs)."""
+  stable = stable_runs(points)
+  shared = sum(s.steps for s in stable.values()) + sum(p.steps - p.branch_at for p in points)
+  return shared * per_step, sum(p.steps for p in points) * per_step
 
 
 def finished(run_dir: epath.Path, steps: int) -> bool:
@@ -115,26 +168,42 @@ def finished(run_dir: epath.Path, steps: int) -> bool:
     saved.close()
 
 
-def sweep(base: Config, out: str, points: Sequence[Point]) -> list[str]:
-  """Runs every unfinished point under `out`; returns the run dirs in plan order."""
-  from lm.distributed import is_main_process
+def _train(base: Config, run_dir: epath.Path, overrides: Sequence[str], head: str, steps: int) -> None:
   from lm.pretraining import Pretraining
+  if finished(run_dir, steps):
+    print(f'{head}: done, skipped', flush=True)
+    return
+  print(head, flush=True)
+  config = from_dict(merge(base.to_dict(), parse_overrides([*overrides, f'train.run_dir={run_dir}'])))
+  Pretraining(check_config(config)).run()
+
+
+def sweep(base: Config, out: str, points: Sequence[Point], evals: int = 4) -> list[str]:
+  """Runs every unfinished point under `out` (a size's stable run, evaluated `evals` times, before its first
+  branch); returns the point run dirs in plan order."""
+  from lm.distributed import is_main_process
   root = epath.Path(out)
+  stable = stable_runs(points, evals)
+  trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
   if is_main_process():
     root.mkdir(parents=True, exist_ok=True)
-    (root / SWEEP).write_text(json.dumps({'base': base.to_dict(), 'points': [asdict(p) for p in points]},
-                                         indent=2) + '\n')
+    (root / SWEEP).write_text(json.dumps({
+      'base': base.to_dict(), 'points': [asdict(p) for p in points], 'stable': [asdict(s) for s in stable.values()],
+      'tokens_trained': trained, 'tokens_as_independent_runs': alone}, indent=2) + '\n')
   runs = []
   for i, point in enumerate(points, 1):
     run_dir = root / point.label
     runs.append(str(run_dir))
-    head = f'[{i}/{len(points)}] {point.label}: N {point.params:,}, D {point.tokens:,}, {point.steps} steps'
-    if finished(run_dir, point.steps):
-      print(f'{head}: done, skipped', flush=True)
-      continue
-    print(head, flush=True)
-    config = from_dict(merge(base.to_dict(), parse_overrides([*point.overrides, f'train.run_dir={run_dir}'])))
-    Pretraining(check_config(config)).run()
+    shared = stable.pop((point.width, point.depth), None)
+    if shared is not None:
+      _train(base, root / shared.label, shared.overrides,
+             f'{shared.label}: N {point.params:,}, {shared.steps} steps at the peak rate, branching at '
+             f'{", ".join(map(str, shared.branches))}', shared.steps)
+    branch = (f'train.branch_from={root / stable_label(point)}/{CHECKPOINTS}/{point.branch_at}',) \
+      if point.branch_at else ()
+    _train(base, run_dir, (*point.overrides, *branch),
+           f'[{i}/{len(points)}] {point.label}: N {point.params:,}, D {point.tokens:,}, {point.steps} steps'
+           + (f' (from step {point.branch_at})' if point.branch_at else ''), point.steps)
   return runs
 
 

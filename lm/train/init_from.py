@@ -36,9 +36,10 @@ def _flat(tree: Any) -> dict[str, Any]:
   return traverse_util.flatten_dict(tree, sep='/')
 
 
-def initial_state(assembly: Assembly, source: str) -> Initialised:
-  """Step-0 state whose params come from `source` (fresh heads where it has none), sharded on the mesh."""
-  _, params = load_params(source, assembly.mesh)
+def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initialised:
+  """Step-0 state whose params come from `source` (`ema`: its params' moving average; fresh heads where it has
+  none), sharded on the mesh."""
+  _, params = load_params(source, assembly.mesh, ema)
   params = relayout(params, assembly.config.model.scan_layers)
   have, want = _flat(params), _flat(assembly.abstract_params)
   heads = assembly.family.per_sequence_params()

@@ -80,14 +80,14 @@ class Evaluate(Callback):
 
 
 class Checkpoint(Callback):
-  """The latest state, the data position and the config, every `every` steps, after the final one and at a
-  SIGTERM; asynchronous unless the checkpointer says otherwise."""
+  """The latest state, the data position and the config, every `every` steps and at the steps `at`, after the
+  final one and at a SIGTERM; asynchronous unless the checkpointer says otherwise."""
 
-  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict):
-    self.checkpointer, self.every, self.data, self.config = checkpointer, every, data, config
+  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict, at: Sequence[int] = ()):
+    self.checkpointer, self.every, self.data, self.config, self.at = checkpointer, every, data, config, set(at)
 
   def due(self, step, final, stopping):
-    return stopping or super().due(step, final, stopping)
+    return stopping or step in self.at or super().due(step, final, stopping)
 
   def __call__(self, after):
     self.checkpointer.save(after.step, after.state, self.data, self.config)

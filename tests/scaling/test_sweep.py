@@ -8,6 +8,7 @@ import pytest
 from lm import cli
 from lm.config import load_config
 from lm.scaling.sweep import plan
+from lm.train.logging import read_metrics
 
 BASE = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.log_every=5',
         'train.progress=false']
@@ -114,3 +115,37 @@ def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and message in err, err
 
+
+
+@pytest.mark.long(0.5)
+def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
+  """`--schedule wsd`: one constant-rate run to the last decay start, each budget a cooldown branched off it; every
+  point's final val_loss is the independent WSD run's of its budget, exactly, for 12 of the 15 steps."""
+  base = [*BASE, 'optim.decay_fraction=0.4']  # 5 steps decay from step 3, 10 from step 6
+  out = tmp_path / 'sweep'
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '1280,2560', '--evals', '2',
+          '--schedule', 'wsd', *base]
+  assert cli.main(argv) == 0
+  assert 'tokens to train: 3,072 (80% of the 3,840 of independent runs)' in capsys.readouterr().out
+  listing = json.loads((out / 'sweep.json').read_text())
+  assert [(p['label'], p['steps'], p['branch_at']) for p in listing['points']] == [
+    ('d16_l1_t1.28e03', 5, 3), ('d16_l1_t2.56e03', 10, 6)]
+  assert [(s['label'], s['steps'], s['branches']) for s in listing['stable']] == [('d16_l1_stable', 6, [3, 6])]
+  assert listing['tokens_trained'] == 12 * 256 and listing['tokens_as_independent_runs'] == 15 * 256
+  assert sorted(p.name for p in (out / 'd16_l1_stable' / 'checkpoints').iterdir()) == ['3', '6']
+
+  final = lambda run: [r['val_loss'] for r in read_metrics(run) if 'val_loss' in r][-1]
+  for point in listing['points']:
+    alone = tmp_path / f'alone_{point["steps"]}'
+    overrides = [o for o in point['overrides'] if o != 'train.resume=true']
+    assert cli.main(['train', '--config', 'gpt_tiny', *base, *overrides, f'train.run_dir={alone}']) == 0
+    assert final(out / point['label']) == final(alone), point['label']
+    assert max(r['step'] for r in read_metrics(out / point['label'])) == point['steps']
+
+  capsys.readouterr()
+  assert cli.main(argv) == 0  # nothing left to train: the stable run and both branches are skipped
+  assert capsys.readouterr().out.count('done, skipped') == 3
+  points = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', str(out), '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    assert {r['run'] for r in csv.DictReader(f)} == {str(out / p['label']) for p in listing['points']}

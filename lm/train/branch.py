@@ -1,0 +1,105 @@
+"""`train.branch_from`: a new run that continues another run's whole state from one of its checkpoints.
+
+Unlike `train.init_from` (params only, a fresh optimizer at step 0), a branch takes the params, optimizer state
+(its step count, Adam's moments, the moving average) and data position of checkpoint S, so its steps from S on
+are those of a run that had had its own schedule from the start: the cooldowns of a warmup-stable-decay ladder
+branch off one stable run this way. The branch may change the schedule's length and decay (`train.steps`,
+`optim.decay_steps`, `decay_fraction`, `decay_shape`, `min_lr_ratio`, `schedule`) and what a resume may; its
+learning rate must equal the source's at every step before S, so the steps already taken are its own. It starts
+its metrics.jsonl with the source's records up to S, and its config.yaml names the checkpoint it branched from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from lm.assembly import Assembly
+from lm.assembly.optim import learning_rate_schedule
+from lm.assembly.state import TrainState
+from lm.checkpoint import config_mismatch, with_defaults
+from lm.config import Config, ConfigError
+from lm.distributed import is_main_process
+from lm.run_dir import CHECKPOINTS, CONFIG, checkpoints, read_config
+from lm.train.logging import METRICS, read_metrics
+
+# What a branch may set otherwise than its source: the schedule's length and decay.
+SCHEDULE_FIELDS = frozenset({'schedule', 'decay_steps', 'decay_fraction', 'decay_shape', 'min_lr_ratio'})
+# Training fields besides the seed and moving average (checked as a resume checks them) that shape each step.
+STEP_FIELDS = ('global_batch', 'z_loss')
+
+
+def _source(spec: str) -> tuple[epath.Path, int | None]:
+  """(run dir, step or None for its latest) of `RUN` or `RUN/checkpoints/STEP`."""
+  path = epath.Path(spec)
+  if path.parent.name == CHECKPOINTS and path.name.isdigit():
+    return path.parent.parent, int(path.name)
+  if (path / CHECKPOINTS).is_dir():
+    return path, None
+  raise ConfigError(f'train.branch_from={spec} is neither a training run dir (holding {CHECKPOINTS}/) nor one of '
+                    f'its checkpoints (RUN/{CHECKPOINTS}/STEP)')
+
+
+def resolve_branch(config: Config) -> Config:
+  """`config` with `train.branch_from` naming its checkpoint (RUN/checkpoints/STEP), once everything the saved
+  config tells is checked: the step exists, the model, data order, seed, moving average, batch and optimizer
+  (but for the schedule's length and decay) are the source's, and so is the learning rate at every step before
+  the branch. A run resuming its own checkpoints keeps the checkpoint its config.yaml names."""
+  spec = config.train.branch_from
+  if spec is None:
+    return config
+  own = config.run_dir
+  if (own / CHECKPOINTS).is_dir() and checkpoints(own).all_steps() and (own / CONFIG).is_file():
+    recorded = read_config(own).train.branch_from
+    return _with_branch(config, recorded) if recorded else config
+  run, step = _source(spec)
+  saved_steps = checkpoints(run).all_steps()
+  step = saved_steps[-1] if step is None and saved_steps else step
+  if step not in saved_steps:
+    raise ConfigError(f'train.branch_from={spec}: {run}/{CHECKPOINTS} holds no step {step} (it holds '
+                      f'{", ".join(map(str, saved_steps)) or "none"}); name one of those')
+  if step >= config.train.steps:
+    raise ConfigError(f'train.branch_from={spec}: the branch starts at step {step}, not before train.steps='
+                      f'{config.train.steps}; raise train.steps or branch from an earlier checkpoint')
+  saved = with_defaults(checkpoints(run).saved_config(step))
+  ours = config.to_dict()
+  mismatch = config_mismatch(saved, ours)
+  differ = [f'optim.{k}' for k in sorted(set(ours['optim']) - SCHEDULE_FIELDS) if saved['optim'][k] != ours['optim'][k]]
+  differ += [f'train.{k}' for k in STEP_FIELDS if saved['train'][k] != ours['train'][k]]
+  if mismatch or differ:
+    fields = (mismatch[1] if mismatch else []) + differ
+    raise ConfigError(f'train.branch_from={run}/{CHECKPOINTS}/{step} was trained with other settings (differs in '
+                      f'{", ".join(fields)}); a branch may change only the schedule\'s length and decay and what a '
+                      f'resume may')
+  # Every other optimizer field is the source's (checked above).
+  source_optim = dataclasses.replace(config.optim, **{k: saved['optim'][k] for k in SCHEDULE_FIELDS})
+  theirs = learning_rate_schedule(source_optim, saved['train']['steps'])
+  mine = learning_rate_schedule(config.optim, config.train.steps)
+  counts = jnp.arange(step)
+  applied = lambda schedule: np.broadcast_to(np.asarray(schedule(counts), np.float32), counts.shape)  # as the step
+  apart = np.flatnonzero(applied(theirs) != applied(mine))
+  if apart.size:
+    raise ConfigError(f'train.branch_from={run}/{CHECKPOINTS}/{step}: this run\'s learning rate differs from the '
+                      f'source\'s from step {int(apart[0]) + 1} (the source took those steps at its own): branch at '
+                      f'or before this run\'s decay start, with the same warmup and peak')
+  return _with_branch(config, str(run / CHECKPOINTS / str(step)))
+
+
+def _with_branch(config: Config, spec: str) -> Config:
+  return dataclasses.replace(config, train=dataclasses.replace(config.train, branch_from=spec))
+
+
+def branch_state(assembly: Assembly, config: Config, data: Any) -> TrainState:
+  """The state of the checkpoint `config.train.branch_from` names (resolved), placed on the assembly's shardings,
+  `data` moved to its position; the run dir starts its metrics with the source's records up to that step."""
+  run, step = _source(config.train.branch_from)
+  state = checkpoints(run).restore(step, assembly.abstract_state, config.to_dict(), data)
+  if is_main_process():
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    (config.run_dir / METRICS).write_text(''.join(json.dumps(r) + '\n' for r in read_metrics(run) if r['step'] <= step))
+  print(f'branched from {run}/{CHECKPOINTS}/{step}', flush=True)
+  return state
