@@ -53,19 +53,25 @@ def resolve_branch(config: Config) -> Config:
   if spec is None:
     return config
   own = config.run_dir
-  if (own / CHECKPOINTS).is_dir() and checkpoints(own).all_steps() and (own / CONFIG).is_file():
+  if (own / CHECKPOINTS).is_dir() and _steps(own) and (own / CONFIG).is_file():
     recorded = read_config(own).train.branch_from
     return _with_branch(config, recorded) if recorded else config
   run, step = _source(spec)
-  saved_steps = checkpoints(run).all_steps()
-  step = saved_steps[-1] if step is None and saved_steps else step
+  saved_steps = _steps(run)
+  if not saved_steps:
+    raise ConfigError(f'train.branch_from={spec}: {run}/{CHECKPOINTS} holds no checkpoint yet; train it first')
+  step = saved_steps[-1] if step is None else step
   if step not in saved_steps:
     raise ConfigError(f'train.branch_from={spec}: {run}/{CHECKPOINTS} holds no step {step} (it holds '
-                      f'{", ".join(map(str, saved_steps)) or "none"}); name one of those')
+                      f'{", ".join(map(str, saved_steps))}); name one of those')
   if step >= config.train.steps:
     raise ConfigError(f'train.branch_from={spec}: the branch starts at step {step}, not before train.steps='
                       f'{config.train.steps}; raise train.steps or branch from an earlier checkpoint')
-  saved = with_defaults(checkpoints(run).saved_config(step))
+  source = checkpoints(run)
+  try:
+    saved = with_defaults(source.saved_config(step))
+  finally:
+    source.close()
   ours = config.to_dict()
   mismatch = config_mismatch(saved, ours)
   differ = [f'optim.{k}' for k in sorted(set(ours['optim']) - SCHEDULE_FIELDS) if saved['optim'][k] != ours['optim'][k]]
@@ -89,6 +95,14 @@ def resolve_branch(config: Config) -> Config:
   return _with_branch(config, str(run / CHECKPOINTS / str(step)))
 
 
+def _steps(run: epath.Path) -> list[int]:
+  saved = checkpoints(run)
+  try:
+    return saved.all_steps()
+  finally:
+    saved.close()
+
+
 def _with_branch(config: Config, spec: str) -> Config:
   return dataclasses.replace(config, train=dataclasses.replace(config.train, branch_from=spec))
 
@@ -97,7 +111,11 @@ def branch_state(assembly: Assembly, config: Config, data: Any) -> TrainState:
   """The state of the checkpoint `config.train.branch_from` names (resolved), placed on the assembly's shardings,
   `data` moved to its position; the run dir starts its metrics with the source's records up to that step."""
   run, step = _source(config.train.branch_from)
-  state = checkpoints(run).restore(step, assembly.abstract_state, config.to_dict(), data)
+  source = checkpoints(run)
+  try:
+    state = source.restore(step, assembly.abstract_state, config.to_dict(), data)
+  finally:
+    source.close()
   if is_main_process():
     config.run_dir.mkdir(parents=True, exist_ok=True)
     (config.run_dir / METRICS).write_text(''.join(json.dumps(r) + '\n' for r in read_metrics(run) if r['step'] <= step))

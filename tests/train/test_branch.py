@@ -67,12 +67,14 @@ def stable(tmp_path_factory):
   (['train.steps=6'], 'starts at step 6, not before train.steps=6'),
   (['BRANCH/checkpoints/4'], 'holds no step 4 (it holds 3, 6)'),
   (['BRANCH/nothing'], 'is neither a training run dir'),
+  (['EMPTY'], 'holds no checkpoint yet; train it first'),
   (['train.init_from=BRANCH'], 'both set; choose one'),
 ])
 def test_what_cannot_be_branched_is_one_line_and_writes_nothing(stable, tmp_path, capsys, overrides, message):
   from tests.conftest import SMALL
-  source = [f'train.branch_from={o.replace("BRANCH", str(stable))}' if o.startswith('BRANCH') else
-            o.replace('BRANCH', str(stable)) for o in overrides]
+  (tmp_path / 'empty' / 'checkpoints').mkdir(parents=True)  # a run that never checkpointed
+  source = [f'train.branch_from={o.replace("BRANCH", str(stable)).replace("EMPTY", str(tmp_path / "empty"))}'
+            if o.startswith(('BRANCH', 'EMPTY')) else o.replace('BRANCH', str(stable)) for o in overrides]
   branch = [] if any(o.startswith('train.branch_from') for o in source) else [f'train.branch_from={stable}']
   argv = ['train', '--config', 'gpt_tiny', *SMALL, *WSD, 'mesh.data=-1', 'train.steps=10',
           f'train.run_dir={tmp_path}/branch',
