@@ -244,7 +244,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
     if args.tasks_limit is not None and args.tasks_limit < 1:
       raise ConfigError(f'--tasks-limit {args.tasks_limit} must be at least 1')
     tasks = Request(tasks=names, data_dir=args.tasks_data_dir, subset=args.tasks_limit)
-  rows = collect(runs, args.evaluate is not None, overrides, tasks)
+  rows = collect(runs, args.evaluate is not None, overrides, tasks, args.eval, args.metric)
   write_points(args.out, rows)
   print(f'{len(rows)} points from {len({r["run"] for r in rows})} runs written to {args.out}', flush=True)
   return 0
@@ -283,7 +283,7 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
   from pathlib import Path
 
   from lm.scaling.plot import plot
-  from lm.scaling.points import read_column, read_points, task_accuracies
+  from lm.scaling.points import loss_of, read_column, read_points, task_accuracies
   fit = None
   if args.fit:
     try:
@@ -298,7 +298,8 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
     column = f'{fit["task"]}/{fit["metric"]}'
     tasks = {k: v for k, v in tasks.items() if k.split('/')[0] != fit['task']}
     tasks[column] = (read_column(args.points, column), read_column(args.points, f'{fit["task"]}/task_loss'))
-  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit, tasks)}', flush=True)
+  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit, tasks, loss_of(args.points))}',
+        flush=True)
   return 0
 
 
@@ -474,13 +475,17 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.set_defaults(fn=cmd_scaling_sweep, joins_job=True)
 
   collect = scaling.add_parser('collect', help='run dirs -> points CSV (run, step, params, non_embedding_params, '
-                                                'tokens, flops, flops_6nd, loss)')
+                                                'tokens, flops, flops_6nd, loss, loss_of)')
   collect.add_argument('runs', nargs='+', metavar='RUN_DIR', help='run dirs (and, with --evaluate, key=value '
                                                                   'overrides such as data.* for another eval set)')
   collect.add_argument('--out', required=True, help='the CSV to write')
   collect.add_argument('--evaluate', nargs='*', metavar='KEY=VALUE', default=None,
                        help='evaluate held-out loss from every checkpoint instead of reading metrics.jsonl, with '
                             'these overrides (e.g. data.* for another eval set)')
+  collect.add_argument('--eval', metavar='NAME', help='the loss of this data.evals set (val/NAME/...) instead of '
+                       'the validation split\'s')
+  collect.add_argument('--metric', choices=('loss', 'bpb'), default='loss',
+                       help='loss: nats per token; bpb: bits per UTF-8 byte (compares across tokenizers)')
   collect.add_argument('--tasks', metavar='T1,T2', help='add harness task columns (<task>/<metric>, <task>/task_loss): '
                        'the in-loop records of train.evals, else the checkpoint evaluated')
   collect.add_argument('--tasks-data-dir', type=Path, metavar='DIR', help='local task files, as lm eval --data-dir')

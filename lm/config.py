@@ -133,6 +133,40 @@ class DataConfig:
   streams: int = 16  # record streams read, tokenized and packed side by side, interleaved row by row
   workers: int = 0  # grain worker processes packing and masking; 0: one background thread
   prefetch: int = 8  # batches buffered ahead of the train step
+  # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
+  # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=tfds:DATASET:SPLIT
+  evals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeldOutSet:
+  """One entry of `data.evals`."""
+  name: str
+  source: Source
+  location: str = ''  # text / jsonl: a glob; tfds: the dataset with config and version
+  split: str = ''  # tfds
+
+
+HELD_OUT_FORMS = ('NAME=embedded (its validation split), NAME=text:GLOB, NAME=jsonl:GLOB or NAME=tfds:DATASET:SPLIT, '
+                  'e.g. data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]')
+
+
+def held_out_sets(data: DataConfig) -> tuple[HeldOutSet, ...]:
+  """`data.evals` parsed; a ConfigError naming the entry when one is malformed or a name repeats."""
+  sets: list[HeldOutSet] = []
+  for entry in data.evals:
+    name, sep, spec = str(entry).partition('=')
+    source, _, location = spec.partition(':')
+    split = ''
+    if source == 'tfds':
+      location, _, split = location.rpartition(':')
+    if (not sep or not name.replace('_', '').replace('-', '').isalnum() or source not in typing.get_args(Source)
+        or (source == 'embedded') != (location == '') or (source == 'tfds' and not split.replace('_', '').isalpha())):
+      raise ConfigError(f'data.evals entry {entry!r}: write {HELD_OUT_FORMS}')
+    if any(held.name == name for held in sets):
+      raise ConfigError(f'data.evals names {name!r} twice; give each held-out set its own name')
+    sets.append(HeldOutSet(name, source, location, split))
+  return tuple(sets)
 
 
 @dataclass(frozen=True)
@@ -161,7 +195,7 @@ class TrainConfig:
   z_loss: float = 0.0
   log_every: int = 10
   eval_every: int = 100
-  eval_batches: int = 4
+  eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
   checkpoint_every: int = 500  # 0: only at the end
   keep_checkpoints: int = 2
   checkpoint_at: tuple[int, ...] = ()  # further steps checkpointed, each kept for good (e.g. a ladder's branch points)
@@ -470,8 +504,9 @@ def validate(config: Config) -> None:
       f'make the batch a multiple of the microbatch count')
   if any(step < 1 for step in t.checkpoint_at):
     raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
-  if t.checkpoint_every < 0 or t.eval_batches < 0 or o.warmup_steps < 0:
-    raise ConfigError('train.checkpoint_every, train.eval_batches and optim.warmup_steps must be >= 0')
+  if t.checkpoint_every < 0 or t.eval_batches < -1 or o.warmup_steps < 0:
+    raise ConfigError('train.checkpoint_every and optim.warmup_steps must be >= 0, train.eval_batches >= -1 '
+                      '(-1: every held-out set whole)')
   if t.evals_every < 0 or (t.evals_limit is not None and t.evals_limit < 1) or (t.evals_num_fewshot or 0) < 0:
     raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
@@ -504,6 +539,9 @@ def validate(config: Config) -> None:
                       f'data.paths=[corpus/*.{"txt" if d.source == "text" else "jsonl"}]')
   if d.source == 'tfds' and not d.name:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
+  held_out_sets(d)
+  if d.evals and not config.train.eval_batches:
+    raise ConfigError('data.evals needs train.eval_batches > 0 (batches per set and evaluation) or -1 (whole sets)')
   if d.streams < 1 or d.workers < 0 or d.prefetch < 1:
     raise ConfigError('data.streams and data.prefetch must be >= 1, data.workers >= 0')
   within = [a.key for a in in_slice_axes()]

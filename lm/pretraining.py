@@ -1,13 +1,14 @@
 """`lm train`: pretraining with the family's objective on the config's data, through the one loop.
 
-Builds the assembly, the training and validation batches, and the callbacks (validation NLL at step 0, every
-`train.eval_every` steps and at the end; lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and
+Builds the assembly, the training and held-out batches, and the callbacks (loss and bits per byte of the
+validation split and each `data.evals` set at step 0, every `train.eval_every` steps and at the end; lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and
 at the end; the latest checkpoint every `train.checkpoint_every` steps, at the end and at a SIGTERM), then hands
 them to `lm.train.loop.Trainer`.
 """
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from lm.assembly.optim import ema_params
 from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
-from lm.data.pipeline import Batches, build_batches
+from lm.data.pipeline import Batches, build_batches, held_out_batches
 from lm.distributed import is_main_process
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.branch import branch_state, resolve_branch
@@ -37,8 +38,9 @@ class Pretraining:
     self.mesh, self.model = self.assembly.mesh, self.assembly.model
     # The loop first: its step checks the batch against the mesh, before any batch is laid out on it.
     self.loop = Trainer(self.assembly, log_dir=config.run_dir)
-    self.tokenizer, self.train_batches, self.val_batches = build_batches(
-      config, self.mesh, functools.partial(self.assembly.family.objective, config))
+    objective_for = functools.partial(self.assembly.family.objective, config)
+    self.tokenizer, self.train_batches, self.val_batches = build_batches(config, self.mesh, objective_for)
+    self.held_out = held_out_batches(config, self.mesh, objective_for)  # data.evals
     self.eval_step = make_eval_step(self.assembly)
     self.task_evals = self._task_evals()  # before the run dir is written: a bad task name stops here
 
@@ -57,13 +59,27 @@ class Pretraining:
   def init_state(self) -> TrainState:
     return self.assembly.init_state()
 
-  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> float:
-    """Mean NLL per target token over the first `num_batches` validation batches."""
-    nll, weight = 0.0, 0.0
+  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> dict[str, float]:
+    """{'loss': mean NLL per target token (nats), 'bpb': bits per UTF-8 byte of the text the targets stand for}
+    over the first `num_batches` batches of a held-out set (-1: all), stopping at its padding."""
+    sums: dict[str, float] = {}
     for batch in batches.first(num_batches):
       out = jax.device_get(self.eval_step(params, batch))
-      nll, weight = nll + float(out['nll']), weight + float(out['weight'])
-    return nll / max(weight, 1.0)
+      if float(out['weight']) == 0:  # every stream is past its end: the set was read whole
+        break
+      sums = {key: sums.get(key, 0.0) + float(value) for key, value in out.items()}
+    return {'loss': sums.get('nll', 0.0) / max(sums.get('weight', 0.0), 1.0),
+            'bpb': sums.get('nll', 0.0) / math.log(2) / max(sums.get('bytes', 0.0), 1.0)}
+
+  def validation(self, params: Any, suffix: str = '') -> Record:
+    """Every held-out set's metrics (+ `suffix`): the run's own split as val_loss and val_bpb, each `data.evals`
+    set as val/NAME/loss and val/NAME/bpb."""
+    count = self.config.train.eval_batches
+    record = {f'val_{metric}{suffix}': value for metric, value in self.evaluate(params, self.val_batches, count).items()}
+    for name, batches in self.held_out.items():
+      record.update({f'val/{name}/{metric}{suffix}': value
+                     for metric, value in self.evaluate(params, batches, count).items()})
+    return record
 
   def _task_evals(self) -> list[Callback]:
     """`train.evals` through the harness on the training devices, recorded as eval/<task>/<metric>."""
@@ -102,12 +118,10 @@ class Pretraining:
       if is_main_process():
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-      validation = [Evaluate(lambda params, _: {'val_loss': self.evaluate(params, self.val_batches, t.eval_batches)},
-                             t.eval_every, at_start=True)]
+      validation = [Evaluate(lambda params, _: self.validation(params), t.eval_every, at_start=True)]
       if t.ema_decay:  # the moving average beside the params, on the same batches
-        validation.append(Evaluate(
-          lambda params, _: {'val_loss_ema': self.evaluate(params, self.val_batches, t.eval_batches)}, t.eval_every,
-          params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
+        validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
+                                   params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
       return self.loop.run(state, self.train_batches, (validation if t.eval_batches else []) + self.task_evals,
                            Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict(),
                                       at=t.checkpoint_at))

@@ -118,6 +118,9 @@ def user_files(cwd: Path) -> None:
     (cwd / f'corpus/part{i % 3}/{module.stem}.txt').write_text(text)
     (cwd / f'corpus/{module.stem}.jsonl').write_text(''.join(json.dumps({'text': para}) + '\n'
                                                              for para in text.split('\n\n') if para.strip()))
+  (cwd / 'eval').mkdir()  # held-out code
+  for name in ('json/decoder.py', 'csv.py'):
+    shutil.copy(Path(sysconfig.get_paths()['stdlib']) / name, cwd / 'eval' / name.replace('/', '_'))
   write_glue_files(cwd / 'glue_data')
   releases.write_both(cwd / 'eval_data', cwd / 'eval_data_hub_layout')  # the seven tasks' release files
 
@@ -144,7 +147,8 @@ GROUPS = {
   'bert': (r'lm train --config bert_tiny ', r'lm finetune .*runs/bert_tiny'),
   't5': (r'lm train --config t5_tiny ', r'lm finetune .*runs/t5_tiny'),
   'tfds': (r'lm data build ', r'lm train .*my_corpus'),
-  'scaling': (r'lm scaling ', r'lm data build '),  # `collect --evaluate` reads the built dataset
+  # `collect --evaluate` reads the built dataset; `collect --eval code` the run with held-out sets
+  'scaling': (r'lm scaling ', r'lm data build ', r'lm train .*runs/sets '),
   'tokenizer': (r'lm tokenizer train ', r'lm train .*sentencepiece:'),
 }
 CATCH_ALL = {'trains': r'lm train ', 'others': r''}

@@ -1,7 +1,9 @@
 """Pretraining objectives on packed rows: causal LM, BERT masked LM (and NSP pairs), T5 span corruption.
 
 Each turns a batch of packed rows (`Rows`) into model features; every one ends as (inputs, targets,
-weights) so one cross-entropy serves all families. Randomness comes from one `np.random.Generator`
+weights) so one cross-entropy serves all families. Rows that carry each token's UTF-8 byte count (validation)
+also give `target_bytes`, the bytes each target stands for (bits per byte); padding (the zero tail of a
+finite split's last row, segment id 0) never gets weight. Randomness comes from one `np.random.Generator`
 per row, seeded by the pipeline from (seed, the row's first record, its offset in that record), so
 a row is masked the same way wherever and whenever it is built (any process count, after resume).
 """
@@ -25,6 +27,7 @@ class Rows:
   tokens: np.ndarray
   segment_ids: np.ndarray
   positions: np.ndarray
+  token_bytes: np.ndarray | None = None  # each token's UTF-8 bytes (`Tokenizer.encode_with_bytes`)
 
 
 class Objective(Protocol):
@@ -49,9 +52,12 @@ class CausalLM:
 
   def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
     tokens, seg = rows.tokens, rows.segment_ids
-    return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-            'weights': ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float32),
-            'segment_ids': seg[:, :-1], 'positions': rows.positions[:, :-1]}
+    features = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+                'weights': ((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] != 0)).astype(np.float32),
+                'segment_ids': seg[:, :-1], 'positions': rows.positions[:, :-1]}
+    if rows.token_bytes is not None:
+      features['target_bytes'] = rows.token_bytes[:, 1:]
+    return features
 
 
 def regular_ids(vocab_size: int, special_ids: np.ndarray) -> np.ndarray:
@@ -60,14 +66,15 @@ def regular_ids(vocab_size: int, special_ids: np.ndarray) -> np.ndarray:
 
 
 def mlm_mask(tokens: np.ndarray, rng: np.random.Generator, *, special: np.ndarray, regular: np.ndarray,
-             mask_id: int, rate: float = 0.15, mask_frac: float = 0.8, random_frac: float = 0.1
-             ) -> tuple[np.ndarray, np.ndarray]:
+             mask_id: int, rate: float = 0.15, mask_frac: float = 0.8, random_frac: float = 0.1,
+             real: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """BERT masking of one row: choose round(rate * eligible) tokens; 80% -> [MASK], 10% random, 10% kept.
 
   `special` ids (padding, [CLS], [SEP], ...) are never chosen; random replacements are drawn from
-  `regular` ids. Returns (inputs, weights) with weight 1 exactly at the chosen positions.
+  `regular` ids; nor are positions where `real` is False (padding). Returns (inputs, weights) with weight 1
+  exactly at the chosen positions.
   """
-  eligible = np.flatnonzero(~np.isin(tokens, special))
+  eligible = np.flatnonzero(~np.isin(tokens, special) & (True if real is None else real))
   count = int(round(rate * len(eligible)))
   chosen = rng.permutation(eligible)[:count]
   roll = rng.random(count)
@@ -145,11 +152,10 @@ def span_lengths(inputs_length: int, noise_density: float = 0.15, mean_span_leng
   return SpanLengths(raw=raw, inputs=inputs, targets=targets, spans=spans)
 
 
-def span_corruption(tokens: np.ndarray, rng: np.random.Generator, *, sentinels: np.ndarray, eos_id: int,
-                    noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) of one raw window: inputs keep the text with a sentinel per dropped span,
-  targets list each sentinel followed by the span it replaced; both end in EOS."""
-  noise = random_spans_noise_mask(len(tokens), noise_density, mean_span_length, rng)
+def corrupt_spans(tokens: np.ndarray, noise: np.ndarray, sentinels: np.ndarray, eos_id: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of one raw window and its noise mask: inputs keep the text with a sentinel per dropped
+  span, targets list each sentinel followed by the span it replaced; both end in EOS."""
   inputs = spans_to_sentinels(tokens, noise, sentinels)
   targets = spans_to_sentinels(tokens, ~noise, sentinels)
   return np.append(inputs, eos_id), np.append(targets, eos_id)
@@ -171,10 +177,14 @@ class MaskedLM:
 
   def __call__(self, rows: Rows, keys: np.ndarray) -> Features:
     masked = [mlm_mask(row, np.random.default_rng(key), special=self.special, regular=self.regular,
-                       mask_id=self.mask_id, rate=self.rate) for row, key in zip(rows.tokens, keys, strict=True)]
-    return {'inputs': np.stack([m[0] for m in masked]), 'targets': rows.tokens,
-            'weights': np.stack([m[1] for m in masked]), 'segment_ids': rows.segment_ids,
-            'positions': rows.positions}
+                       mask_id=self.mask_id, rate=self.rate, real=seg != 0)
+              for row, seg, key in zip(rows.tokens, rows.segment_ids, keys, strict=True)]
+    features = {'inputs': np.stack([m[0] for m in masked]), 'targets': rows.tokens,
+                'weights': np.stack([m[1] for m in masked]), 'segment_ids': rows.segment_ids,
+                'positions': rows.positions}
+    if rows.token_bytes is not None:
+      features['target_bytes'] = rows.token_bytes
+    return features
 
 
 @dataclass(frozen=True)
@@ -194,26 +204,32 @@ class NextSentencePairs:
     seq_len, n = self.row_len, len(rows.tokens)
     budget = seq_len - 3
     m = self.masked_lm
-    out: dict[str, list] = {k: [] for k in ('inputs', 'targets', 'weights', 'token_types', 'nsp_labels')}
-    for i, (window, key) in enumerate(zip(rows.tokens, keys, strict=True)):
+    out: dict[str, list] = {k: [] for k in ('inputs', 'targets', 'weights', 'token_types', 'nsp_labels',
+                                            'target_bytes')}
+    for i, key in enumerate(keys):
       rng = np.random.default_rng(key)
       a_len = int(rng.integers(1, budget))
       b_len = budget - a_len
       is_next = n == 1 or rng.random() < 0.5  # a lone row has nowhere else to draw B from
-      if is_next:
-        b = window[a_len:a_len + b_len]
-      else:
-        other = rows.tokens[(i + 1 + int(rng.integers(n - 1))) % n]
-        start = int(rng.integers(0, seq_len - b_len + 1))
-        b = other[start:start + b_len]
-      row = np.concatenate([[self.cls_id], window[:a_len], [self.sep_id], b, [self.sep_id]]).astype(np.int32)
-      inputs, weights = mlm_mask(row, rng, special=m.special, regular=m.regular, mask_id=m.mask_id, rate=m.rate)
+      other, start = (i, a_len) if is_next else ((i + 1 + int(rng.integers(n - 1))) % n,
+                                                 int(rng.integers(0, seq_len - b_len + 1)))
+      # Where each position of the pair comes from in the flattened rows; [CLS] and the [SEP]s from nowhere.
+      source = np.concatenate([[0], i * seq_len + np.arange(a_len), [0],
+                               other * seq_len + np.arange(start, start + b_len), [0]])
+      special = np.zeros(seq_len, bool)
+      special[[0, a_len + 1, seq_len - 1]] = True
+      row = np.where(special, np.where(np.arange(seq_len) == 0, self.cls_id, self.sep_id),
+                     rows.tokens.reshape(-1)[source]).astype(np.int32)
+      inputs, weights = mlm_mask(row, rng, special=m.special, regular=m.regular, mask_id=m.mask_id, rate=m.rate,
+                                 real=special | (rows.segment_ids.reshape(-1)[source] != 0))
       out['inputs'].append(inputs)
       out['targets'].append(row)
       out['weights'].append(weights)
+      if rows.token_bytes is not None:
+        out['target_bytes'].append(np.where(special, 0, rows.token_bytes.reshape(-1)[source]).astype(np.int32))
       out['token_types'].append(np.repeat(np.array([0, 1], np.int32), [a_len + 2, b_len + 1]))
       out['nsp_labels'].append(np.int32(0 if is_next else 1))
-    features = {k: np.stack(v) for k, v in out.items()}
+    features = {k: np.stack(v) for k, v in out.items() if v}
     features['segment_ids'] = np.ones((n, seq_len), np.int32)
     features['positions'] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (n, seq_len)).copy()
     return features
@@ -246,15 +262,24 @@ class SpanCorruption:
     n = len(rows.tokens)
     inputs = np.full((n, self.inputs_length), self.pad_id, np.int32)
     targets = np.full((n, lengths.targets), self.pad_id, np.int32)
+    target_bytes = np.zeros((n, lengths.targets), np.int32)
     input_len, target_len = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    for i, (row, key) in enumerate(zip(rows.tokens, keys, strict=True)):
-      x, y = span_corruption(row, np.random.default_rng(key), sentinels=self.sentinels, eos_id=self.eos_id,
-                             noise_density=self.noise_density, mean_span_length=self.mean_span_length)
+    for i, key in enumerate(keys):
+      real = int(np.count_nonzero(rows.segment_ids[i]))  # a finite split's last row: real tokens, then padding
+      if real < 2:  # nothing to corrupt: an all-padding example
+        continue
+      noise = random_spans_noise_mask(real, self.noise_density, self.mean_span_length, np.random.default_rng(key))
+      x, y = corrupt_spans(rows.tokens[i, :real], noise, self.sentinels, self.eos_id)
       inputs[i, :len(x)], targets[i, :len(y)] = x, y
       input_len[i], target_len[i] = len(x), len(y)
+      if rows.token_bytes is not None:
+        target_bytes[i, :len(y) - 1] = spans_to_sentinels(rows.token_bytes[i, :real], ~noise, np.zeros_like(y))
     real_input = np.arange(self.inputs_length)[None] < input_len[:, None]
     real_target = np.arange(lengths.targets)[None] < target_len[:, None]
     decoder_inputs = np.concatenate([np.full((n, 1), self.pad_id, np.int32), targets[:, :-1]], axis=1)
-    return {'inputs': inputs, 'segment_ids': real_input.astype(np.int32), 'decoder_inputs': decoder_inputs,
-            'targets': targets, 'weights': real_target.astype(np.float32),
-            'decoder_segment_ids': real_target.astype(np.int32)}
+    features = {'inputs': inputs, 'segment_ids': real_input.astype(np.int32), 'decoder_inputs': decoder_inputs,
+                'targets': targets, 'weights': real_target.astype(np.float32),
+                'decoder_segment_ids': real_target.astype(np.int32)}
+    if rows.token_bytes is not None:
+      features['target_bytes'] = target_bytes
+    return features

@@ -25,7 +25,7 @@ resumed run reads on from the exact record.
 """
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -35,9 +35,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lm.config import Config, ConfigError
+from lm.config import Config, ConfigError, held_out_sets
 from lm.data.objectives import Objective, Rows
-from lm.data.sources import Documents, Split, open_documents
+from lm.data.sources import Documents, Split, held_out_documents, open_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.parallel.rules import batch_sharding
 
@@ -66,22 +66,63 @@ def _with_index(index: int, text: str) -> tuple[int, str]:
 
 
 class _Tokenize:
-  """(stream index, text) -> tokens with, per token, its record (the stream index) and its offset in it."""
+  """(stream index, text) -> tokens with, per token, its record (the stream index) and its offset in it, and
+  with `with_bytes` its UTF-8 byte count (BOS and EOS: 0)."""
 
-  def __init__(self, tokenizer: Tokenizer, with_bos: bool):
-    self.tokenizer, self.with_bos = tokenizer, with_bos
+  def __init__(self, tokenizer: Tokenizer, with_bos: bool, with_bytes: bool):
+    self.tokenizer, self.with_bos, self.with_bytes = tokenizer, with_bos, with_bytes
 
   def __call__(self, record: tuple[int, str]) -> dict[str, np.ndarray]:
     index, text = record
     t = self.tokenizer
-    tokens = np.concatenate([[t.bos_id] if self.with_bos else [], t.encode(text), [t.eos_id]]).astype(np.int32)
-    return {'tokens': tokens, 'record': np.full(len(tokens), index, np.int64),
-            'offset': np.arange(len(tokens), dtype=np.int64)}
+    ids, nbytes = t.encode_with_bytes(text) if self.with_bytes else (t.encode(text), None)
+    bos = [t.bos_id] if self.with_bos else []
+    tokens = np.concatenate([bos, ids, [t.eos_id]]).astype(np.int32)
+    out = {'tokens': tokens, 'record': np.full(len(tokens), index, np.int64),
+           'offset': np.arange(len(tokens), dtype=np.int64)}
+    if self.with_bytes:
+      out['bytes'] = np.concatenate([np.zeros(len(bos)), nbytes, [0]]).astype(np.int32)
+    return out
 
 
 def _full_row(row: dict[str, np.ndarray]) -> bool:
   """False only for the padded last row of a finite split."""
   return bool(row['tokens_segment_ids'][-1] != 0)
+
+
+class _PadForever(grain.IterDataset):
+  """The parent's elements, then all-zero copies of its last one forever: every stream of a finite split keeps
+  yielding rows (padding, segment id 0, never weighted) until the reader stops, so streams of different
+  lengths zip whole and every process yields the same number of batches."""
+
+  def __iter__(self) -> _PadForeverIterator:
+    return _PadForeverIterator(self._parent.__iter__())
+
+
+class _PadForeverIterator(grain.DatasetIterator):
+  """Evaluation reads a fresh iterator each time; its state is never saved mid-padding."""
+
+  def __init__(self, parent: grain.DatasetIterator):
+    super().__init__(parent)
+    self._last: dict[str, np.ndarray] | None = None
+    self._padding: dict[str, np.ndarray] | None = None
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._padding is None:
+      try:
+        self._last = next(self._parent)
+        return self._last
+      except StopIteration:
+        if self._last is None:  # an empty stream has no row to shape padding after
+          raise
+        self._padding = {key: np.zeros_like(value) for key, value in self._last.items()}
+    return self._padding
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state)
 
 
 class _Features:
@@ -91,7 +132,7 @@ class _Features:
     self.objective, self.seed = objective, seed
 
   def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    rows = Rows(batch['tokens'], batch['tokens_segment_ids'], batch['tokens_positions'])
+    rows = Rows(batch['tokens'], batch['tokens_segment_ids'], batch['tokens_positions'], batch.get('bytes'))
     keys = np.stack([np.full(len(rows.tokens), self.seed), batch['record'][:, 0], batch['offset'][:, 0]], axis=1)
     return self.objective(rows, keys)
 
@@ -122,16 +163,19 @@ def _concatenate(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarr
 
 def batch_dataset(documents: Documents, tokenizer: Tokenizer, objective: Objective, *, shuffle_seed: int | None,
                   key_seed: int, global_batch: int, streams: int = 16, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
-  """This process's rows of each global batch, as features, before prefetching; rows keyed from `key_seed`."""
+                  process_count: int = 1, evaluation: bool = False) -> grain.IterDataset:
+  """This process's rows of each global batch, as features, before prefetching; rows keyed from `key_seed`.
+  `evaluation`: a finite split read whole, its targets' bytes counted (`target_bytes`), each stream's last
+  row kept (padded) and then padding rows forever, so the reader stops at the first batch without weight."""
   mine, total = stream_layout(global_batch, streams, process_index, process_count)
-  tokenize = _Tokenize(tokenizer, objective.with_bos)
-  lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset')}
+  tokenize = _Tokenize(tokenizer, objective.with_bos, with_bytes=evaluation)
+  lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset', *(('bytes',) if evaluation else ()))}
 
   def stream_rows(stream: int) -> grain.IterDataset:
     ds = records(documents, shuffle_seed, stream, total).map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
-    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths).filter(_full_row)
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
+    ds = _PadForever(ds) if evaluation else ds.filter(_full_row)
     return ds.batch(global_batch // total, drop_remainder=True)
   rows = grain.experimental.ZipIterDataset([stream_rows(s) for s in mine], strict=False).map(_concatenate)
   return rows.map(_Features(objective, key_seed))
@@ -169,10 +213,11 @@ class Batches:
     return self._global(next(self.iterator))
 
   def first(self, count: int) -> Iterator[dict[str, jax.Array]]:
-    """Up to `count` batches from the start of the split (a fresh iterator: evaluation sees the same rows)."""
+    """Up to `count` (-1: all) batches from the start of the split (a fresh iterator: evaluation sees the same
+    rows)."""
     iterator = iter(self.dataset)
     try:
-      for _, local in zip(range(count), iterator):
+      for _, local in zip(range(count) if count >= 0 else itertools.count(), iterator):
         yield self._global(local)
     finally:
       iterator.close()
@@ -220,6 +265,29 @@ class HostRows:
     """Called by grain's checkpoint handler after a restore: rows are built when asked for, nothing to start."""
 
 
+def _process(mesh: Mesh, global_batch: int, process_index: int | None, process_count: int | None
+             ) -> tuple[int, int]:
+  """(index, count) of this process, JAX's by default, checked to hold its equal share of the batch rows."""
+  index = jax.process_index() if process_index is None else process_index
+  count = jax.process_count() if process_count is None else process_count
+  lo, hi = local_row_range(batch_sharding(mesh, 1), global_batch)
+  if (lo, hi) != (index * (hi - lo), (index + 1) * (hi - lo)):
+    raise ConfigError(f'process {index} of {count} holds batch rows [{lo}, {hi}), not its equal share in '
+                      f'process order; build the mesh with the data axes outermost across hosts')
+  return index, count
+
+
+def _evaluation_batches(documents: Documents, config: Config, mesh: Mesh, tokenizer: Tokenizer, objective: Objective,
+                        process: tuple[int, int]) -> Batches:
+  """A held-out set in order, whole, masked from seed 0 whatever the run's seed (so runs compare)."""
+  dataset = batch_dataset(documents, tokenizer, objective, shuffle_seed=None, key_seed=0,
+                          global_batch=config.train.global_batch,
+                          # a finite set cannot feed more streams than it has records
+                          streams=min(config.data.streams, len(documents)), process_index=process[0],
+                          process_count=process[1], evaluation=True)
+  return Batches(dataset, mesh, config.train.global_batch, 0, config.data.prefetch)
+
+
 def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
                   process_count: int | None = None) -> tuple[Tokenizer, Batches, Batches | None]:
   """Tokenizer, training batches (shuffled from the seed, endless) and validation batches (in order), or
@@ -227,36 +295,35 @@ def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, proce
   config's tokenizer. Process index and count default to JAX's."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   objective = objective_for(tokenizer)
-  process = (jax.process_index() if process_index is None else process_index,
-             jax.process_count() if process_count is None else process_count)
-  lo, hi = local_row_range(batch_sharding(mesh, 1), config.train.global_batch)
-  if (lo, hi) != (process[0] * (hi - lo), (process[0] + 1) * (hi - lo)):
-    raise ConfigError(f'process {process[0]} of {process[1]} holds batch rows [{lo}, {hi}), not its equal share in '
-                      f'process order; build the mesh with the data axes outermost across hosts')
+  process = _process(mesh, config.train.global_batch, process_index, process_count)
   d, seed = config.data, config.train.seed
 
-  def batches(split: Split) -> Batches:
-    documents = open_documents(d, split)
-    if len(documents) == 0:
+  def documents(split: Split) -> Documents:
+    found = open_documents(d, split)
+    if len(found) == 0:
       raise ConfigError(f'the {split} split of data.source={d.source} holds no documents; add data')
-    # Validation: in order and masked from seed 0 whatever the run's seed, so runs compare.
-    train = split == 'train'
-    dataset = batch_dataset(documents, tokenizer, objective, shuffle_seed=seed if train else None,
-                            key_seed=seed if train else 0, global_batch=config.train.global_batch,
-                            # a finite split cannot feed more streams than it has records
-                            streams=d.streams if train else min(d.streams, len(documents)),
-                            process_index=process[0], process_count=process[1])
-    return Batches(dataset, mesh, config.train.global_batch, d.workers if train else 0, d.prefetch)
-  val = None
-  if config.train.eval_batches:
-    val = batches('validation')
-    with contextlib.closing(val.first(1)) as first:
-      empty = next(first, None) is None
-    if empty:
-      raise ConfigError(f'the validation split yields no full batch of {hi - lo} rows of {objective.row_len} '
-                        f'tokens; raise data.val_fraction (now {config.data.val_fraction}), lower '
-                        f'train.global_batch or data.seq_len, add validation data, or set train.eval_batches=0')
-  return tokenizer, batches('train'), val
+    return found
+  train = Batches(batch_dataset(documents('train'), tokenizer, objective, shuffle_seed=seed, key_seed=seed,
+                                global_batch=config.train.global_batch, streams=d.streams, process_index=process[0],
+                                process_count=process[1]), mesh, config.train.global_batch, d.workers, d.prefetch)
+  if not config.train.eval_batches:
+    return tokenizer, train, None
+  return tokenizer, train, _evaluation_batches(documents('validation'), config, mesh, tokenizer, objective, process)
+
+
+def held_out_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
+                     process_count: int | None = None) -> dict[str, Batches]:
+  """name -> batches of each `data.evals` set, read like the validation split."""
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  objective = objective_for(tokenizer)
+  process = _process(mesh, config.train.global_batch, process_index, process_count)
+  out = {}
+  for held in held_out_sets(config.data):
+    documents = held_out_documents(held, config.data)
+    if len(documents) == 0:
+      raise ConfigError(f'data.evals set {held.name} holds no documents; point it at data')
+    out[held.name] = _evaluation_batches(documents, config, mesh, tokenizer, objective, process)
+  return out
 
 
 class _ShapeTokenizer:

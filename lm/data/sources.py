@@ -13,6 +13,7 @@ the shuffle could not mix it with others); JSONL lines and TFDS records are take
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import glob
 import json
@@ -24,7 +25,7 @@ from typing import Literal, Protocol, Sequence
 
 import numpy as np
 
-from lm.config import ConfigError, DataConfig
+from lm.config import ConfigError, DataConfig, HeldOutSet
 
 Split = Literal['train', 'validation']
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test'}
@@ -80,11 +81,11 @@ def _check_split(train: int, val: int, total: int, fraction: float) -> None:
                       f'documents of {total}; choose a fraction that leaves both non-empty')
 
 
-def _files(patterns: Sequence[str]) -> list[str]:
+def _files(patterns: Sequence[str], where: str = 'data.paths') -> list[str]:
   paths = sorted({p for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                   if os.path.isfile(p)})
   if not paths:
-    raise ConfigError(f'data.paths={list(patterns)} matched no files; check the globs')
+    raise ConfigError(f'{where}={list(patterns)} matched no files; check the globs')
   return paths
 
 
@@ -248,3 +249,15 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
   held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]
   _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
   return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key)
+
+
+def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
+  """Every document of a `data.evals` set (embedded: its validation split), read with `cfg`'s settings."""
+  if held.source == 'tfds':
+    return TfdsDocuments(dataclasses.replace(cfg, name=held.location), held.split)
+  if held.source == 'embedded':
+    return open_documents(dataclasses.replace(cfg, source='embedded'), 'validation')
+  paths = _files([held.location], f'data.evals set {held.name}')
+  if held.source == 'text':
+    return TextFiles(paths, cfg.max_chars)
+  return JsonLines(paths, [(f, o) for _, f, o in jsonl_lines(paths)], cfg.text_key)

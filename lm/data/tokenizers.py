@@ -27,11 +27,27 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str) -> np.ndarray: ...
 
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """`encode(text)` and each token's UTF-8 byte count (`token_bytes`): what bits per byte divide by."""
+    ...
+
   def decode(self, ids: np.ndarray | list[int]) -> str: ...
 
   def sentinel_ids(self, count: int) -> np.ndarray | None:
     """Ids of <extra_id_0> ... <extra_id_{count-1}>, or None when the vocabulary has too few."""
     ...
+
+
+def token_bytes(starts: np.ndarray, total: int) -> np.ndarray:
+  """Each token's share of a text's `total` UTF-8 bytes, from the byte offsets where tokens start: a token owns
+  the bytes from its start to the next token's (the last to the end, the first from 0), so the counts add up
+  to the text's length whatever the tokenizer drops or merges (SentencePiece's normalised spaces, byte pieces
+  of one character, specials: 0)."""
+  if len(starts) == 0:
+    return np.zeros(0, np.int32)
+  starts = np.maximum.accumulate(np.clip(starts, 0, total))
+  starts[0] = 0
+  return np.diff(np.append(starts, total)).astype(np.int32)
 
 
 class ByteTokenizer:
@@ -43,6 +59,10 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode('utf-8'), dtype=np.uint8).astype(np.int32) + self.offset
+
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    ids = self.encode(text)
+    return ids, np.ones(len(ids), np.int32)
 
   def decode(self, ids: np.ndarray | list[int]) -> str:
     ids = np.asarray(ids, dtype=np.int64)
@@ -120,6 +140,11 @@ class SentencePieceTokenizer(_Vocabulary):
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self.processor.encode(text), np.int32)
 
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    pieces = self.processor.encode(text, return_type='proto').pieces  # begin: a byte offset into `text`
+    return (np.array([p.id for p in pieces], np.int32),
+            token_bytes(np.array([p.begin for p in pieces], np.int64), len(text.encode('utf-8'))))
+
   def decode(self, ids: np.ndarray | list[int]) -> str:
     ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and int(i) not in self._special]
     return self.processor.decode(ids)
@@ -158,6 +183,12 @@ class HFTokenizer(_Vocabulary):
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    encoding = self.tokenizer.encode(text, add_special_tokens=False)
+    char_to_byte = np.cumsum([0] + [len(c.encode('utf-8')) for c in text])  # offsets count characters
+    starts = char_to_byte[np.array([start for start, _ in encoding.offsets], np.int64)]
+    return np.asarray(encoding.ids, np.int32), token_bytes(starts, int(char_to_byte[-1]))
 
   def decode(self, ids: np.ndarray | list[int]) -> str:
     return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True)

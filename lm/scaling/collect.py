@@ -52,13 +52,20 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
           'loss': loss}
 
 
-def recorded_losses(run_dir: epath.Path) -> dict[int, float]:
-  """step -> val_loss of metrics.jsonl (the last record of a step wins: a resumed run rewrites it)."""
-  return {int(r['step']): float(r['val_loss']) for r in read_metrics(run_dir) if 'val_loss' in r and r['step'] > 0}
+def loss_column(eval_set: str | None = None, metric: str = 'loss') -> str:
+  """The metrics.jsonl record of a held-out set's metric: val_loss, val_bpb, val/NAME/loss, val/NAME/bpb."""
+  return f'val_{metric}' if eval_set is None else f'val/{eval_set}/{metric}'
 
 
-def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
-  """step -> held-out loss of every checkpoint, evaluated afresh on the devices present."""
+def recorded_losses(run_dir: epath.Path, column: str = 'val_loss') -> dict[int, float]:
+  """step -> `column` of metrics.jsonl (the last record of a step wins: a resumed run rewrites it)."""
+  return {int(r['step']): float(r[column]) for r in read_metrics(run_dir) if column in r and r['step'] > 0}
+
+
+def evaluated_losses(run_dir: epath.Path, config: Config, eval_set: str | None = None,
+                     metric: str = 'loss') -> dict[int, float]:
+  """step -> a held-out set's `metric` (the validation split's, or the `data.evals` set `eval_set`'s) for every
+  checkpoint, evaluated afresh on the devices present."""
   from lm.pretraining import Pretraining
   if not config.train.eval_batches:
     config = from_dict(merge(config.to_dict(), {'train': {'eval_batches': DEFAULT_EVAL_BATCHES}}))
@@ -68,8 +75,12 @@ def evaluated_losses(run_dir: epath.Path, config: Config) -> dict[int, float]:
     if not steps:
       raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
     trainer = Pretraining(config)
+    if eval_set is not None and eval_set not in trainer.held_out:
+      raise ConfigError(f'--eval {eval_set}: {run_dir} has no data.evals set of that name (it has: '
+                        f'{", ".join(trainer.held_out) or "none"}); add it with --evaluate data.evals=[...]')
+    batches = trainer.val_batches if eval_set is None else trainer.held_out[eval_set]
     return {step: trainer.evaluate(saved.restore_params(step, trainer.assembly.abstract_params),
-                                   trainer.val_batches, config.train.eval_batches) for step in steps}
+                                   batches, config.train.eval_batches)[metric] for step in steps}
   finally:
     saved.close()
 
@@ -120,10 +131,11 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 
 def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence[str] = (),
-            tasks: Any = None) -> list[dict[str, Any]]:
-  """Every run's points in the order given (a sweep's directory: its runs), by step. `overrides` (e.g.
-  another eval set's `data.*`) apply to the runs' configs when evaluating; `tasks` (an `lm.evals.run.Request`)
-  adds task columns."""
+            tasks: Any = None, eval_set: str | None = None, metric: str = 'loss') -> list[dict[str, Any]]:
+  """Every run's points in the order given (a sweep's directory: its runs), by step, their `loss` the held-out
+  set's `metric` (`loss_column`, named in column loss_of). `overrides` (e.g. another eval set's `data.*`) apply
+  to the runs' configs when evaluating; `tasks` (an `lm.evals.run.Request`) adds task columns."""
+  column = loss_column(eval_set, metric)
   rows = []
   for name in _expand(run_dirs):
     run_dir = epath.Path(name)
@@ -131,14 +143,15 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
     if evaluate:
       if overrides:
         config = check_config(from_dict(merge(config.to_dict(), parse_overrides(list(overrides)))))
-      losses = evaluated_losses(run_dir, config)
+      losses = evaluated_losses(run_dir, config, eval_set, metric)
     else:
-      losses = recorded_losses(run_dir)
+      losses = recorded_losses(run_dir, column)
       if not losses:
-        raise ConfigError(f'{run_dir} has no val_loss records in metrics.jsonl; evaluate its checkpoints with '
-                          f'--evaluate, or train it with train.eval_batches > 0')
+        raise ConfigError(f'{run_dir} has no {column} records in metrics.jsonl; evaluate its checkpoints with '
+                          f'--evaluate' + (f' data.evals=[{eval_set}=...]' if eval_set else '') +
+                          ', or train it with train.eval_batches > 0' + (' and that data.evals set' if eval_set else ''))
     sizes = _sizes(config)
     extra = {} if tasks is None else task_columns(run_dir, sorted(losses), tasks)
-    rows += [{**_row(str(run_dir), step, config, sizes, loss), **extra.get(step, {})}
+    rows += [{**_row(str(run_dir), step, config, sizes, loss), 'loss_of': column, **extra.get(step, {})}
              for step, loss in sorted(losses.items())]
   return rows

@@ -38,9 +38,17 @@ def _runs(points: Points) -> list[np.ndarray]:
   return [r[np.argsort(points.flops[r])] for r in rows]
 
 
+def loss_label(loss_of: str) -> str:
+  """An axis label for a held-out record: val_loss -> 'validation loss (nats/token)', val/c4/bpb -> 'c4 bits per
+  byte'."""
+  name, metric = loss_of.split('/')[1:] if loss_of.startswith('val/') else ('validation', loss_of.removeprefix('val_'))
+  return f'{name} ' + ('bits per byte' if metric.startswith('bpb') else 'loss (nats/token)')
+
+
 def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
-         tasks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> Path:
-  """`tasks`: column name (`<task>/<metric>`) -> (that accuracy, the task's task loss) per point."""
+         tasks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None, loss_of: str = 'val_loss') -> Path:
+  """`tasks`: column name (`<task>/<metric>`) -> (that accuracy, the task's task loss) per point; `loss_of`: the
+  record the points' loss is (`lm.scaling.collect.loss_column`), for the axis labels."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -62,7 +70,7 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
   curve = _law_curve(fit, span) if fit else None
   if curve is not None:
     ax.plot(span, curve, 'r--', label=f'{fit["law"]} fit')
-  ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel='loss (nats/token)', title='loss against compute')
+  ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel=loss_label(loss_of), title='loss against compute')
   ax.legend()
 
   if iso is not None:
@@ -74,7 +82,7 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
       x = np.linspace(np.log(n.min()), np.log(n.max()), 100)
       ax.plot(np.exp(x), np.polyval(budget['parabola'], x), '-', color=colour)
       ax.plot(budget['params_opt'], budget['loss_opt'], '*', color=colour, ms=10)
-    ax.set(xscale='log', xlabel='parameters N', ylabel='loss', title='IsoFLOP profiles')
+    ax.set(xscale='log', xlabel='parameters N', ylabel=loss_label(loss_of), title='IsoFLOP profiles')
     ax.legend(fontsize='small')
 
   if optimal:

@@ -1,7 +1,8 @@
 """Scaling points: one row per (run, evaluation) in a CSV that `lm scaling collect` writes and `fit` reads.
 
 The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
-carry `run, step, non_embedding_params, flops_6nd`, and with `collect --tasks` a `<task>/<metric>` column per
+carry `run, step, non_embedding_params, flops_6nd` and `loss_of` (the record the loss is: val_loss, val_bpb,
+val/NAME/loss or val/NAME/bpb), and with `collect --tasks` a `<task>/<metric>` column per
 harness metric and `<task>/task_loss`.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from lm.config import ConfigError
 
-COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss')
+COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of')
 REQUIRED = ('params', 'tokens', 'loss')
 
 
@@ -105,6 +106,13 @@ def write_points(path: str | Path, rows: list[dict]) -> None:
     writer = csv.DictWriter(f, COLUMNS + tuple(extra))
     writer.writeheader()
     writer.writerows(rows)
+
+
+def loss_of(path: str | Path) -> str:
+  """What the CSV's loss column holds (its first row's `loss_of`; val_loss when it has none)."""
+  with Path(path).open(newline='') as f:
+    first = next(csv.DictReader(f), None) or {}
+  return first.get('loss_of') or 'val_loss'
 
 
 def task_accuracies(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:

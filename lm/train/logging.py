@@ -37,14 +37,15 @@ METRICS = 'metrics.jsonl'
 MIN_BAR_COLUMNS = 40
 TENSORBOARD = 'tensorboard'
 
-_SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('learning_rate', 'lr {:.3g}'),
+_SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('val_bpb', 'val_bpb {:.4f}'),
+          ('learning_rate', 'lr {:.3g}'),
           ('grad_norm', 'grad_norm {:.3g}'), ('tokens_per_sec', '{:,.0f} tokens/s'), ('mfu', 'mfu {:.1%}'))
 
 
 def format_record(record: dict[str, Any]) -> str:
   """One console line: `step 250 | loss 2.2990 | lr 0.000354 | grad_norm 0.741 | 3,412 tokens/s`."""
   parts = [f'step {record["step"]}'] + [fmt.format(record[k]) for k, fmt in _SHOWN if record.get(k) is not None]
-  parts += [f'{k.removeprefix("eval/")} {v:.4f}' for k, v in record.items() if k.startswith('eval/')]  # tasks
+  parts += [f'{k.split("/", 1)[1]} {v:.4f}' for k, v in record.items() if k.startswith(('val/', 'eval/'))]  # sets, tasks
   return ' | '.join(parts)
 
 

@@ -163,7 +163,8 @@ def compile_train_step(assembly: Assembly) -> jax.stages.Compiled:
 
 
 def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
-  """Sums of weighted NLL and weights for one batch; the caller adds them over batches."""
+  """Sums of weighted NLL, weights and (batches with `target_bytes`) the weighted targets' UTF-8 bytes for one
+  batch; the caller adds them over batches."""
   family, model, mesh = assembly.family, assembly.model, assembly.mesh
 
   def step(params: Any, batch: Batch) -> Metrics:
@@ -171,7 +172,10 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
       batch = lay_out_sequences(batch, mesh, assembly.config.data.seq_len)
       head = family.apply(model, params, batch, deterministic=True, rngs={})['logits']
       _, nll, _, weight = token_loss(head, batch['targets'], batch['weights'])
-    return {'nll': nll, 'weight': weight}
+    sums = {'nll': nll, 'weight': weight}
+    if 'target_bytes' in batch:
+      sums['bytes'] = jnp.sum(batch['target_bytes'].astype(jnp.float32) * batch['weights'])
+    return sums
   return jax.jit(step, in_shardings=(assembly.shardings.params, None))
 
 

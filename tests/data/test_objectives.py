@@ -1,9 +1,19 @@
-"""MLM masking statistics and span corruption round trips."""
+"""MLM masking statistics, span corruption round trips, padding and target bytes of every objective."""
 import numpy as np
 import pytest
 
-from lm.data.objectives import (MaskedLM, NextSentencePairs, Rows, mlm_mask, random_spans_noise_mask, regular_ids,
-                                span_corruption, span_lengths)
+from lm.data.objectives import (
+  CausalLM,
+  MaskedLM,
+  NextSentencePairs,
+  Rows,
+  SpanCorruption,
+  corrupt_spans,
+  mlm_mask,
+  random_spans_noise_mask,
+  regular_ids,
+  span_lengths,
+)
 
 PAD, BOS, EOS, MASK, FIRST, VOCAB = 0, 1, 2, 3, 4, 260
 SPECIAL = np.arange(FIRST)
@@ -76,12 +86,16 @@ def reconstruct(inputs, targets, sentinels):
   return np.array(out)
 
 
+def span_corruption(tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+  return corrupt_spans(tokens, random_spans_noise_mask(len(tokens), 0.15, 3.0, rng), SENTINELS, EOS)
+
+
 @pytest.mark.parametrize('length', [20, 113, 568])
 def test_span_corruption_reconstructs_the_original(length):
   rng = np.random.default_rng(length)
   for _ in range(50):
     tokens = rng.integers(FIRST, 290, size=length)
-    inputs, targets = span_corruption(tokens, rng, sentinels=SENTINELS, eos_id=EOS)
+    inputs, targets = span_corruption(tokens, rng)
     assert inputs[-1] == EOS and targets[-1] == EOS
     used = [t for t in targets if t in set(SENTINELS.tolist())]
     np.testing.assert_array_equal(used, SENTINELS[:len(used)])  # <extra_id_0>, <extra_id_1>, ... in order
@@ -106,7 +120,7 @@ def test_span_lengths_fit_t5_defaults():
   lengths = span_lengths(512)
   assert (lengths.raw, lengths.inputs, lengths.targets) == (568, 512, 114)
   rng = np.random.default_rng(0)
-  inputs, targets = span_corruption(np.full(lengths.raw, 9), rng, sentinels=SENTINELS, eos_id=EOS)
+  inputs, targets = span_corruption(np.full(lengths.raw, 9), rng)
   assert len(inputs) == lengths.inputs and len(targets) == lengths.targets
 
 
@@ -132,3 +146,43 @@ def test_next_sentence_pairs():
                                                        for k in range(seq - len(b) + 1))]
       assert others
     assert np.all(f['weights'][i][[0, sep, 63]] == 0), 'special tokens are never masked'
+
+
+@pytest.mark.parametrize('make', [
+  lambda: CausalLM(31),
+  lambda: MaskedLM(32, special=SPECIAL, regular=REGULAR, mask_id=MASK),
+  lambda: NextSentencePairs(MaskedLM(32, special=SPECIAL, regular=REGULAR, mask_id=MASK), cls_id=BOS, sep_id=EOS),
+  lambda: SpanCorruption(28, SENTINELS, eos_id=EOS, pad_id=PAD),
+], ids=['causal', 'mlm', 'nsp', 'spans'])
+def test_padding_is_never_a_target_and_target_bytes_follow_the_targets(make):
+  """A finite split's last row ends in padding (token 0, segment 0): never weighted. Each token here has
+  1-3 bytes as a function of its id, so a target's bytes are known from the target alone (specials: 0)."""
+  objective = make()
+  rng = np.random.default_rng(0)
+  n, length = 40, objective.row_len
+  tokens = rng.integers(FIRST, 200, size=(n, length)).astype(np.int32)
+  segment_ids = np.ones_like(tokens)
+  real = rng.integers(0, length, size=n)  # every row but some full ones ends in padding
+  real[::4] = length
+  for i, r in enumerate(real):
+    tokens[i, r:], segment_ids[i, r:] = PAD, 0
+  bytes_of = lambda ids: np.where(ids >= FIRST, (ids - FIRST) % 3 + 1, 0)
+  rows = Rows(tokens, segment_ids, np.tile(np.arange(length), (n, 1)), bytes_of(tokens))
+  f = objective(rows, np.stack([np.zeros(n, int), np.arange(n), np.zeros(n, int)], 1))
+  targets, weights = f['targets'], f['weights']
+  sentinel = np.isin(targets, SENTINELS)
+  np.testing.assert_array_equal(f['target_bytes'], np.where(sentinel, 0, bytes_of(targets)))
+  if isinstance(objective, NextSentencePairs):  # pairs draw from other rows: no weight on any row's padding
+    assert not (weights * (targets == PAD)).any()
+  else:
+    counted = (weights > 0).sum(1)
+    for i, r in enumerate(real):
+      if isinstance(objective, SpanCorruption):  # the real tokens alone are corrupted: targets hold their noise
+        assert (counted[i] == 0) if r < 2 else (0 < counted[i] and np.isin(targets[i][weights[i] > 0],
+                                                                           [*tokens[i, :r], *SENTINELS, EOS]).all())
+      else:
+        assert not weights[i, r:].any()
+  assert weights.sum() > 0
+  without = objective(Rows(tokens, segment_ids, rows.positions), np.stack([np.zeros(n, int), np.arange(n),
+                                                                           np.zeros(n, int)], 1))
+  assert 'target_bytes' not in without and all(np.array_equal(without[k], f[k]) for k in without)

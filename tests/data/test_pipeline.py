@@ -163,13 +163,6 @@ def test_vocab_smaller_than_tokenizer_is_refused(small_config):
     one_device_batches(small_config('model.vocab_size=200'))
 
 
-def test_a_validation_split_too_small_for_a_batch_is_refused(small_config, tmp_path):
-  for i in range(20):
-    (tmp_path / f'{i}.txt').write_text(f'short text {i}')
-  with pytest.raises(ConfigError, match='validation split yields no full batch of 16 rows of 33 tokens'):
-    one_device_batches(small_config('data.source=text', f'data.paths=[{tmp_path}/*.txt]', 'data.val_fraction=0.5'))
-
-
 def test_a_vocabulary_without_room_for_the_sentinels_is_refused():
   config = load_config('t5_tiny', ['model.vocab_size=264'])  # 260 byte ids + 4: no room for T5's 100 sentinels
   with pytest.raises(ConfigError, match=r"needs T5's 100 sentinel ids above the tokenizer's 260 .*raise "
