@@ -51,7 +51,7 @@ with _absl_quiet():
     override=True)
 
 
-_ORDER_FREE = frozenset({'prefetch'})  # data settings that change speed, not which rows come
+_ORDER_FREE = frozenset({'prefetch', 'evals'})  # data settings that change speed or evaluation, not which rows come
 
 
 def _reason(error: BaseException | None) -> str:

@@ -136,6 +136,11 @@ class DataConfig:
   # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
   # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=tfds:DATASET:SPLIT
   evals: tuple[str, ...] = ()
+  # Training documents from several sources (as data.evals writes them; text / jsonl / embedded: their training
+  # split by data.val_fraction, tfds: the split named), each packed into its own rows, rows drawn by data.weights
+  mixture: tuple[str, ...] = ()
+  # Each source's share of training tokens per stage, a stage from a step on: [a=0.7 b=0.3, 1000 a=0.5 b=0.5]
+  weights: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,14 +152,21 @@ class HeldOutSet:
   split: str = ''  # tfds
 
 
-HELD_OUT_FORMS = ('NAME=embedded (its validation split), NAME=text:GLOB, NAME=jsonl:GLOB or NAME=tfds:DATASET:SPLIT, '
-                  'e.g. data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]')
+SOURCE_FORMS = 'NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB or NAME=tfds:DATASET:SPLIT'
+SOURCE_EXAMPLES = {'evals': 'data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]',
+                   'mixture': 'data.mixture=[web=tfds:c4/en:3.1.0:train,code=text:src/**/*.py]'}
 
 
 def held_out_sets(data: DataConfig) -> tuple[HeldOutSet, ...]:
   """`data.evals` parsed; a ConfigError naming the entry when one is malformed or a name repeats."""
+  return named_sources(data, 'evals')
+
+
+def named_sources(data: DataConfig, field: str) -> tuple[HeldOutSet, ...]:
+  """`data.evals` or `data.mixture` parsed; a ConfigError naming the entry when one is malformed or a name
+  repeats."""
   sets: list[HeldOutSet] = []
-  for entry in data.evals:
+  for entry in getattr(data, field):
     name, sep, spec = str(entry).partition('=')
     source, _, location = spec.partition(':')
     split = ''
@@ -162,11 +174,41 @@ def held_out_sets(data: DataConfig) -> tuple[HeldOutSet, ...]:
       location, _, split = location.rpartition(':')
     if (not sep or not name.replace('_', '').replace('-', '').isalnum() or source not in typing.get_args(Source)
         or (source == 'embedded') != (location == '') or (source == 'tfds' and not split.replace('_', '').isalpha())):
-      raise ConfigError(f'data.evals entry {entry!r}: write {HELD_OUT_FORMS}')
+      raise ConfigError(f'data.{field} entry {entry!r}: write {SOURCE_FORMS}, e.g. {SOURCE_EXAMPLES[field]}')
     if any(held.name == name for held in sets):
-      raise ConfigError(f'data.evals names {name!r} twice; give each held-out set its own name')
+      raise ConfigError(f'data.{field} names {name!r} twice; give each source its own name')
     sets.append(HeldOutSet(name, source, location, split))
   return tuple(sets)
+
+
+def mixture_stages(data: DataConfig) -> tuple[tuple[int, tuple[float, ...]], ...]:
+  """`data.weights` parsed: (from step, each `data.mixture` source's weight in order) per stage; a ConfigError
+  naming the stage and the fix for a malformed one, an unknown source, a negative weight or an all-zero stage."""
+  names = [source.name for source in named_sources(data, 'mixture')]
+  stages: list[tuple[int, tuple[float, ...]]] = []
+  for i, stage in enumerate(data.weights):
+    words = str(stage).split()
+    step = int(words.pop(0)) if words and words[0].isdigit() else 0
+    where = f'data.weights stage {i + 1} ({stage!r})'
+    weights = dict.fromkeys(names, 0.0)
+    for word in words:
+      name, sep, value = word.partition('=')
+      try:
+        weight = float(value) if sep else float('nan')
+      except ValueError:
+        weight = float('nan')
+      if name not in weights:
+        raise ConfigError(f'{where} names {name!r}, no data.mixture source ({", ".join(names)})')
+      if not 0 <= weight < float('inf'):  # NaN too
+        raise ConfigError(f'{where}: {word!r} is not NAME=WEIGHT with a weight >= 0')
+      weights[name] = weight
+    if sum(weights.values()) <= 0:
+      raise ConfigError(f'{where} gives every source weight 0; give some source a positive share')
+    if (i == 0) != (step == 0) or (stages and step <= stages[-1][0]):
+      raise ConfigError(f'{where}: the first stage starts at step 0 and each later one at a larger step, written '
+                        f'first, e.g. data.weights=[a=0.7 b=0.3, 1000 a=0.5 b=0.5]')
+    stages.append((step, tuple(weights.values())))
+  return tuple(stages)
 
 
 @dataclass(frozen=True)
@@ -540,6 +582,10 @@ def validate(config: Config) -> None:
   if d.source == 'tfds' and not d.name:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
   held_out_sets(d)
+  if bool(d.mixture) != bool(d.weights):
+    raise ConfigError('data.mixture and data.weights go together: the sources, then their shares of training '
+                      'tokens (e.g. data.mixture=[a=text:a/*.txt,b=jsonl:b.jsonl] data.weights=[a=0.7 b=0.3])')
+  mixture_stages(d)
   if d.evals and not config.train.eval_batches:
     raise ConfigError('data.evals needs train.eval_batches > 0 (batches per set and evaluation) or -1 (whole sets)')
   if d.streams < 1 or d.workers < 0 or d.prefetch < 1:

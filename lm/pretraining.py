@@ -20,7 +20,8 @@ from lm.assembly.optim import ema_params
 from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
-from lm.data.pipeline import Batches, build_batches, held_out_batches
+from lm.data.mixture import Mixture
+from lm.data.pipeline import Batches, build_batches, held_out_batches, stream_layout
 from lm.distributed import is_main_process
 from lm.run_dir import CHECKPOINTS, CONFIG
 from lm.train.branch import branch_state, resolve_branch
@@ -81,6 +82,17 @@ class Pretraining:
                      for metric, value in self.evaluate(params, batches, count).items()})
     return record
 
+  def _mixture_tokens(self) -> list[Callback]:
+    """With `data.mixture`: the tokens each source has given, as data/NAME/tokens, every `train.log_every` steps."""
+    mixture, batch = Mixture.of(self.config.data), self.config.train.global_batch
+    if mixture is None:
+      return []
+    row_len = self.assembly.family.objective(self.config, self.tokenizer).row_len
+    _, streams = stream_layout(batch, self.config.data.streams, 0, jax.process_count())
+    return [Evaluate(lambda _, step: {f'data/{name}/tokens': tokens for name, tokens in
+                                      mixture.tokens(step, streams, batch // streams, row_len).items()},
+                     self.config.train.log_every)]
+
   def _task_evals(self) -> list[Callback]:
     """`train.evals` through the harness on the training devices, recorded as eval/<task>/<metric>."""
     t = self.config.train
@@ -122,7 +134,8 @@ class Pretraining:
       if t.ema_decay:  # the moving average beside the params, on the same batches
         validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
                                    params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
-      return self.loop.run(state, self.train_batches, (validation if t.eval_batches else []) + self.task_evals,
+      return self.loop.run(state, self.train_batches,
+                           (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens(),
                            Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict(),
                                       at=t.checkpoint_at))
     finally:

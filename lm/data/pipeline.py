@@ -37,7 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError, held_out_sets
 from lm.data.objectives import Objective, Rows
-from lm.data.sources import Documents, Split, held_out_documents, open_documents
+from lm.data.mixture import Mixture
+from lm.data.sources import Documents, Split, held_out_documents, mixture_documents, open_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.parallel.rules import batch_sharding
 
@@ -61,8 +62,18 @@ def local_row_range(sharding: NamedSharding, global_batch: int,
 ObjectiveFor = Callable[[Tokenizer], Objective]
 
 
-def _with_index(index: int, text: str) -> tuple[int, str]:
-  return index, text
+class _Positioned:
+  """(sequence position, text) -> (the record's key: `base` + position, text); says once, when the first record
+  of a training source's second epoch is read (by one stream of one process), that the source came round."""
+
+  def __init__(self, base: int = 0, size: int = 0, name: str | None = None):
+    self.base, self.size, self.name = base, size, name
+
+  def __call__(self, index: int, text: str) -> tuple[int, str]:
+    if self.name is not None and index == self.size:
+      print(f'data: {self.name} starts its second epoch, in a new order (its {self.size:,} records all dealt out '
+            f'to the streams)', flush=True)
+    return self.base + index, text
 
 
 class _Tokenize:
@@ -88,6 +99,40 @@ class _Tokenize:
 def _full_row(row: dict[str, np.ndarray]) -> bool:
   """False only for the padded last row of a finite split."""
   return bool(row['tokens_segment_ids'][-1] != 0)
+
+
+class _Mix(grain.IterDataset):
+  """Stream `stream`'s rows drawn from its sources' rows by a `Mixture` (each stream giving `rows_per_step` rows
+  a step)."""
+
+  def __init__(self, parents: Sequence[grain.IterDataset], mixture: Mixture, stream: int, rows_per_step: int):
+    super().__init__(list(parents))
+    self.mixture, self.stream, self.rows_per_step = mixture, stream, rows_per_step
+
+  def __iter__(self) -> _MixIterator:
+    return _MixIterator([parent.__iter__() for parent in self._parents], self)
+
+
+class _MixIterator(grain.DatasetIterator):
+
+  def __init__(self, parents: list[grain.DatasetIterator], mix: _Mix):
+    super().__init__(parents)
+    self.mix = mix
+    self.row = 0  # rows of this stream yielded
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    mix = self.mix
+    source = mix.mixture.source_of(self.row, mix.stream, mix.rows_per_step)
+    self.row += 1
+    return next(self._parents[source])
+
+  def get_state(self) -> dict[str, Any]:
+    return {'parents': [parent.get_state() for parent in self._parents], 'row': self.row}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    for parent, parent_state in zip(self._parents, state['parents'], strict=True):
+      parent.set_state(parent_state)
+    self.row = state['row']
 
 
 class _PadForever(grain.IterDataset):
@@ -137,15 +182,18 @@ class _Features:
     return self.objective(rows, keys)
 
 
-def records(documents: Documents, shuffle_seed: int | None, stream: int, streams: int) -> grain.MapDataset:
-  """(sequence position, text) of the records stream `stream` of `streams` reads. With `shuffle_seed`
-  (training) the documents are shuffled and repeated forever, every epoch in a new order; without, read
-  once in order. Stream k takes positions k, k + S, ...: within each epoch the streams' shares are disjoint
-  and cover every document once."""
+def records(documents: Documents, shuffle_seed: int | None, stream: int, streams: int, source: int = 0,
+            name: str | None = None) -> grain.MapDataset:
+  """(record key, text) of the records stream `stream` of `streams` reads. With `shuffle_seed` (training) the
+  documents are shuffled and repeated forever, every epoch in a new order (the start of the second said once,
+  naming the source `name`); without, read once in order. Stream k takes positions k, k + S, ...: within each
+  epoch the streams' shares are disjoint and cover every document once. The key is the position, plus
+  `source` x 2^40 for a mixture's sources after the first (rows of different sources draw different masks)."""
   ds = grain.MapDataset.source(documents)
   if shuffle_seed is not None:
     ds = ds.shuffle(seed=shuffle_seed).repeat()
-  return ds.map_with_index(_with_index)[stream::streams]
+  positioned = _Positioned(source << 40, len(documents), name if shuffle_seed is not None else None)
+  return ds.map_with_index(positioned)[stream::streams]
 
 
 def stream_layout(global_batch: int, streams: int, process_index: int, process_count: int) -> tuple[range, int]:
@@ -161,21 +209,31 @@ def _concatenate(parts: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarr
   return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def batch_dataset(documents: Documents, tokenizer: Tokenizer, objective: Objective, *, shuffle_seed: int | None,
-                  key_seed: int, global_batch: int, streams: int = 16, process_index: int = 0,
-                  process_count: int = 1, evaluation: bool = False) -> grain.IterDataset:
+def batch_dataset(documents: Documents | Sequence[Documents], tokenizer: Tokenizer, objective: Objective, *,
+                  shuffle_seed: int | None, key_seed: int, global_batch: int, streams: int = 16,
+                  process_index: int = 0, process_count: int = 1, evaluation: bool = False,
+                  mixture: Mixture | None = None, name: str = 'the training split') -> grain.IterDataset:
   """This process's rows of each global batch, as features, before prefetching; rows keyed from `key_seed`.
   `evaluation`: a finite split read whole, its targets' bytes counted (`target_bytes`), each stream's last
-  row kept (padded) and then padding rows forever, so the reader stops at the first batch without weight."""
+  row kept (padded) and then padding rows forever, so the reader stops at the first batch without weight.
+  `mixture`: `documents` holds its sources' documents, each packed into its own rows, rows drawn by it."""
   mine, total = stream_layout(global_batch, streams, process_index, process_count)
   tokenize = _Tokenize(tokenizer, objective.with_bos, with_bytes=evaluation)
   lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset', *(('bytes',) if evaluation else ()))}
 
-  def stream_rows(stream: int) -> grain.IterDataset:
-    ds = records(documents, shuffle_seed, stream, total).map(tokenize)
+  def source_rows(documents: Documents, stream: int, source: int, name: str) -> grain.IterDataset:
+    ds = records(documents, shuffle_seed, stream, total, source, name).map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
-    ds = _PadForever(ds) if evaluation else ds.filter(_full_row)
+    return _PadForever(ds) if evaluation else ds.filter(_full_row)
+
+  def stream_rows(stream: int) -> grain.IterDataset:
+    if mixture is None:
+      ds = source_rows(documents, stream, 0, name)
+    else:
+      ds = _Mix([source_rows(docs, stream, j, f'data.mixture source {source}')
+                 for j, (docs, source) in enumerate(zip(documents, mixture.names, strict=True))],
+               mixture, stream, global_batch // total)
     return ds.batch(global_batch // total, drop_remainder=True)
   rows = grain.experimental.ZipIterDataset([stream_rows(s) for s in mine], strict=False).map(_concatenate)
   return rows.map(_Features(objective, key_seed))
@@ -303,9 +361,12 @@ def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, proce
     if len(found) == 0:
       raise ConfigError(f'the {split} split of data.source={d.source} holds no documents; add data')
     return found
-  train = Batches(batch_dataset(documents('train'), tokenizer, objective, shuffle_seed=seed, key_seed=seed,
+  mixture = Mixture.of(d)
+  sources = documents('train') if mixture is None else mixture_documents(d)
+  train = Batches(batch_dataset(sources, tokenizer, objective, shuffle_seed=seed, key_seed=seed,
                                 global_batch=config.train.global_batch, streams=d.streams, process_index=process[0],
-                                process_count=process[1]), mesh, config.train.global_batch, d.workers, d.prefetch)
+                                process_count=process[1], mixture=mixture), mesh, config.train.global_batch,
+                  d.workers, d.prefetch)
   if not config.train.eval_batches:
     return tokenizer, train, None
   return tokenizer, train, _evaluation_batches(documents('validation'), config, mesh, tokenizer, objective, process)

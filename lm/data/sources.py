@@ -25,7 +25,7 @@ from typing import Literal, Protocol, Sequence
 
 import numpy as np
 
-from lm.config import ConfigError, DataConfig, HeldOutSet
+from lm.config import ConfigError, DataConfig, HeldOutSet, named_sources
 
 Split = Literal['train', 'validation']
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test'}
@@ -247,7 +247,8 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
     return TextFiles([p for p, v in zip(paths, held) if v == (split == 'validation')], cfg.max_chars)
   lines = jsonl_lines(paths)
   held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]
-  _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
+  if not held.count(split == 'validation'):  # the split asked for: a mixture source may hold none out
+    _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
   return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key)
 
 
@@ -261,3 +262,18 @@ def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
   if held.source == 'text':
     return TextFiles(paths, cfg.max_chars)
   return JsonLines(paths, [(f, o) for _, f, o in jsonl_lines(paths)], cfg.text_key)
+
+
+def mixture_documents(cfg: DataConfig) -> list[Documents]:
+  """The training documents of each `data.mixture` source, in order (text, jsonl, embedded: their training split
+  by `data.val_fraction`; tfds: the split named)."""
+  out = []
+  for source in named_sources(cfg, 'mixture'):
+    if source.source == 'tfds':
+      documents = TfdsDocuments(dataclasses.replace(cfg, name=source.location), source.split)
+    else:
+      documents = open_documents(dataclasses.replace(cfg, source=source.source, paths=(source.location,)), 'train')
+    if len(documents) == 0:
+      raise ConfigError(f'data.mixture source {source.name} holds no training documents; point it at data')
+    out.append(documents)
+  return out
