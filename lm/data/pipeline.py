@@ -22,6 +22,11 @@ keeps one long document from filling a whole batch. Each row's randomness is key
 (seed, its first record, the offset there): the same row is masked the same way on any host
 layout. The iterator's state (grain's, one JSON file per process) goes into every checkpoint, so a
 resumed run reads on from the exact record.
+
+With `data.mixture` each source runs this per stream up to packing, and the stream draws its rows from the
+sources' rows by weight (`lm.data.mixture`). Held-out sets (the validation split, `data.evals`) are read in
+order and whole: each stream keeps its last row, padded, then yields padding rows (no weight) until the reader
+stops, and every token carries its UTF-8 byte count for bits per byte.
 """
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lm.config import Config, ConfigError, held_out_sets
-from lm.data.objectives import Objective, Rows
 from lm.data.mixture import Mixture
+from lm.data.objectives import Objective, Rows
 from lm.data.sources import Documents, Split, held_out_documents, mixture_documents, open_documents
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.parallel.rules import batch_sharding
