@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lm.assembly.optim import ema_params
+from lm.assembly.optim import ema_params, schedule_free_params
 from lm.assembly.state import TrainState, shardings_of
 from lm.config import EXECUTION_FIELDS, Config, ConfigError
 from lm.distributed import all_processes, barrier
@@ -92,9 +92,10 @@ def with_defaults(saved: dict) -> dict:
 
 def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
   """What a run continuing a checkpoint written under `saved` (with_defaults) must share with it and does not:
-  (the model | data order | seed or moving average, the fields that differ), or None."""
+  (the model | data order | seed or moving average | optimizer, the fields that differ), or None."""
   for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
-                              ('train', ('seed', 'ema_decay'), 'seed or moving average')):
+                              ('train', ('seed', 'ema_decay'), 'seed or moving average'),
+                              ('optim', ('name',), 'optimizer')):
     theirs, ours = saved[section], config[section]
     free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
     keys = keys or sorted((set(theirs) | set(ours)) - free)
@@ -236,6 +237,17 @@ class Checkpointer:
     """Only the params, placed on `abstract_params`' shardings."""
     return self.manager.restore(step, args=ocp.args.Composite(
       params=ocp.args.StandardRestore(abstract_params)))['params']
+
+  def restore_model(self, step: int, abstract_state: TrainState, optimizer: str) -> Any:
+    """The params a model is used with (evaluation, export, generation), on the params' shardings: a
+    schedule-free run's averaged params, made from its optimizer state; any other run's params."""
+    if optimizer != 'schedule_free_adamw':
+      return self.restore_params(step, abstract_state.params)
+    a = abstract_state
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(a.params),
+      optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))
+    return schedule_free_params(restored['optimizer']['opt_state'], restored['params'])
 
   def restore_ema(self, step: int, abstract_state: TrainState, decay: float) -> Any:
     """The params' moving average (`train.ema_decay`) kept in checkpoint `step`'s optimizer state, debiased and

@@ -37,6 +37,7 @@ Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
+OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_adamw']
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ def mixture_stages(data: DataConfig) -> tuple[tuple[int, tuple[float, ...]], ...
 
 @dataclass(frozen=True)
 class OptimConfig:
+  name: OptimizerName = 'adamw'
   learning_rate: float = 1e-3  # peak
   warmup_steps: int = 100
   schedule: Schedule = 'cosine'  # after warmup
@@ -220,12 +222,20 @@ class OptimConfig:
   min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
   decay_fraction: float = 0.2  # wsd: the decay's share of the schedule's length (the last steps)
   decay_shape: DecayShape = 'linear'  # wsd: the decay's shape
-  b1: float = 0.9
-  b2: float = 0.95
+  b1: float = 0.9  # adamw, lion, muon's AdamW part, schedule_free_adamw (its interpolation)
+  b2: float = 0.95  # adamw, lion, muon's AdamW part, schedule_free_adamw
   eps: float = 1e-8
-  weight_decay: float = 0.1
+  weight_decay: float = 0.1  # decoupled; adafactor's weight_decay_rate
   decay_exclude: tuple[str, ...] = ('bias', 'scale', 'embedding')  # param-name parts never decayed
   grad_clip: float = 1.0  # global norm; 0 disables
+  factored_min_dim: int = 128  # adafactor: second moments factored over dimensions at least this long
+  decay_rate: float = 0.8  # adafactor: the second moment's decay, 1 - (step + 1)^-decay_rate
+  clipping_threshold: float = 1.0  # adafactor: updates clipped to this RMS; 0: not clipped
+  parameter_scale: bool = True  # adafactor: steps relative to each parameter's RMS
+  muon_momentum: float = 0.95  # muon (hidden matrices; AdamW without decay on embeddings, norms, biases)
+  ns_steps: int = 5  # muon: Newton-Schulz iterations
+  muon_rms: float = 0.2  # muon: its update's RMS, matched to AdamW's so one learning rate serves both parts; 0: shape
+  weight_lr_power: float = 2.0  # schedule_free_adamw: how later iterates weigh in the average
 
 
 @dataclass(frozen=True)
@@ -553,6 +563,15 @@ def validate(config: Config) -> None:
     raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
+  ranges = {'optim.b1': (o.b1, 0, 1), 'optim.b2': (o.b2, 0, 1), 'optim.muon_momentum': (o.muon_momentum, 0, 1),
+            'optim.decay_rate': (o.decay_rate, 0, 1)}
+  for key, (value, low, high) in ranges.items():
+    if not low <= value < high:
+      raise ConfigError(f'{key}={value} must lie in [{low}, {high})')
+  if o.eps <= 0 or o.ns_steps < 1 or o.factored_min_dim < 1 or o.clipping_threshold < 0 or o.muon_rms < 0 \
+     or o.weight_lr_power < 0:
+    raise ConfigError('optim.eps must be > 0, optim.ns_steps and optim.factored_min_dim >= 1, '
+                      'optim.clipping_threshold, optim.muon_rms and optim.weight_lr_power >= 0')
   if t.init_from_ema and t.init_from is None:
     raise ConfigError('train.init_from_ema=true takes the moving average of the run train.init_from names; set '
                       'train.init_from=RUN or drop it')

@@ -1,9 +1,10 @@
 """`lm train`: pretraining with the family's objective on the config's data, through the one loop.
 
 Builds the assembly, the training and held-out batches, and the callbacks (loss and bits per byte of the
-validation split and each `data.evals` set at step 0, every `train.eval_every` steps and at the end; lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and
-at the end; the latest checkpoint every `train.checkpoint_every` steps, at the end and at a SIGTERM), then hands
-them to `lm.train.loop.Trainer`.
+validation split and each `data.evals` set at step 0, every `train.eval_every` steps and at the end;
+lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and at the end; with `data.mixture`, the
+tokens of each source every `train.log_every` steps; the latest checkpoint every `train.checkpoint_every` steps,
+at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
-from lm.assembly.optim import ema_params
+from lm.assembly.optim import ema_params, schedule_free_params
 from lm.assembly.state import TrainState
 from lm.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
@@ -57,6 +58,12 @@ class Pretraining:
   def final_state(self) -> TrainState | None:
     return self.loop.final_state
 
+  def model_params(self, state: TrainState) -> Any:
+    """The params evaluated and exported: schedule-free AdamW's averaged params, else the trained ones."""
+    if self.config.optim.name == 'schedule_free_adamw':
+      return schedule_free_params(state.opt_state, state.params)
+    return state.params
+
   def init_state(self) -> TrainState:
     return self.assembly.init_state()
 
@@ -76,7 +83,8 @@ class Pretraining:
     """Every held-out set's metrics (+ `suffix`): the run's own split as val_loss and val_bpb, each `data.evals`
     set as val/NAME/loss and val/NAME/bpb."""
     count = self.config.train.eval_batches
-    record = {f'val_{metric}{suffix}': value for metric, value in self.evaluate(params, self.val_batches, count).items()}
+    record = {f'val_{metric}{suffix}': value
+              for metric, value in self.evaluate(params, self.val_batches, count).items()}
     for name, batches in self.held_out.items():
       record.update({f'val/{name}/{metric}{suffix}': value
                      for metric, value in self.evaluate(params, batches, count).items()})
@@ -105,7 +113,8 @@ class Pretraining:
                         f'(as lm eval --data-dir takes them) or drop it to load from the Hub')
     evaluator = TaskEvaluator(self.assembly, Request(tasks=t.evals, data_dir=data_dir, subset=t.evals_limit,
                                                      num_fewshot=t.evals_num_fewshot))
-    return [Evaluate(lambda params, _: metric_records(evaluator(params)), t.evals_every or t.eval_every)]
+    return [Evaluate(lambda params, _: metric_records(evaluator(params)), t.evals_every or t.eval_every,
+                     params_of=self.model_params)]
 
   def _start(self) -> TrainState:
     cfg = self.config
@@ -130,7 +139,8 @@ class Pretraining:
       if is_main_process():
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-      validation = [Evaluate(lambda params, _: self.validation(params), t.eval_every, at_start=True)]
+      validation = [Evaluate(lambda params, _: self.validation(params), t.eval_every, at_start=True,
+                             params_of=self.model_params)]
       if t.ema_decay:  # the moving average beside the params, on the same batches
         validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
                                    params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))

@@ -91,10 +91,13 @@ def _run_params(run_dir: epath.Path, mesh: Mesh, ema: bool) -> tuple[ModelConfig
       raise ConfigError(f'{run_dir} holds no checkpoint yet; train it first (lm train ... train.run_dir={run_dir}) '
                         f'or import a model into it with lm convert --from-hf')
     config = check_config(from_dict(saved.saved_config(step)))
-    if ema:
+    averaged = config.optim.name == 'schedule_free_adamw' and saved.directory.name != BEST  # best/: params alone
+    if ema or averaged:
       from lm.assembly import assemble
       assembly = assemble(config, mesh=mesh)
-      return config.model, saved.restore_ema(step, assembly.abstract_state, config.train.ema_decay)
+      if ema:
+        return config.model, saved.restore_ema(step, assembly.abstract_state, config.train.ema_decay)
+      return config.model, saved.restore_model(step, assembly.abstract_state, config.optim.name)
     return config.model, saved.restore_params(step, abstract_params(build_model(config.model), mesh))
   finally:
     saved.close()

@@ -20,7 +20,7 @@ from lm.assembly import accounting
 from lm.assembly.optim import make_optimizer
 from lm.assembly.state import TrainState, abstract_state, make_init_fn, shardings_of
 from lm.config import Config
-from lm.models import abstract_params, check_config, get_family
+from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
 from lm.parallel.mesh import make_mesh
 
@@ -63,7 +63,8 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   family = get_family(check_config(config).model.family)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
-  tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay)
+  axes = logical_axes(model) if config.optim.name == 'muon' else None  # Muon tells hidden matrices by their axes
+  tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes)
   state = abstract_state(abstract_params(model, mesh), tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state)

@@ -1,4 +1,6 @@
-"""AdamW with warmup + cosine/linear/warmup-stable-decay schedules, global-norm clipping and a weight-decay mask."""
+"""Optimizers from optax (AdamW, Adafactor, Lion, Muon, schedule-free AdamW) on warmup + cosine/linear/
+warmup-stable-decay schedules, after global-norm clipping, with a weight-decay mask and an optional moving
+average of the params."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -6,6 +8,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from jax.sharding import PartitionSpec
+from optax.contrib import ScheduleFreeState
 
 from lm.config import OptimConfig
 
@@ -76,13 +81,64 @@ def ema_params(opt_state: Any, decay: float) -> Any:
   return jax.tree.map(lambda a: (a / jnp.maximum(correction, 1e-12)).astype(a.dtype), state.average.ema)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0
+HIDDEN = frozenset({'heads', 'kv_heads', 'mlp'})  # with 'embed': the axes of a hidden (residual-stream) matrix
+
+
+def muon_dimensions(axes: Any) -> Any:
+  """Per param (a tree of logical axes, as the models declare them), Muon's dimension numbers for hidden
+  matrices (the residual stream's `embed` axis and a `heads`, `kv_heads` or `mlp` axis) and None for the rest
+  (embeddings, the readout, norms, biases: AdamW). The input side is the reduction: `embed` unless it is the
+  last axis (an output projection); a scanned `layers` axis stays a batch axis."""
+  def dimensions(names: tuple) -> optax.contrib.MuonDimensionNumbers | None:
+    if 'embed' not in names or not HIDDEN & set(names):
+      return None
+    matrix = [i for i, name in enumerate(names) if name != 'layers']
+    embed = names.index('embed')
+    reduction = [i for i in matrix if i != embed] if embed == matrix[-1] else [embed]
+    return optax.contrib.MuonDimensionNumbers(tuple(reduction), tuple(i for i in matrix if i not in reduction))
+  return jax.tree.map(lambda spec: dimensions(tuple(spec)), axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def schedule_free_params(opt_state: Any, params: Any) -> Any:
+  """Schedule-free AdamW's params for evaluation and export (its averaged sequence x, not the point y the
+  gradients were taken at), from the state of an optimizer made with `name=schedule_free_adamw`."""
+  (state,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ScheduleFreeState))
+              if isinstance(s, ScheduleFreeState)]
+  return jax.tree.map(lambda y, x: x.astype(y.dtype), params, optax.contrib.schedule_free_eval_params(state, params))
+
+
+def base_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = None) -> optax.GradientTransformation:
+  """`optim.name` on the schedule, weight decay masked by `decay_exclude`; Muon needs the params' logical `axes`."""
+  mask = lambda params: decay_mask(params, cfg.decay_exclude)
+  if cfg.name == 'adafactor':
+    return optax.adafactor(schedule, min_dim_size_to_factor=cfg.factored_min_dim, decay_rate=cfg.decay_rate,
+                           multiply_by_parameter_scale=cfg.parameter_scale,
+                           clipping_threshold=cfg.clipping_threshold or None,
+                           weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask)
+  if cfg.name == 'lion':
+    return optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+  if cfg.name == 'muon':
+    if axes is None:
+      raise ValueError('muon needs the params\' logical axes to tell hidden matrices from the rest')
+    return optax.contrib.muon(schedule, ns_steps=cfg.ns_steps, beta=cfg.muon_momentum, eps=cfg.eps,
+                              weight_decay=cfg.weight_decay, weight_decay_mask=mask, adam_b1=cfg.b1, adam_b2=cfg.b2,
+                              muon_weight_dimension_numbers=muon_dimensions(axes),
+                              consistent_rms=cfg.muon_rms or None)
+  if cfg.name == 'schedule_free_adamw':
+    # optax.contrib.schedule_free_adamw's inner AdamW (no momentum), with the decay mask it does not take
+    adamw = optax.chain(optax.scale_by_rms(decay=cfg.b2, eps=cfg.eps, eps_in_sqrt=False, bias_correction=True),
+                        optax.add_decayed_weights(cfg.weight_decay, mask), optax.scale_by_learning_rate(schedule))
+    return optax.contrib.schedule_free(adamw, schedule, b1=cfg.b1, weight_lr_power=cfg.weight_lr_power)
+  return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept in
-  the optimizer state (sharded like the params, checkpointed with it)."""
+  """`optim.name` on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept
+  in the optimizer state (sharded like the params, checkpointed with it). `axes`: the params' logical axes
+  (Muon's hidden matrices)."""
   schedule = learning_rate_schedule(cfg, total_steps)
-  adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                      mask=lambda params: decay_mask(params, cfg.decay_exclude))
-  parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [adamw] + \
+  base = base_optimizer(cfg, schedule, axes)
+  parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [base] + \
     ([params_ema(ema_decay)] if ema_decay else [])
-  return (optax.chain(*parts) if len(parts) > 1 else adamw), schedule
+  return (optax.chain(*parts) if len(parts) > 1 else base), schedule

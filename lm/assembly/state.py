@@ -30,16 +30,19 @@ def shardings_of(tree: Any) -> Any:
 
 
 def abstract_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-  """The whole train state as ShapeDtypeStructs with shardings: optimizer moments follow their params."""
-  param_shardings = shardings_of(params)
-  opt_state = jax.eval_shape(tx.init, params)
+  """The whole train state as ShapeDtypeStructs with shardings: optimizer moments follow their params; a moment
+  of another shape (Adafactor's factored rows and columns: vectors) is replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
-  opt_shardings = optax.tree_map_params(tx, lambda _, sharding: sharding, opt_state, param_shardings,
-                                        transform_non_params=lambda _: replicated)
-  with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  by_path = {tuple(path): param for path, param in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+  def with_sharding(path: tuple, moment: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    # A moment of a param sits at a path ending in the param's own (optax states nest the params' tree).
+    param = next((by_path[path[i:]] for i in range(len(path)) if path[i:] in by_path), None)
+    sharding = param.sharding if param is not None and param.shape == moment.shape else replicated
+    return jax.ShapeDtypeStruct(moment.shape, moment.dtype, sharding=sharding)
+  opt_state = jax.tree_util.tree_map_with_path(with_sharding, jax.eval_shape(tx.init, params))
   scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-  return TrainState(step=scalar, params=params, opt_state=jax.tree.map(with_sharding, opt_state, opt_shardings),
-                    skipped=scalar)
+  return TrainState(step=scalar, params=params, opt_state=opt_state, skipped=scalar)
 
 
 def make_init_fn(family: Family, model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,

@@ -63,7 +63,7 @@ def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequen
       assembly = assemble(from_dict({**saved.saved_config(step), 'mesh': mesh}))
       if ema:
         return assembly, saved.restore_ema(step, assembly.abstract_state, assembly.config.train.ema_decay), step
-      return assembly, saved.restore_params(step, assembly.abstract_params), step
+      return assembly, saved.restore_model(step, assembly.abstract_state, assembly.config.optim.name), step
     finally:
       saved.close()
   if is_hf_dir(path):

@@ -53,6 +53,13 @@ def abstract_params(model: nn.Module, mesh: Mesh | None = None) -> Any:
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
 
 
+def logical_axes(model: nn.Module) -> Any:
+  """Each param's logical axes (a PartitionSpec of names such as 'embed', 'mlp', 'layers'), as the layers
+  declare them."""
+  boxed = jax.eval_shape(lambda rng: get_family(model.cfg.family).init(model, rng, 1), jax.random.key(0))
+  return nn.get_partition_spec(boxed)
+
+
 def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:
   """Boxed (logically partitioned) params of `model`, from dummy inputs of `length` tokens."""
   return get_family(model.cfg.family).init(model, rng, length)

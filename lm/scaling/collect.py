@@ -79,8 +79,9 @@ def evaluated_losses(run_dir: epath.Path, config: Config, eval_set: str | None =
       raise ConfigError(f'--eval {eval_set}: {run_dir} has no data.evals set of that name (it has: '
                         f'{", ".join(trainer.held_out) or "none"}); add it with --evaluate data.evals=[...]')
     batches = trainer.val_batches if eval_set is None else trainer.held_out[eval_set]
-    return {step: trainer.evaluate(saved.restore_params(step, trainer.assembly.abstract_params),
-                                   batches, config.train.eval_batches)[metric] for step in steps}
+    abstract, optimizer = trainer.assembly.abstract_state, config.optim.name
+    return {step: trainer.evaluate(saved.restore_model(step, abstract, optimizer), batches,
+                                   config.train.eval_batches)[metric] for step in steps}
   finally:
     saved.close()
 
@@ -107,7 +108,8 @@ def task_columns(run_dir: epath.Path, steps: Sequence[int], request: Any) -> dic
     assembly, params, _ = load_checkpoint(run_dir, missing[0])
     evaluator = TaskEvaluator(assembly, request)
     for step in missing:
-      params = params if step == missing[0] else saved.restore_params(step, assembly.abstract_params)
+      params = params if step == missing[0] else saved.restore_model(step, assembly.abstract_state,
+                                                                      assembly.config.optim.name)
       columns[step] = {k.removeprefix('eval/'): v for k, v in metric_records(evaluator(params)).items()}
   finally:
     saved.close()
@@ -147,9 +149,9 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
     else:
       losses = recorded_losses(run_dir, column)
       if not losses:
+        held = f' data.evals=[{eval_set}=...]' if eval_set else ''
         raise ConfigError(f'{run_dir} has no {column} records in metrics.jsonl; evaluate its checkpoints with '
-                          f'--evaluate' + (f' data.evals=[{eval_set}=...]' if eval_set else '') +
-                          ', or train it with train.eval_batches > 0' + (' and that data.evals set' if eval_set else ''))
+                          f'--evaluate{held}, or train it with train.eval_batches > 0{held}')
     sizes = _sizes(config)
     extra = {} if tasks is None else task_columns(run_dir, sorted(losses), tasks)
     rows += [{**_row(str(run_dir), step, config, sizes, loss), 'loss_of': column, **extra.get(step, {})}
