@@ -58,6 +58,7 @@ def shares(batches):
   return {letter: counts[letter] / sum(counts.values()) for letter in 'abc'}
 
 
+@pytest.mark.long(0.2)
 @pytest.mark.parametrize('weights', ['[a=0.5 b=0.3 c=0.2]', '[a=0.05 b=0.15 c=0.8]'])
 def test_each_sources_token_share_over_200_batches_is_its_weight(corpus, weights):
   """Rows are equal length, so row shares are token shares; document lengths do not matter."""

@@ -63,6 +63,7 @@ def test_token_bytes_add_up_to_the_text(tokenizer_specs, kind):
     np.testing.assert_array_equal(nbytes, [hand_bytes(tokenizer_specs[kind], p, t) for p, t in zip(previous, ids)])
 
 
+@pytest.mark.long(0.2)
 @pytest.mark.parametrize('kind', ['byte', 'sentencepiece', 'bpe'])
 def test_val_bpb_of_a_set_smaller_than_one_batch_is_the_hand_computation(small_config, tokenizer_specs, tmp_path,
                                                                         kind):

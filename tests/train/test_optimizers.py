@@ -38,6 +38,7 @@ def assert_close(got, want, rtol=1e-6):
     np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max(), err_msg=jax.tree_util.keystr(path[0]))
 
 
+@pytest.mark.long(0.2)
 def test_adamw_and_lion_first_steps_are_their_formulas(small_config):
   """Bias-corrected first moments are the gradient: AdamW steps g / (|g| + eps), Lion sign(g), plus decay."""
   params, grads, mask, updates, _, _ = first_update(small_config, 'adamw')
@@ -89,6 +90,7 @@ def test_muon_orthogonalises_hidden_matrices_by_their_axes_and_adams_the_rest(sm
     np.testing.assert_allclose(got, -LR * (1 + B1 / (1 + B1)) * grad / (np.abs(grad) + EPS), rtol=1e-5)
 
 
+@pytest.mark.long(0.2)
 def test_adafactor_and_schedule_free_are_optaxs_own_transformations(small_config):
   _, grads, _, updates, assembly, state = first_update(small_config, 'adafactor', 'optim.factored_min_dim=16')
   c = assembly.config.optim
@@ -135,6 +137,7 @@ def test_each_optimizer_trains_200_steps_below_a_stated_loss_and_resumes_exactly
     assert not np.allclose(params['decoder']['final_norm']['scale'], final.params['decoder']['final_norm']['scale'])
 
 
+@pytest.mark.long(0.2)
 @pytest.mark.parametrize('name', ['adafactor', 'lion', 'muon', 'schedule_free_adamw'])
 def test_the_state_is_made_sharded_like_the_params(small_config, name):
   """On data 2 x fsdp 4: every moment shaped like its param is sharded like it (Adafactor's factored rows and
@@ -156,6 +159,7 @@ def test_the_state_is_made_sharded_like_the_params(small_config, name):
                                                                               assembly.abstract_state.opt_state)
 
 
+@pytest.mark.long(0.2)
 def test_a_resume_that_changes_the_optimizer_is_one_line(small_config, tmp_path, capsys):
   config = small_config('train.steps=2', 'train.eval_batches=0', 'mesh.data=-1', f'train.run_dir={tmp_path}/run')
   (tmp_path / 'c.yaml').write_text(config.to_yaml())
