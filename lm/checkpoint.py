@@ -92,10 +92,11 @@ def with_defaults(saved: dict) -> dict:
 
 def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
   """What a run continuing a checkpoint written under `saved` (with_defaults) must share with it and does not:
-  (the model | data order | seed or moving average | optimizer, the fields that differ), or None."""
+  (the model | data order | seed or moving average | optimizer and its param groups, the differing fields), or
+  None."""
   for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
                               ('train', ('seed', 'ema_decay'), 'seed or moving average'),
-                              ('optim', ('name',), 'optimizer')):
+                              ('optim', ('name', 'lr_multipliers'), 'optimizer')):
     theirs, ours = saved[section], config[section]
     free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
     keys = keys or sorted((set(theirs) | set(ours)) - free)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
+Parametrization = Literal['standard', 'mup']  # mup: Yang et al. 2022 (see lm.models.parametrization)
 Source = Literal['embedded', 'text', 'jsonl', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable at the peak, then a decay
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
@@ -81,10 +83,19 @@ class ModelConfig:
   remat: Remat = 'none'
   loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
+  parametrization: Parametrization = 'standard'
+  mup_base_width: int = 0  # mup: the d_model the hyperparameters were tuned at (width multiplier d_model / it)
+  mup_base_head_dim: int | None = None  # mup: the base model's head dim; default head_dim x mup_base_width / d_model
+  mup_zero_init: bool = False  # mup: the query projections and an untied output layer start at zero
+
+  @property
+  def base_width(self) -> int:
+    """The width every width-dependent constant is taken at: the μP base, else d_model itself."""
+    return self.mup_base_width if self.parametrization == 'mup' else self.d_model
 
   @property
   def embedding_scale(self) -> float:
-    return self.d_model ** 0.5 if self.scale_embeddings else 1.0
+    return self.base_width ** 0.5 if self.scale_embeddings else 1.0
 
   @property
   def resolved_head_dim(self) -> int:
@@ -236,6 +247,7 @@ class OptimConfig:
   ns_steps: int = 5  # muon: Newton-Schulz iterations
   muon_rms: float = 0.2  # muon: its update's RMS, matched to AdamW's so one learning rate serves both parts; 0: shape
   weight_lr_power: float = 2.0  # schedule_free_adamw: how later iterates weigh in the average
+  lr_multipliers: tuple[str, ...] = ()  # REGEX=FACTOR: params whose path (a/b/kernel) matches get lr x FACTOR
 
 
 @dataclass(frozen=True)
@@ -515,6 +527,39 @@ def _check_sequence_split(config: Config) -> None:
                       f'chunks (the balanced causal layout); make it a multiple of {2 * n}')
 
 
+def lr_multipliers(o: OptimConfig) -> tuple[tuple[re.Pattern, float], ...]:
+  """`optim.lr_multipliers` parsed: (pattern, factor) in order; a path takes the product of every match's."""
+  out = []
+  for item in o.lr_multipliers:
+    pattern, _, factor = item.rpartition('=')
+    try:
+      out.append((re.compile(pattern), float(factor)))
+    except (re.error, ValueError):
+      raise ConfigError(f'optim.lr_multipliers entry {item!r} is not REGEX=FACTOR (e.g. '
+                        f'optim.lr_multipliers=[embed=0.1,lm_head/kernel=2])') from None
+    if not pattern or out[-1][1] <= 0:
+      raise ConfigError(f'optim.lr_multipliers entry {item!r} needs a pattern and a positive factor')
+  return tuple(out)
+
+
+def _check_parametrization(config: Config) -> None:
+  m, o = config.model, config.optim
+  lr_multipliers(o)
+  if m.parametrization == 'standard':
+    if m.mup_base_width or m.mup_base_head_dim is not None or m.mup_zero_init:
+      raise ConfigError('model.mup_* fields are set but model.parametrization=standard; set '
+                        'model.parametrization=mup or drop them')
+  elif m.mup_base_width <= 0 or (m.mup_base_head_dim is not None and m.mup_base_head_dim <= 0):
+    raise ConfigError(f'model.parametrization=mup needs model.mup_base_width > 0 (the width the hyperparameters '
+                      f'were tuned at, e.g. model.mup_base_width={m.d_model}) and a positive '
+                      f'model.mup_base_head_dim if set')
+  per_group = m.parametrization == 'mup' or o.lr_multipliers
+  if per_group and o.name in ('muon', 'schedule_free_adamw'):
+    raise ConfigError(f'optim.name={o.name} takes one learning rate for every param, but model.parametrization='
+                      f'{m.parametrization} / optim.lr_multipliers set per-param ones; use adamw, lion or '
+                      f'adafactor')
+
+
 def validate(config: Config) -> None:
   """Device-independent checks that need no family or tokenizer: the family's own run where the model is
   assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
@@ -572,6 +617,7 @@ def validate(config: Config) -> None:
      or o.weight_lr_power < 0:
     raise ConfigError('optim.eps must be > 0, optim.ns_steps and optim.factored_min_dim >= 1, '
                       'optim.clipping_threshold, optim.muon_rms and optim.weight_lr_power >= 0')
+  _check_parametrization(config)
   if t.init_from_ema and t.init_from is None:
     raise ConfigError('train.init_from_ema=true takes the moving average of the run train.init_from names; set '
                       'train.init_from=RUN or drop it')

@@ -22,6 +22,7 @@ from lm.assembly.state import TrainState, abstract_state, make_init_fn, sharding
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
+from lm.models.parametrization import optimizer_multipliers
 from lm.parallel.mesh import make_mesh
 
 
@@ -51,7 +52,7 @@ class Assembly:
   @functools.cached_property
   def _init_fn(self):
     # One jit per assembly: a state made twice (a reference, a restart) compiles its init once.
-    return make_init_fn(self.family, self.model, self.tx, self.shardings, self.config.data.seq_len)
+    return make_init_fn(self.model, self.tx, self.shardings, self.config.data.seq_len)
 
   def flops_per_token(self) -> float:
     return accounting.flops_per_token(self.abstract_params, self.config.model, self.config.data.seq_len,
@@ -63,8 +64,9 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   family = get_family(check_config(config).model.family)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
-  axes = logical_axes(model) if config.optim.name == 'muon' else None  # Muon tells hidden matrices by their axes
-  tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes)
+  axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
+  tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
+                                optimizer_multipliers(axes, config.model, config.optim))
   state = abstract_state(abstract_params(model, mesh), tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state)

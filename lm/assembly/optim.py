@@ -3,6 +3,7 @@ warmup-stable-decay schedules, after global-norm clipping, with a weight-decay m
 average of the params."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -132,13 +133,28 @@ def base_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = None)
   return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def grouped_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = None, multipliers: Any = None
+                      ) -> optax.GradientTransformation:
+  """`base_optimizer`, or with per-param (lr, eps, weight decay) `multipliers` (`lm.models.parametrization`) one
+  per distinct triple on its params (optax.multi_transform): its schedule x lr, eps x eps, weight decay x decay."""
+  is_triple = lambda x: isinstance(x, tuple)
+  groups = sorted(set(jax.tree.leaves(multipliers, is_leaf=is_triple)))
+  if groups in ([], [(1.0, 1.0, 1.0)]):
+    return base_optimizer(cfg, schedule, axes)
+  label = lambda group: 'lr {:g} eps {:g} decay {:g}'.format(*group)
+  transforms = {label((lr, eps, decay)): base_optimizer(
+    dataclasses.replace(cfg, eps=cfg.eps * eps, weight_decay=cfg.weight_decay * decay),
+    lambda count, lr=lr: schedule(count) * lr, axes) for lr, eps, decay in groups}
+  return optax.multi_transform(transforms, jax.tree.map(label, multipliers, is_leaf=is_triple))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None,
+                   multipliers: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """`optim.name` on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept
   in the optimizer state (sharded like the params, checkpointed with it). `axes`: the params' logical axes
-  (Muon's hidden matrices)."""
+  (Muon's hidden matrices); `multipliers`: per-param (lr, eps, weight decay) factors (`grouped_optimizer`)."""
   schedule = learning_rate_schedule(cfg, total_steps)
-  base = base_optimizer(cfg, schedule, axes)
+  base = grouped_optimizer(cfg, schedule, axes, multipliers)
   parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [base] + \
     ([params_ema(ema_decay)] if ema_decay else [])
   return (optax.chain(*parts) if len(parts) > 1 else base), schedule

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lm.models.family import Family
+from lm.models import init_params
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -45,13 +45,13 @@ def abstract_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) ->
   return TrainState(step=scalar, params=params, opt_state=opt_state, skipped=scalar)
 
 
-def make_init_fn(family: Family, model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
+def make_init_fn(model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
                  length: int) -> Callable[[jax.Array], TrainState]:
   """jit(init) whose outputs land directly in their shards."""
   def init(rng: jax.Array) -> TrainState:
     # No sharding context: the dummy forward pass only creates params (XLA drops its activations),
     # and its batch of 1 need not divide over the data axes.
-    params = nn.unbox(family.init(model, rng, length))
+    params = nn.unbox(init_params(model, rng, length))
     zero = jnp.zeros((), jnp.int32)
     return TrainState(step=zero, params=params, opt_state=tx.init(params), skipped=zero)
   return jax.jit(init, out_shardings=shardings)

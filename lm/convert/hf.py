@@ -24,8 +24,9 @@ from safetensors.numpy import save_file
 
 from lm.config import ConfigError, ModelConfig
 from lm.convert.tensors import Checkpoint, param_shapes, read_params, write_tensors
-from lm.models import FAMILIES, build_model, get_family
+from lm.models import FAMILIES, build_model, get_family, logical_axes
 from lm.models.family import Family
+from lm.models.parametrization import fold, standard
 from lm.models.transformer import unstack_layers
 
 DTYPES = {'float32': np.float32, 'float16': np.float16, 'bfloat16': jnp.bfloat16}
@@ -103,6 +104,9 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   params = jax.device_get(nn.unbox(params))
   if cfg.scan_layers:
     params, cfg = unstack_layers(params), dataclasses.replace(cfg, scan_layers=False)
+  if cfg.parametrization != 'standard':  # HF models know no μP multipliers: fold them into the weights
+    params = fold(params, logical_axes(build_model(cfg)), cfg, get_family(cfg.family).readout_norm)
+    cfg = standard(cfg)
   flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
   expected = param_shapes(build_model(cfg))
   wrong = [f'{k} missing' for k in sorted(set(expected) - set(flat))] + [f'{k} unexpected' for k in sorted(

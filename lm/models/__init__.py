@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from lm.config import Config, ConfigError, ModelConfig
 from lm.models import bert, gpt, llama, t5
 from lm.models.family import Family
+from lm.models.parametrization import initialize
 from lm.parallel.rules import tree_shardings
 
 if TYPE_CHECKING:
@@ -61,5 +62,6 @@ def logical_axes(model: nn.Module) -> Any:
 
 
 def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:
-  """Boxed (logically partitioned) params of `model`, from dummy inputs of `length` tokens."""
-  return get_family(model.cfg.family).init(model, rng, length)
+  """Boxed (logically partitioned) params of `model`, from dummy inputs of `length` tokens, initialised as its
+  `model.parametrization` says."""
+  return initialize(get_family(model.cfg.family).init(model, rng, length), model.cfg)

@@ -9,6 +9,7 @@ from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import MaskedLM, NextSentencePairs, regular_ids
 from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
+from lm.models.parametrization import readout_input
 from lm.models.task_heads import Classifier
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
@@ -66,7 +67,7 @@ class BERT(nn.Module):
     return head.logits() if unembed else head
 
   def mlm_head(self, encoded: jax.Array) -> Unembedding:
-    h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(encoded)))
+    h = readout_input(self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(encoded))), self.cfg)
     return self.token_embed.unembed(h, bias=self.mlm_bias, chunk=self.cfg.loss_chunk)
 
   def pretrain(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
@@ -96,6 +97,7 @@ NSP = Head('nsp', labels='nsp_labels', params=('pooler', 'nsp_head'), enabled=la
 
 class BERTFamily(Encoder):
   name = 'bert'
+  readout_norm = ('mlm_norm',)
   module = BERT
   hf_converter = 'lm.convert.bert'
   heads = (NSP,)

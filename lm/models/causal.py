@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, LMHead, sinusoidal_positions
+from lm.models.parametrization import readout_input
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -71,6 +72,7 @@ def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
 def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
   """The output layer on the last hidden states `x`: the embedding table when tied, else an `lm_head` layer;
   `.logits()` applies it, the token loss tiles it (`model.loss_chunk`). Call from a compact method."""
+  x = readout_input(x, cfg)
   if cfg.tie_embeddings:
     return embed.unembed(x, chunk=cfg.loss_chunk)
   return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],

@@ -68,6 +68,9 @@ class Family:
   decoding: ClassVar[Decoding | None] = None  # how `lm.generate` samples from it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()
   task_head: ClassVar[TaskHead | None] = None  # how it fine-tunes on sequence tasks (GLUE); None: it cannot
+  # The norm whose output alone feeds a tied output layer (μP's 1/m readout multiplier folds into it on export);
+  # None: no such norm
+  readout_norm: ClassVar[tuple[str, ...] | None] = None
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
@@ -164,6 +167,7 @@ class DecoderOnly(Family):
   `module.classify` a classifier's scores from the last real token."""
   decoding = 'decoder'
   task_head = Classifier(params=('score',))
+  readout_norm = ('decoder', 'final_norm')
 
   def init(self, model, rng, length):
     """A classifier's params (`model.num_labels`) are made by `classify`: `score`, no output layer."""

@@ -225,7 +225,7 @@ class Attention(nn.Module):
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
   block_k: int = 128
-  scale_logits: bool = True
+  logit_scale: float | None = None  # None: 1/sqrt(head_dim)
   dropout_rate: float = 0.0
   init_std: float = 0.02
   query_init_std: float | None = None  # default init_std
@@ -263,7 +263,7 @@ class Attention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask,
-                    bias=bias, scale=None if self.scale_logits else 1.0,
+                    bias=bias, scale=self.logit_scale,
                     impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
                     dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng,
                     block_q=self.block_q, block_k=self.block_k)

@@ -8,6 +8,7 @@ from lm.config import ConfigError, ModelConfig
 from lm.data.objectives import EXTRA_IDS, SpanCorruption, span_lengths, span_sentinels
 from lm.models.family import EncoderDecoder, check_vocabulary
 from lm.models.layers import DTYPES, Embed, LearnedPositions, LMHead, sinusoidal_positions
+from lm.models.parametrization import readout_input
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -60,9 +61,9 @@ class T5(nn.Module):
     y = self.dropout(self._embed(decoder_inputs), deterministic=deterministic)
     y = self.decoder(constrain(y, ('batch', 'length', 'embed')), decoder_segment_ids, encoded, segment_ids,
                      deterministic=deterministic, decode=decode)
-    y = self.dropout(y, deterministic=deterministic)
+    y = readout_input(self.dropout(y, deterministic=deterministic), self.cfg)
     if self.cfg.tie_embeddings:
-      head = self.token_embed.unembed(y if self.cfg.scale_embeddings else y * self.cfg.d_model ** -0.5,
+      head = self.token_embed.unembed(y if self.cfg.scale_embeddings else y * self.cfg.base_width ** -0.5,
                                       chunk=self.cfg.loss_chunk)
     else:
       head = self.lm_head(y)

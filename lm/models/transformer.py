@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
+from lm.models.parametrization import attention_scale
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -62,7 +63,7 @@ class Block(nn.Module):
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
-      scale_logits=cfg.scale_attention, dropout_rate=cfg.attention_dropout, dtype=dtype,
+      logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
     rotary = cfg.rope_theta if cfg.position == 'rotary' else None
     branches = [('attention', lambda h: make_attention('attention', rotary_theta=rotary)(

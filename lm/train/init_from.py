@@ -20,6 +20,7 @@ from flax import traverse_util
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState, shardings_of
 from lm.config import ConfigError
+from lm.models import init_params
 from lm.models.transformer import relayout
 from lm.run_dir import load_params
 
@@ -71,6 +72,6 @@ def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initial
 def _fresh_params(assembly: Assembly, shardings: dict[str, Any]) -> dict[str, jax.Array]:
   """Initialises only the named params: XLA drops the rest of the init from the compiled function."""
   def init(rng: jax.Array) -> dict[str, jax.Array]:
-    params = _flat(nn.unbox(assembly.family.init(assembly.model, rng, assembly.config.data.seq_len)))
+    params = _flat(nn.unbox(init_params(assembly.model, rng, assembly.config.data.seq_len)))
     return {name: params[name] for name in shardings}
   return jax.jit(init, out_shardings=shardings)(jax.random.key(assembly.config.train.seed))

@@ -270,3 +270,20 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
   old = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: (c.pop('rope_parameters'), c.update(
     rope_theta=1234.0, rope_scaling=None)))
   assert load_hf(old)[0].cfg.rope_theta == 1234.0
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'llama'])
+def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(kind, tmp_path):
+  """A μP model at width multiplier 4 (readout x 1/4, attention x sqrt(base head dim) / head dim): tied (GPT-2,
+  folded into the final norm) and untied (Llama, into lm_head); the exported model's logits are ours."""
+  save_hf_model(kind, tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  mup = build_model(dataclasses.replace(model.cfg, parametrization='mup', mup_base_width=8))
+  ids, mask = batch()
+  ours = our_logits(mup, params, kind, ids, mask)
+  assert relative_error(our_logits(model, params, kind, ids, mask), ours, mask) > 0.1  # μP's forward differs
+  save_hf(mup, params, tmp_path / 'out')
+  exported = MODELS[kind].from_pretrained(tmp_path / 'out').eval()
+  error = relative_error(ours, hf_logits(exported, kind, ids, mask), mask)
+  print(f'{kind} μP: relative logits error of the export {error:.2e}')
+  assert error < 1e-4

@@ -138,7 +138,7 @@ def test_initialisation_creates_each_shard_where_it_lives(tmp_path, mesh):
   from lm.assembly.state import make_init_fn
   from lm.config import load_config
   a = assemble(load_config('gpt_tiny', [f'train.run_dir={tmp_path}', 'mesh.data=1', *mesh]), jax.devices())
-  compiled = make_init_fn(a.family, a.model, a.tx, a.shardings, a.config.data.seq_len).lower(
+  compiled = make_init_fn(a.model, a.tx, a.shardings, a.config.data.seq_len).lower(
     jax.random.key(0)).compile()
   got, want = jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(a.abstract_state)
   assert len(got) == len(want) and all(g.is_equivalent_to(w.sharding, w.ndim) for g, w in zip(got, want))

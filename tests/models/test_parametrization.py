@@ -1,0 +1,89 @@
+"""model.parametrization=mup: at the base width it trains as standard does; away from it, the init, the Adam
+update and its per-param multipliers follow Tensor Programs V's Table 3 (float64 formulas); bad settings are
+one line each."""
+import jax
+import numpy as np
+import pytest
+
+from lm.assembly import assemble
+from lm.config import ConfigError, load_config
+from lm.pretraining import Pretraining
+from tests.conftest import SMALL
+from tests.train.test_optimizers import EPS, LR, WD, assert_close, first_update
+
+
+def five_steps(config):
+  """(the losses of 5 steps, the params after them) on one device."""
+  trainer = Pretraining(config, jax.devices()[:1])
+  state, losses = trainer.init_state(), []
+  for _ in range(5):
+    state, metrics = trainer.train_step(state, next(trainer.train_batches))
+    losses.append(float(metrics['loss']))
+  return np.array(losses), jax.device_get(state.params)
+
+
+@pytest.mark.long(0.6)
+@pytest.mark.parametrize('preset, scanned', [('gpt_tiny', True), ('bert_tiny', False), ('t5_tiny', True),
+                                             ('llama_tiny', False)])
+def test_mup_at_the_base_width_trains_as_standard(preset, scanned, tmp_path):
+  overrides = SMALL + [f'model.scan_layers={str(scanned).lower()}', f'train.run_dir={tmp_path}']
+  losses, params = five_steps(load_config(preset, overrides))
+  mup_losses, mup_params = five_steps(load_config(preset, overrides + ['model.parametrization=mup',
+                                                                       'model.mup_base_width=64']))
+  np.testing.assert_allclose(mup_losses, losses, rtol=1e-6)
+  assert_close(mup_params, params, rtol=1e-6)
+
+
+HIDDEN = [('attention', 'query'), ('attention', 'key'), ('attention', 'value'), ('attention', 'out'), ('mlp', 'wi'),
+          ('mlp', 'wo')]
+
+
+@pytest.mark.long(0.2)
+def test_mup_init_and_first_adamw_update_follow_table_3(small_config):
+  """Width 64 over a base of 16 (m = 4): hidden kernels start at std 0.02 / sqrt(m) (the out projections' GPT-2
+  residual shrink with them) and step lr / m x g / (|g| + eps / m) with decay x m (lr x decay unchanged);
+  embeddings, norms and biases step as standard; optim.lr_multipliers scales what its pattern matches."""
+  m = 4
+  params, grads, mask, updates, _, _ = first_update(
+    small_config, 'adamw', 'model.parametrization=mup', 'model.mup_base_width=16',
+    'optim.lr_multipliers=[position_embed=0.5]')
+  layers = params['decoder']['layers']
+  residual = 0.02 / np.sqrt(2 * 2)
+  for block, name in HIDDEN:
+    std = (residual if name in ('out', 'wo') else 0.02) / np.sqrt(m)
+    np.testing.assert_allclose(layers[block][name]['kernel'].std(), std, rtol=0.06)
+  np.testing.assert_allclose(params['token_embed']['embedding'].std(), 0.02, rtol=0.06)  # input: as standard
+
+  def want(path, p, g, decays):
+    name = jax.tree_util.keystr(path)
+    hidden = any(f"'{block}']['{n}']['kernel'" in name for block, n in HIDDEN)
+    lr = LR * (0.5 if 'position_embed' in name else 1.0)
+    if hidden:
+      return -LR / m * (g / (np.abs(g) + EPS / m) + m * WD * p * decays)
+    return -lr * (g / (np.abs(g) + EPS) + WD * p * decays)
+  assert_close(updates, jax.tree_util.tree_map_with_path(want, params, grads, mask))
+
+
+def test_zero_init_starts_the_queries_and_an_untied_output_layer_at_zero(small_config):
+  config = small_config('model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'model.use_bias=false',
+                        'model.activation=swiglu', 'model.tie_embeddings=false', 'model.parametrization=mup',
+                        'model.mup_base_width=32', 'model.mup_zero_init=true')
+  params = jax.device_get(assemble(config, jax.devices()[:1]).init_state().params)
+  assert not params['decoder']['layers']['attention']['query']['kernel'].any()
+  assert not params['lm_head']['kernel'].any()
+  assert params['decoder']['layers']['attention']['key']['kernel'].std() > 0
+
+
+@pytest.mark.parametrize('overrides, message', [
+  (['model.parametrization=mup'], 'model.parametrization=mup needs model.mup_base_width > 0'),
+  (['model.parametrization=mup', 'model.mup_base_width=-64'], 'needs model.mup_base_width > 0'),
+  (['model.mup_base_width=64'], 'model.mup_* fields are set but model.parametrization=standard'),
+  (['model.parametrization=mup', 'model.mup_base_width=64', 'optim.name=muon'],
+   'optim.name=muon takes one learning rate for every param'),
+  (['optim.lr_multipliers=[embed]'], "optim.lr_multipliers entry 'embed' is not REGEX=FACTOR"),
+  (['optim.lr_multipliers=[embed=-1]'], 'needs a pattern and a positive factor'),
+])
+def test_bad_parametrization_settings_are_one_line(small_config, overrides, message):
+  with pytest.raises(ConfigError, match=message.replace('*', r'\*').replace('[', r'\[')) as e:
+    small_config(*overrides)
+  assert '\n' not in str(e.value)
