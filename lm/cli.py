@@ -221,6 +221,19 @@ def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_coord_check(args: argparse.Namespace) -> int:
+  from lm.report import format_lines
+  from lm.scaling.coord_check import ORDER, coord_check, write_coord_check
+  from lm.scaling.sweep import parse_numbers
+  widths = [int(w) for w in parse_numbers(args.widths, '--widths')]
+  result = coord_check(_config(args), widths, args.parametrization, args.lr, args.steps, args.seeds)
+  png, data = write_coord_check(result, args.out)
+  print(f'{args.parametrization}: slope of log mean|x| against log width, by step 0..{args.steps}', flush=True)
+  print(format_lines([(group, '  '.join(f'{s:+.2f}' for s in result['slopes'][group])) for group in ORDER]))
+  print(f'wrote {png} and {data}', flush=True)
+  return 0
+
+
 def cmd_scaling_collect(args: argparse.Namespace) -> int:
   from lm.scaling.collect import collect
   from lm.scaling.points import write_points
@@ -473,6 +486,18 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.add_argument('--dry-run', action='store_true', help='print the points and stop')
   sweep.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
   sweep.set_defaults(fn=cmd_scaling_sweep, joins_job=True)
+
+  coord = scaling.add_parser('coord-check', help='mean |activation| of each layer group against width over a few '
+                             'steps (Tensor Programs V): flat under mup')
+  coord.add_argument('--config', default='gpt_tiny', help='the base preset or YAML (its d_model is the mup base)')
+  coord.add_argument('--widths', default='64,128,256,512,1024', help='d_model of each model, comma-separated')
+  coord.add_argument('--parametrization', choices=('mup', 'standard'), default='mup')
+  coord.add_argument('--lr', type=float, default=3e-3, help='the (deliberately large) AdamW learning rate')
+  coord.add_argument('--steps', type=int, default=3, help='optimizer steps on the one fixed batch')
+  coord.add_argument('--seeds', type=int, default=3, help='initialisations averaged')
+  coord.add_argument('--out', required=True, help='directory for coord_check.png and coord_check.json')
+  coord.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
+  coord.set_defaults(fn=cmd_scaling_coord_check)
 
   collect = scaling.add_parser('collect', help='run dirs -> points CSV (run, step, params, non_embedding_params, '
                                                 'tokens, flops, flops_6nd, loss, loss_of)')
