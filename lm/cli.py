@@ -209,7 +209,8 @@ def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
   budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
   tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
-  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule)
+  rates = parse_numbers(args.lr_grid, '--lr-grid') if args.lr_grid else ()
+  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates)
   print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps'
                        + (f' (the decay from step {p.branch_at})' if p.branch_at else '')) for p in points]),
         flush=True)
@@ -306,6 +307,12 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
     if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
       raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
                         f'lm scaling fit {args.points} --out FIT.json')
+  if args.lr:
+    from lm.scaling.plot import plot_learning_rates
+    best = plot_learning_rates(args.points, args.out)
+    print('best learning rate by width: ' + ', '.join(f'{width} {lr:g}' for width, lr in best.items()))
+    print(f'wrote {args.out}', flush=True)
+    return 0
   tasks = task_accuracies(args.points)
   if fit is not None and fit['law'] == 'task':  # the fitted metric, with its sigmoid
     column = f'{fit["task"]}/{fit["metric"]}'
@@ -480,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
   design.add_argument('--budgets', default=None, metavar='C1,C2', help='IsoFLOP: compute budgets in FLOPs, '
                                                                        'each size at D = C/6N')
   sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
+  sweep.add_argument('--lr-grid', default=None, metavar='LR1,LR2',
+                     help='peak learning rates: every point at each (learning-rate transfer; see plot --lr)')
   sweep.add_argument('--schedule', choices=('cosine', 'wsd'), default='cosine',
                      help='cosine: each point its own run; wsd: warmup-stable-decay, each size one stable run with '
                           'each point a cooldown branched off it')
@@ -542,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument('--out', required=True, help='the PNG to write')
   plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
   plot.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to plot')
+  plot.add_argument('--lr', action='store_true', help='final loss against learning rate, a curve per width '
+                                                      '(a sweep with --lr-grid)')
   plot.set_defaults(fn=cmd_scaling_plot)
 
   data = sub.add_parser('data', help='datasets').add_subparsers(dest='action', required=True)

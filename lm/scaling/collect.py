@@ -49,7 +49,7 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
   tokens = step * config.train.global_batch * config.data.seq_len
   return {'run': run, 'step': step, 'params': sizes['params'], 'non_embedding_params': sizes['non_embedding_params'],
           'tokens': tokens, 'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['params'] * tokens,
-          'loss': loss}
+          'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate}
 
 
 def loss_column(eval_set: str | None = None, metric: str = 'loss') -> str:

@@ -3,6 +3,7 @@ curves with their parabolas; N_opt and D_opt against compute with the fitted pow
 against compute, and against its task loss with the task law's sigmoid (matplotlib, Agg)."""
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from lm.config import ConfigError
 from lm.scaling import laws
-from lm.scaling.points import Points
+from lm.scaling.points import Points, loss_of
 
 
 def _law_curve(fit: dict[str, Any], flops: np.ndarray) -> np.ndarray | None:
@@ -126,3 +127,53 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
   figure.savefig(out, dpi=110)
   plt.close(figure)
   return out
+
+
+def final_losses_by_width(path: str | Path) -> dict[int, dict[float, float]]:
+  """width -> {learning rate: the run's last loss} of a points CSV (a sweep with --lr-grid, collected)."""
+  with Path(path).open(newline='') as f:
+    rows = list(csv.DictReader(f))
+  if not rows or not {'width', 'learning_rate', 'run', 'step', 'loss'} <= rows[0].keys():
+    raise ConfigError(f'{path} has no width and learning_rate columns; collect it again with lm scaling collect')
+  last: dict[str, dict[str, str]] = {}
+  for row in rows:
+    if row['run'] not in last or int(row['step']) > int(last[row['run']]['step']):
+      last[row['run']] = row
+  out: dict[int, dict[float, float]] = {}
+  for row in last.values():
+    out.setdefault(int(row['width']), {})[float(row['learning_rate'])] = float(row['loss'])
+  if all(len(rates) < 2 for rates in out.values()):
+    raise ConfigError(f'{path} holds one learning rate per width; sweep with --lr-grid (e.g. --lr-grid '
+                      f'3e-4,1e-3,3e-3,1e-2) and collect that')
+  return dict(sorted(out.items()))
+
+
+def best_learning_rates(losses: dict[int, dict[float, float]]) -> dict[int, float]:
+  """width -> the learning rate of its lowest finite final loss."""
+  return {width: min((loss, lr) for lr, loss in rates.items() if np.isfinite(loss))[1]
+          for width, rates in losses.items() if any(np.isfinite(v) for v in rates.values())}
+
+
+def plot_learning_rates(path: str | Path, out: str | Path) -> dict[int, float]:
+  """Final loss against peak learning rate, a curve per width with its best rate starred (Tensor Programs V's
+  Figure 1); returns width -> best learning rate."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  losses = final_losses_by_width(path)
+  best = best_learning_rates(losses)
+  figure, ax = plt.subplots(figsize=(6, 4.5))
+  colours = plt.cm.viridis(np.linspace(0, 0.9, len(losses)))
+  for (width, rates), colour in zip(losses.items(), colours):
+    lrs = sorted(rates)
+    ax.plot(lrs, [rates[lr] for lr in lrs], 'o-', color=colour, ms=4, label=f'width {width}')
+    if width in best:
+      ax.plot(best[width], rates[best[width]], '*', color=colour, ms=12)
+  ax.set(xscale='log', xlabel='peak learning rate', ylabel=loss_label(loss_of(path)),
+         title='loss against learning rate, by width')
+  ax.legend(fontsize='small')
+  figure.tight_layout()
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+  return best

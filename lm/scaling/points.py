@@ -15,7 +15,8 @@ import numpy as np
 
 from lm.config import ConfigError
 
-COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of')
+COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width',
+           'learning_rate')
 REQUIRED = ('params', 'tokens', 'loss')
 
 

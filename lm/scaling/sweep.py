@@ -46,6 +46,7 @@ class Point:
   tokens: int  # steps x batch x length: the budget rounded to whole steps
   overrides: tuple[str, ...]
   branch_at: int = 0  # wsd: the decay's first step, where it branches off its size's stable run (0: trained alone)
+  learning_rate: float = 0.0  # --lr-grid: this point's peak rate (0: the base config's)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,12 @@ def _sized(base: Config, width: int, depth: int) -> tuple[Config, int]:
 
 
 def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float] = (),
-         budgets: Sequence[float] = (), evals: int = 4, schedule: str = 'cosine') -> list[Point]:
+         budgets: Sequence[float] = (), evals: int = 4, schedule: str = 'cosine',
+         learning_rates: Sequence[float] = ()) -> list[Point]:
   """The sweep's points: sizes x `tokens`, or for each compute budget every size at D = C / 6N; with `schedule`
-  'wsd', each a warmup-stable-decay run (a size's points warm up alike, so they share a stable phase)."""
+  'wsd', each a warmup-stable-decay run (a size's points warm up alike, so they share a stable phase); each at
+  every one of `learning_rates` (labels `..._lr<rate>`). Under μP every width scales its init and per-param
+  rates from `model.mup_base_width`; its base head dim is the one the sizes keep."""
   if bool(tokens) == bool(budgets):
     raise ConfigError('a sweep takes token budgets (--tokens) or compute budgets (--budgets), one of the two')
   per_step = base.train.global_batch * base.data.seq_len
@@ -120,30 +124,40 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       overrides = (f'model.d_model={width}', f'model.num_layers={depth}', f'model.num_heads={config.model.num_heads}',
                    f'train.steps={steps}', f'optim.decay_steps={steps}', f'optim.warmup_steps={warmup}',
                    f'train.eval_every={every}', f'train.checkpoint_every={every}', 'train.resume=true')
+      if base.model.parametrization == 'mup' and base.model.mup_base_head_dim is None:
+        overrides += (f'model.mup_base_head_dim={base.model.resolved_head_dim}',)
       branch_at = 0
       if schedule == 'wsd':
         overrides += ('optim.schedule=wsd',)
         branch_at = steps - max(round(base.optim.decay_fraction * steps), 1)  # as the schedule counts its decay
-      points.append(Point(label.replace('+', ''), width, depth, config.model.num_heads, n, steps,
-                          steps * per_step, overrides, branch_at))
+      for lr in learning_rates or (0.0,):
+        points.append(Point(label.replace('+', '') + (f'_lr{lr:g}' if lr else ''), width, depth,
+                            config.model.num_heads, n, steps, steps * per_step,
+                            overrides + ((f'optim.learning_rate={lr:g}',) if lr else ()), branch_at, lr))
   if not points:
     raise ConfigError('every point of the sweep is shorter than one batch; raise the token or compute budgets')
   return sorted(points, key=lambda p: (p.tokens * p.params, p.label))
 
 
 def stable_label(point: Point) -> str:
-  return f'd{point.width}_l{point.depth}_stable'
+  return f'd{point.width}_l{point.depth}' + (f'_lr{point.learning_rate:g}' if point.learning_rate else '') + '_stable'
 
 
-def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int], Stable]:
-  """(width, depth) -> its stable run, for the sizes whose points branch (wsd)."""
+def _stable_key(point: Point) -> tuple[int, int, float]:
+  return point.width, point.depth, point.learning_rate
+
+
+def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int, float], Stable]:
+  """(width, depth, learning rate) -> its stable run, for the sizes whose points branch (wsd)."""
   stable = {}
-  for size in dict.fromkeys((p.width, p.depth) for p in points if p.branch_at):
-    mine = [p for p in points if (p.width, p.depth) == size and p.branch_at]
+  for key in dict.fromkeys(_stable_key(p) for p in points if p.branch_at):
+    mine = [p for p in points if _stable_key(p) == key and p.branch_at]
     steps, every = max(p.branch_at for p in mine), -(-max(p.branch_at for p in mine) // evals)
     shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
-                                                                     'model.num_heads', 'optim.warmup_steps')]
-    stable[size] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
+                                                                     'model.num_heads', 'optim.warmup_steps',
+                                                                     'optim.learning_rate',
+                                                                     'model.mup_base_head_dim')]
+    stable[key] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
                           (*shared, 'optim.schedule=constant', f'train.steps={steps}', f'train.eval_every={every}',
                            f'train.checkpoint_every={every}',
                            f'train.checkpoint_at=[{",".join(str(p.branch_at) for p in mine)}]', 'train.resume=true'))
@@ -194,7 +208,7 @@ def sweep(base: Config, out: str, points: Sequence[Point], evals: int = 4) -> li
   for i, point in enumerate(points, 1):
     run_dir = root / point.label
     runs.append(str(run_dir))
-    shared = stable.pop((point.width, point.depth), None)
+    shared = stable.pop(_stable_key(point), None)
     if shared is not None:
       _train(base, root / shared.label, shared.overrides,
              f'{shared.label}: N {point.params:,}, {shared.steps} steps at the peak rate, branching at '

@@ -7,7 +7,7 @@ import pytest
 
 from lm import cli
 from lm.config import load_config
-from lm.scaling.sweep import plan
+from lm.scaling.sweep import plan, stable_runs
 from lm.train.logging import read_metrics
 
 BASE = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.log_every=5',
@@ -28,6 +28,35 @@ def test_plan_fits_each_schedule_to_its_budget():
   iso = plan(base, [(32, 2), (64, 2)], budgets=[1e10])
   for p in iso:  # D = C / 6N, rounded to whole batches
     assert abs(p.tokens - 1e10 / (6 * p.params)) <= 8 * 32 / 2
+
+
+def test_an_lr_grid_runs_every_point_at_every_rate_and_mup_keeps_the_base_head_dim():
+  base = load_config('gpt_tiny', BASE + ['model.parametrization=mup', 'model.mup_base_width=64'])
+  points = plan(base, [(64, 2), (128, 2)], tokens=[2560, 7680], evals=2, schedule='wsd',
+                learning_rates=[1e-3, 3e-3])
+  assert len(points) == 8 and {p.label for p in points} >= {'d64_l2_t2.56e03_lr0.001', 'd128_l2_t7.68e03_lr0.003'}
+  for p in points:
+    assert f'optim.learning_rate={p.learning_rate:g}' in p.overrides and p.label.endswith(f'_lr{p.learning_rate:g}')
+    assert 'model.mup_base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
+  stable = stable_runs(points)
+  assert len(stable) == 4  # one per width and rate: cooldowns branch off their own rate's stable run
+  for (width, _, lr), run in stable.items():
+    assert run.label == f'd{width}_l2_lr{lr:g}_stable' and f'optim.learning_rate={lr:g}' in run.overrides
+
+
+def test_plot_lr_stars_each_widths_lowest_final_loss(tmp_path, capsys):
+  rows = [('a', 64, 1e-3, 10, 3.0), ('a', 64, 1e-3, 20, 2.5), ('b', 64, 3e-3, 20, 2.4), ('c', 64, 1e-2, 20, 'nan'),
+          ('d', 256, 1e-3, 20, 2.2), ('e', 256, 3e-3, 20, 2.3), ('e', 256, 3e-3, 10, 2.0)]
+  points = tmp_path / 'points.csv'
+  points.write_text('run,step,params,tokens,loss,width,learning_rate\n' + ''.join(
+    f'{run},{step},1000,{step * 100},{loss},{width},{lr}\n' for run, width, lr, step, loss in rows))
+  assert cli.main(['scaling', 'plot', str(points), '--lr', '--out', str(tmp_path / 'lr.png')]) == 0
+  assert 'best learning rate by width: 64 0.003, 256 0.001' in capsys.readouterr().out  # final steps, NaN skipped
+  assert (tmp_path / 'lr.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  one = tmp_path / 'one.csv'
+  one.write_text('run,step,params,tokens,loss,width,learning_rate\na,1,1,1,2.0,64,0.001\n')
+  assert cli.main(['scaling', 'plot', str(one), '--lr', '--out', str(tmp_path / 'x.png')]) == 2
+  assert 'sweep with --lr-grid' in capsys.readouterr().err
 
 
 @pytest.mark.long(2)
