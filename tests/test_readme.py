@@ -42,6 +42,8 @@ SHORTER = [
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
   (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),
   (r'^python bench/train_throughput\.py .*$', lambda m: m[0] + ' --steps 2'),
+  (r'^(lm scaling sweep .*) --lr-grid \S+(.*)$',
+   lambda m: f'{m[1]} --lr-grid 1e-3,3e-3{m[2]} --sizes 64x1 --tokens 4096'),
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),  # the cooldown branches at the shortened stable run's end (step 2) and decays over its own last 2 steps
@@ -62,6 +64,8 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_preset_fits_its_slice_as_written',
+  'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512,1024':
+    'tests/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
   'python bench/compile_table.py':
     'tests/bench/test_compile_table.py::test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':

@@ -103,8 +103,8 @@ def coord_check(base: Config, widths: Sequence[int], parametrization: str, learn
   log_w = np.log(np.asarray(widths, np.float64))
   slopes = {group: [float(np.polyfit(log_w, np.log(values[t]), 1)[0]) for t in range(steps + 1)]
             for group, values in mean_abs.items()}
-  return {'parametrization': parametrization, 'base_width': base.model.mup_base_width or base.model.d_model, 'learning_rate': learning_rate,
-          'widths': list(widths), 'steps': steps, 'seeds': seeds,
+  return {'parametrization': parametrization, 'base_width': base.model.mup_base_width or base.model.d_model,
+          'learning_rate': learning_rate, 'widths': list(widths), 'steps': steps, 'seeds': seeds,
           'mean_abs': {group: values.tolist() for group, values in mean_abs.items()}, 'slopes': slopes}
 
 
