@@ -87,3 +87,15 @@ def test_bad_parametrization_settings_are_one_line(small_config, overrides, mess
   with pytest.raises(ConfigError, match=message.replace('*', r'\*').replace('[', r'\[')) as e:
     small_config(*overrides)
   assert '\n' not in str(e.value)
+
+
+def test_a_mup_t5_with_a_tied_output_layer_cannot_be_exported(small_config, tmp_path):
+  """Its d_model^-0.5 output rescale is taken at the base width, which no standard T5 has: one line, no files."""
+  from lm.convert.hf import save_hf
+  from lm.models import build_model
+  config = load_config('t5_tiny', SMALL + ['model.tie_embeddings=true', 'model.parametrization=mup',
+                                           'model.mup_base_width=32'])
+  params = jax.device_get(assemble(config, jax.devices()[:1]).init_state().params)
+  with pytest.raises(ConfigError, match='cannot fold this μP t5 model into a standard one') as e:
+    save_hf(build_model(config.model), params, tmp_path / 'hf')
+  assert '\n' not in str(e.value) and not (tmp_path / 'hf').exists()

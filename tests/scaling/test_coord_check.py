@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from lm import cli
+from lm.config import ConfigError, load_config
+from lm.scaling.coord_check import width_config
 
 ARGS = ['scaling', 'coord-check', '--config', 'gpt_tiny', '--widths', '64,128,256,512,1024', '--lr', '3e-3',
         '--steps', '3', '--seeds', '3', 'train.global_batch=4', 'data.seq_len=64']
@@ -35,3 +37,16 @@ def test_mup_is_flat_in_width_and_standard_is_not(tmp_path, capsys):
 def test_coord_check_needs_two_widths(capsys):
   assert cli.main(['scaling', 'coord-check', '--widths', '64', '--out', '/tmp/unused-coord-check']) == 2
   assert 'needs two or more positive --widths' in capsys.readouterr().err
+
+
+def test_each_width_keeps_the_heads_and_trains_plain_adamw_steps():
+  base = load_config('gpt_tiny', ['model.d_ff=512', 'optim.lr_multipliers=[embed=2]'])
+  mup = width_config(base, 1024, 'mup', 1e-2)
+  assert (mup.model.d_model, mup.model.num_heads, mup.model.d_ff, mup.model.resolved_head_dim) == (1024, 4, 2048, 256)
+  assert (mup.model.parametrization, mup.model.mup_base_width, mup.model.scan_layers) == ('mup', 256, False)
+  o = mup.optim
+  assert (o.name, o.learning_rate, o.warmup_steps, o.schedule, o.grad_clip, o.weight_decay, o.lr_multipliers) == \
+    ('adamw', 1e-2, 0, 'constant', 0.0, 0.0, ())
+  assert width_config(base, 64, 'standard', 1e-2).model.parametrization == 'standard'
+  with pytest.raises(ConfigError, match='does not divide model.d_model=66'):
+    width_config(base, 66, 'mup', 1e-2)
