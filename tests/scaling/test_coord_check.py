@@ -25,8 +25,7 @@ def test_mup_is_flat_in_width_and_standard_is_not(tmp_path):
     out = tmp_path / parametrization
     done = subprocess.run([sys.executable, '-m', 'lm.cli', *ARGS, '--parametrization', parametrization,
                            '--out', str(out)], check=False, env=one_device_env(optimized=True),
-                          capture_output=True, text=True,
-                          timeout=600)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     tables += done.stdout
     assert (out / 'coord_check.png').stat().st_size > 10_000
