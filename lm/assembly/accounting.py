@@ -11,11 +11,7 @@ from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
 from lm.models.layers import GATED
-from lm.parallel.rules import axis_size, check_batch
-
-
-def _path_names(path: tuple) -> list[str]:
-  return [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
+from lm.parallel.rules import axis_size, check_batch, path_names
 
 
 def count_params(params: Any) -> dict[str, int]:
@@ -24,7 +20,7 @@ def count_params(params: Any) -> dict[str, int]:
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     size = int(np.prod(leaf.shape))
     total += size
-    if 'embedding' in _path_names(path):
+    if 'embedding' in path_names(path):
       embedding += size
   return {'total': total, 'non_embedding': total - embedding}
 
@@ -34,7 +30,7 @@ def kernel_sizes(params: Any, cfg: ModelConfig) -> KernelSizes:
   per_sequence_modules = get_family(cfg.family).per_sequence_params()
   sizes = dict(encoder=0, other=0, cross_kv=0, per_sequence=0)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = _path_names(path)
+    names = path_names(path)
     if names[-1] != 'kernel':
       continue
     size = int(np.prod(leaf.shape))

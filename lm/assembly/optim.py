@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from optax.contrib import ScheduleFreeState
 
 from lm.config import OptimConfig
+from lm.parallel.rules import path_names
 
 
 def decay_schedule(shape: str, peak: float, ratio: float, steps: int) -> optax.Schedule:
@@ -48,8 +49,7 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
 def decay_mask(params: Any, exclude: tuple[str, ...]) -> Any:
   """True where weight decay applies: every parameter whose path names none of `exclude`."""
   def applies(path: tuple, _: Any) -> bool:
-    names = {getattr(k, 'key', getattr(k, 'name', str(k))) for k in path}
-    return not names & set(exclude)
+    return not set(path_names(path)) & set(exclude)
   return jax.tree_util.tree_map_with_path(applies, params)
 
 

@@ -1,6 +1,7 @@
 """Model families: the one registry of family records (see `lm.models.family`)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:
 def abstract_params(model: nn.Module, mesh: Mesh | None = None) -> Any:
   """The params as ShapeDtypeStructs (nothing allocated: works for 175B models), carrying their
   NamedShardings on `mesh` when given; an uneven split is a ConfigError naming the field to change."""
-  boxed = jax.eval_shape(lambda rng: get_family(model.cfg.family).init(model, rng, 1), jax.random.key(0))
+  boxed = _boxed_shapes(model)
   params = nn.unbox(boxed)
   if mesh is None:
     return params
@@ -57,8 +58,14 @@ def abstract_params(model: nn.Module, mesh: Mesh | None = None) -> Any:
 def logical_axes(model: nn.Module) -> Any:
   """Each param's logical axes (a PartitionSpec of names such as 'embed', 'mlp', 'layers'), as the layers
   declare them."""
-  boxed = jax.eval_shape(lambda rng: get_family(model.cfg.family).init(model, rng, 1), jax.random.key(0))
-  return nn.get_partition_spec(boxed)
+  return nn.get_partition_spec(_boxed_shapes(model))
+
+
+@functools.lru_cache(maxsize=4)
+def _boxed_shapes(model: nn.Module) -> Any:
+  """The params' shapes with their logical axes, traced once per model (modules hash by their fields): an
+  assembly asks for both its params and their axes."""
+  return jax.eval_shape(lambda rng: get_family(model.cfg.family).init(model, rng, 1), jax.random.key(0))
 
 
 def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:

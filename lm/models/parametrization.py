@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lm.config import ConfigError, ModelConfig, OptimConfig, lr_multipliers
+from lm.parallel.rules import path_names
 
 HIDDEN = frozenset({'heads', 'kv_heads', 'mlp'})  # with 'embed': the axes of a hidden (residual-stream) matrix
 QUERY = ('embed', 'heads', 'kv')
@@ -98,10 +99,6 @@ def initialize(boxed: Any, cfg: ModelConfig) -> Any:
   return jax.tree.map(rescale, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-def path_name(path: tuple) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in path)
-
-
 def optimizer_multipliers(axes: Any, model: ModelConfig, optim: OptimConfig) -> Any:
   """Per param (a tree of logical axes) its (lr, eps, weight decay) multipliers: μP's hidden-matrix rule times
   the `optim.lr_multipliers` that match its path."""
@@ -112,7 +109,7 @@ def optimizer_multipliers(axes: Any, model: ModelConfig, optim: OptimConfig) -> 
     lr, eps, decay = 1.0, 1.0, 1.0
     if model.parametrization == 'mup' and role(tuple(spec)) in ('hidden', 'query'):
       lr, eps, decay = 1.0 / m, 1.0 / m, m
-    name = path_name(path)
+    name = '/'.join(path_names(path))
     for pattern, factor in patterns:
       if pattern.search(name):
         lr *= factor
@@ -145,7 +142,7 @@ def fold(params: Any, axes: Any, cfg: ModelConfig, readout_norm: tuple[str, ...]
   norm = '/'.join(readout_norm or ()) + '/'
 
   def scaled(path: tuple, x: Any, spec: PartitionSpec) -> Any:
-    names, name = tuple(a for a in spec if a != 'layers'), path_name(path)
+    names, name = tuple(a for a in spec if a != 'layers'), '/'.join(path_names(path))
     if names in (QUERY, QUERY_BIAS):
       return x * query
     if names == READOUT or (tied and not untied and name.startswith(norm)):

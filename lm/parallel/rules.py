@@ -157,10 +157,15 @@ def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRu
     try:
       return sharding_for(axes, leaf.shape, mesh, rules)
     except UnevenShardingError as e:
-      name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+      name = '/'.join(path_names(path))
       raise ConfigError(f'{e} (parameter {name}); choose mesh sizes that divide it or change {e.field}') from None
   is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
   return jax.tree_util.tree_map_with_path(resolve, logical_specs, shapes, is_leaf=is_spec)
+
+
+def path_names(path: tuple) -> list[str]:
+  """A tree path's keys as names (dict keys, attribute names), e.g. ['decoder', 'layers', 'mlp', 'kernel']."""
+  return [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
