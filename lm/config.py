@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 # Every enumerated field is a Literal: loading rejects other values and lists these (`_coerce`).
 # Families and tokenizers are open sets checked against their registries in `validate`.
 Position = Literal['learned', 'sinusoidal', 'relative', 'rotary', 'none']  # relative: T5 buckets; rotary: RoPE
+RopeScaling = Literal['none', 'linear', 'llama3', 'yarn']
 Norm = Literal['layernorm', 'rmsnorm']
 NormPosition = Literal['pre', 'post']
 Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu']
@@ -56,6 +57,16 @@ class ModelConfig:
   max_len: int = 256  # rows of the learned position table
   position: Position = 'learned'
   rope_theta: float = 10000.0  # rotary base wavelength
+  # Rotary scaling for contexts beyond the trained one (lm.models.rope): linear (positions / rope_factor), llama3
+  # (Llama 3.1's frequency-dependent factor), yarn (by frequency, with YaRN's attention temperature)
+  rope_scaling: RopeScaling = 'none'
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0  # llama3, yarn: the context the model was first trained at
+  rope_low_freq_factor: float = 1.0  # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  rope_beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
+  rope_beta_slow: float = 1.0  # yarn: ... below which they are divided by rope_factor
+  rope_attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(rope_factor) + 1
   relative_buckets: int = 32
   relative_max_distance: int = 128
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings when > 0
@@ -542,6 +553,22 @@ def lr_multipliers(o: OptimConfig) -> tuple[tuple[re.Pattern, float], ...]:
   return tuple(out)
 
 
+def _check_rope_scaling(m: ModelConfig) -> None:
+  if m.rope_scaling == 'none':
+    return
+  if m.position != 'rotary':
+    raise ConfigError(f'model.rope_scaling={m.rope_scaling} scales rotary positions, but model.position='
+                      f'{m.position}; set model.position=rotary or model.rope_scaling=none')
+  if m.rope_factor < 1:
+    raise ConfigError(f'model.rope_factor={m.rope_factor} must be >= 1 (how many times the trained context)')
+  if m.rope_scaling in ('llama3', 'yarn') and m.rope_original_max_len <= 0:
+    raise ConfigError(f'model.rope_scaling={m.rope_scaling} needs model.rope_original_max_len, the context the '
+                      f'model was first trained at (Llama 3.1: 8192)')
+  if m.rope_scaling == 'llama3' and not m.rope_high_freq_factor > m.rope_low_freq_factor > 0:
+    raise ConfigError(f'model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor='
+                      f'{m.rope_low_freq_factor} > 0 (Llama 3.1: 4 and 1)')
+
+
 def _check_parametrization(config: Config) -> None:
   m, o = config.model, config.optim
   lr_multipliers(o)
@@ -584,6 +611,7 @@ def validate(config: Config) -> None:
   if m.position == 'rotary' and m.resolved_head_dim % 2:
     raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
                       f'use an even model.head_dim')
+  _check_rope_scaling(m)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(
       f'data.seq_len={d.seq_len} is longer than the position table model.max_len={m.max_len}; '

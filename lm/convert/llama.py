@@ -2,7 +2,8 @@
 
 HF linear weights are [out, in]; queries and keys are stored for the half-split rotary layout our
 `rotary` uses, so they load unpermuted. RoPE settings come as `rope_parameters` (transformers 5)
-or `rope_theta` / `rope_scaling` (transformers 4); only the default (unscaled) rotation is supported.
+or `rope_theta` / `rope_scaling` (transformers 4): the default rotation, linear, llama3 (Llama 3.1 to 3.3)
+and yarn scaling.
 """
 from __future__ import annotations
 
@@ -22,14 +23,48 @@ DEFAULTS = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008
 GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu'}
 
 
-def rope_theta(hf: dict) -> float:
-  """The rotary base of either config layout; scaled variants (linear, dynamic, llama3, yarn) are refused."""
+ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}  # HF rope_type -> ours
+# our field -> its HF rope parameter, per scaling
+ROPE_FIELDS = {'linear': {'rope_factor': 'factor'},
+               'llama3': {'rope_factor': 'factor', 'rope_low_freq_factor': 'low_freq_factor',
+                          'rope_high_freq_factor': 'high_freq_factor',
+                          'rope_original_max_len': 'original_max_position_embeddings'},
+               'yarn': {'rope_factor': 'factor', 'rope_original_max_len': 'original_max_position_embeddings',
+                        'rope_beta_fast': 'beta_fast', 'rope_beta_slow': 'beta_slow',
+                        'rope_attention_factor': 'attention_factor'}}
+
+
+def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
+  """Our rotary fields from either config layout (`rope_parameters`, transformers 5; `rope_theta` and
+  `rope_scaling`, transformers 4); scalings we cannot reproduce (dynamic, longrope, ...) are refused by name."""
   params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   kind = params.get('rope_type', params.get('type', 'default'))
-  if kind != 'default':
-    raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {ARCHITECTURE} '
-                      f'(only the default, unscaled rotary positions)')
-  return float(params.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  if kind not in ROPE_TYPES:
+    raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {architecture} '
+                      f'(supported: {", ".join(ROPE_TYPES)})')
+  for key, fine in (('partial_rotary_factor', 1.0), ('mscale', None), ('mscale_all_dim', None), ('truncate', True)):
+    value = params.get(key, hf.get(key, fine))
+    if value not in (fine, None) or (fine is True and value is False):
+      raise ConfigError(f'config.json rope {key}={value!r} is not supported when converting {architecture}')
+  fields: dict[str, Any] = {'rope_theta': float(params.get('rope_theta', hf.get('rope_theta', 10000.0))),
+                            'rope_scaling': ROPE_TYPES[kind]}
+  for ours, theirs in ROPE_FIELDS.get(ROPE_TYPES[kind], {}).items():
+    if params.get(theirs) is not None:
+      fields[ours] = (int if ours == 'rope_original_max_len' else float)(params[theirs])
+  if kind == 'yarn' and params.get('factor') is None:  # HF: the ratio of the extended context to the original
+    fields['rope_factor'] = hf['max_position_embeddings'] / params['original_max_position_embeddings']
+  return fields
+
+
+def hf_rope(cfg: ModelConfig, base: dict) -> dict[str, Any]:
+  """The rotary settings of config.json, in the layout of `base` (transformers 4 when it has `rope_theta`)."""
+  scaling = {theirs: getattr(cfg, ours) for ours, theirs in ROPE_FIELDS.get(cfg.rope_scaling, {}).items()
+             if getattr(cfg, ours) is not None}
+  kind = {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling]
+  if 'rope_theta' in base:
+    return {'rope_theta': cfg.rope_theta, 'rope_scaling': {'rope_type': kind, **scaling} if scaling else None}
+  return {'rope_parameters': {**(base.get('rope_parameters') or {}), 'rope_theta': cfg.rope_theta,
+                              'rope_type': kind, **scaling}}
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
@@ -41,7 +76,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   cfg = ModelConfig(
     vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'], num_heads=heads,
     num_kv_heads=h['num_key_value_heads'] or heads, head_dim=h['head_dim'] or h['hidden_size'] // heads,
-    d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary', rope_theta=rope_theta(hf),
+    d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary', **rope_fields(hf),
     norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
     activation=GATED[our_activation(h['hidden_act'], 'hidden_act', ARCHITECTURE)], use_bias=False,
     tie_embeddings=h['tie_word_embeddings'] if same is None else same, dropout=0.0,
@@ -64,11 +99,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
     'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), ARCHITECTURE),
     'attention_bias': False, 'mlp_bias': False, 'tie_word_embeddings': cfg.tie_embeddings,
     'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
-  if 'rope_theta' in base:  # a transformers 4 config keeps its layout
-    hf['rope_theta'] = cfg.rope_theta
-  else:
-    hf['rope_parameters'] = {**(base.get('rope_parameters') or {}), 'rope_theta': cfg.rope_theta,
-                             'rope_type': 'default'}
+  hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)
 
 

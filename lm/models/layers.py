@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lm.ops import mixed
 from lm.ops.attention import attention
+from lm.models.rope import Rope, rotary
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
@@ -210,8 +211,8 @@ class Attention(nn.Module):
   """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`.
 
   `num_kv_heads` < `num_heads` is grouped-query attention: each key/value head serves
-  num_heads / num_kv_heads query heads. `rotary_theta` rotates queries and keys by their
-  `positions` (RoPE, in the half-split layout of GPT-NeoX and Hugging Face Llama).
+  num_heads / num_kv_heads query heads. `rope` rotates queries and keys by their `positions`
+  (`lm.models.rope`).
 
   With `decode=True`, self-attention keeps a key/value cache ('cache' collection): `init` with a
   [batch, max_len] input sizes it; each later call appends its tokens at the cache index and
@@ -220,7 +221,7 @@ class Attention(nn.Module):
   num_heads: int
   head_dim: int
   num_kv_heads: int | None = None  # default num_heads
-  rotary_theta: float | None = None  # None: no rotary positions
+  rope: Rope | None = None  # None: no rotary positions
   use_bias: bool = True
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
@@ -246,10 +247,10 @@ class Attention(nn.Module):
     kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
     k = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='key', **dense)(x_kv)
     v = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='value', **dense)(x_kv)
-    if self.rotary_theta is not None:
+    if self.rope is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
-      q, k = rotary(q, positions, self.rotary_theta), rotary(k, positions, self.rotary_theta)
+      q, k = rotary(q, positions, self.rope), rotary(k, positions, self.rope)
     q = checkpoint_name(constrain(q, ('batch', 'length', 'heads', 'kv')), 'query_proj')
     k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
     v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
@@ -291,20 +292,6 @@ class Attention(nn.Module):
     max_len = cached_k.value.shape[1]
     visible = jnp.arange(max_len)[None, :] <= (i + jnp.arange(length))[:, None]  # [q, max_len]
     return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
-
-
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32.
-
-  Feature pairs (i, i + head_dim/2) rotate by positions * theta^(-2i/head_dim) (the half-split
-  layout of GPT-NeoX and Hugging Face Llama, so their weights load unpermuted).
-  """
-  half = x.shape[-1] // 2
-  inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2 / x.shape[-1])
-  angles = positions[..., None].astype(jnp.float32) * inv_freq.astype(np.float32)  # [b, l, half]
-  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def relative_position_bucket(relative_position: jax.Array, bidirectional: bool, num_buckets: int,

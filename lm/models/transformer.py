@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
 from lm.models.parametrization import attention_scale
+from lm.models.rope import rope_of
 from lm.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -65,8 +66,7 @@ class Block(nn.Module):
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
-    rotary = cfg.rope_theta if cfg.position == 'rotary' else None
-    branches = [('attention', lambda h: make_attention('attention', rotary_theta=rotary)(
+    branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg))(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode))]
     if self.cross:

@@ -13,9 +13,12 @@ from safetensors.numpy import load_file, save_file
 
 from lm.config import ConfigError, ModelConfig
 from lm.convert.hf import load_hf, read_hf_config, save_hf
+from lm.generate import generate
 from lm.models import abstract_params, build_model
 
 VOCAB, BATCH, LEN = 96, 3, 12
+LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': 5e5, 'factor': 8.0, 'low_freq_factor': 1.0,
+               'high_freq_factor': 4.0, 'original_max_position_embeddings': 8}
 
 CONFIGS = {
   'gpt2': lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
@@ -35,10 +38,22 @@ CONFIGS = {
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=5e5,
                                             tie_word_embeddings=False),
+  # Llama 3.1's rotary scaling from an 8-position context (every band of the llama3 rule in use at head dim 8)
+  'llama3': lambda: transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                             rope_parameters=LLAMA3_ROPE),
+  # Llama 3.2 1B/3B: the same with the output layer tied to the embedding
+  'llama3_2': lambda: transformers.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                               max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                               rope_parameters=LLAMA3_ROPE),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
-          'llama': transformers.LlamaForCausalLM}
+          'llama': transformers.LlamaForCausalLM, 'llama3': transformers.LlamaForCausalLM,
+          'llama3_2': transformers.LlamaForCausalLM}
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2')
 
 
 def save_hf_model(kind, directory):
@@ -117,7 +132,7 @@ def assert_same_tensors(a_dir, b_dir):
 def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
   hf_model = save_hf_model(kind, tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
-  assert {'layers_0', 'layers_1'} <= set(params['decoder' if kind in ('gpt2', 'llama') else 'encoder'])  # unrolled
+  assert {'layers_0', 'layers_1'} <= set(params['decoder' if kind in DECODERS else 'encoder'])  # unrolled
   error = compare(hf_model, model, params, kind)
   print(f'{kind}: max relative logits error {error:.2e}')
   assert error < 1e-4
@@ -128,6 +143,20 @@ def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
   assert modes['model.safetensors'] == modes['config.json']  # the umask's mode, not safetensors' 0600
   reloaded = MODELS[kind].from_pretrained(tmp_path / 'out').eval()  # the exported config.json loads in transformers
   assert compare(reloaded, model, params, kind) < 1e-4
+
+
+@pytest.mark.parametrize('kind', DECODERS)
+def test_greedy_generation_equals_transformers_generate(kind, tmp_path):
+  """20 new tokens after left-padded prompts of two lengths, KV-cached on both sides."""
+  hf_model = save_hf_model(kind, tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+  ours = generate(model, params, prompts, max_new_tokens=20)
+  ids = np.array([[0] * (5 - len(p)) + p for p in prompts])
+  with torch.no_grad():
+    theirs = hf_model.generate(torch.as_tensor(ids), attention_mask=torch.as_tensor((ids > 0).astype(np.int64)),
+                               max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+  assert ours == theirs[:, 5:].tolist()
 
 
 def test_t5_in_the_transformers_4_layout_has_an_untied_unscaled_lm_head(tmp_path):
@@ -263,13 +292,34 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
   cfg = model.cfg
   assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
   assert not cfg.tie_embeddings and cfg.activation == 'swiglu' and not cfg.use_bias
-  scaled = edited_copy(tmp_path / 'hf', tmp_path / 'scaled', edit_config=lambda c: c.update(
-    rope_parameters={'rope_type': 'llama3', 'rope_theta': 5e5, 'factor': 8.0}))
-  with pytest.raises(ConfigError, match="rope type 'llama3' is not supported"):
-    load_hf(scaled)
+  for kind, extra in (('dynamic', {}), ('yarn', {'mscale': 0.7}), ('default', {'partial_rotary_factor': 0.5})):
+    scaled = edited_copy(tmp_path / 'hf', tmp_path / kind, edit_config=lambda c, kind=kind, extra=extra: c.update(
+      rope_parameters={'rope_type': kind, 'rope_theta': 5e5, 'factor': 8.0, **extra}))
+    with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported" if kind == 'dynamic' else
+                       f'rope {next(iter(extra))}=.* is not supported when converting LlamaForCausalLM'):
+      load_hf(scaled)
   old = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: (c.pop('rope_parameters'), c.update(
     rope_theta=1234.0, rope_scaling=None)))
   assert load_hf(old)[0].cfg.rope_theta == 1234.0
+
+
+def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_path):
+  hf_model = save_hf_model('llama3', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  cfg = model.cfg
+  assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_low_freq_factor,
+          cfg.rope_high_freq_factor) == ('llama3', 8.0, 8, 1.0, 4.0)
+  unscaled = build_model(dataclasses.replace(cfg, rope_scaling='none'))
+  assert compare(hf_model, unscaled, params, 'llama3') > 1e-2  # the parity test would see a scaling ignored
+  # a transformers 4 config (rope_theta, rope_scaling) reads the same and exports in its own layout
+  v4 = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: c.update(
+    rope_theta=c['rope_parameters']['rope_theta'], rope_scaling=c.pop('rope_parameters')))
+  model4, params4 = load_hf(v4)
+  assert model4.cfg == cfg
+  save_hf(model4, params4, tmp_path / 'out', hf_config=read_hf_config(v4))
+  written = read_hf_config(tmp_path / 'out')
+  assert 'rope_parameters' not in written and written['rope_theta'] == 5e5
+  assert written['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
 
 
 @pytest.mark.parametrize('kind', ['gpt2', 'llama'])

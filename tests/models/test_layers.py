@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from lm.config import Activation, Norm, Remat
-from lm.models.layers import (ACTIVATIONS, GATED, NORMS, DenseGeneral, LayerNorm, Mlp, RMSNorm, rotary,
+from lm.models.layers import (ACTIVATIONS, GATED, NORMS, DenseGeneral, LayerNorm, Mlp, RMSNorm,
                               sinusoidal_positions)
+from lm.models.rope import Rope, rotary
 from lm.models.transformer import REMAT_POLICIES
 
 
@@ -101,9 +102,9 @@ def test_rotary_matches_numpy_and_scores_depend_only_on_offsets():
   rng = np.random.default_rng(4)
   x = rng.normal(size=(2, 9, 3, 16)).astype(np.float32)
   positions = np.stack([np.arange(9), np.arange(9)[::-1] * 50])  # far positions too
-  got = np.asarray(rotary(jnp.asarray(x), jnp.asarray(positions), 1e4))
+  got = np.asarray(rotary(jnp.asarray(x), jnp.asarray(positions), Rope(1e4)))
   assert rel_err(got, numpy_rotary(x.astype(np.float64), positions, 1e4)) < 1e-5
   q, k = x[:1, :1], x[:1, 1:2]  # one query and one key vector, placed at (p, p - 3) for several p
-  scores = [np.sum(np.asarray(rotary(jnp.asarray(q), jnp.asarray([[p]]), 1e4)) *
-                   np.asarray(rotary(jnp.asarray(k), jnp.asarray([[p - 3]]), 1e4))) for p in (3, 10, 200)]
+  scores = [np.sum(np.asarray(rotary(jnp.asarray(q), jnp.asarray([[p]]), Rope(1e4))) *
+                   np.asarray(rotary(jnp.asarray(k), jnp.asarray([[p - 3]]), Rope(1e4)))) for p in (3, 10, 200)]
   np.testing.assert_allclose(scores, scores[0], rtol=1e-4)

@@ -1,0 +1,87 @@
+"""Rotary positions (RoPE, Su et al. 2021) and the scalings that stretch a trained context.
+
+Feature pairs (i, i + head_dim/2) rotate by position x inv_freq[i] (the half-split layout of GPT-NeoX and
+Hugging Face Llama, so their weights load unpermuted). A scaling changes only `inv_freq` and, for YaRN, the
+size of cos and sin; each follows transformers' `modeling_rope_utils`:
+- linear (Chen et al. 2023, position interpolation): every frequency / factor;
+- llama3 (Llama 3.1): wavelengths above original_max_len / low_freq_factor divided by factor, below
+  original_max_len / high_freq_factor kept, a smooth blend between;
+- yarn (Peng et al. 2023): by frequency, interpolated below beta_slow rotations over the original context,
+  kept above beta_fast, a linear ramp between; cos and sin times an attention factor (0.1 ln factor + 1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rope:
+  """What rotates queries and keys: the base wavelength and a scaling (`lm.config.RopeScaling`)."""
+  theta: float = 10000.0
+  scaling: str = 'none'
+  factor: float = 1.0
+  original_max_len: int = 0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+
+  def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+    """[head_dim / 2] radians per position, float64."""
+    inv_freq = self.theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if self.scaling == 'linear':
+      return inv_freq / self.factor
+    if self.scaling == 'llama3':
+      context = self.original_max_len
+      wavelength = 2 * math.pi / inv_freq
+      smooth = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+      blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+      return np.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor,
+                      np.where(wavelength < context / self.high_freq_factor, inv_freq, blended))
+    if self.scaling == 'yarn':
+      low, high = (self._yarn_dim(beta, head_dim) for beta in (self.beta_fast, self.beta_slow))
+      low, high = max(math.floor(low), 0), min(math.ceil(high), head_dim - 1)
+      ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low if high > low else 1e-3), 0, 1)
+      return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq
+
+  def _yarn_dim(self, rotations: float, head_dim: int) -> float:
+    """The feature index whose frequency turns `rotations` times over the original context."""
+    return head_dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+  @property
+  def magnitude(self) -> float:
+    """The factor on cos and sin: YaRN's attention temperature (both q and k carry it), else 1."""
+    if self.scaling != 'yarn':
+      return 1.0
+    if self.attention_factor is not None:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+def rope_of(cfg: ModelConfig) -> Rope | None:
+  """The model's rotation (None unless model.position is rotary)."""
+  if cfg.position != 'rotary':
+    return None
+  return Rope(cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len,
+              cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow,
+              cfg.rope_attention_factor)
+
+
+def rotary(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+  """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32."""
+  inv_freq = rope.inverse_frequencies(x.shape[-1]).astype(np.float32)
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, l, half]
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+  if rope.magnitude != 1.0:
+    cos, sin = cos * rope.magnitude, sin * rope.magnitude
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
