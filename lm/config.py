@@ -45,7 +45,7 @@ OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_ada
 
 @dataclass(frozen=True)
 class ModelConfig:
-  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama
+  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
   num_layers: int = 4  # encoder layers for t5
@@ -79,6 +79,8 @@ class ModelConfig:
   norm_position: NormPosition = 'pre'
   activation: Activation = 'gelu'
   use_bias: bool = True
+  qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
+  qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3; eps norm_eps)
   tie_embeddings: bool = True
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale

@@ -90,6 +90,26 @@ RELEASED = {
   'llama2_7b': ([], 'LlamaForCausalLM', dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                              num_hidden_layers=32, num_attention_heads=32), 6_738_415_616,
                 'Llama-2-7b: embeddings, 32 blocks, final norm and the untied output layer'),
+  # today's open models: embeddings, blocks (Qwen2.5's q/k/v biases, Qwen3's query/key norms), final norm and
+  # the untied output layer
+  'llama3_8b': ([], 'LlamaForCausalLM', dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+                8_030_261_248, 'Meta-Llama-3-8B'),
+  'llama3_70b': ([], 'LlamaForCausalLM', dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+                 70_553_706_496, 'Meta-Llama-3-70B'),
+  'llama3_1_405b': ([], 'LlamaForCausalLM', dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                                                 num_hidden_layers=126, num_attention_heads=128,
+                                                 num_key_value_heads=8), 405_853_388_800, 'Meta-Llama-3.1-405B'),
+  'mistral_7b': ([], 'MistralForCausalLM', dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+                 7_248_023_552, 'Mistral-7B-v0.3'),
+  'qwen2_5_7b': ([], 'Qwen2ForCausalLM', dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                              num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+                 7_615_616_512, 'Qwen2.5-7B'),
+  'qwen3_8b': ([], 'Qwen3ForCausalLM', dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                            head_dim=128), 8_190_735_360, 'Qwen3-8B-Base'),
 }
 
 

@@ -1,4 +1,5 @@
-"""Llama (`LlamaForCausalLM`) <-> our `llama` family.
+"""Llama (`LlamaForCausalLM`) <-> our `llama` family, and the shared converter of the classes in its layout
+(`Architecture`: Mistral, Qwen2, Qwen3).
 
 HF linear weights are [out, in]; queries and keys are stored for the half-split rotary layout our
 `rotary` uses, so they load unpermuted. RoPE settings come as `rope_parameters` (transformers 5)
@@ -7,6 +8,7 @@ and yarn scaling.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,10 +18,6 @@ from lm.convert.hf_config import check_exportable, hf_activation, our_activation
 from lm.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'LlamaForCausalLM'
-DEFAULTS = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008, 'num_hidden_layers': 32,
-            'num_attention_heads': 32, 'num_key_value_heads': None, 'head_dim': None, 'hidden_act': 'silu',
-            'max_position_embeddings': 2048, 'rms_norm_eps': 1e-6, 'initializer_range': 0.02,
-            'attention_dropout': 0.0, 'tie_word_embeddings': False}
 GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu'}
 
 
@@ -67,40 +65,73 @@ def hf_rope(cfg: ModelConfig, base: dict) -> dict[str, Any]:
                               'rope_type': kind, **scaling}}
 
 
-def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
-  unsupported(ARCHITECTURE, hf, attention_bias=False, mlp_bias=False, pretraining_tp=1)
-  h = {**DEFAULTS, **hf}
+@dataclass(frozen=True)
+class Architecture:
+  """One transformers class of the Llama layout (pre-RMSNorm, rotary, gated MLP, no MLP biases): what its
+  config.json holds and which of our fields it fixes."""
+  name: str  # the transformers class
+  model_type: str
+  defaults: dict[str, Any]  # config.json fields absent from a file take these (the transformers class's)
+  refused: dict[str, Any]  # config.json fields honoured at this value only
+  qkv_bias: bool = False  # query, key and value biases (Qwen2)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+
+
+COMMON = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008, 'num_hidden_layers': 32,
+          'num_attention_heads': 32, 'num_key_value_heads': None, 'head_dim': None, 'hidden_act': 'silu',
+          'max_position_embeddings': 2048, 'rms_norm_eps': 1e-6, 'initializer_range': 0.02,
+          'attention_dropout': 0.0, 'tie_word_embeddings': False}
+LLAMA = Architecture(ARCHITECTURE, 'llama', COMMON, {'attention_bias': False, 'mlp_bias': False, 'pretraining_tp': 1})
+
+
+def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
+  unsupported(arch.name, hf, **arch.refused)
+  layer_types = set(hf.get('layer_types') or ['full_attention'])
+  if layer_types != {'full_attention'}:
+    raise ConfigError(f'config.json layer_types {sorted(layer_types)} is not supported when converting {arch.name} '
+                      f'(only full_attention layers)')
+  h = {**arch.defaults, **hf}
   embed = ckpt.get('model.embed_tokens.weight')
   same = None if embed is None else ckpt.same_as('lm_head.weight', embed)
   heads = h['num_attention_heads']
   cfg = ModelConfig(
     vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'], num_heads=heads,
     num_kv_heads=h['num_key_value_heads'] or heads, head_dim=h['head_dim'] or h['hidden_size'] // heads,
-    d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary', **rope_fields(hf),
-    norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
-    activation=GATED[our_activation(h['hidden_act'], 'hidden_act', ARCHITECTURE)], use_bias=False,
-    tie_embeddings=h['tie_word_embeddings'] if same is None else same, dropout=0.0,
-    attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
+    d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary',
+    **rope_fields(hf, arch.name), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
+    activation=GATED[our_activation(h['hidden_act'], 'hidden_act', arch.name)], use_bias=False,
+    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, tie_embeddings=h['tie_word_embeddings'] if same is None else same,
+    dropout=0.0, attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
   return cfg, rules(cfg)
 
 
-def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
-  check_exportable(cfg, ARCHITECTURE, position='rotary', norm='rmsnorm', norm_position='pre', use_bias=False,
-                   scale_attention=True)
+def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict
+            ) -> tuple[dict, list[Tensor]]:
+  check_exportable(cfg, arch.name, position='rotary', norm='rmsnorm', norm_position='pre', use_bias=False,
+                   scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
   plain = {v: k for k, v in GATED.items()}
   if cfg.activation not in plain:
-    raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {ARCHITECTURE}; it supports the gated '
+    raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {arch.name}; it supports the gated '
                       f'activations: {", ".join(plain)}')
   hf: dict[str, Any] = {
-    **base, 'architectures': [ARCHITECTURE], 'model_type': 'llama', 'vocab_size': cfg.vocab_size,
+    **base, 'architectures': [arch.name], 'model_type': arch.model_type, 'vocab_size': cfg.vocab_size,
     'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
     'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.resolved_kv_heads,
     'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len, 'rms_norm_eps': cfg.norm_eps,
-    'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), ARCHITECTURE),
-    'attention_bias': False, 'mlp_bias': False, 'tie_word_embeddings': cfg.tie_embeddings,
+    'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), arch.name),
+    **arch.refused, 'tie_word_embeddings': cfg.tie_embeddings,
     'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
+  hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)
+
+
+def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
+  return load_as(LLAMA, hf, ckpt)
+
+
+def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
+  return save_as(LLAMA, cfg, flat, base)
 
 
 def rules(cfg: ModelConfig) -> list[Tensor]:
@@ -108,7 +139,10 @@ def rules(cfg: ModelConfig) -> list[Tensor]:
   for i in range(cfg.num_layers):
     h, o = f'model.layers.{i}.', f'decoder/layers_{i}/'
     for x, name in zip('qkv', ('query', 'key', 'value')):
-      out += dense(f'{h}self_attn.{x}_proj', f'{o}attention/{name}', 'linear', bias=False)
+      out += dense(f'{h}self_attn.{x}_proj', f'{o}attention/{name}', 'linear', bias=cfg.qkv_bias)
+    if cfg.qk_norm:
+      out += [*norm(f'{h}self_attn.q_norm', f'{o}attention/query_norm', bias=False),
+              *norm(f'{h}self_attn.k_norm', f'{o}attention/key_norm', bias=False)]
     out += [*dense(f'{h}self_attn.o_proj', f'{o}attention/out', 'linear', n_in=2, bias=False),
             *norm(f'{h}input_layernorm', f'{o}attention_norm', bias=False),
             *dense(f'{h}mlp.gate_proj', f'{o}mlp/wi_0', 'linear', bias=False),

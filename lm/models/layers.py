@@ -152,12 +152,13 @@ class RMSNorm(nn.Module):
   eps: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  axis: str = 'embed'  # the normalised feature axis's logical name ('kv': per head)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
                        (x.shape[-1],), self.param_dtype)
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
@@ -223,6 +224,8 @@ class Attention(nn.Module):
   num_kv_heads: int | None = None  # default num_heads
   rope: Rope | None = None  # None: no rotary positions
   use_bias: bool = True
+  qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias
+  qk_norm_eps: float | None = None  # RMSNorm of each head's queries and keys (before the rotation); None: none
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
   block_k: int = 128
@@ -242,11 +245,15 @@ class Attention(nn.Module):
     normal = nn.initializers.normal
     kv_heads = self.num_kv_heads or self.num_heads
     q_std = self.init_std if self.query_init_std is None else self.query_init_std
+    projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
     q = DenseGeneral((self.num_heads, self.head_dim), ('embed', 'heads', 'kv'), kernel_init=normal(q_std),
-                     name='query', **dense)(x_q)
+                     name='query', **projection)(x_q)
     kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
-    k = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='key', **dense)(x_kv)
-    v = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='value', **dense)(x_kv)
+    k = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='key', **projection)(x_kv)
+    v = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='value', **projection)(x_kv)
+    if self.qk_norm_eps is not None:
+      norm = lambda name: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, axis='kv', name=name)
+      q, k = norm('query_norm')(q), norm('key_norm')(k)
     if self.rope is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])

@@ -15,8 +15,27 @@ class LlamaFamily(DecoderOnly):
 
   def validate(self, config: Config) -> None:
     if config.model.position not in ('rotary', 'none'):
-      raise ConfigError(f'a llama model has no position table: model.position={config.model.position!r} would be '
-                        f'ignored; use model.position=rotary')
+      raise ConfigError(f'a {self.name} model has no position table: model.position={config.model.position!r} '
+                        f'would be ignored; use model.position=rotary')
+
+
+class MistralFamily(LlamaFamily):
+  """Mistral 7B: Llama's layout at 8 key/value heads."""
+  name = 'mistral'
+  hf_converter = 'lm.convert.mistral'
+
+
+class Qwen2Family(LlamaFamily):
+  """Qwen2 and Qwen2.5: Llama's layout with query, key and value biases (model.qkv_bias)."""
+  name = 'qwen2'
+  hf_converter = 'lm.convert.qwen2'
+
+
+class Qwen3Family(LlamaFamily):
+  """Qwen3: Llama's layout with per-head query and key RMSNorm (model.qk_norm)."""
+  name = 'qwen3'
+  hf_converter = 'lm.convert.qwen3'
 
 
 FAMILY = LlamaFamily()
+MISTRAL, QWEN2, QWEN3 = MistralFamily(), Qwen2Family(), Qwen3Family()

@@ -62,7 +62,8 @@ class Block(nn.Module):
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name)
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name, **kw: Attention(
-      cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, impl=cfg.attention_impl,
+      cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
+      qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)

@@ -48,12 +48,29 @@ CONFIGS = {
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                                                max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                                rope_parameters=LLAMA3_ROPE),
+  # Qwen2.5: query/key/value biases, YaRN rotary scaling from a 4-position context
+  'qwen2': lambda: transformers.Qwen2Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                            rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0,
+                                                             'original_max_position_embeddings': 4}),
+  # Qwen3 0.6B-4B: per-head query/key norms, a head dim apart from d_model / heads, tied output
+  'qwen3': lambda: transformers.Qwen3Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+                                            tie_word_embeddings=True, rope_parameters={'rope_type': 'default',
+                                                                                       'rope_theta': 1e6}),
+  # Mistral 7B v0.3: no window
+  'mistral': lambda: transformers.MistralConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=64, sliding_window=None),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
           'llama': transformers.LlamaForCausalLM, 'llama3': transformers.LlamaForCausalLM,
-          'llama3_2': transformers.LlamaForCausalLM}
-DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2')
+          'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
+          'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM}
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral')
 
 
 def save_hf_model(kind, directory):
@@ -320,6 +337,30 @@ def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_
   written = read_hf_config(tmp_path / 'out')
   assert 'rope_parameters' not in written and written['rope_theta'] == 5e5
   assert written['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
+
+
+@pytest.mark.parametrize('kind, edit, message', [
+  ('qwen2', {'use_sliding_window': True}, 'config.json use_sliding_window=True is not supported when converting '
+                                          'Qwen2ForCausalLM'),
+  ('qwen3', {'attention_bias': True}, 'config.json attention_bias=True is not supported when converting Qwen3'),
+  ('mistral', {'sliding_window': 4096}, 'config.json sliding_window=4096 is not supported when converting Mistral'),
+  ('llama', {'layer_types': ['sliding_attention', 'full_attention']}, r"layer_types \['full_attention', "
+                                                                      r"'sliding_attention'\] is not supported"),
+])
+def test_a_setting_the_model_cannot_honour_is_named(kind, edit, message, tmp_path):
+  save_hf_model(kind, tmp_path / 'hf')
+  with pytest.raises(ConfigError, match=message):
+    load_hf(edited_copy(tmp_path / 'hf', tmp_path / 'edited', edit_config=lambda c: c.update(edit)))
+
+
+def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
+  save_hf_model('qwen3', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  as_qwen2 = dataclasses.replace(model.cfg, family='qwen2')
+  with pytest.raises(ConfigError, match=r'cannot export this qwen2 model as Qwen2ForCausalLM: model.qkv_bias=False '
+                                        r'\(needs True\), model.qk_norm=True \(needs False\)'):
+    save_hf(as_qwen2, params, tmp_path / 'out')
+  assert not (tmp_path / 'out').exists()
 
 
 @pytest.mark.parametrize('kind', ['gpt2', 'llama'])
