@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from lm.models.rope import Rope, rotary
 from lm.ops import mixed
 from lm.ops.attention import attention
-from lm.models.rope import Rope, rotary
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
 
