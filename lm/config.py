@@ -81,6 +81,8 @@ class ModelConfig:
   use_bias: bool = True
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
   qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3; eps norm_eps)
+  sliding_window: int = 0  # > 0: causal self-attention sees the keys fewer than this many positions back (Mistral)
+  attn_logit_softcap: float = 0.0  # > 0: attention logits through c * tanh(logits / c) (Gemma 2: 50)
   tie_embeddings: bool = True
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale
@@ -555,6 +557,24 @@ def lr_multipliers(o: OptimConfig) -> tuple[tuple[re.Pattern, float], ...]:
   return tuple(out)
 
 
+def _check_window_and_softcap(config: Config) -> None:
+  m = config.model
+  if m.sliding_window < 0 or m.attn_logit_softcap < 0:
+    raise ConfigError(f'model.sliding_window={m.sliding_window} and model.attn_logit_softcap={m.attn_logit_softcap} '
+                      f'must be >= 0 (0: none)')
+  if m.sliding_window > m.max_len:
+    raise ConfigError(f'model.sliding_window={m.sliding_window} is larger than the context model.max_len={m.max_len}; '
+                      f'lower it, or set it to 0 for full attention')
+  features = [f for f, on in (('model.sliding_window', m.sliding_window), ('model.attn_logit_softcap',
+                                                                           m.attn_logit_softcap)) if on]
+  if features and m.attention_impl in ('tpu_flash', 'tpu_splash', 'cudnn'):
+    raise ConfigError(f'model.attention_impl={m.attention_impl} has no {" or ".join(features)}; use '
+                      f'model.attention_impl=flash (our kernel), xla or auto')
+  if features and config.mesh.sequence != 1:
+    raise ConfigError(f'ring attention (mesh.sequence={config.mesh.sequence}) takes no {" or ".join(features)} yet; '
+                      f'set mesh.sequence=1')
+
+
 def _check_rope_scaling(m: ModelConfig) -> None:
   if m.rope_scaling == 'none':
     return
@@ -614,6 +634,7 @@ def validate(config: Config) -> None:
     raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
                       f'use an even model.head_dim')
   _check_rope_scaling(m)
+  _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(
       f'data.seq_len={d.seq_len} is longer than the position table model.max_len={m.max_len}; '

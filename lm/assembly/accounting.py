@@ -51,12 +51,16 @@ def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_atten
   Dense layers cost 2 FLOPs per weight per token they see; attention 2 * 2 * heads * head_dim per
   query-key pair (scores and the weighted sum of values); the family record adds them up for its
   shape (an encoder-decoder row is `seq_len` encoder tokens and its targets). `causal_attention`
-  'half' counts only the pairs a causal mask allows (what a kernel that skips masked blocks does),
-  'full' the whole square (what dense XLA attention computes).
+  'half' counts only the pairs a causal mask (and a sliding window) allows (what a kernel that skips masked
+  blocks does), 'full' the whole square (what dense XLA attention computes).
   """
   if causal_attention not in ('half', 'full'):
     raise ValueError(f'causal_attention={causal_attention!r}: choose half or full')
-  pairs = (lambda n: n * n / 2) if causal_attention == 'half' else (lambda n: n * n)
+  w = cfg.sliding_window
+
+  def half(n: int) -> float:  # the pairs a causal mask allows; with a window, each query sees at most w keys
+    return n * n / 2 if not w or w >= n else w * n - w * w / 2
+  pairs = half if causal_attention == 'half' else (lambda n: n * n)
   forward = get_family(cfg.family).forward_flops(kernel_sizes(params, cfg), cfg, seq_len, pairs)
   return 3.0 * forward
 

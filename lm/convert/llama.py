@@ -75,6 +75,7 @@ class Architecture:
   refused: dict[str, Any]  # config.json fields honoured at this value only
   qkv_bias: bool = False  # query, key and value biases (Qwen2)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+  window: bool = False  # `sliding_window` (None: none) applies to every layer (Mistral)
 
 
 COMMON = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008, 'num_hidden_layers': 32,
@@ -101,14 +102,16 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
     **rope_fields(hf, arch.name), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
     activation=GATED[our_activation(h['hidden_act'], 'hidden_act', arch.name)], use_bias=False,
     qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, tie_embeddings=h['tie_word_embeddings'] if same is None else same,
-    dropout=0.0, attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
+    sliding_window=(hf.get('sliding_window') or 0) if arch.window else 0, dropout=0.0,
+    attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
   return cfg, rules(cfg)
 
 
 def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict
             ) -> tuple[dict, list[Tensor]]:
   check_exportable(cfg, arch.name, position='rotary', norm='rmsnorm', norm_position='pre', use_bias=False,
-                   scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
+                   scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, attn_logit_softcap=0.0,
+                   **({} if arch.window else {'sliding_window': 0}))
   plain = {v: k for k, v in GATED.items()}
   if cfg.activation not in plain:
     raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {arch.name}; it supports the gated '
@@ -121,6 +124,8 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
     'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), arch.name),
     **arch.refused, 'tie_word_embeddings': cfg.tie_embeddings,
     'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
+  if arch.window:
+    hf['sliding_window'] = cfg.sliding_window or None
   hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)

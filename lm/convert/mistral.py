@@ -1,5 +1,5 @@
-"""Mistral (`MistralForCausalLM`): the Llama layout; a sliding window (`sliding_window`, Mistral 7B v0.1) is
-refused, v0.2 and later (no window) load."""
+"""Mistral (`MistralForCausalLM`): the Llama layout with a sliding window in every layer (`sliding_window`:
+4096 in Mistral 7B v0.1, none from v0.2)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +12,7 @@ from lm.convert.tensors import Checkpoint, Tensor
 
 ARCHITECTURE = 'MistralForCausalLM'
 MISTRAL = Architecture(ARCHITECTURE, 'mistral', {**COMMON, 'intermediate_size': 14336, 'num_key_value_heads': 8,
-                                                 'max_position_embeddings': 131072}, {'sliding_window': None})
+                                                 'max_position_embeddings': 131072}, {}, window=True)
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:

@@ -226,6 +226,8 @@ class Attention(nn.Module):
   use_bias: bool = True
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias
   qk_norm_eps: float | None = None  # RMSNorm of each head's queries and keys (before the rotation); None: none
+  window: int = 0  # > 0: a causal query sees the keys fewer than this many positions back
+  softcap: float = 0.0  # > 0: logits soft-capped to (-softcap, softcap)
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
   block_k: int = 128
@@ -262,8 +264,10 @@ class Attention(nn.Module):
     k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
     v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
     mask = None
+    window = self.window if causal else 0
     if decode:
-      k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids)
+      k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids, window)
+      window = 0  # in the cache's mask
       causal = False  # the cache mask already orders queries after the keys they may see
       if segment_ids is None:
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
@@ -271,7 +275,7 @@ class Attention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask,
-                    bias=bias, scale=self.logit_scale,
+                    bias=bias, scale=self.logit_scale, window=window, softcap=self.softcap,
                     impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
                     dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng,
                     block_q=self.block_q, block_k=self.block_k)
@@ -280,9 +284,10 @@ class Attention(nn.Module):
                        kernel_init=normal(self.out_init_std), name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
 
-  def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None
+  def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int
                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Writes this call's keys/values at the cache index; returns the whole cache and its mask."""
+    """Writes this call's keys/values at the cache index; returns the whole cache and its mask (causal, and
+    within `window` slots when it is > 0: the cache holds a row's tokens in consecutive slots)."""
     initialising = not self.has_variable('cache', 'cached_key')
     cached_k = self.variable('cache', 'cached_key', jnp.zeros, k.shape, k.dtype)
     cached_v = self.variable('cache', 'cached_value', jnp.zeros, v.shape, v.dtype)
@@ -297,7 +302,8 @@ class Attention(nn.Module):
     cached_seg.value = jax.lax.dynamic_update_slice(cached_seg.value, seg, (0, i))
     index.value = i + length
     max_len = cached_k.value.shape[1]
-    visible = jnp.arange(max_len)[None, :] <= (i + jnp.arange(length))[:, None]  # [q, max_len]
+    offset = (i + jnp.arange(length))[:, None] - jnp.arange(max_len)[None, :]  # [q, max_len]
+    visible = (offset >= 0) & (offset < window) if window else offset >= 0
     return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
 
 

@@ -63,11 +63,11 @@ class Block(nn.Module):
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
-      qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, impl=cfg.attention_impl,
+      qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, softcap=cfg.attn_logit_softcap, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
-    branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg))(
+    branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode))]
     if self.cross:

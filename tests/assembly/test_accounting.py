@@ -1,4 +1,6 @@
 """FLOPs per token against XLA's cost analysis of the compiled train step; MFU arithmetic."""
+import dataclasses
+
 import jax
 import pytest
 
@@ -67,3 +69,17 @@ def test_causal_half_counts_half_the_attention_and_mfu_divides_by_the_peak():
   assert full - half == pytest.approx(attention_full / 2)
   assert mfu(1000.0, half, 4, 1e12) == pytest.approx(1000.0 * half / 4e12)
   assert mfu(1000.0, half, 4, None) is None
+
+
+def test_a_sliding_window_counts_the_pairs_it_allows():
+  """Query i sees min(i + 1, w) keys: summed, w n - w^2 / 2 pairs (the half-square's n^2 / 2 past the window's
+  edge, to the O(n) terms both counts leave out); the window does not change the dense square XLA computes."""
+  w, seq = 16, 64
+  config = load_config('llama_tiny', [f'model.sliding_window={w}', f'data.seq_len={seq}'])
+  params, m = assemble(config, jax.devices()[:1]).abstract_params, config.model
+  per_pair = 3 * 4 * m.num_heads * m.resolved_head_dim * m.num_layers  # forward + backward, all layers
+  windowed = flops_per_sequence(params, m, seq, 'half')
+  unwindowed = flops_per_sequence(params, dataclasses.replace(m, sliding_window=0), seq, 'half')
+  assert unwindowed - windowed == pytest.approx(per_pair * (seq * seq / 2 - (w * seq - w * w / 2)))
+  assert flops_per_sequence(params, m, seq, 'full') == flops_per_sequence(
+    params, dataclasses.replace(m, sliding_window=0), seq, 'full')

@@ -64,13 +64,19 @@ CONFIGS = {
   'mistral': lambda: transformers.MistralConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                 max_position_embeddings=64, sliding_window=None),
+  # Mistral 7B v0.1: a sliding window (4 here, shorter than the 12-token rows and the generated 25)
+  'mistral_window': lambda: transformers.MistralConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       num_key_value_heads=2, max_position_embeddings=64,
+                                                       sliding_window=4),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
           'llama': transformers.LlamaForCausalLM, 'llama3': transformers.LlamaForCausalLM,
           'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
-          'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM}
-DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral')
+          'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
+          'mistral_window': transformers.MistralForCausalLM}
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window')
 
 
 def save_hf_model(kind, directory):
@@ -339,11 +345,21 @@ def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_
   assert written['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
 
 
+def test_mistral_window_holds_on_every_attention_path(tmp_path):
+  """The v0.1 window through XLA and our flash kernel equals transformers; without it the logits differ."""
+  hf_model = save_hf_model('mistral_window', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  assert model.cfg.sliding_window == 4
+  flash = build_model(dataclasses.replace(model.cfg, attention_impl='flash'))
+  assert compare(hf_model, flash, params, 'mistral_window') < 1e-4
+  assert compare(hf_model, build_model(dataclasses.replace(model.cfg, sliding_window=0)), params,
+                 'mistral_window') > 1e-3
+
+
 @pytest.mark.parametrize('kind, edit, message', [
   ('qwen2', {'use_sliding_window': True}, 'config.json use_sliding_window=True is not supported when converting '
                                           'Qwen2ForCausalLM'),
   ('qwen3', {'attention_bias': True}, 'config.json attention_bias=True is not supported when converting Qwen3'),
-  ('mistral', {'sliding_window': 4096}, 'config.json sliding_window=4096 is not supported when converting Mistral'),
   ('llama', {'layer_types': ['sliding_attention', 'full_attention']}, r"layer_types \['full_attention', "
                                                                       r"'sliding_attention'\] is not supported"),
 ])

@@ -123,25 +123,34 @@ KERNELS: dict[str, Callable[..., jax.Array]] = {
   'cudnn': vendor.cudnn,
 }
 GROUPED_KV = frozenset({'flash'})  # kernels that read grouped key/value heads without a repeated copy
+WINDOWED = frozenset({'flash'})  # kernels with a sliding window and logit soft-capping
 
 
-def pick_impl(*, mask: jax.Array | None, dropout_rate: float) -> str:
-  """`auto`: our flash kernel on TPU and cuDNN on GPU where they can serve the call, else the XLA path."""
+def pick_impl(*, mask: jax.Array | None, dropout_rate: float, windowed: bool = False) -> str:
+  """`auto`: our flash kernel on TPU and cuDNN on GPU where they can serve the call (a sliding window or
+  soft-capping: not cuDNN), else the XLA path."""
   platform = target_platform()
   if mask is not None or dropout_rate > 0.0:
     return 'xla'
-  return {'tpu': 'flash', 'gpu': 'cudnn'}.get(platform, 'xla')
+  return {'tpu': 'flash', 'gpu': 'xla' if windowed else 'cudnn'}.get(platform, 'xla')
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               mask: jax.Array | None = None, bias: jax.Array | None = None, scale: float | None = None,
-              impl: str = 'xla', dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
-              block_q: int = 128, block_k: int = 128) -> jax.Array:
-  """Multi-head attention; `mask` and `bias` broadcast to [batch, heads, q_len, kv_len]."""
+              window: int = 0, softcap: float = 0.0, impl: str = 'xla', dropout_rate: float = 0.0,
+              dropout_rng: jax.Array | None = None, block_q: int = 128, block_k: int = 128) -> jax.Array:
+  """Multi-head attention; `mask` and `bias` broadcast to [batch, heads, q_len, kv_len]. `window` > 0 (causal): a
+  sliding window of keys fewer than that many positions back; `softcap` > 0: logits soft-capped before the bias
+  (xla and our flash kernel)."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
+  if window and not causal:
+    raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if sequence_shards() > 1 and (window or softcap):
+    raise ValueError('ring attention (a sequence split over the mesh) takes no sliding window or soft-capping yet; '
+                     'set mesh.sequence=1')
   if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
     if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
       raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto, xla or flash) on '
@@ -151,19 +160,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
                                        flash=impl == 'flash', block_q=block_q, block_k=block_k)
   if impl == 'auto':
-    impl = pick_impl(mask=mask, dropout_rate=dropout_rate)
+    impl = pick_impl(mask=mask, dropout_rate=dropout_rate, windowed=bool(window or softcap))
   if impl not in GROUPED_KV:
     k, v = repeat_kv(k, v, q.shape[2])
   if impl in KERNELS:
     if mask is not None or dropout_rate > 0.0:
       raise ValueError(f'attention impl {impl} takes causal, segment ids and bias but not an arbitrary mask or '
                        f'attention dropout; use impl xla for those')
+    extra = {}
+    if window or softcap:
+      if impl not in WINDOWED:
+        raise ValueError(f'attention impl {impl} has no sliding window or soft-capping; use impl flash or xla')
+      extra = {'window': window, 'softcap': softcap}
     return _kernel_attention(KERNELS[impl], q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+                             bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k, **extra)
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
-                           kv_segment_ids=kv_segment_ids, mask=mask)
+                           kv_segment_ids=kv_segment_ids, mask=mask, window=window)
   num_blocks = _causal_blocks(q.shape[1], k.shape[1]) if causal else 1
   if num_blocks > 1 and not (dropout_rate > 0.0 and dropout_rng is not None):
-    return blocked_causal_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, num_blocks=num_blocks)
-  return xla_attention(q, k, v, allowed=allowed, bias=bias, scale=scale,
+    return blocked_causal_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, num_blocks=num_blocks,
+                                    softcap=softcap)
+  return xla_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, softcap=softcap,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng)

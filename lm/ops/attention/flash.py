@@ -55,19 +55,26 @@ def _scratch(shape: tuple[int, ...]) -> Any:
 
 
 def _block_mask(q_seg: jax.Array, kv_seg: jax.Array, i: jax.Array, j: jax.Array, bq: int, bk: int,
-                causal: bool) -> jax.Array:
-  """[bq, bk] allowed pairs of q-block i and kv-block j: same nonzero segment, and causal order."""
+                causal: bool, window: int) -> jax.Array:
+  """[bq, bk] allowed pairs of q-block i and kv-block j: same nonzero segment, causal order, and (window > 0)
+  fewer than `window` positions back."""
   mask = (q_seg == kv_seg) & (kv_seg != 0)
   if causal:
     rows = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0) + i * bq
     cols = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1) + j * bk
     mask = mask & (cols <= rows)
+    if window:
+      mask = mask & (rows - cols < window)
   return mask
 
 
-def _visible(i: jax.Array, j: jax.Array, bq: int, bk: int, causal: bool) -> jax.Array | bool:
-  """Whether kv-block j holds any key a query of q-block i may see."""
-  return j * bk <= i * bq + bq - 1 if causal else True
+def _visible(i: jax.Array, j: jax.Array, bq: int, bk: int, causal: bool, window: int) -> jax.Array | bool:
+  """Whether kv-block j holds any key a query of q-block i may see (causal: none after its last query; with a
+  window, none `window` or more positions before its first)."""
+  if not causal:
+    return True
+  seen = j * bk <= i * bq + bq - 1
+  return seen & (j * bk + bk - 1 > i * bq - window) if window else seen
 
 
 def _to_rows(column: jax.Array) -> jax.Array:
@@ -85,11 +92,16 @@ def _lanes(head: int, d: int) -> slice:
   return slice(head * d, (head + 1) * d)
 
 
-def _logits(q: jax.Array, k: jax.Array, bias_ref: Any, head: int, scale: float) -> jax.Array:
+def _scores(q: jax.Array, k: jax.Array, scale: float, softcap: float) -> jax.Array:
+  """Scaled q.k, soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap) when softcap > 0 (Gemma 2)."""
   s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * scale
-  if bias_ref is not None:  # a bias broadcast over heads has a block of one head
-    s = s + bias_ref[0, head if bias_ref.shape[1] > 1 else 0].astype(jnp.float32)
-  return s
+  return softcap * jnp.tanh(s / softcap) if softcap else s
+
+
+def _with_bias(s: jax.Array, bias_ref: Any, head: int) -> jax.Array:
+  if bias_ref is None:
+    return s
+  return s + bias_ref[0, head if bias_ref.shape[1] > 1 else 0].astype(jnp.float32)  # one head when broadcast
 
 
 class _Heads:
@@ -109,7 +121,8 @@ class _Heads:
 # ---------------------------------------------------------------- forward
 
 def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
-                    m_scr, l_scr, acc_scr, *, causal: bool, scale: float, bq: int, bk: int, at: _Heads):
+                    m_scr, l_scr, acc_scr, *, causal: bool, window: int, softcap: float, scale: float, bq: int,
+                    bk: int, at: _Heads):
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -118,11 +131,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-  @pl.when(_visible(i, j, bq, bk, causal))
+  @pl.when(_visible(i, j, bq, bk, causal, window))
   def _step():
-    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
+    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal, window)
     for g in range(at.heads):
-      s = jnp.where(mask, _logits(q_ref[0, :, at.q(g)], k_ref[0, :, at.kv(g)], bias_ref, g, scale), MASKED)
+      s = _with_bias(_scores(q_ref[0, :, at.q(g)], k_ref[0, :, at.kv(g)], scale, softcap), bias_ref, g)
+      s = jnp.where(mask, s, MASKED)
       m_prev = m_scr[g]
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
       p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
@@ -145,17 +159,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_seg_ref, kv_seg_ref, o_ref,
 
 # ---------------------------------------------------------------- backward
 
-def _probs_and_ds(q, k, v, do, lse, o, bias_ref, head, mask, scale):
-  """Recomputed probabilities p and dS = p * (dO V^T - delta) for one block of one head.
+def _probs_and_ds(q, k, v, do, lse, o, bias_ref, head, mask, scale, softcap):
+  """Recomputed probabilities p, dS = p * (dO V^T - delta) (the gradient of the logits, and of a bias) and the
+  gradient of the scaled q.k under it (dS times the soft-cap's derivative 1 - tanh^2) for one block of one head.
 
   delta = rowsum(dO * O) is recomputed per block rather than passed in: a [rows, 1] float32 array
   in HBM is padded to 128 lanes on TPU, which would cost 128x its size.
   """
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1, keepdims=True)
-  s = _logits(q, k, bias_ref, head, scale)
-  p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+  capped = _scores(q, k, scale, softcap)
+  p = jnp.where(mask, jnp.exp(_with_bias(capped, bias_ref, head) - lse), 0.0)
   dp = jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32)
-  return p, p * (dp - delta)
+  ds = p * (dp - delta)
+  return p, ds, ds * (1.0 - jnp.square(capped / softcap)) if softcap else ds
 
 
 def _head_block(refs, at: _Heads, g: int):
@@ -166,8 +182,8 @@ def _head_block(refs, at: _Heads, g: int):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
-                dk_ref, dv_ref, dbias_ref, dk_scr, dv_scr, *, causal: bool, scale: float, bq: int, bk: int,
-                at: _Heads):
+                dk_ref, dv_ref, dbias_ref, dk_scr, dv_scr, *, causal: bool, window: int, softcap: float,
+                scale: float, bq: int, bk: int, at: _Heads):
   j, i = pl.program_id(2), pl.program_id(3)  # kv-block outer, q-block inner
 
   @pl.when(i == 0)
@@ -175,17 +191,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-  visible = _visible(i, j, bq, bk, causal)
+  visible = _visible(i, j, bq, bk, causal, window)
 
   @pl.when(visible)
   def _step():
-    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
+    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal, window)
     for g in range(at.heads):
       q, k, v, do, lse, o = _head_block((q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref), at, g)
-      p, ds = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale)
+      p, ds, ds_qk = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale, softcap)
       lanes = at.q(g)  # dK, dV per query head: summed over each key/value head's group outside
       dv_scr[:, lanes] += jax.lax.dot_general(p.astype(do.dtype), do, _TRANS_A, preferred_element_type=jnp.float32)
-      dk_scr[:, lanes] += jax.lax.dot_general(ds.astype(q.dtype), q, _TRANS_A,
+      dk_scr[:, lanes] += jax.lax.dot_general(ds_qk.astype(q.dtype), q, _TRANS_A,
                                               preferred_element_type=jnp.float32) * scale
       if dbias_ref is not None:
         dbias_ref[0, g] = ds.astype(dbias_ref.dtype)
@@ -202,20 +218,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, bias_ref, q_seg_ref, kv_seg_ref,
-               dq_ref, dq_scr, *, causal: bool, scale: float, bq: int, bk: int, at: _Heads):
+               dq_ref, dq_scr, *, causal: bool, window: int, softcap: float, scale: float, bq: int, bk: int,
+               at: _Heads):
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-  @pl.when(_visible(i, j, bq, bk, causal))
+  @pl.when(_visible(i, j, bq, bk, causal, window))
   def _step():
-    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal)
+    mask = _block_mask(q_seg_ref[0], kv_seg_ref[0], i, j, bq, bk, causal, window)
     for g in range(at.heads):
       q, k, v, do, lse, o = _head_block((q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref), at, g)
-      _, ds = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale)
-      dq_scr[:, at.q(g)] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+      _, _, ds_qk = _probs_and_ds(q, k, v, do, lse, o, bias_ref, g, mask, scale, softcap)
+      dq_scr[:, at.q(g)] += jax.lax.dot(ds_qk.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _store():
@@ -238,8 +255,8 @@ def heads_per_block(heads: int, kv_heads: int, d: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _specs(causal: bool, bq: int, bk: int, d: int, at: tuple[int, int], bias_shape: tuple[int, ...] | None,
-           kv_outer: bool):
+def _specs(causal: bool, window: int, bq: int, bk: int, d: int, at: tuple[int, int],
+           bias_shape: tuple[int, ...] | None, kv_outer: bool):
   """BlockSpecs over [B, L, heads * d] for a grid (b, head block, outer, inner); `at` = (heads per block, group).
 
   A head block of `g` query heads reads key/value heads from (block * g) // group: with grouped-query
@@ -250,9 +267,11 @@ def _specs(causal: bool, bq: int, bk: int, d: int, at: tuple[int, int], bias_sha
 
   def blocks(outer, inner):
     i, j = (inner, outer) if kv_outer else (outer, inner)
-    if causal and not kv_outer:  # clamp to the last visible kv-block: skipped steps fetch nothing new
+    if causal and not kv_outer:  # clamp to the visible kv-blocks: skipped steps fetch nothing new
       # lax.div: no floor-division sign ops in Mosaic; int32 operands also under jax_enable_x64
       j = jnp.minimum(j, jax.lax.div(i * bq + bq - 1, jnp.int32(bk)))
+      if window:  # the first block holding a key fewer than `window` positions before the block's first query
+        j = jnp.maximum(j, jax.lax.div(jnp.maximum(i * bq - window + 1, 0), jnp.int32(bk)))
     return i, j
 
   def q_map(b, h, o, n):
@@ -300,17 +319,17 @@ def _with_optional(kernel, has_bias: bool, n_before_bias: int):
   return wrapped
 
 
-def _forward(q, k, v, bias, q_seg, kv_seg, *, heads, causal, scale, bq, bk, interpret):
+def _forward(q, k, v, bias, q_seg, kv_seg, *, heads, causal, window, softcap, scale, bq, bk, interpret):
   b, lq, width = q.shape
   lk, d = k.shape[1], width // heads
   kv_heads = k.shape[2] // d
   at = _Heads(heads_per_block(heads, kv_heads, d), d, heads // kv_heads)
-  specs = _specs(causal, bq, bk, d, (at.heads, at.group), None if bias is None else bias.shape, False)
+  specs = _specs(causal, window, bq, bk, d, (at.heads, at.group), None if bias is None else bias.shape, False)
   inputs = [q, k, v] + ([bias] if bias is not None else []) + [q_seg, kv_seg]
   in_specs = [specs['q'], specs['kv'], specs['kv']] + ([specs['bias']] if bias is not None else []) + \
              [specs['q_seg'], specs['kv_seg']]
   kernel = functools.partial(_with_optional(_forward_kernel, bias is not None, 3),
-                             causal=causal, scale=scale, bq=bq, bk=bk, at=at)
+                             causal=causal, window=window, softcap=softcap, scale=scale, bq=bq, bk=bk, at=at)
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, heads, _LSE_ROWS, lq), jnp.float32)]
   return pl.pallas_call(
@@ -321,7 +340,8 @@ def _forward(q, k, v, bias, q_seg, kv_seg, *, heads, causal, scale, bq, bk, inte
     cost_estimate=_cost(2, (b, heads, lq, lk, d), inputs, out_shape, causal), interpret=interpret)(*inputs)
 
 
-def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, scale, bq, bk, interpret):
+def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, window, softcap, scale, bq, bk,
+              interpret):
   b, lq, width = q.shape
   lk, d = k.shape[1], width // heads
   kv_heads = k.shape[2] // d
@@ -332,13 +352,14 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, scale,
   params = None if interpret else _tpu_params(('parallel', 'parallel', 'parallel', 'arbitrary'))
 
   def call(kernel, kv_outer, out_specs, out_shape, scratch, matmuls):
-    specs = _specs(causal, bq, bk, d, (at.heads, group), bias_shape, kv_outer)
+    specs = _specs(causal, window, bq, bk, d, (at.heads, group), bias_shape, kv_outer)
     inputs = [q, k, v, do, lse, o] + ([bias] if has_bias else []) + [q_seg, kv_seg]
     in_specs = [specs['q'], specs['kv'], specs['kv'], specs['q'], specs['lse'], specs['q']] + \
                ([specs['bias']] if has_bias else []) + [specs['q_seg'], specs['kv_seg']]
     blocks = heads // at.heads
     grid = (b, blocks, lk // bk, lq // bq) if kv_outer else (b, blocks, lq // bq, lk // bk)
-    body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, scale=scale, bq=bq, bk=bk, at=at)
+    body = functools.partial(_with_optional(kernel, has_bias, 6), causal=causal, window=window, softcap=softcap,
+                             scale=scale, bq=bq, bk=bk, at=at)
     outs = out_shape if isinstance(out_shape, list) else [out_shape]
     return pl.pallas_call(body, grid=grid, in_specs=in_specs, out_specs=out_specs(specs), out_shape=out_shape,
                           scratch_shapes=scratch, compiler_params=params,
@@ -366,22 +387,22 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, scale,
   return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _flash(q, k, v, bias, q_seg, kv_seg, heads, causal, scale, bq, bk, interpret):
-  return _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, scale=scale, bq=bq, bk=bk,
-                  interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
+def _flash(q, k, v, bias, q_seg, kv_seg, heads, causal, window, softcap, scale, bq, bk, interpret):
+  return _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, window=window, softcap=softcap,
+                  scale=scale, bq=bq, bk=bk, interpret=interpret)[0]
 
 
-def _flash_fwd(q, k, v, bias, q_seg, kv_seg, heads, causal, scale, bq, bk, interpret):
-  o, lse = _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, scale=scale, bq=bq, bk=bk,
-                    interpret=interpret)
+def _flash_fwd(q, k, v, bias, q_seg, kv_seg, heads, causal, window, softcap, scale, bq, bk, interpret):
+  o, lse = _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, window=window, softcap=softcap,
+                    scale=scale, bq=bq, bk=bk, interpret=interpret)
   return o, (q, k, v, bias, q_seg, kv_seg, o, lse)
 
 
-def _flash_bwd(heads, causal, scale, bq, bk, interpret, residuals, do):
+def _flash_bwd(heads, causal, window, softcap, scale, bq, bk, interpret, residuals, do):
   q, k, v, bias, q_seg, kv_seg, o, lse = residuals
-  dq, dk, dv, dbias = _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, heads=heads, causal=causal, scale=scale,
-                                bq=bq, bk=bk, interpret=interpret)
+  dq, dk, dv, dbias = _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, heads=heads, causal=causal,
+                                window=window, softcap=softcap, scale=scale, bq=bq, bk=bk, interpret=interpret)
   return dq, dk, dv, dbias, None, None
 
 
@@ -390,13 +411,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                     segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                    bias: jax.Array | None = None, scale: float | None = None, block_q: int = 128,
-                    block_k: int = 128, platform: str | None = None) -> jax.Array:
+                    bias: jax.Array | None = None, scale: float | None = None, window: int = 0,
+                    softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
+                    platform: str | None = None) -> jax.Array:
   """Attention over q [B, Lq, H, D], k/v [B, Lk, K, D] (Flax layout) -> [B, Lq, H, D].
 
   K key/value heads divide the H query heads (grouped-query attention when K < H).
   `segment_ids` / `kv_segment_ids` [B, L] (0 = padding), `bias` broadcastable to [B, H, Lq, Lk] and
-  differentiable. Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
+  differentiable. `window` > 0 (causal only): each query sees the keys fewer than `window` positions back, and
+  kv-blocks wholly outside it are skipped; `softcap` > 0: scaled logits pass through softcap * tanh(. / softcap)
+  before the bias. Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
   inputs; lengths are padded to whole blocks. `platform` (default: the default backend) picks Mosaic
   on 'tpu' and the Pallas interpreter on 'cpu'.
   """
@@ -407,10 +431,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
   h = q.shape[2]
   if h % k.shape[2] or k.shape != v.shape:
     raise ValueError(f'key/value heads must match and divide the {h} query heads; got k {k.shape}, v {v.shape}')
+  if window and not causal:
+    raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[3] ** -0.5 if scale is None else scale
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
   out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg, h, causal,
-               float(scale), blocks.bq, blocks.bk, platform == 'cpu')
+               int(window), float(softcap), float(scale), blocks.bq, blocks.bk, platform == 'cpu')
   return blocks.unpad(out, h)
 
 
@@ -462,7 +488,7 @@ class _Blocks:
 
 def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, kv_segment_ids: jax.Array,
                 bias: jax.Array | None = None, *, causal: bool, scale: float, block_q: int, block_k: int,
-                interpret: bool) -> tuple[jax.Array, jax.Array]:
+                interpret: bool, window: int = 0, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """One block of a blockwise attention (ring attention's per-hop compute): the normalised output [B, Lq, H, D]
   and log-sum-exp [B, H, Lq] (float32; MASKED where every key is masked, so partial results combine by
   log-sum-exp weights). Not differentiable: `flash_block_grads` is its backward given the final output and
@@ -470,14 +496,15 @@ def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
   heads = q.shape[2]
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
   o, lse = _forward(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg,
-                    heads=heads, causal=causal, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+                    heads=heads, causal=causal, window=window, softcap=softcap, scale=scale, bq=blocks.bq,
+                    bk=blocks.bk, interpret=interpret)
   return blocks.unpad(o, heads), lse[:, :, 0, :blocks.lq]
 
 
 def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                       kv_segment_ids: jax.Array, bias: jax.Array | None, o: jax.Array, lse: jax.Array,
-                      do: jax.Array, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool
-                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+                      do: jax.Array, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool,
+                      window: int = 0, softcap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """dQ, dK, dV (and d bias, summed over the dims it broadcasts along) of one block given the whole attention's
   output `o` [B, Lq, H, D], log-sum-exp `lse` [B, H, Lq] and output gradient `do`: this block's share of the
   gradients (the probabilities are recomputed against the final log-sum-exp, so the blocks' shares add up to
@@ -487,7 +514,7 @@ def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
   dq, dk, dv, dbias = _backward(
     blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg,
     blocks.q(o.astype(q.dtype)), blocks.lse(lse), blocks.q(do.astype(q.dtype)), heads=heads, causal=causal,
-    scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
+    window=window, softcap=softcap, scale=scale, bq=blocks.bq, bk=blocks.bk, interpret=interpret)
   kv_unpad = lambda x: x[:, :blocks.lk].reshape(k.shape)
   dbias = None if bias is None else dbias[:, :, :blocks.lq, :blocks.lk].reshape(jnp.shape(bias))
   return blocks.unpad(dq, heads), kv_unpad(dk), kv_unpad(dv), dbias

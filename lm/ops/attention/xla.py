@@ -9,11 +9,13 @@ from lm.ops.attention.masking import MASKED
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Array | None,
-                   kv_segment_ids: jax.Array | None, mask: jax.Array | None) -> jax.Array | None:
-  """Boolean [batch or 1, 1, q_len, kv_len] of allowed pairs, or None when all are allowed."""
+                   kv_segment_ids: jax.Array | None, mask: jax.Array | None, window: int = 0) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q_len, kv_len] of allowed pairs, or None when all are allowed; `window` > 0 (causal)
+  keeps the keys fewer than that many positions back."""
   allowed = None
   if causal:
-    allowed = (jnp.arange(q_len)[:, None] >= jnp.arange(kv_len)[None, :])[None, None]
+    offset = jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
+    allowed = ((offset >= 0) & (offset < window) if window else offset >= 0)[None, None]
   if segment_ids is not None:
     kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
     same = (segment_ids[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
@@ -41,11 +43,17 @@ def masked_softmax(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
   return e / jnp.where(total > 0, total, 1.0)  # an empty row: zeros (a select, not a max: no gradient split at ties)
 
 
+def soft_cap(logits: jax.Array, softcap: float) -> jax.Array:
+  """Logits squashed into (-softcap, softcap) by softcap * tanh(logits / softcap) (Gemma 2); softcap 0: as they are."""
+  return softcap * jnp.tanh(logits / softcap) if softcap else logits
+
+
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array | None,
-                  bias: jax.Array | None, scale: float, dropout_rate: float = 0.0,
+                  bias: jax.Array | None, scale: float, softcap: float = 0.0, dropout_rate: float = 0.0,
                   dropout_rng: jax.Array | None = None) -> jax.Array:
-  """Reference path: einsum logits, float32 softmax, rows with no allowed key give zeros."""
-  logits = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+  """Reference path: einsum logits (soft-capped before the bias), float32 softmax, rows with no allowed key give
+  zeros."""
+  logits = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale, softcap)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   probs = masked_softmax(logits, allowed)
@@ -66,7 +74,8 @@ def _causal_blocks(q_len: int, kv_len: int) -> int:
 
 
 def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array,
-                             bias: jax.Array | None, scale: float, num_blocks: int) -> jax.Array:
+                             bias: jax.Array | None, scale: float, num_blocks: int, softcap: float = 0.0
+                             ) -> jax.Array:
   """`xla_attention` for causal self-attention, skipping the key blocks a query block cannot see.
 
   Query block i only scores keys [0, (i + 1) * block): the causal mask zeroes the rest, so the
@@ -78,8 +87,8 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowe
   outs = []
   for i in range(num_blocks):
     q_sl, k_end = slice(i * block, (i + 1) * block), (i + 1) * block
-    logits = mixed.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end], dtype=q.dtype,
-                          out_dtype=jnp.float32) * scale
+    logits = soft_cap(mixed.einsum('bhqd,bhkd->bhqk', qt[:, :, q_sl], kt[:, :, :k_end], dtype=q.dtype,
+                                   out_dtype=jnp.float32) * scale, softcap)
     if bias is not None:
       b = jnp.broadcast_to(bias, bias.shape[:2] + (q.shape[1], k.shape[1]))
       logits = logits + b[:, :, q_sl, :k_end].astype(jnp.float32)

@@ -10,22 +10,27 @@ from lm.ops.attention import attention
 from lm.ops.attention.flash import flash_attention, heads_per_block
 
 
-def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale):
+def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale, window=0, softcap=0.0):
   """Float64 forward and analytic backward: (out, dq, dk, dv, dbias).
 
   Fewer key/value heads than query heads (grouped-query attention): query head h reads kv head
-  h // group, and each kv head's gradient sums over its group.
+  h // group, and each kv head's gradient sums over its group. `window`: keys fewer than that many positions
+  back; `softcap`: scaled logits through softcap * tanh(. / softcap), before the bias.
   """
   group = q.shape[2] // k.shape[2]
   k, v = (np.repeat(np.asarray(x, np.float64), group, axis=2) for x in (k, v))
   q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))  # b h l d
   s = np.einsum('bhqd,bhkd->bhqk', q, k) * scale
+  capped = softcap * np.tanh(s / softcap) if softcap else s
+  s = capped
   if bias is not None:
     s = s + np.asarray(bias, np.float64)
   lq, lk = q.shape[2], k.shape[2]
   allowed = ((q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0))[:, None]
   if causal:
     allowed = allowed & np.tril(np.ones((lq, lk), bool))
+  if window:
+    allowed = allowed & (np.arange(lq)[:, None] - np.arange(lk)[None, :] < window)
   s = np.where(allowed, s, -np.inf)
   m = np.max(s, -1, keepdims=True)
   e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
@@ -35,8 +40,9 @@ def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale):
   dv = np.einsum('bhqk,bhqd->bhkd', p, do)
   dp = np.einsum('bhqd,bhkd->bhqk', do, v)
   ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
-  dq = np.einsum('bhqk,bhkd->bhqd', ds, k) * scale
-  dk = np.einsum('bhqk,bhqd->bhkd', ds, q) * scale
+  ds_qk = ds * (1 - (capped / softcap) ** 2) if softcap else ds
+  dq = np.einsum('bhqk,bhkd->bhqd', ds_qk, k) * scale
+  dk = np.einsum('bhqk,bhqd->bhkd', ds_qk, q) * scale
   dbias = None
   if bias is not None:
     axes = tuple(a for a in (0, 1) if np.shape(bias)[a] == 1)
@@ -63,11 +69,28 @@ CASES = [  # (seed, causal, segments, bias, dtype, query heads per key/value hea
 
 @pytest.mark.parametrize('seed, causal, segments, with_bias, dtype, group', CASES)
 def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, dtype, group):
+  check(seed, causal, segments, with_bias, dtype, group)
+
+
+# Sliding windows (Mistral, Gemma 2's local layers) with kv-blocks wholly outside them skipped, and Gemma 2's
+# attention-logit soft-capping (50 in the model; 2 here, where unit-normal q.k/sqrt(d) reach it), causal with
+# packed segments: (seed, bias, dtype, group, window, softcap)
+WINDOWED = [(20, False, 'float32', 1, 37, 0.0), (21, True, 'float32', 2, 130, 0.0), (22, False, 'float32', 1, 0, 2.0),
+            (23, True, 'float32', 2, 64, 2.0), (24, False, 'bfloat16', 1, 50, 2.0)]
+
+
+@pytest.mark.parametrize('seed, with_bias, dtype, group, window, softcap', WINDOWED)
+def test_window_and_softcap_match_float64(seed, with_bias, dtype, group, window, softcap):
+  check(seed, True, True, with_bias, dtype, group, window, softcap, length=(200, 300))
+
+
+def check(seed, causal, segments, with_bias, dtype, group, window=0, softcap=0.0, length=(40, 300)):
+  """Forward and gradients of the flash kernel (64-row query blocks, 128-key blocks) against `reference`."""
   rng = np.random.default_rng(seed)
   b, kv_heads = int(rng.integers(1, 3)), int(rng.integers(1, 4))
   h = kv_heads * group
   d = int(rng.choice([16, 32, 64]))
-  lq = int(rng.integers(40, 300))  # rarely a multiple of the blocks: exercises padding
+  lq = int(rng.integers(*length))  # rarely a multiple of the blocks: exercises padding
   lk = lq if causal or segments is True else int(rng.integers(40, 300))
   q = rng.normal(size=(b, lq, h, d))
   k, v = rng.normal(size=(b, lk, kv_heads, d)), rng.normal(size=(b, lk, kv_heads, d))
@@ -84,14 +107,15 @@ def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, 
 
   def loss(q, k, v, bias):
     out = flash_attention(q, k, v, causal=causal, segment_ids=seg_arg, kv_segment_ids=kv_seg_arg, bias=bias,
-                          block_q=64, block_k=128)
+                          window=window, softcap=softcap, block_q=64, block_k=128)
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(do, jnp.float32)), out
 
   bias_arg = None if bias is None else jnp.asarray(bias, jnp.float32)
   argnums = (0, 1, 2, 3) if with_bias else (0, 1, 2)
   grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(cast(q), cast(k), cast(v), bias_arg)
   q64, k64, v64 = (np.asarray(cast(x), np.float64) for x in (q, k, v))  # compare on the rounded inputs
-  want = reference(q64, k64, v64, do, causal=causal, q_seg=q_seg, kv_seg=kv_seg, bias=bias, scale=d ** -0.5)
+  want = reference(q64, k64, v64, do, causal=causal, q_seg=q_seg, kv_seg=kv_seg, bias=bias, scale=d ** -0.5,
+                   window=window, softcap=softcap)
   tol = 1e-5 if dtype == 'float32' else 2e-2
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert rel(out, want[0]) < tol
@@ -173,3 +197,24 @@ def test_compiles_ahead_of_time_for_tpu_v5e(h, kv_heads, d):
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*qkv, bias, seg).compile()
   kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
   assert kernels == 3, kernels  # forward, dK/dV and dQ, compiled by Mosaic rather than interpreted
+
+
+@pytest.mark.parametrize('length', [40, 256])  # whole, and in the XLA path's causal blocks
+def test_the_xla_path_windows_and_soft_caps_as_the_reference(length):
+  rng = np.random.default_rng(length)
+  b, h, d, window, softcap = 2, 2, 16, 9, 2.0
+  q, k, v, do = (rng.normal(size=(b, length, h, d)) for _ in range(4))
+  seg = np.sort(rng.integers(1, 3, size=(b, length)), axis=1)
+
+  def loss(q, k, v):
+    out = attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), window=window, softcap=softcap, impl='xla')
+    return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
+
+  grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+  want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=None, scale=d ** -0.5, window=window,
+                   softcap=softcap)
+  assert rel(out, want[0]) < 1e-5
+  for got, expected in zip(grads, want[1:4], strict=True):
+    assert rel(got, expected) < 1e-5
+  with pytest.raises(ValueError, match='impl tpu_splash has no sliding window or soft-capping'):
+    attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, window=window, impl='tpu_splash')
