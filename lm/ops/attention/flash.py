@@ -504,7 +504,8 @@ def flash_block(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
 def flash_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                       kv_segment_ids: jax.Array, bias: jax.Array | None, o: jax.Array, lse: jax.Array,
                       do: jax.Array, *, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool,
-                      window: int = 0, softcap: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+                      window: int = 0, softcap: float = 0.0
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """dQ, dK, dV (and d bias, summed over the dims it broadcasts along) of one block given the whole attention's
   output `o` [B, Lq, H, D], log-sum-exp `lse` [B, H, Lq] and output gradient `do`: this block's share of the
   gradients (the probabilities are recomputed against the final log-sum-exp, so the blocks' shares add up to
