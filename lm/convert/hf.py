@@ -1,9 +1,11 @@
 """Hugging Face model directories <-> our models: `load_hf` reads one, `save_hf` writes one back.
 
-A directory holds `config.json` and a single `model.safetensors`. Supported: each family record's
+A directory holds `config.json` and `model.safetensors` (or shards named by `model.safetensors.index.json`,
+as save_pretrained writes checkpoints over 5GB). Supported: each family record's
 converter (`Family.hf_converter`): GPT2LMHeadModel (our `gpt`), BertForMaskedLM (`bert`),
-T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the transformers 5 and 4 layouts) and
-LlamaForCausalLM (`llama`). Loaded models are float32 with unrolled layers (`layers_0`, ...);
+T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the transformers 5 and 4 layouts), LlamaForCausalLM
+(`llama`: 2, 3, 3.1, 3.2), MistralForCausalLM (`mistral`), Qwen2ForCausalLM (`qwen2`: 2, 2.5) and
+Qwen3ForCausalLM (`qwen3`). Loaded models are float32 with unrolled layers (`layers_0`, ...);
 `save_hf` of a loaded model reproduces every tensor of a transformers-5 checkpoint exactly and
 writes tied weights once, as `save_pretrained` does. Reads with NumPy only; torch is not needed.
 """
@@ -30,6 +32,8 @@ from lm.models.parametrization import fold, standard
 from lm.models.transformer import unstack_layers
 
 DTYPES = {'float32': np.float32, 'float16': np.float16, 'bfloat16': jnp.bfloat16}
+WEIGHTS, INDEX = 'model.safetensors', 'model.safetensors.index.json'
+MAX_SHARD_BYTES = 5 * 2 ** 30  # transformers' save_pretrained default (5GB) splits larger checkpoints
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -68,15 +72,31 @@ def _open(path: Path) -> tuple[ModelConfig, Checkpoint, Any]:
   """(model config, the open weights file, the converter's tensor rules) of HF directory `path`."""
   hf = read_hf_config(path)
   family = _family(hf, path)
-  weights = path / 'model.safetensors'
-  if not weights.is_file():
-    sharded = ' (sharded checkpoints are not supported)' if (path / 'model.safetensors.index.json').exists() else ''
-    raise ConfigError(f'{weights} not found{sharded}; write the weights as one safetensors file with '
-                      f'save_pretrained(dir, safe_serialization=True, max_shard_size="100GB")')
   converter = family.converter()
-  ckpt = Checkpoint(weights, converter.ARCHITECTURE)
+  ckpt = _checkpoint(path, converter.ARCHITECTURE)
   cfg, rules = converter.load(hf, ckpt)
   return dataclasses.replace(cfg, family=family.name), ckpt, rules
+
+
+def _checkpoint(path: Path, architecture: str) -> Checkpoint:
+  """The weights of HF directory `path`: `model.safetensors`, or the shards its `model.safetensors.index.json`
+  maps each tensor to."""
+  weights, index = path / WEIGHTS, path / INDEX
+  if weights.is_file():
+    return Checkpoint(weights, architecture)
+  if not index.is_file():
+    raise ConfigError(f'{weights} (or a sharded {INDEX}) not found; write the weights with '
+                      f'save_pretrained(dir, safe_serialization=True)')
+  try:
+    weight_map = json.loads(index.read_text())['weight_map']
+    shards = {name: path / file for name, file in weight_map.items()}
+  except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    raise ConfigError(f'{index} is not a safetensors index (a JSON "weight_map" of tensor names to files: '
+                      f'{type(e).__name__} {e}); re-save the model with save_pretrained') from None
+  absent = sorted({str(f.name) for f in shards.values() if not f.is_file()})
+  if absent:
+    raise ConfigError(f'{index} names shard(s) {", ".join(absent[:3])} not found in {path}; copy every shard')
+  return Checkpoint(index, architecture, shards)
 
 
 def hf_model_config(path: str | Path) -> ModelConfig:
@@ -94,8 +114,9 @@ def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | Path,
-            hf_config: dict[str, Any] | None = None) -> Path:
-  """Writes `config.json` and `model.safetensors` for `params` into directory `path`.
+            hf_config: dict[str, Any] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+  """Writes `config.json` and `model.safetensors` for `params` into directory `path`; weights over
+  `max_shard_bytes` go into shards `model-0000i-of-0000n.safetensors` with the index transformers reads.
 
   `hf_config` (e.g. the original config.json) supplies the fields our config does not describe
   (token ids, dtype, ...); the architecture fields always come from the model config.
@@ -122,10 +143,29 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
     raise ConfigError(f'cannot write HF dtype {dtype_name!r}; choose one of: {", ".join(DTYPES)}')
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  weights = path / 'model.safetensors'
-  save_file(write_tensors(rules, flat, DTYPES[dtype_name]), str(weights), metadata={'format': 'pt'})
+  tensors = write_tensors(rules, flat, DTYPES[dtype_name])
+  shards = _shards(tensors, max_shard_bytes)
   umask = os.umask(0)
   os.umask(umask)
-  weights.chmod(0o666 & ~umask)  # safetensors writes 0600; give it the mode any other file gets
+  for name, shard in shards.items():
+    save_file(shard, str(path / name), metadata={'format': 'pt'})
+    (path / name).chmod(0o666 & ~umask)  # safetensors writes 0600; give it the mode any other file gets
+  if len(shards) > 1:
+    index = {'metadata': {'total_size': sum(a.nbytes for a in tensors.values())},
+             'weight_map': {tensor: name for name, shard in shards.items() for tensor in shard}}
+    (path / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + '\n')
   (path / 'config.json').write_text(json.dumps(hf, indent=2, sort_keys=True) + '\n')
   return path
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> dict[str, dict[str, np.ndarray]]:
+  """File name -> its tensors: one `model.safetensors`, or consecutive runs of tensors of at most `max_bytes`
+  each (a bigger tensor alone), named as save_pretrained names them."""
+  groups: list[dict[str, np.ndarray]] = [{}]
+  for name, a in tensors.items():
+    if groups[-1] and sum(x.nbytes for x in groups[-1].values()) + a.nbytes > max_bytes:
+      groups.append({})
+    groups[-1][name] = a
+  if len(groups) == 1:
+    return {WEIGHTS: groups[0]}
+  return {f'model-{i:05d}-of-{len(groups):05d}.safetensors': g for i, g in enumerate(groups, 1)}

@@ -66,23 +66,33 @@ def _to_hf(layout: str, p: np.ndarray, n_in: int) -> np.ndarray:
 
 
 class Checkpoint:
-  """A `model.safetensors` opened lazily; tensors come out as NumPy, checked by name and shape."""
+  """A `model.safetensors`, or the shards a `model.safetensors.index.json` names, opened lazily; tensors come out
+  as NumPy, checked by name and shape. `path` names the file or the index in messages."""
 
-  def __init__(self, path: Path, architecture: str):
+  def __init__(self, path: Path, architecture: str, shards: dict[str, Path] | None = None):
+    """`shards`: tensor name -> its file (a sharded checkpoint's weight map); None: every tensor in `path`."""
     self.path, self.architecture = path, architecture
-    try:
-      self._file = safe_open(str(path), framework='numpy')
-    except (SafetensorError, OSError) as e:
-      raise ConfigError(f'{path} is not a readable safetensors file ({e}); re-save the model with '
-                        f'save_pretrained(dir, safe_serialization=True)') from None
-    self.names = set(self._file.keys())
+    files = {path: None} if shards is None else {file: None for file in shards.values()}
+    for file in files:
+      try:
+        files[file] = safe_open(str(file), framework='numpy')
+      except (SafetensorError, OSError) as e:
+        raise ConfigError(f'{file} is not a readable safetensors file ({e}); re-save the model with '
+                          f'save_pretrained(dir, safe_serialization=True)') from None
+    self._where = {name: files[path] for name in files[path].keys()} if shards is None else \
+      {name: files[file] for name, file in shards.items()}
+    missing = [name for name, file in self._where.items() if name not in file.keys()]
+    if missing:
+      raise ConfigError(f'{path} places {missing[0]!r} in a shard that lacks it; the index and its shards do not '
+                        f'belong together')
+    self.names = set(self._where)
     self.used: set[str] = set()
 
   def get(self, name: str) -> np.ndarray | None:
     if name not in self.names:
       return None
     self.used.add(name)
-    return self._file.get_tensor(name)
+    return self._where[name].get_tensor(name)
 
   def require(self, name: str, shape: Shape) -> np.ndarray:
     a = self.get(name)

@@ -266,7 +266,7 @@ def test_missing_files_are_named(gpt2_dir, tmp_path):
   with pytest.raises(ConfigError, match='config.json not found'):
     load_hf(tmp_path)
   (tmp_path / 'config.json').write_text((gpt2_dir / 'config.json').read_text())
-  with pytest.raises(ConfigError, match='model.safetensors not found'):
+  with pytest.raises(ConfigError, match=r'model.safetensors \(or a sharded model.safetensors.index.json\) not found'):
     load_hf(tmp_path)
 
 
@@ -343,6 +343,27 @@ def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_
   written = read_hf_config(tmp_path / 'out')
   assert 'rope_parameters' not in written and written['rope_theta'] == 5e5
   assert written['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
+
+
+def test_sharded_checkpoints_load_and_export_as_transformers_shards_them(tmp_path):
+  hf_model = save_hf_model('qwen3', tmp_path / 'one')
+  hf_model.save_pretrained(tmp_path / 'hf', max_shard_size='20KB')  # transformers' shards and index
+  assert (tmp_path / 'hf' / 'model.safetensors.index.json').is_file()
+  model, params = load_hf(tmp_path / 'hf')
+  assert compare(hf_model, model, params, 'qwen3') < 1e-4
+  save_hf(model, params, tmp_path / 'out', max_shard_bytes=20_000)
+  index = json.loads((tmp_path / 'out' / 'model.safetensors.index.json').read_text())
+  shards = sorted(set(index['weight_map'].values()))
+  assert len(shards) > 2 and shards[0] == f'model-00001-of-{len(shards):05d}.safetensors'
+  assert not (tmp_path / 'out' / 'model.safetensors').exists()
+  theirs = {k: v for f in (tmp_path / 'one').glob('*.safetensors') for k, v in load_file(str(f)).items()}
+  ours = {k: v for f in shards for k, v in load_file(str(tmp_path / 'out' / f)).items()}
+  assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+  reloaded = MODELS['qwen3'].from_pretrained(tmp_path / 'out').eval()
+  assert compare(reloaded, model, params, 'qwen3') < 1e-4
+  (tmp_path / 'out' / shards[1]).unlink()
+  with pytest.raises(ConfigError, match=f'names shard\\(s\\) {shards[1]} not found'):
+    load_hf(tmp_path / 'out')
 
 
 def test_mistral_window_holds_on_every_attention_path(tmp_path):
