@@ -39,6 +39,9 @@ FAMILIES = {
   # 8 query heads sharing 2 key/value heads: tp=8 and dp_fsdp_tp (tensor=2... 8) cover KV heads fewer
   # than, and dividing, the tensor devices.
   'llama': ('llama_tiny', ['model.num_kv_heads=2', 'model.d_ff=192']),
+  # Qwen3's per-head query/key norms, with a sliding window shorter than the rows and soft-capped logits
+  'qwen3': ('qwen3_tiny', ['model.num_kv_heads=2', 'model.d_ff=192', 'model.sliding_window=8',
+                           'model.attn_logit_softcap=5.0']),
 }
 
 
