@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 Position = Literal['learned', 'sinusoidal', 'relative', 'rotary', 'none']  # relative: T5 buckets; rotary: RoPE
 RopeScaling = Literal['none', 'linear', 'llama3', 'yarn']
 Norm = Literal['layernorm', 'rmsnorm']
-NormPosition = Literal['pre', 'post']
+NormPosition = Literal['pre', 'post', 'sandwich']  # sandwich: a norm before and after each branch (Gemma 2)
 Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu']
 ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
@@ -82,7 +82,12 @@ class ModelConfig:
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
   qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3; eps norm_eps)
   sliding_window: int = 0  # > 0: causal self-attention sees the keys fewer than this many positions back (Mistral)
+  global_every: int = 0  # with sliding_window: every n-th layer (the n-th, 2n-th, ...) attends globally (Gemma 2: 2)
   attn_logit_softcap: float = 0.0  # > 0: attention logits through c * tanh(logits / c) (Gemma 2: 50)
+  final_logit_softcap: float = 0.0  # > 0: output logits soft-capped so, in the loss and in sampling (Gemma 2: 30)
+  attention_scale_dim: int | None = None  # logits times this^-0.5 instead of head_dim^-0.5 (Gemma 2's
+  # query_pre_attn_scalar)
+  norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
   tie_embeddings: bool = True
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale
@@ -565,6 +570,12 @@ def _check_window_and_softcap(config: Config) -> None:
   if m.sliding_window > m.max_len:
     raise ConfigError(f'model.sliding_window={m.sliding_window} is larger than the context model.max_len={m.max_len}; '
                       f'lower it, or set it to 0 for full attention')
+  if m.global_every < 0 or (m.global_every and (not m.sliding_window or m.num_layers % m.global_every)):
+    raise ConfigError(f'model.global_every={m.global_every} makes every n-th layer global among windowed ones: it '
+                      f'needs model.sliding_window > 0 and must divide model.num_layers={m.num_layers}')
+  if m.final_logit_softcap < 0 or (m.attention_scale_dim is not None and m.attention_scale_dim <= 0):
+    raise ConfigError(f'model.final_logit_softcap={m.final_logit_softcap} must be >= 0 and model.attention_scale_dim='
+                      f'{m.attention_scale_dim} positive (or null)')
   features = [f for f, on in (('model.sliding_window', m.sliding_window), ('model.attn_logit_softcap',
                                                                            m.attn_logit_softcap)) if on]
   if features and m.attention_impl in ('tpu_flash', 'tpu_splash', 'cudnn'):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY, llama.MISTRAL,
-                                                           llama.QWEN2, llama.QWEN3)}
+                                                           llama.QWEN2, llama.QWEN3, llama.GEMMA2)}
 
 
 def get_family(name: str) -> Family:

@@ -74,9 +74,10 @@ def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
   `.logits()` applies it, the token loss tiles it (`model.loss_chunk`). Call from a compact method."""
   x = readout_input(x, cfg)
   if cfg.tie_embeddings:
-    return embed.unembed(x, chunk=cfg.loss_chunk)
+    return embed.unembed(x, chunk=cfg.loss_chunk, softcap=cfg.final_logit_softcap)
   return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk, name='lm_head')(x)
+                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk,
+                softcap=cfg.final_logit_softcap, name='lm_head')(x)
 
 
 def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

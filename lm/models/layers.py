@@ -102,9 +102,11 @@ class Embed(nn.Module):
     rows = jnp.take(gathered(self.embedding, self.axes), ids, axis=0)
     return (rows * self.scale if self.scale != 1.0 else rows).astype(self.dtype)
 
-  def unembed(self, x: jax.Array, bias: jax.Array | None = None, chunk: int = 0) -> Unembedding:
+  def unembed(self, x: jax.Array, bias: jax.Array | None = None, chunk: int = 0, softcap: float = 0.0
+              ) -> Unembedding:
     """The tied output layer on hidden states `x` [batch, length, embed]: logits against the table."""
-    return Unembedding(x, self.embedding, bias, layout='vd', axes=self.axes, dtype=self.dtype, chunk=chunk)
+    return Unembedding(x, self.embedding, bias, layout='vd', axes=self.axes, dtype=self.dtype, chunk=chunk,
+                       softcap=softcap)
 
 
 class LMHead(nn.Module):
@@ -114,13 +116,15 @@ class LMHead(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.normal(0.02)
   chunk: int = 0  # the tiled loss's sequence positions per tile
+  softcap: float = 0.0  # > 0: logits soft-capped
 
   @nn.compact
   def __call__(self, x: jax.Array) -> Unembedding:
     axes = ('embed', 'vocab')
     kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, axes),
                         (x.shape[-1], self.vocab_size), self.param_dtype)
-    return Unembedding(x, kernel, None, layout='dv', axes=axes, dtype=self.dtype, chunk=self.chunk)
+    return Unembedding(x, kernel, None, layout='dv', axes=axes, dtype=self.dtype, chunk=self.chunk,
+                       softcap=self.softcap)
 
 
 class LayerNorm(nn.Module):
@@ -153,21 +157,25 @@ class RMSNorm(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   axis: str = 'embed'  # the normalised feature axis's logical name ('kv': per head)
+  plus_one: bool = False  # scale by (1 + w), w starting at 0 (Gemma)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
-                       (x.shape[-1],), self.param_dtype)
-    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = self.param('scale', nn.with_logical_partitioning(init, (self.axis,)), (x.shape[-1],), self.param_dtype)
+    scale = scale.astype(jnp.float32)
+    return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 NORMS: dict[str, type[nn.Module]] = {'layernorm': LayerNorm, 'rmsnorm': RMSNorm}  # keys: lm.config.Norm
 
 
-def make_norm(kind: str, eps: float, dtype: Dtype, param_dtype: Dtype, name: str) -> nn.Module:
-  return NORMS[kind](eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+def make_norm(kind: str, eps: float, dtype: Dtype, param_dtype: Dtype, name: str, plus_one: bool = False
+              ) -> nn.Module:
+  extra = {'plus_one': True} if plus_one else {}  # RMSNorm's (1 + w) (model.norm_plus_one)
+  return NORMS[kind](eps=eps, dtype=dtype, param_dtype=param_dtype, name=name, **extra)
 
 
 # Keys: lm.config.Activation, plain here and gated in GATED.
@@ -242,7 +250,9 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
                kv_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               bias: jax.Array | None = None, deterministic: bool = True, decode: bool = False) -> jax.Array:
+               bias: jax.Array | None = None, deterministic: bool = True, decode: bool = False,
+               global_layer: bool | jax.Array = False) -> jax.Array:
+    """`global_layer` (traced in a scanned stack) lifts the window: the layer attends to every earlier key."""
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
     normal = nn.initializers.normal
     kv_heads = self.num_kv_heads or self.num_heads
@@ -264,9 +274,9 @@ class Attention(nn.Module):
     k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
     v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
     mask = None
-    window = self.window if causal else 0
+    window = self.window if causal and global_layer is not True else 0
     if decode:
-      k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids, window)
+      k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids, window, global_layer)
       window = 0  # in the cache's mask
       causal = False  # the cache mask already orders queries after the keys they may see
       if segment_ids is None:
@@ -274,18 +284,23 @@ class Attention(nn.Module):
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
-    out = attention(q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask,
-                    bias=bias, scale=self.logit_scale, window=window, softcap=self.softcap,
-                    impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
-                    dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng,
-                    block_q=self.block_q, block_k=self.block_k)
+    attend = lambda window: attention(
+      q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask, bias=bias,
+      scale=self.logit_scale, window=window, softcap=self.softcap,
+      impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
+      dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng, block_q=self.block_q,
+      block_k=self.block_k)
+    if window and isinstance(global_layer, jax.Array):  # a scanned layer: both programs, one runs
+      out = jax.lax.cond(global_layer, lambda: attend(0), lambda: attend(window))
+    else:
+      out = attend(window)
     out = constrain(out, ('batch', 'length', 'heads', 'kv'))
     out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1),
                        kernel_init=normal(self.out_init_std), name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
 
-  def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int
-                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+  def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int,
+                    global_layer: bool | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Writes this call's keys/values at the cache index; returns the whole cache and its mask (causal, and
     within `window` slots when it is > 0: the cache holds a row's tokens in consecutive slots)."""
     initialising = not self.has_variable('cache', 'cached_key')
@@ -303,7 +318,7 @@ class Attention(nn.Module):
     index.value = i + length
     max_len = cached_k.value.shape[1]
     offset = (i + jnp.arange(length))[:, None] - jnp.arange(max_len)[None, :]  # [q, max_len]
-    visible = (offset >= 0) & (offset < window) if window else offset >= 0
+    visible = (offset >= 0) & ((offset < window) | global_layer) if window else offset >= 0
     return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
 
 

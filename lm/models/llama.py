@@ -37,5 +37,12 @@ class Qwen3Family(LlamaFamily):
   hf_converter = 'lm.convert.qwen3'
 
 
+class Gemma2Family(LlamaFamily):
+  """Gemma 2: (1 + w) RMSNorm before and after each branch, scaled embeddings tied to the output, GeGLU, soft-capped
+  attention and output logits, sliding-window layers alternating with global ones (all config fields)."""
+  name = 'gemma2'
+  hf_converter = 'lm.convert.gemma2'
+
+
 FAMILY = LlamaFamily()
-MISTRAL, QWEN2, QWEN3 = MistralFamily(), Qwen2Family(), Qwen3Family()
+MISTRAL, QWEN2, QWEN3, GEMMA2 = MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma2Family()

@@ -66,8 +66,10 @@ def base_head_dim(cfg: ModelConfig) -> float:
 def attention_scale(cfg: ModelConfig) -> float | None:
   """The attention logits' scale; None: the kernel's own 1/sqrt(head_dim)."""
   if cfg.parametrization == 'standard':
+    if cfg.attention_scale_dim is not None:
+      return cfg.attention_scale_dim ** -0.5 if cfg.scale_attention else 1.0
     return None if cfg.scale_attention else 1.0
-  standard = cfg.resolved_head_dim ** -0.5 if cfg.scale_attention else 1.0
+  standard = (cfg.attention_scale_dim or cfg.resolved_head_dim) ** -0.5 if cfg.scale_attention else 1.0
   return standard * (base_head_dim(cfg) / cfg.resolved_head_dim) ** 0.5
 
 

@@ -42,7 +42,8 @@ def attention_init(cfg: ModelConfig, num_layers: int) -> dict[str, float]:
 class Block(nn.Module):
   """One layer: self-attention, cross-attention (`cross`, decoder of an encoder-decoder), MLP.
 
-  Each is a residual branch with pre- or post-LN.
+  Each is a residual branch with pre-, post- or sandwich (pre and post, Gemma 2) norms. `layer` (traced when
+  scanned) picks the global layers among windowed ones (`model.global_every`).
   """
   cfg: ModelConfig
   causal: bool
@@ -52,14 +53,15 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
                bias: jax.Array | None, encoded: jax.Array | None, encoded_segment_ids: jax.Array | None,
-               deterministic: bool, decode: bool) -> tuple[jax.Array, None]:
+               deterministic: bool, decode: bool, layer: int | jax.Array = 0) -> tuple[jax.Array, None]:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     init = attention_init(cfg, self.num_layers)
     scaled = cfg.init == 'scaled_normal'
     mlp_out_std = init['out_init_std'] if scaled else cfg.resolved_d_ff ** -0.5
     mlp_in_std = cfg.init_std if scaled else cfg.d_model ** -0.5
-    norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name)
+    norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name, cfg.norm_plus_one)
+    global_layer = bool(cfg.global_every) and (layer + 1) % max(cfg.global_every, 1) == 0
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
@@ -69,7 +71,7 @@ class Block(nn.Module):
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
-      deterministic=deterministic, decode=decode))]
+      deterministic=deterministic, decode=decode, global_layer=global_layer))]
     if self.cross:
       branches.append(('cross_attention', lambda h: make_attention('cross_attention')(
         h, encoded, causal=False, segment_ids=segment_ids, kv_segment_ids=encoded_segment_ids,
@@ -81,6 +83,8 @@ class Block(nn.Module):
     for name, branch in branches:
       if cfg.norm_position == 'pre':
         x = x + drop(branch(norm(f'{name}_norm')(x)))
+      elif cfg.norm_position == 'sandwich':
+        x = x + drop(norm(f'{name}_post_norm')(branch(norm(f'{name}_norm')(x))))
       else:
         x = norm(f'{name}_norm')(x + drop(branch(x)))
     return constrain(x.astype(dtype), ('batch', 'length', 'embed')), None
@@ -108,19 +112,22 @@ class Stack(nn.Module):
     if cfg.remat != 'none':
       # static_argnums counts self: (self, x, segment_ids, positions, bias, encoded, encoded_segment_ids,
       # deterministic, decode).
+      # an unrolled layer's index is static too: its window is then known when it is traced
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
-                       static_argnums=(7, 8))
+                       static_argnums=(7, 8) if cfg.scan_layers else (7, 8, 9))
     args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
     if cfg.scan_layers:
       scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
-                        split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args),
+                        split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
                         length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, name='layers')(x, *args)
+      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, name='layers')(
+        x, *args, jnp.arange(self.num_layers, dtype=jnp.int32))
     else:
       for i in range(self.num_layers):
-        x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args)
-    if cfg.norm_position == 'pre':
-      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype], 'final_norm')(x)
+        x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args, i)
+    if cfg.norm_position in ('pre', 'sandwich'):
+      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype], 'final_norm',
+                    cfg.norm_plus_one)(x)
     return x
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:

@@ -19,6 +19,7 @@ from flax import struct
 
 from lm.ops import mixed
 from lm.ops.losses import cross_entropy, weighted_sums
+from lm.ops.softcap import soft_cap, soft_cap_grad
 from lm.parallel.rules import constrain
 
 Dtype = Any
@@ -37,6 +38,7 @@ class Unembedding:
   axes: tuple[str | None, ...] = struct.field(pytree_node=False)  # the kernel's logical axes
   dtype: Dtype = struct.field(pytree_node=False)
   chunk: int = struct.field(pytree_node=False, default=0)  # sequence positions per tile; 0: untiled
+  softcap: float = struct.field(pytree_node=False, default=0.0)  # > 0: logits soft-capped (Gemma 2's final 30)
 
   def logits(self) -> jax.Array:
     """[batch, length, vocab] in the compute dtype."""
@@ -48,6 +50,8 @@ class Unembedding:
       logits = mixed.einsum('td,dv->tv', tokens, self.kernel, dtype=self.dtype).reshape(*h.shape[:2], -1)
     if self.bias is not None:
       logits = logits + self.bias.astype(logits.dtype)
+    if self.softcap:
+      logits = soft_cap(logits.astype(jnp.float32), self.softcap).astype(logits.dtype)
     return constrain(logits, ('batch', 'length', 'vocab'))
 
 
@@ -62,34 +66,36 @@ def tiled_cross_entropy(u: Unembedding, targets: jax.Array, weights: jax.Array, 
   hidden, targets, weights = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
                               for x in (u.hidden, targets, weights.astype(jnp.float32)))
   tiles = lambda x: einops.rearrange(x, 'b (n c) ... -> n b c ...', c=chunk)
-  loss, (nll, z) = _fused(u.layout, u.axes, jnp.dtype(u.dtype), float(z_loss), tiles(hidden), u.kernel, u.bias,
-                          tiles(targets), tiles(weights))
+  loss, (nll, z) = _fused(u.layout, u.axes, jnp.dtype(u.dtype), float(z_loss), float(u.softcap), tiles(hidden),
+                          u.kernel, u.bias, tiles(targets), tiles(weights))
   return loss, jax.lax.stop_gradient(nll), jax.lax.stop_gradient(z)
 
 
-def _tile_logits(layout: str, dtype: Dtype, h: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                 targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """(float32 softmax [b, c, vocab], log-partition [b, c], target logits [b, c], the one-hot mask of targets)."""
+def _tile_logits(layout: str, dtype: Dtype, softcap: float, h: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                 targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(float32 softmax [b, c, vocab], log-partition [b, c], target logits [b, c], the one-hot mask of targets, the
+  soft-cap's derivative at the logits)."""
   logits = mixed.einsum(_SPECS[layout][0], h, kernel, dtype=dtype, out_dtype=jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
-  logits = constrain(logits, ('batch', 'length', 'vocab'))
+  logits = constrain(soft_cap(logits, softcap), ('batch', 'length', 'vocab'))
   # The log-partition from the exponentials the softmax reuses: one exp over the tile, not two.
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   e = jnp.exp(logits - row_max)
   total = jnp.sum(e, axis=-1, keepdims=True)
   log_z = (row_max + jnp.log(total))[..., 0]
   is_target = jnp.arange(logits.shape[-1]) == targets[..., None]  # a sum, not a gather: vocab may be sharded
-  return e / total, log_z, jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), is_target
+  cap_grad = soft_cap_grad(logits, softcap) if softcap else None
+  return e / total, log_z, jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), is_target, cap_grad
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 @jax.named_scope('output_loss')  # profiles (bench/profile_step.py) group its kernels by this name
-def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
+def _fused(layout, axes, dtype, z_loss, softcap, hidden, kernel, bias, targets, weights):
   """Loss and metric sums only (no gradients): the primal, for evaluation."""
   def tile(sums, xs):
     h, t, w = xs
-    _, log_z, target_logits, _ = _tile_logits(layout, dtype, h, kernel, bias, t)
+    _, log_z, target_logits, _, _ = _tile_logits(layout, dtype, softcap, h, kernel, bias, t)
     nll, z = weighted_sums(z_loss, log_z, target_logits, w)
     return (sums[0] + nll, sums[1] + z), None
   (nll, z), _ = jax.lax.scan(tile, (jnp.float32(0), jnp.float32(0)), (hidden, targets, weights))
@@ -97,7 +103,7 @@ def _fused(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
 
 
 @jax.named_scope('output_loss')
-def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weights):
+def _fused_fwd(layout, axes, dtype, z_loss, softcap, hidden, kernel, bias, targets, weights):
   hidden_spec = _SPECS[layout][1]
   # The kernel's gradient accumulates as [embed, vocab] whatever its layout: both of a tile's gradient matmuls
   # then read the logits' gradient as it is made, [tokens, vocab] (a [vocab, tokens] operand costs XLA:CPU a
@@ -107,10 +113,12 @@ def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weigh
   def tile(carry, xs):
     d_kernel, d_bias, nll_sum, z_sum = carry
     h, t, w = xs
-    probs, log_z, target_logits, is_target = _tile_logits(layout, dtype, h, kernel, bias, t)
+    probs, log_z, target_logits, is_target, cap_grad = _tile_logits(layout, dtype, softcap, h, kernel, bias, t)
     nll, z = weighted_sums(z_loss, log_z, target_logits, w)
-    # d(nll + z)/d logits = w (1 + 2 z_loss log_z) softmax - w onehot(target)
+    # d(nll + z)/d logits = w (1 + 2 z_loss log_z) softmax - w onehot(target), through the soft-cap's derivative
     d_logits = probs * (w * (1.0 + 2.0 * z_loss * log_z))[..., None] - jnp.where(is_target, w[..., None], 0.0)
+    if cap_grad is not None:
+      d_logits = d_logits * cap_grad
     d_logits = constrain(d_logits, ('batch', 'length', 'vocab'))
     d_h = mixed.einsum(hidden_spec, d_logits, kernel, dtype=dtype, out_dtype=jnp.float32)
     d_kernel = d_kernel + mixed.einsum('bcd,bcv->dv', h, d_logits, dtype=dtype, out_dtype=jnp.float32)
@@ -128,7 +136,7 @@ def _fused_fwd(layout, axes, dtype, z_loss, hidden, kernel, bias, targets, weigh
   return (nll + z, (nll, z)), (d_hidden, d_kernel.astype(kernel.dtype), d_bias)
 
 
-def _fused_bwd(layout, axes, dtype, z_loss, residuals, cotangents):
+def _fused_bwd(layout, axes, dtype, z_loss, softcap, residuals, cotangents):
   g = cotangents[0]  # the metric sums' cotangents are zero: the caller stops their gradient
   scale = lambda x: None if x is None else (g * x.astype(jnp.float32)).astype(x.dtype)
   return (*map(scale, residuals), None, None)

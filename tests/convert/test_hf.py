@@ -15,6 +15,7 @@ from lm.config import ConfigError, ModelConfig
 from lm.convert.hf import load_hf, read_hf_config, save_hf
 from lm.generate import generate
 from lm.models import abstract_params, build_model
+from lm.models.transformer import stack_layers
 
 VOCAB, BATCH, LEN = 96, 3, 12
 LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': 5e5, 'factor': 8.0, 'low_freq_factor': 1.0,
@@ -69,14 +70,21 @@ CONFIGS = {
                                                        num_hidden_layers=2, num_attention_heads=4,
                                                        num_key_value_heads=2, max_position_embeddings=64,
                                                        sliding_window=4),
+  # Gemma 2: sandwich (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar apart from head_dim, both
+  # soft-caps low enough to act on a random model, a 4-token window in layers 0 and 2, layers 1 and 3 global
+  'gemma2': lambda: transformers.Gemma2Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                                              attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                                              max_position_embeddings=64, attn_implementation='eager'),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
           'llama': transformers.LlamaForCausalLM, 'llama3': transformers.LlamaForCausalLM,
           'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
           'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
-          'mistral_window': transformers.MistralForCausalLM}
-DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window')
+          'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM}
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2')
 
 
 def save_hf_model(kind, directory):
@@ -375,6 +383,23 @@ def test_mistral_window_holds_on_every_attention_path(tmp_path):
   assert compare(hf_model, flash, params, 'mistral_window') < 1e-4
   assert compare(hf_model, build_model(dataclasses.replace(model.cfg, sliding_window=0)), params,
                  'mistral_window') > 1e-3
+
+
+def test_gemma2_holds_scanned_through_flash_and_each_feature_acts(tmp_path):
+  """Scanned layers (the global ones picked by a traced index) through XLA and our flash kernel equal transformers;
+  without any one of its features the logits differ."""
+  hf_model = save_hf_model('gemma2', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  cfg = model.cfg
+  assert (cfg.sliding_window, cfg.global_every, cfg.attn_logit_softcap, cfg.final_logit_softcap,
+          cfg.attention_scale_dim, cfg.norm_position, cfg.norm_plus_one) == (4, 2, 1.0, 2.0, 24, 'sandwich', True)
+  stacked = {**params, 'decoder': stack_layers(params['decoder'])}
+  for impl in ('xla', 'flash'):
+    scanned = build_model(dataclasses.replace(cfg, scan_layers=True, attention_impl=impl))
+    assert compare(hf_model, scanned, stacked, 'gemma2') < 1e-4, impl
+  for change in ({'global_every': 0}, {'sliding_window': 0, 'global_every': 0}, {'attn_logit_softcap': 0.0},
+                 {'final_logit_softcap': 0.0}, {'attention_scale_dim': None}):
+    assert compare(hf_model, build_model(dataclasses.replace(cfg, **change)), params, 'gemma2') > 1e-3, change
 
 
 @pytest.mark.parametrize('kind, edit, message', [

@@ -13,7 +13,8 @@ from lm.train.step import PretrainingLoss
 from tests.conftest import SMALL
 
 FAMILIES = {'gpt_tiny': [], 'bert_tiny': ['model.max_len=32'], 't5_tiny': ['model.d_ff=128'],
-            'llama_tiny': ['model.num_kv_heads=2', 'model.d_ff=192']}  # llama: an untied lm_head
+            'llama_tiny': ['model.num_kv_heads=2', 'model.d_ff=192'],  # llama: an untied lm_head
+            'gemma2_tiny': ['model.d_ff=192', 'model.final_logit_softcap=2.0']}  # a soft-cap acting on the logits
 MESHES = {'1 device': [], '2x2x2': ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2']}
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lm.ops.attention.masking import MASKED, round_up
+from lm.ops.softcap import soft_cap, soft_cap_grad
 
 _LSE_ROWS = 8  # the log-sum-exp leaves the forward kernel as [8, rows]: one sublane tile
 _TRANS_B = (((1,), (1,)), ((), ()))  # contract the last dims: x @ y.T
@@ -94,8 +95,7 @@ def _lanes(head: int, d: int) -> slice:
 
 def _scores(q: jax.Array, k: jax.Array, scale: float, softcap: float) -> jax.Array:
   """Scaled q.k, soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap) when softcap > 0 (Gemma 2)."""
-  s = jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * scale
-  return softcap * jnp.tanh(s / softcap) if softcap else s
+  return soft_cap(jax.lax.dot_general(q, k, _TRANS_B, preferred_element_type=jnp.float32) * scale, softcap)
 
 
 def _with_bias(s: jax.Array, bias_ref: Any, head: int) -> jax.Array:
@@ -171,7 +171,7 @@ def _probs_and_ds(q, k, v, do, lse, o, bias_ref, head, mask, scale, softcap):
   p = jnp.where(mask, jnp.exp(_with_bias(capped, bias_ref, head) - lse), 0.0)
   dp = jax.lax.dot_general(do, v, _TRANS_B, preferred_element_type=jnp.float32)
   ds = p * (dp - delta)
-  return p, ds, ds * (1.0 - jnp.square(capped / softcap)) if softcap else ds
+  return p, ds, ds * soft_cap_grad(capped, softcap) if softcap else ds
 
 
 def _head_block(refs, at: _Heads, g: int):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from lm.ops import mixed
 from lm.ops.attention.masking import MASKED
+from lm.ops.softcap import soft_cap
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Array | None,
@@ -41,11 +42,6 @@ def masked_softmax(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
   e = jnp.exp(jnp.where(allowed, logits - row_max, -jnp.inf))  # masked: exactly 0, and no inf to reach a gradient
   total = jnp.sum(e, axis=-1, keepdims=True)  # at least 1 where a key is allowed (its max term is exp(0))
   return e / jnp.where(total > 0, total, 1.0)  # an empty row: zeros (a select, not a max: no gradient split at ties)
-
-
-def soft_cap(logits: jax.Array, softcap: float) -> jax.Array:
-  """Logits squashed into (-softcap, softcap) by softcap * tanh(logits / softcap) (Gemma 2); softcap 0: as they are."""
-  return softcap * jnp.tanh(logits / softcap) if softcap else logits
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array | None,
