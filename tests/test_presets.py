@@ -110,6 +110,12 @@ RELEASED = {
   'qwen3_8b': ([], 'Qwen3ForCausalLM', dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                                             head_dim=128), 8_190_735_360, 'Qwen3-8B-Base'),
+  'gemma2_9b': ([], 'Gemma2ForCausalLM', dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                                              num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                                              head_dim=256), 9_241_705_984, 'gemma-2-9b (tied output)'),
+  'gemma2_27b': ([], 'Gemma2ForCausalLM', dict(vocab_size=256000, hidden_size=4608, intermediate_size=36864,
+                                               num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
+                                               head_dim=128), 27_227_128_320, 'gemma-2-27b (tied output)'),
 }
 
 

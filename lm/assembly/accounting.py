@@ -56,10 +56,12 @@ def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_atten
   """
   if causal_attention not in ('half', 'full'):
     raise ValueError(f'causal_attention={causal_attention!r}: choose half or full')
-  w = cfg.sliding_window
+  w, every = cfg.sliding_window, cfg.global_every
+  share = 1 / every if every else 0.0  # of the layers, the global ones among windowed
 
-  def half(n: int) -> float:  # the pairs a causal mask allows; with a window, each query sees at most w keys
-    return n * n / 2 if not w or w >= n else w * n - w * w / 2
+  def half(n: int) -> float:  # the pairs a causal mask allows; in a window, each query sees at most w keys
+    windowed = n * n / 2 if not w or w >= n else w * n - w * w / 2
+    return share * n * n / 2 + (1 - share) * windowed
   pairs = half if causal_attention == 'half' else (lambda n: n * n)
   forward = get_family(cfg.family).forward_flops(kernel_sizes(params, cfg), cfg, seq_len, pairs)
   return 3.0 * forward

@@ -83,3 +83,13 @@ def test_a_sliding_window_counts_the_pairs_it_allows():
   assert unwindowed - windowed == pytest.approx(per_pair * (seq * seq / 2 - (w * seq - w * w / 2)))
   assert flops_per_sequence(params, m, seq, 'full') == flops_per_sequence(
     params, dataclasses.replace(m, sliding_window=0), seq, 'full')
+
+
+def test_alternating_global_layers_count_the_full_square_in_theirs():
+  w, seq = 16, 64
+  config = load_config('gemma2_tiny', [f'model.sliding_window={w}', f'data.seq_len={seq}'])
+  params, m = assemble(config, jax.devices()[:1]).abstract_params, config.model
+  per_pair = 3 * 4 * m.num_heads * m.resolved_head_dim * m.num_layers
+  mixed = flops_per_sequence(params, m, seq, 'half')
+  unwindowed = flops_per_sequence(params, dataclasses.replace(m, sliding_window=0, global_every=0), seq, 'half')
+  assert unwindowed - mixed == pytest.approx(per_pair / 2 * (seq * seq / 2 - (w * seq - w * w / 2)))  # half local
