@@ -581,9 +581,9 @@ def _check_window_and_softcap(config: Config) -> None:
   if features and m.attention_impl in ('tpu_flash', 'tpu_splash', 'cudnn'):
     raise ConfigError(f'model.attention_impl={m.attention_impl} has no {" or ".join(features)}; use '
                       f'model.attention_impl=flash (our kernel), xla or auto')
-  if features and config.mesh.sequence != 1:
-    raise ConfigError(f'ring attention (mesh.sequence={config.mesh.sequence}) takes no {" or ".join(features)} yet; '
-                      f'set mesh.sequence=1')
+  if features and config.mesh.sequence != 1 and m.attention_impl == 'flash':
+    raise ConfigError(f'ring attention with flash blocks (mesh.sequence={config.mesh.sequence}) takes no '
+                      f'{" or ".join(features)}; use model.attention_impl=xla or auto (the ring with XLA blocks)')
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:

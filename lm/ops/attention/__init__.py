@@ -80,7 +80,8 @@ def sequence_shards() -> int:
 
 def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                                 segment_ids: jax.Array | None, bias: jax.Array | None, scale: float,
-                                flash: bool, block_q: int, block_k: int) -> jax.Array:
+                                flash: bool, block_q: int, block_k: int, window: int = 0,
+                                softcap: float = 0.0) -> jax.Array:
   """Self-attention over a sequence split across the mesh: ring attention per shard, its blocks through XLA or
   (`flash`) our flash kernel. The length axis of every activation is in `zigzag_order` (the train step lays the
   batch out so), which gives each token's position."""
@@ -112,7 +113,7 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
       seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
       return ring_flash_attention(ring_axes, causal, scale, block_q, block_k, platform == 'cpu', q, k, v, seg, seg,
                                   pos, rows)
-    return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, q, k, v, pos, pos, seg, seg, rows)
+    return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, window, softcap, q, k, v, pos, pos, seg, seg, rows)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
 
@@ -148,9 +149,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if window and not causal:
     raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if sequence_shards() > 1 and (window or softcap):
-    raise ValueError('ring attention (a sequence split over the mesh) takes no sliding window or soft-capping yet; '
-                     'set mesh.sequence=1')
+  if sequence_shards() > 1 and (window or softcap) and impl == 'flash':
+    raise ValueError('ring attention with flash blocks takes no sliding window or soft-capping; use impl xla or auto '
+                     '(the ring with XLA blocks)')
   if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
     if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
       raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto, xla or flash) on '
@@ -158,7 +159,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                        f'cross-attention')
     k, v = repeat_kv(k, v, q.shape[2])
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
-                                       flash=impl == 'flash', block_q=block_q, block_k=block_k)
+                                       flash=impl == 'flash', block_q=block_q, block_k=block_k, window=window,
+                                       softcap=softcap)
   if impl == 'auto':
     impl = pick_impl(mask=mask, dropout_rate=dropout_rate, windowed=bool(window or softcap))
   if impl not in GROUPED_KV:

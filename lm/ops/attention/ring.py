@@ -29,6 +29,7 @@ import numpy as np
 from lm.ops import mixed
 from lm.ops.attention.flash import flash_block, flash_block_grads
 from lm.ops.attention.masking import MASKED
+from lm.ops.softcap import soft_cap, soft_cap_grad
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -46,17 +47,30 @@ def causal_pairs_per_shard(order: np.ndarray, shards: int) -> np.ndarray:
 
 
 def _allowed(q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None, kv_seg: jax.Array | None,
-             causal: bool) -> jax.Array | None:
-  """Boolean [batch or 1, 1, q, k]: causal by global position, same segment, key not padding (segment 0)."""
-  allowed = (q_pos[:, None] >= kv_pos[None, :])[None, None] if causal else None
+             causal: bool, window: int = 0) -> jax.Array | None:
+  """Boolean [batch or 1, 1, q, k]: causal by global position (within `window` positions back when > 0), same
+  segment, key not padding (segment 0)."""
+  allowed = None
+  if causal:
+    offset = q_pos[:, None] - kv_pos[None, :]
+    allowed = ((offset >= 0) & (offset < window) if window else offset >= 0)[None, None]
   if q_seg is not None:
     same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
     allowed = same[:, None] if allowed is None else allowed & same[:, None]
   return allowed
 
 
-def _logits(q, k, bias_rows, kv_pos, allowed, scale):
-  s = mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+def _hidden(q_pos: jax.Array, kv_pos: jax.Array, causal: bool, window: int) -> jax.Array | bool:
+  """Whether no query at `q_pos` may see any key at `kv_pos` (all later, or all `window` or more back): the
+  block's scores are skipped."""
+  if not causal:
+    return False
+  later = jnp.min(kv_pos) > jnp.max(q_pos)
+  return later | (jnp.min(q_pos) - jnp.max(kv_pos) >= window) if window else later
+
+
+def _logits(q, k, bias_rows, kv_pos, allowed, scale, softcap=0.0):
+  s = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale, softcap)
   if bias_rows is not None:  # the rows of this shard's queries, every key column: take the block's keys
     s = s + jnp.take(bias_rows, kv_pos, axis=-1).astype(jnp.float32)
   return s if allowed is None else jnp.where(allowed, s, MASKED)
@@ -87,25 +101,29 @@ def _joined(x: jax.Array | None, axis: int) -> jax.Array | None:
   return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def ring_attention(axis_name: str, causal: bool, scale: float, query_chunk: int, q: jax.Array, k: jax.Array,
-                   v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array | None,
-                   kv_seg: jax.Array | None, bias_rows: jax.Array | None) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def ring_attention(axis_name: str, causal: bool, scale: float, query_chunk: int, window: int, softcap: float,
+                   q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
+                   q_seg: jax.Array | None, kv_seg: jax.Array | None, bias_rows: jax.Array | None) -> jax.Array:
   """Attention of this shard's queries over the whole ring's keys and values (call under `shard_map`).
 
   q_pos/kv_pos: [q_len]/[kv_len] global positions of the local tokens; q_seg/kv_seg: [batch, len] segment ids
   (0 is padding) or None; bias_rows: [batch or 1, heads, q_len, total kv_len] with columns in global position
   order (this shard's rows of the full bias), or None. Queries meet each block `query_chunk` rows at a time
-  (all at once when that does not divide q_len).
+  (all at once when that does not divide q_len). `window` > 0 (causal): keys fewer than that many positions
+  back, a chunk's scores against a block wholly outside it skipped; `softcap` > 0: logits soft-capped before the
+  bias.
   """
-  return _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows)[0]
+  return _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
+                  bias_rows)[0]
 
 
 def _query_side(c, q, q_pos, q_seg, bias_rows):
   return _chunks(q, c, 1), _chunks(q_pos, c, 0), _chunks(q_seg, c, 1), _chunks(bias_rows, c, 2)
 
 
-def _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows):
+def _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
+             bias_rows):
   n, send = _ring(axis_name)
   b, lq, h, d = q.shape
   c = query_chunk if lq % query_chunk == 0 else lq
@@ -117,15 +135,20 @@ def _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_se
 
     def rows(args):  # one chunk of query rows against this block: rows are independent in the forward pass
       (q, q_pos, q_seg, bias_rows), o, m, l = args
-      allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
-      s = _logits(q, k, bias_rows, kv_pos, allowed, scale)
-      m_new = jnp.maximum(m, s.max(axis=-1))
-      p = jnp.exp(s - m_new[..., None])
-      if allowed is not None:
-        p = jnp.where(allowed, p, 0.0)
-      rescale = jnp.exp(m - m_new)
-      pv = mixed.einsum('bhqk,bkhd->bqhd', p, v, dtype=v.dtype, out_dtype=jnp.float32)
-      return o * jnp.swapaxes(rescale, 1, 2)[..., None] + pv, m_new, l * rescale + p.sum(axis=-1)
+
+      def scores():
+        allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
+        s = _logits(q, k, bias_rows, kv_pos, allowed, scale, softcap)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        if allowed is not None:
+          p = jnp.where(allowed, p, 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = mixed.einsum('bhqk,bkhd->bqhd', p, v, dtype=v.dtype, out_dtype=jnp.float32)
+        return o * jnp.swapaxes(rescale, 1, 2)[..., None] + pv, m_new, l * rescale + p.sum(axis=-1)
+      if not window:
+        return scores()
+      return jax.lax.cond(_hidden(q_pos, kv_pos, causal, window), lambda: (o, m, l), scores)
     o, m, l = jax.lax.map(rows, (queries, o, m, l))
     return o, m, l, send(blocks)
 
@@ -141,7 +164,7 @@ def _forward(axis_name, causal, scale, query_chunk, q, k, v, q_pos, kv_pos, q_se
   return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse)
 
 
-def _backward(axis_name, causal, scale, query_chunk, residuals, do):
+def _backward(axis_name, causal, scale, query_chunk, window, softcap, residuals, do):
   q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse = residuals
   n, send = _ring(axis_name)
   lq = q.shape[1]
@@ -155,20 +178,29 @@ def _backward(axis_name, causal, scale, query_chunk, residuals, do):
     k, v, kv_pos, kv_seg, dk, dv = blocks
 
     def rows(grads, args):  # one chunk of query rows: its dQ, and its share of this block's dK, dV
-      dk, dv = grads
       (q, q_pos, q_seg, bias_rows, do, lse, delta), dq, dbias = args
-      allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal)
-      p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale) - lse[..., None])
-      if allowed is not None:
-        p = jnp.where(allowed, p, 0.0)
-      dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
-      dp = mixed.einsum('bqhd,bkhd->bhqk', do, v, dtype=do.dtype, out_dtype=jnp.float32)
-      ds = p * (dp - delta[..., None])
-      dq = dq + mixed.einsum('bhqk,bkhd->bqhd', ds, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
-      dk = dk + mixed.einsum('bhqk,bqhd->bkhd', ds, q, dtype=q.dtype, out_dtype=jnp.float32) * scale
-      if dbias is not None:  # summed over the dims the bias broadcasts along, into this block's key columns
-        dbias = dbias.at[..., kv_pos].add(ds.sum(axis=0, keepdims=True) if dbias.shape[0] == 1 else ds)
-      return (dk, dv), (dq, dbias)
+
+      def scores():
+        dk, dv = grads
+        allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
+        capped = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale,
+                          softcap)
+        p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale, softcap) - lse[..., None])
+        if allowed is not None:
+          p = jnp.where(allowed, p, 0.0)
+        dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
+        dp = mixed.einsum('bqhd,bkhd->bhqk', do, v, dtype=do.dtype, out_dtype=jnp.float32)
+        ds = p * (dp - delta[..., None])
+        ds_qk = ds * soft_cap_grad(capped, softcap) if softcap else ds
+        dq_new = dq + mixed.einsum('bhqk,bkhd->bqhd', ds_qk, k, dtype=q.dtype, out_dtype=jnp.float32) * scale
+        dk = dk + mixed.einsum('bhqk,bqhd->bkhd', ds_qk, q, dtype=q.dtype, out_dtype=jnp.float32) * scale
+        db = dbias
+        if db is not None:  # summed over the dims the bias broadcasts along, into this block's key columns
+          db = db.at[..., kv_pos].add(ds.sum(axis=0, keepdims=True) if db.shape[0] == 1 else ds)
+        return (dk, dv), (dq_new, db)
+      if not window:
+        return scores()
+      return jax.lax.cond(_hidden(q_pos, kv_pos, causal, window), lambda: (grads, (dq, dbias)), scores)
     (dk, dv), (dq, dbias) = jax.lax.scan(rows, (dk, dv), (queries, dq, dbias))
     return dq, dbias, send((k, v, kv_pos, kv_seg, dk, dv))  # after n hops each block and its gradient are home
 

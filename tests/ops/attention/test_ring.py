@@ -53,7 +53,7 @@ def inputs(seed, segments, bias_batch, b=2, length=64, h=2, d=8):
   return q, k, v, do, seg, bias
 
 
-def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512):
+def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512, window=0, softcap=0.0):
   """Output and gradients of ring attention on a (data 2, sequence 4) mesh, the sequence laid out in `order`,
   queries meeting each block `chunk` rows at a time, returned in natural order."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
@@ -64,8 +64,8 @@ def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512):
 
   def loss(q, k, v, bias):
     run = jax.shard_map(
-      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, chunk, q, k, v, pos, pos, seg, seg,
-                                                     bias),
+      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, chunk, window, softcap, q, k, v, pos,
+                                                     pos, seg, seg, bias),
       mesh=mesh, in_specs=(seq, seq, seq, P('sequence'), None if seg is None else seq, bias_spec), out_specs=seq,
       check_vma=False)
     o = run(q, k, v, pos, None if seg is None else place(seg, 1), bias)
@@ -159,3 +159,17 @@ def test_the_zigzag_layout_balances_causal_work(shards, length):
 def test_a_sequence_that_does_not_split_into_chunks_is_refused():
   with pytest.raises(ValueError, match='does not split into 8 equal chunks'):
     zigzag_order(100, 4)
+
+
+@pytest.mark.parametrize('window, softcap, chunk', [(9, 0.0, 4), (9, 2.0, 512), (20, 2.0, 4)])
+def test_ring_attention_with_a_window_and_soft_capping_matches_float64(window, softcap, chunk):
+  """A window of keys fewer than `window` positions back (query chunks against blocks wholly outside it skipped) and
+  soft-capped logits, over packed segments with a bias: against the flash tests' float64 reference."""
+  from tests.ops.attention.test_flash import reference as windowed_reference
+  q, k, v, do, seg, bias = inputs(window + chunk, True, 1)
+  want = windowed_reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=bias, scale=0.3, window=window,
+                            softcap=softcap)
+  got_o, got = ring(q, k, v, do, True, seg, bias, 0.3, zigzag_order(q.shape[1], SHARDS), chunk, window, softcap)
+  assert rel_err(got_o, want[0]) < 1e-5
+  for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want[1:], strict=True):
+    assert rel_err(g, w) < 1e-5, name
