@@ -415,6 +415,24 @@ def test_a_setting_the_model_cannot_honour_is_named(kind, edit, message, tmp_pat
     load_hf(edited_copy(tmp_path / 'hf', tmp_path / 'edited', edit_config=lambda c: c.update(edit)))
 
 
+def test_bad_open_model_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+  from lm import cli
+  save_hf_model('qwen2', tmp_path / 'hf')
+  bad = edited_copy(tmp_path / 'hf', tmp_path / 'bad', edit_config=lambda c: c.update(use_sliding_window=True))
+  capsys.readouterr()  # transformers' progress bars
+  assert cli.main(['convert', '--from-hf', str(bad), '--to', str(tmp_path / 'run')]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and 'use_sliding_window=True is not supported' in err
+  assert not (tmp_path / 'run').exists()
+  for overrides, message in ((['model.attention_impl=tpu_splash'], 'model.attention_impl=tpu_splash has no '
+                              'model.sliding_window or model.attn_logit_softcap'),
+                             (['model.sliding_window=512'], 'model.sliding_window=512 is larger than the context')):
+    assert cli.main(['train', '--config', 'gemma2_tiny', f'train.run_dir={tmp_path / "train"}', *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / 'train').exists()
+
+
 def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
   save_hf_model('qwen3', tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
