@@ -374,6 +374,7 @@ def test_sharded_checkpoints_load_and_export_as_transformers_shards_them(tmp_pat
     load_hf(tmp_path / 'out')
 
 
+@pytest.mark.long(0.2)
 def test_mistral_window_holds_on_every_attention_path(tmp_path):
   """The v0.1 window through XLA and our flash kernel equals transformers; without it the logits differ."""
   hf_model = save_hf_model('mistral_window', tmp_path / 'hf')
@@ -385,6 +386,7 @@ def test_mistral_window_holds_on_every_attention_path(tmp_path):
                  'mistral_window') > 1e-3
 
 
+@pytest.mark.long(0.3)
 def test_gemma2_holds_scanned_through_flash_and_each_feature_acts(tmp_path):
   """Scanned layers (the global ones picked by a traced index) through XLA and our flash kernel equal transformers;
   without any one of its features the logits differ."""

@@ -199,7 +199,7 @@ def test_compiles_ahead_of_time_for_tpu_v5e(h, kv_heads, d):
   assert kernels == 3, kernels  # forward, dK/dV and dQ, compiled by Mosaic rather than interpreted
 
 
-@pytest.mark.parametrize('length', [40, 256])  # whole, and in the XLA path's causal blocks
+@pytest.mark.parametrize('length', [40, pytest.param(256, marks=pytest.mark.long(0.2))])  # whole; in causal blocks
 def test_the_xla_path_windows_and_soft_caps_as_the_reference(length):
   rng = np.random.default_rng(length)
   b, h, d, window, softcap = 2, 2, 16, 9, 2.0
