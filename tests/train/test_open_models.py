@@ -36,3 +36,35 @@ def test_fifty_steps_learn_and_a_mesh_equals_one_device(preset, tmp_path):
   for i, mesh in enumerate(MESHES[preset]):
     np.testing.assert_allclose(losses(preset, jax.devices(), tmp_path / f'mesh{i}', *mesh), one, rtol=2e-4,
                                err_msg=str(mesh))
+
+
+@pytest.mark.long(0.5)
+def test_an_imported_gemma2_generates_trains_and_fine_tunes(tmp_path, capsys):
+  """Downstream of `lm convert --from-hf`: `lm generate` (soft-capped logits, windowed cache), a run initialised
+  from it, and `lm finetune`'s last-token classifier."""
+  import torch
+  import transformers
+
+  from lm import cli
+  from lm.train.logging import read_metrics
+  from tests.glue import synthetic
+  torch.manual_seed(0)
+  hf = transformers.Gemma2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                 sliding_window=8, max_position_embeddings=64)
+  transformers.Gemma2ForCausalLM(hf).save_pretrained(tmp_path / 'hf')
+  run = tmp_path / 'run'
+  assert cli.main(['convert', '--from-hf', str(tmp_path / 'hf'), '--to', str(run)]) == 0
+  assert 'converted' in capsys.readouterr().out
+  assert cli.main(['generate', '--run', str(run), '--prompt', 'def ', '--max-new-tokens', '12']) == 0
+  assert capsys.readouterr().out.startswith("--- 'def '\n")
+  quick = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.progress=false']
+  assert cli.main(['train', '--config', str(run / 'config.yaml'), 'train.steps=2', 'train.eval_every=1',
+                   f'train.run_dir={tmp_path / "trained"}', *quick]) == 0
+  assert 'initialised from' in capsys.readouterr().out
+  losses = [r['val_loss'] for r in read_metrics(tmp_path / 'trained') if 'val_loss' in r]
+  assert len(losses) == 3 and all(np.isfinite(losses))
+  synthetic.write_rte(tmp_path / 'glue', train=64, dev=16, test=4)
+  assert cli.main(['finetune', '--task', 'rte', '--data-dir', str(tmp_path / 'glue'), '--init', str(run),
+                   f'train.run_dir={tmp_path / "ft"}', 'train.steps=2', 'train.eval_every=2', *quick]) == 0
+  assert (tmp_path / 'ft' / 'rte' / 'eval_results.json').is_file()
