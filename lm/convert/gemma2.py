@@ -16,8 +16,9 @@ from lm.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'Gemma2ForCausalLM'
 DEFAULTS = {'vocab_size': 256000, 'hidden_size': 2304, 'intermediate_size': 9216, 'num_hidden_layers': 26,
-            'num_attention_heads': 8, 'num_key_value_heads': 4, 'head_dim': 256, 'hidden_activation': 'gelu_pytorch_tanh',
-            'max_position_embeddings': 8192, 'rms_norm_eps': 1e-6, 'initializer_range': 0.02, 'attention_dropout': 0.0,
+            'num_attention_heads': 8, 'num_key_value_heads': 4, 'head_dim': 256,
+            'hidden_activation': 'gelu_pytorch_tanh', 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-6,
+            'initializer_range': 0.02, 'attention_dropout': 0.0,
             'query_pre_attn_scalar': 256, 'sliding_window': 4096, 'final_logit_softcapping': 30.0,
             'attn_logit_softcapping': 50.0, 'tie_word_embeddings': True}
 SLIDING, FULL = 'sliding_attention', 'full_attention'

@@ -8,6 +8,8 @@ and yarn scaling.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,12 +133,12 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
   return hf, rules(cfg)
 
 
-def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
-  return load_as(LLAMA, hf, ckpt)
+def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """(load, save) of the converter-module interface (`lm.convert.hf_config`) for `arch`."""
+  return functools.partial(load_as, arch), functools.partial(save_as, arch)
 
 
-def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
-  return save_as(LLAMA, cfg, flat, base)
+load, save = converter(LLAMA)
 
 
 def rules(cfg: ModelConfig) -> list[Tensor]:

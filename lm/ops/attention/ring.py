@@ -69,8 +69,13 @@ def _hidden(q_pos: jax.Array, kv_pos: jax.Array, causal: bool, window: int) -> j
   return later | (jnp.min(q_pos) - jnp.max(kv_pos) >= window) if window else later
 
 
-def _logits(q, k, bias_rows, kv_pos, allowed, scale, softcap=0.0):
-  s = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale, softcap)
+def _scores(q, k, scale, softcap):
+  """Scaled q.k, soft-capped when softcap > 0: the logits before the bias and mask."""
+  return soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale, softcap)
+
+
+def _logits(s, bias_rows, kv_pos, allowed):
+  """`_scores` plus this block's bias columns, masked."""
   if bias_rows is not None:  # the rows of this shard's queries, every key column: take the block's keys
     s = s + jnp.take(bias_rows, kv_pos, axis=-1).astype(jnp.float32)
   return s if allowed is None else jnp.where(allowed, s, MASKED)
@@ -138,7 +143,7 @@ def _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_
 
       def scores():
         allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
-        s = _logits(q, k, bias_rows, kv_pos, allowed, scale, softcap)
+        s = _logits(_scores(q, k, scale, softcap), bias_rows, kv_pos, allowed)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
         if allowed is not None:
@@ -183,9 +188,8 @@ def _backward(axis_name, causal, scale, query_chunk, window, softcap, residuals,
       def scores():
         dk, dv = grads
         allowed = _allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
-        capped = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale,
-                          softcap)
-        p = jnp.exp(_logits(q, k, bias_rows, kv_pos, allowed, scale, softcap) - lse[..., None])
+        capped = _scores(q, k, scale, softcap)
+        p = jnp.exp(_logits(capped, bias_rows, kv_pos, allowed) - lse[..., None])
         if allowed is not None:
           p = jnp.where(allowed, p, 0.0)
         dv = dv + mixed.einsum('bhqk,bqhd->bkhd', p, do, dtype=do.dtype, out_dtype=jnp.float32)
