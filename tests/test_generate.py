@@ -12,19 +12,25 @@ from lm.config import ConfigError, load_config
 from lm.data.tokenizers import ByteTokenizer
 from lm.generate import decode_ids, decoding, encode_prompt, generate, generate_text, generate_with_logits, load_run
 from lm.models import build_model, init_params
-from lm.models.decode import Sampling, decode_batch, pad_prompts, sample_logits
+from lm.models.decode import Sampling, decode_batch, init_cache, pad_prompts, sample_logits
 from lm.pretraining import Pretraining
 
 TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
         'data.seq_len=32']
 OVERRIDES = {'gpt_tiny': TINY, 't5_tiny': TINY + ['model.num_decoder_layers=2'],
              'llama_tiny': TINY + ['model.num_kv_heads=2']}
+# (preset, overrides): a 3-token window, shorter than the prompts and the generated rows, in every layer (Mistral)
+# and in alternate layers (Gemma 2, with both soft-caps)
+VARIANTS = {'mistral_window': ('llama_tiny', OVERRIDES['llama_tiny'] + ['model.sliding_window=3']),
+            'gemma2_window': ('gemma2_tiny', TINY + ['model.num_kv_heads=2', 'model.num_layers=4',
+                                                     'model.sliding_window=3', 'model.attention_scale_dim=8'])}
 PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]]  # three lengths
 
 
 @functools.cache
 def tiny(preset, scan=True):
-  cfg = load_config(preset, OVERRIDES[preset] + [f'model.scan_layers={str(scan).lower()}']).model
+  base, overrides = VARIANTS.get(preset, (preset, OVERRIDES.get(preset)))
+  cfg = load_config(base, overrides + [f'model.scan_layers={str(scan).lower()}']).model
   model = build_model(cfg)
   return model, nn.unbox(jax.jit(lambda r: init_params(model, r, 16))(jax.random.key(1)))
 
@@ -55,7 +61,8 @@ def relative_error(got, want):
 
 
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
-@pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny'])
+@pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny',
+                                    'mistral_window', 'gemma2_window'])
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)
   rows, logits = generate_with_logits(model, params, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0),
@@ -65,6 +72,20 @@ def test_cached_step_logits_match_uncached_forward(preset, scan):
             for prompt, row, got in zip(PROMPTS, rows, logits)]
   print(f'{preset} scan={scan}: max relative step-logit error {max(errors):.2e}')
   assert max(errors) < 1e-5
+
+
+@pytest.mark.parametrize('preset, layers, windowed', [('mistral_window', 2, {0, 1}), ('gemma2_window', 4, {0, 2})])
+def test_windowed_layers_cache_only_their_window(preset, layers, windowed):
+  """Windowed layers keep a ring of `window` slots (memory bounded by the window, not the context); global layers
+  keep every slot, and so does a scanned stack that has both kinds (its layers share one cache shape)."""
+  key = "['decoder']['layers{}']['attention']['cached_key']"
+  unrolled = {key.format(f'_{i}'): 3 if i in windowed else 40 for i in range(layers)}
+  scanned = {key.format(''): 3 if len(windowed) == layers else 40}
+  for scan, want in ((False, unrolled), (True, scanned)):
+    model, _ = tiny(preset, scan)
+    slots = {jax.tree_util.keystr(path): leaf.shape[-3] for path, leaf
+             in jax.tree_util.tree_leaves_with_path(init_cache(model, 2, 40)) if path[-1].key == 'cached_key'}
+    assert slots == want
 
 
 @pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2))])

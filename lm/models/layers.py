@@ -301,25 +301,56 @@ class Attention(nn.Module):
 
   def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int,
                     global_layer: bool | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Writes this call's keys/values at the cache index; returns the whole cache and its mask (causal, and
-    within `window` slots when it is > 0: the cache holds a row's tokens in consecutive slots)."""
+    """Writes this call's keys/values at the cache index; returns the keys/values to attend to and their mask
+    (causal, and within `window` slots when it is > 0: the cache holds a row's tokens in consecutive slots).
+
+    A layer that is always windowed (not one of a scanned stack that has global layers too: those share one cache
+    shape, so they keep every slot and mask) keeps only its last `window` tokens, in a ring: a call attends to the
+    ring and its own tokens, then overwrites the oldest slots."""
+    ring = bool(window) and not isinstance(global_layer, jax.Array)
     initialising = not self.has_variable('cache', 'cached_key')
-    cached_k = self.variable('cache', 'cached_key', jnp.zeros, k.shape, k.dtype)
-    cached_v = self.variable('cache', 'cached_value', jnp.zeros, v.shape, v.dtype)
-    cached_seg = self.variable('cache', 'segment_ids', jnp.zeros, k.shape[:2], jnp.int32)
+    slots = min(k.shape[1], window) if ring and initialising else k.shape[1]
+    cached_k = self.variable('cache', 'cached_key', jnp.zeros, (k.shape[0], slots, *k.shape[2:]), k.dtype)
+    cached_v = self.variable('cache', 'cached_value', jnp.zeros, (v.shape[0], slots, *v.shape[2:]), v.dtype)
+    cached_seg = self.variable('cache', 'segment_ids', jnp.zeros, (k.shape[0], slots), jnp.int32)
     index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
     if initialising:
       return k, v, jnp.ones(k.shape[:2], jnp.int32), None
     length, i = k.shape[1], index.value
     seg = jnp.ones(k.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    index.value = i + length
+    q_index = i + jnp.arange(length)
+    if ring and cached_k.value.shape[1] == window:
+      return self._extend_ring(k, v, seg, q_index, cached_k, cached_v, cached_seg, window)
     cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype), (0, i, 0, 0))
     cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype), (0, i, 0, 0))
     cached_seg.value = jax.lax.dynamic_update_slice(cached_seg.value, seg, (0, i))
-    index.value = i + length
-    max_len = cached_k.value.shape[1]
-    offset = (i + jnp.arange(length))[:, None] - jnp.arange(max_len)[None, :]  # [q, max_len]
+    offset = q_index[:, None] - jnp.arange(cached_k.value.shape[1])[None, :]  # [q, slots]
     visible = (offset >= 0) & ((offset < window) | global_layer) if window else offset >= 0
     return cached_k.value, cached_v.value, cached_seg.value, visible[None, None]
+
+  def _extend_ring(self, k: jax.Array, v: jax.Array, seg: jax.Array, q_index: jax.Array, cached_k: Any,
+                   cached_v: Any, cached_seg: Any, window: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The ring's keys then this call's (so a prompt longer than the window still sees its own last `window`
+    tokens); then this call's last `window` tokens overwrite the slots index mod window."""
+    # which token each slot holds: the ring is written in order, so slot s holds the latest index = s mod window
+    start = q_index[0]
+    slot = jnp.arange(window)
+    held = start - 1 - (start - 1 - slot) % window
+    held = jnp.where(held >= 0, held, -window)  # never written: out of every query's window
+    kv_index = jnp.concatenate([held, q_index])
+    offset = q_index[:, None] - kv_index[None, :]
+    visible = (offset >= 0) & (offset < window)
+    keys = jnp.concatenate([cached_k.value, k.astype(cached_k.value.dtype)], axis=1)
+    values = jnp.concatenate([cached_v.value, v.astype(cached_v.value.dtype)], axis=1)
+    segments = jnp.concatenate([cached_seg.value, seg], axis=1)
+    kept = min(k.shape[1], window)
+    written = q_index[-kept:] % window
+    cached_k.value = cached_k.value.at[:, written].set(k[:, -kept:].astype(cached_k.value.dtype))
+    cached_v.value = cached_v.value.at[:, written].set(v[:, -kept:].astype(cached_v.value.dtype))
+    cached_seg.value = cached_seg.value.at[:, written].set(seg[:, -kept:])
+    return keys, values, segments, visible[None, None]
 
 
 def relative_position_bucket(relative_position: jax.Array, bidirectional: bool, num_buckets: int,

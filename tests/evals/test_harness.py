@@ -2,6 +2,7 @@
 files and settings: the same requests, log-likelihoods within 1e-4 relative, every metric equal."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,12 +43,13 @@ def setup(tmp_path_factory):
   return hf, run, data
 
 
-def harness_reference(hf, data, tasks, num_fewshot, configs):
+def harness_reference(hf, data, tasks, num_fewshot, configs, **model_kwargs):
   """The harness's HF backend on the same files (configs written by lm's own task mapping)."""
   import lm_eval
   from lm_eval.models.huggingface import HFLM
   local_tasks(task_manager(), tasks, data, configs)
-  model = HFLM(pretrained=str(hf), batch_size=4, device='cpu', max_length=MAX_LENGTH, dtype='float32')
+  model = HFLM(pretrained=str(hf), batch_size=4, device='cpu', max_length=MAX_LENGTH, dtype='float32',
+               **model_kwargs)
   return lm_eval.simple_evaluate(model=model, tasks=[str(configs / f'{t}.yaml') for t in tasks],
                                  num_fewshot=num_fewshot, task_manager=task_manager(), log_samples=True)
 
@@ -93,6 +95,36 @@ def test_lm_eval_equals_the_harness_hf_backend(setup, num_fewshot, tmp_path):
       assert 'task_loss' not in got
   assert sorted(ours['data_files']) == sorted(str(p) for p in data.rglob('*') if p.is_file())  # each file read
   assert sorted(t for t in tasks if 'task_loss' not in ours['tasks'][t]) == ['winogrande']
+
+
+@pytest.mark.long(0.5)
+def test_an_imported_gemma2_equals_the_harness_hf_backend(setup, tmp_path):
+  """An open model through `lm convert --from-hf`, then `lm eval`: Gemma 2 (both soft-caps; an 8-token window,
+  shorter than the requests, in layer 0, so its shared contexts are scored from a ring cache) against the
+  harness's HF backend on the same weights and tokenizer."""
+  gpt2, _, data = setup
+  hf, run_dir, out = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
+  transformers.set_seed(0)
+  transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+    vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, attn_logit_softcapping=2.0,
+    final_logit_softcapping=3.0, max_position_embeddings=MAX_LENGTH, bos_token_id=0, eos_token_id=0,
+    pad_token_id=0)).save_pretrained(hf)
+  for name in ('vocab.json', 'merges.txt', 'tokenizer_config.json'):
+    shutil.copy(gpt2 / name, hf / name)
+  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run_dir)]) == 0
+  tasks = ('piqa', 'hellaswag', 'arc_easy')
+  results, _ = run(run_dir, Request(tasks=tasks, data_dir=data, num_fewshot=0, batch_size=4), out=out)
+  reference = harness_reference(hf, data, tasks, 0, tmp_path / 'configs', attn_implementation='eager')
+  for task in tasks:
+    got = json.loads((out / 'results.json').read_text())['tasks'][task]['metrics']
+    assert got == {k.split(',')[0]: v for k, v in reference['results'][task].items()
+                   if k.endswith(',none') and '_stderr' not in k}, task
+    samples = sorted(reference['samples'][task], key=lambda s: s['doc_id'])
+    assert max(len(s['arguments'][0][0]) for s in samples) > 8  # contexts longer than the window
+    records = [json.loads(line) for line in (out / f'{task}.jsonl').read_text().splitlines()]
+    for record, sample in zip(records, samples):
+      np.testing.assert_allclose(record['loglikelihood'], [float(r[0][0]) for r in sample['resps']], rtol=1e-4)
 
 
 @pytest.mark.long(1)

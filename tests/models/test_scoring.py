@@ -17,6 +17,9 @@ SMALL = ['model.d_model=64', 'model.num_layers=2', 'model.num_heads=4', 'model.d
          'train.global_batch=8']
 MESHES = {'1 device': (1, ['mesh.data=1']), 'data x fsdp': (8, ['mesh.data=2', 'mesh.fsdp=4'])}
 LENGTH = 16
+# Gemma 2 with a 4-token window (shorter than contexts and continuations): layer 0 windowed (its cache a ring of 4
+# slots), layer 1 global, both soft-capped
+VARIANTS = {'gemma2_window': ('gemma2_tiny', ['model.sliding_window=4', 'model.attention_scale_dim=16'])}
 
 
 def log_softmax64(logits) -> np.ndarray:
@@ -45,7 +48,8 @@ def reference_logits(assembly, params, context, continuation) -> np.ndarray:
 
 
 def config(preset, mesh, scan=False):
-  return load_config(preset, SMALL + MESHES[mesh][1] + [f'model.scan_layers={str(scan).lower()}'])
+  preset, overrides = VARIANTS.get(preset, (preset, []))
+  return load_config(preset, SMALL + overrides + MESHES[mesh][1] + [f'model.scan_layers={str(scan).lower()}'])
 
 
 @functools.cache
@@ -83,8 +87,8 @@ def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mes
 
 @pytest.mark.parametrize('mesh', ['1 device', pytest.param('data x fsdp', marks=pytest.mark.long(0.2))])
 @pytest.mark.parametrize('preset, scan', [
-  ('gpt_tiny', False), *(pytest.param(p, scan, marks=pytest.mark.long(0.2)) for p, scan in (('llama_tiny', True),
-                                                                                          ('t5_tiny', False)))])
+  ('gpt_tiny', False), ('gemma2_window', False),
+  *(pytest.param(p, scan, marks=pytest.mark.long(0.2)) for p, scan in (('llama_tiny', True), ('t5_tiny', False)))])
 def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
   """Each context computed once (decoders: a KV cache prefilled, its rows taken for each continuation, scanned
   layers putting the cache's batch on axis 1; T5: the encoding, its rows taken likewise): the same float64
