@@ -9,9 +9,11 @@ reads both alike.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import inspect
 import logging
+import re
 import sys
 from typing import Any
 
@@ -62,11 +64,11 @@ def _reason(error: BaseException | None) -> str:
   return text if len(text) <= 160 else text[:157] + '...'
 
 
-def _drop_abandoned_read_reports() -> None:
-  """A failed restore abandons orbax's reads: their coroutines are collected, and TensorStore's threads finish
-  the reads whenever they do, each then calling back into orbax's closed event loop. Python would print a
-  traceback for every such coroutine, task and callback (dozens, after the one line that names the checkpoint):
-  those reports are dropped and every other one is passed on."""
+def _drop_abandoned_io_reports() -> None:
+  """A failed restore or save abandons orbax's reads or writes: their coroutines are collected, and TensorStore's
+  threads finish them whenever they do, each then calling back into orbax's closed event loop. Python would print
+  a traceback for every such coroutine, task and callback (dozens or thousands, after the one line that names the
+  checkpoint), and orbax logs each failed write: those reports are dropped and every other one is passed on."""
   previous = sys.unraisablehook
   if getattr(previous, 'drops_abandoned_reads', False):
     return
@@ -82,6 +84,27 @@ def _drop_abandoned_read_reports() -> None:
   # A read task collected before anyone awaited it is logged by asyncio instead (when the timing has it so).
   logging.getLogger('asyncio').addFilter(lambda record: not (
     record.getMessage().startswith('Task exception was never retrieved') and 'orbax' in record.getMessage()))
+  # the failure a save's background threads met, logged by orbax (with tracebacks) as it reaches the caller
+  # (Checkpointer._write), which names it in one line
+  logging.getLogger('absl').addFilter(lambda record: not any(
+    failed in record.getMessage() for failed in SAVE_FAILURE_LOGS))
+
+
+SAVE_FAILURE_LOGS = ('_SignalingThread.run() raised an exception', 'Handler Commit operations or the Commit callback',
+                     'Save Finalize thread (save_finalize) failed')
+
+
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (a full disk, a lost bucket); the message says which, why and what next."""
+
+
+def _write_reason(error: BaseException, directory: epath.Path) -> str:
+  """Why a write failed, in a few words: the OS error TensorStore or Python met, else the error's first line."""
+  text = str(error)
+  if 'No space left on device' in text or getattr(error, 'errno', None) == errno.ENOSPC:
+    return f'no space left on the device holding {directory}'
+  found = re.search(r"Failed to write [^:]*: (.*?) \[os_error_code", text)
+  return f'{found[1]} under {directory}' if found else _reason(error)
 
 
 def with_defaults(saved: dict) -> dict:
@@ -130,10 +153,30 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
     """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
-    self.manager.save(step, args=ocp.args.Composite(
+    self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
-      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True)
+      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True))
+
+  def _write(self, step: int | None, write: Any) -> None:
+    """Runs `write` (a save, which first waits for the previous one, or the wait), turning a failed write of this
+    or the previous asynchronous save into one CheckpointWriteError: the step, why, the last complete checkpoint
+    and what to do. The failed save's partial files (its orbax temporary directory) are removed: they only take
+    space, and the next save or a resume never reads them."""
+    _drop_abandoned_io_reports()  # a failed write's callbacks come as soon as it fails
+    try:
+      write()
+    except Exception as e:  # TensorStore, orbax and the OS raise many kinds
+      partial = sorted(self.directory.glob('*.orbax-checkpoint-tmp*')) if self.directory.exists() else []
+      failed = partial[0].name.split('.')[0] if partial else step
+      for path in partial:
+        path.rmtree(missing_ok=True)
+      complete = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) \
+        if self.directory.exists() else []
+      last = f'{self.directory}/{complete[-1]}' if complete else 'none'
+      raise CheckpointWriteError(
+        f'checkpoint {failed} was not written: {_write_reason(e, self.directory)}; the last complete checkpoint is '
+        f'{last}; free space (or lower train.keep_checkpoints), then continue with --resume') from e
 
   def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
     """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them
@@ -141,7 +184,7 @@ class Checkpointer:
     items = {'params': ocp.args.StandardSave(params), 'config': ocp.args.JsonSave(config)}
     if metrics is not None:
       items['metrics'] = ocp.args.JsonSave(metrics)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True))
 
   def saved_metrics(self, step: int) -> dict[str, float]:
     return self.manager.restore(step, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))['metrics']
@@ -207,7 +250,7 @@ class Checkpointer:
     missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in one line on stderr
     (and the one resumed in another)."""
     set_aside = False
-    _drop_abandoned_read_reports()  # before a restore can fail: TensorStore's callbacks come as soon as it does
+    _drop_abandoned_io_reports()  # before a restore can fail: TensorStore's callbacks come as soon as it does
     for step in reversed(self.all_steps()):
       error = None if self.has_optimizer(step) else FileNotFoundError('its optimizer state is missing')
       try:
@@ -262,7 +305,7 @@ class Checkpointer:
     return ema_params(optimizer['opt_state'], decay)
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    self._write(None, self.manager.wait_until_finished)
 
   def close(self) -> None:
     self.manager.close()

@@ -584,8 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f'lm: error: {e}', file=sys.stderr)
     return 2
   except RuntimeError as e:
+    from lm.checkpoint import CheckpointWriteError
     from lm.train.loop import TrainingError
-    if not isinstance(e, TrainingError):
+    if not isinstance(e, (TrainingError, CheckpointWriteError)):
       raise
     print(f'lm: error: {e}', file=sys.stderr)
     return 1

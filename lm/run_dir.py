@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from lm.models import abstract_params, build_model, check_config
 from lm.checkpoint import Checkpointer
+from lm.data.tokenizers import get_tokenizer
 from lm.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig, from_dict, load_config
 from lm.parallel.mesh import make_mesh
 
@@ -155,5 +156,15 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Pat
   if not is_run_dir(run_dir):
     raise ConfigError(f'{run_dir}/{CONFIG} not found; pass a run directory written by lm train or lm convert')
   cfg, params = load_params(run_dir, one_device_mesh(), ema)
-  hf_config = json.loads((run_dir / HF_CONFIG).read_text()) if (run_dir / HF_CONFIG).is_file() else None
+  if (run_dir / HF_CONFIG).is_file():  # an import: its config.json's token ids, dtype, ...
+    hf_config = json.loads((run_dir / HF_CONFIG).read_text())
+  else:  # a run lm trained: its tokenizer's ids (transformers would otherwise assume GPT-2's 50256)
+    spec = read_config(run_dir).data.tokenizer
+    try:
+      tokenizer = get_tokenizer(spec)
+      hf_config = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id,
+                   'pad_token_id': tokenizer.pad_id}
+    except ConfigError as e:
+      print(f'warning: config.json gets no token ids ({e})', flush=True)
+      hf_config = None
   return save_hf(cfg, params, hf_dir, hf_config)

@@ -69,8 +69,15 @@ def test_a_training_checkpoint_exports_to_transformers(preset, extra, tmp_path):
   (config.run_dir / 'config.yaml').write_text(config.to_yaml())
   assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(config.run_dir)]) == 0
 
-  kind = json.loads((tmp_path / 'hf' / 'config.json').read_text())['model_type']
+  hf_config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+  byte = get_tokenizer('byte')  # the run's tokenizer: its ids, not transformers' GPT-2 default of 50256
+  assert (hf_config['bos_token_id'], hf_config['eos_token_id'], hf_config['pad_token_id']) == \
+    (byte.bos_id, byte.eos_id, byte.pad_id)
+  kind = hf_config['model_type']
   hf_model = HF_CLASSES[kind].from_pretrained(tmp_path / 'hf').eval()
+  assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id) == (byte.bos_id, byte.eos_id)
+  if kind == 't5':
+    assert hf_model.config.decoder_start_token_id == byte.pad_id
   assert compare(hf_model, assembly.model, state.params, kind) < 1e-4
 
 

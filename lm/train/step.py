@@ -148,7 +148,9 @@ def make_train_step(assembly: Assembly, loss: StepLoss | None = None
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
                                          (state.params, state.opt_state))
       skipped = state.skipped + (~finite).astype(jnp.int32)
-    metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
+    # the rate this step's update used: the optimizer's count (and schedule) stops at skipped steps
+    metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm,
+               'learning_rate': schedule(state.step - state.skipped),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped), metrics
 

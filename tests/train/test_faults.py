@@ -1,5 +1,7 @@
 """Faults: kill -9 and resume, damaged checkpoints, non-finite losses, another mesh on restore, x64."""
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -111,6 +113,12 @@ def test_skip_drops_non_finite_updates_and_counts_them(small_config):
   steps = [r for r in records if 'loss' in r]
   assert len(steps) == 20 and steps[-1]['skipped_steps'] == sum(r['nonfinite'] for r in steps) > 0
   assert int(trainer.final_state.skipped) == steps[-1]['skipped_steps']
+  # each step logs the rate its update used: the schedule at the count of updates applied before it
+  applied = 0
+  for record in steps:
+    assert record['learning_rate'] == pytest.approx(float(trainer.assembly.schedule(applied)), rel=1e-6)
+    applied += not record['nonfinite']
+  assert applied < 20 and trainer.assembly.schedule(applied) != trainer.assembly.schedule(20)
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(trainer.final_state.params))
 
 
@@ -144,3 +152,34 @@ print(max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(fla
                        env={'JAX_PLATFORMS': 'cpu', 'JAX_ENABLE_X64': '1', 'PATH': '/usr/bin:/bin'})
   assert out.returncode == 0, out.stderr[-2000:]
   assert float(out.stdout.split()[-1]) < 1e-5
+
+
+@pytest.mark.long(0.5)
+def test_a_full_disk_ends_the_run_in_one_line_and_the_last_checkpoint_resumes(tmp_path):
+  """The run directory on a 4 MiB filesystem (a tmpfs in a mount namespace of the run's own): two ~1.5 MiB
+  checkpoints fit, the third does not. One line says which checkpoint failed, why, the last complete one and what
+  to do; nothing else reaches stderr; the partial files are gone and the last checkpoint resumes."""
+  if subprocess.run(['unshare', '-rm', 'true'], capture_output=True).returncode != 0:
+    pytest.skip('a small filesystem needs a mount namespace (unshare -rm)')
+  small, kept = tmp_path / 'small', tmp_path / 'kept'
+  small.mkdir()
+  train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=10',
+           'train.checkpoint_every=2', 'train.keep_checkpoints=2', f'train.run_dir={small}/run']
+  script = f'mount -t tmpfs -o size=4m tmpfs {small} && {shlex.join(train)}; rc=$?; cp -a {small}/run {kept}; exit $rc'
+  done = subprocess.run(['unshare', '-rm', 'sh', '-c', script], env=one_device_env(), capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 1, done.stderr[-3000:]
+  err = done.stderr.splitlines()
+  assert len(err) == 1, done.stderr[:3000]
+  found = re.fullmatch(rf'lm: error: checkpoint (\d+) was not written: no space left on the device holding '
+                       rf'{small}/run/checkpoints; the last complete checkpoint is {small}/run/checkpoints/(\d+); '
+                       rf'free space \(or lower train.keep_checkpoints\), then continue with --resume', err[0])
+  assert found, err[0]
+  failed, last = int(found[1]), int(found[2])
+  assert failed == last + 2 and last >= 2
+  assert sorted(p.name for p in (kept / 'checkpoints').iterdir()) == [str(s) for s in (last - 2, last) if s > 0]
+  resumed = subprocess.run([*train[:-1], f'train.run_dir={kept}', '--resume'], env=one_device_env(),
+                           capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f'resumed from {kept}/checkpoints/{last}' in resumed.stdout
+  assert read_metrics(kept)[-1]['step'] == 10
