@@ -133,14 +133,16 @@ class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
   def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True,
-               keep_steps: tuple[int, ...] = ()):
-    """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` are kept
-    besides the latest `keep`."""
+               keep_steps: tuple[int, ...] = (), keep_every: int = 0):
+    """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` and the
+    multiples of `keep_every` (> 0) are kept besides the latest `keep`."""
     self.directory = epath.Path(directory)
     if '://' not in str(self.directory):
       self.directory = self.directory.absolute()
-    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
-      ocp.checkpoint_managers.LatestN(keep), ocp.checkpoint_managers.CustomSteps(keep_steps)]) if keep_steps else None
+    managers = ocp.checkpoint_managers
+    kept = ([managers.CustomSteps(keep_steps)] if keep_steps else []) + \
+        ([managers.EveryNSteps(keep_every)] if keep_every else [])
+    policy = managers.AnyPreservationPolicy([managers.LatestN(keep), *kept]) if kept else None
     self.options = ocp.CheckpointManagerOptions(max_to_keep=None if policy else keep, preservation_policy=policy,
                                                 create=create, enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, options=self.options)

@@ -281,7 +281,9 @@ class TrainConfig:
   eval_every: int = 100
   eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
   checkpoint_every: int = 500  # 0: only at the end
-  keep_checkpoints: int = 2
+  checkpoint_every_minutes: float = 0.0  # also when this long has passed since the last save (checked at log steps)
+  keep_checkpoints: int = 2  # the latest N
+  keep_every: int = 0  # K > 0: a checkpoint at every K-th step too, kept for good (e.g. for scaling plots)
   checkpoint_at: tuple[int, ...] = ()  # further steps checkpointed, each kept for good (e.g. a ladder's branch points)
   run_dir: str = 'runs/{name}'
   resume: bool = False
@@ -663,6 +665,9 @@ def validate(config: Config) -> None:
       f'make the batch a multiple of the microbatch count')
   if any(step < 1 for step in t.checkpoint_at):
     raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
+  if t.keep_every < 0 or t.checkpoint_every_minutes < 0:
+    raise ConfigError(f'train.keep_every={t.keep_every} and train.checkpoint_every_minutes='
+                      f'{t.checkpoint_every_minutes} must be >= 0 (0: off)')
   if t.checkpoint_every < 0 or t.eval_batches < -1 or o.warmup_steps < 0:
     raise ConfigError('train.checkpoint_every and optim.warmup_steps must be >= 0, train.eval_batches >= -1 '
                       '(-1: every held-out set whole)')

@@ -133,7 +133,8 @@ class Pretraining:
     """Trains to `train.steps`, resuming if asked; returns the logged records."""
     self.config = cfg = resolve_branch(self.config)  # the checkpoint a branch starts from, named
     t = cfg.train
-    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, keep_steps=t.checkpoint_at)
+    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, keep_steps=t.checkpoint_at,
+                               keep_every=t.keep_every)
     try:
       state = restore_or_start(checkpoints, self.assembly, self.train_batches.iterator, self._start)
       if is_main_process():
@@ -146,8 +147,7 @@ class Pretraining:
                                    params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
       return self.loop.run(state, self.train_batches,
                            (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens(),
-                           Checkpoint(checkpoints, t.checkpoint_every, self.train_batches.iterator, cfg.to_dict(),
-                                      at=t.checkpoint_at))
+                           Checkpoint.of(checkpoints, t, self.train_batches.iterator, cfg.to_dict()))
     finally:
       checkpoints.close()
 

@@ -218,7 +218,8 @@ class FineTuner:
     'predictions'} of the best evaluation, or None when a SIGTERM stopped the run."""
     cfg, t = self.config, self.config.train
     # Made by their first save: a source that fails to load leaves nothing behind.
-    latest = Checkpointer(self.task_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False)
+    latest = Checkpointer(self.task_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False,
+                          keep_steps=t.checkpoint_at, keep_every=t.keep_every)
     best = Checkpointer(self.task_dir / BEST, keep=1, async_save=False, create=False)
     stream = HostRows(self.train, self.batch, t.seed, self.assembly.mesh)
     try:
@@ -229,7 +230,7 @@ class FineTuner:
       self.loop.run(state, stream,
                     [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every),
                      KeepBest(best, self.metric, t.eval_every, cfg.to_dict())],
-                    Checkpoint(latest, t.checkpoint_every, stream, cfg.to_dict()))
+                    Checkpoint.of(latest, t, stream, cfg.to_dict()))
       if self.loop.stopped_at is not None:
         return None
       step = best.latest_step()

@@ -22,8 +22,8 @@ from lm.assembly import Assembly
 from lm.assembly.accounting import mfu
 from lm.assembly.state import TrainState
 from lm.checkpoint import UNRESTORABLE, Checkpointer
-from lm.config import ConfigError
-from lm.distributed import barrier, is_main_process
+from lm.config import ConfigError, TrainConfig
+from lm.distributed import all_processes, barrier, is_main_process
 from lm.parallel.chips import peak_flops
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
@@ -80,17 +80,39 @@ class Evaluate(Callback):
 
 
 class Checkpoint(Callback):
-  """The latest state, the data position and the config, every `every` steps and at the steps `at`, after the
-  final one and at a SIGTERM; asynchronous unless the checkpointer says otherwise."""
+  """The latest state, the data position and the config, every `every` steps, at the steps `at` and the multiples
+  of `keep_every`, after the final one, at a SIGTERM, and (`minutes` > 0) at the first step of `check_every` (the
+  logging interval) at which every process has spent that long since the last save; asynchronous unless the
+  checkpointer says otherwise."""
 
-  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict, at: Sequence[int] = ()):
+  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict, at: Sequence[int] = (),
+               keep_every: int = 0, minutes: float = 0.0, check_every: int = 1,
+               clock: Callable[[], float] = time.monotonic):
     self.checkpointer, self.every, self.data, self.config, self.at = checkpointer, every, data, config, set(at)
+    self.keep_every, self.minutes, self.check_every, self.clock = keep_every, minutes, check_every, clock
+    self.last_save = clock()
+
+  @classmethod
+  def of(cls, checkpointer: Checkpointer, train: TrainConfig, data: Any, config: dict) -> Checkpoint:
+    """The cadence `train` sets (checkpoint_every, checkpoint_at, keep_every, checkpoint_every_minutes)."""
+    return cls(checkpointer, train.checkpoint_every, data, config, train.checkpoint_at, train.keep_every,
+               train.checkpoint_every_minutes, train.log_every)
+
+  def start(self, step, state, history):
+    self.last_save = self.clock()
+    return []
 
   def due(self, step, final, stopping):
-    return stopping or step in self.at or super().due(step, final, stopping)
+    if stopping or step in self.at or super().due(step, final, stopping) or \
+        (self.keep_every and step % self.keep_every == 0):
+      return True
+    # every process takes the same decision at the same step (a collective where there are several)
+    return bool(self.minutes) and step % self.check_every == 0 and \
+        all_processes(self.clock() - self.last_save >= 60 * self.minutes)
 
   def __call__(self, after):
     self.checkpointer.save(after.step, after.state, self.data, self.config)
+    self.last_save = self.clock()
     return []
 
   def finish(self):
