@@ -18,10 +18,18 @@ def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
   return check_config(load_config(args.config, list(args.overrides) + list(extra)))
 
 
+PROFILE_HELP = ('a jax.profiler trace of COUNT steps from step START (>= 2) in the run dir\'s profile/, for '
+                'TensorBoard, XProf or Perfetto (train.profile; train.profile_all_hosts=true: every host)')
+
+
+def _profile(args: argparse.Namespace) -> list[str]:
+  return [f'train.profile={args.profile}'] if args.profile else []
+
+
 def cmd_train(args: argparse.Namespace) -> int:
   from lm.distributed import is_main_process
   from lm.pretraining import Pretraining
-  config = _config(args, ['train.resume=true'] if args.resume else [])
+  config = _config(args, (['train.resume=true'] if args.resume else []) + _profile(args))
   if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
     raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '
                       f'a new run there')
@@ -186,7 +194,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   # `--sweep` takes every key=value after it: those with one value are plain overrides.
   axes = [item for item in args.sweep if ',' in item]
   overrides = [item for item in args.sweep if ',' not in item] + list(args.overrides)
-  overrides += ['train.resume=true'] if args.resume else []
+  overrides += (['train.resume=true'] if args.resume else []) + _profile(args)
   options = Options(data_dir=args.data_dir, init=args.init, preset=args.config, overrides=tuple(overrides),
                     source=args.source, epochs=args.epochs)
   if axes:
@@ -365,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser('train', help='train a model')
   common(train)
   train.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the run dir')
+  train.add_argument('--profile', metavar='START:COUNT', help=PROFILE_HELP)
   train.set_defaults(fn=cmd_train)
 
   finetune = sub.add_parser('finetune', help='fine-tune on a GLUE task (or all of GLUE) from a run dir or an HF '
@@ -383,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
   finetune.add_argument('--sweep', nargs='+', metavar='key=v1,v2', default=(),
                         help='a grid, e.g. optim.learning_rate=2e-5,3e-5,5e-5 train.seed=0,1,2 (a key with '
                         'one value is an override)')
+  finetune.add_argument('--profile', metavar='START:COUNT', help=PROFILE_HELP)
   finetune.add_argument('overrides', nargs='*', metavar='key.sub=value', help='e.g. train.global_batch=16')
   finetune.set_defaults(fn=cmd_finetune)
 

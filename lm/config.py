@@ -295,6 +295,8 @@ class TrainConfig:
   branch_from: str | None = None  # continue this checkpoint's whole state (RUN or RUN/checkpoints/STEP) in a new run
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
+  profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
+  profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
   evals: tuple[str, ...] = ()
   evals_every: int = 0  # steps between them, and after the last; 0: train.eval_every
@@ -432,7 +434,7 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
   if str(path) in seen:
     raise ConfigError(f'config {path} inherits from itself through `base`; remove the cycle')
   try:
-    values = yaml.safe_load(path.read_text()) or {}
+    values = yaml.load(path.read_text(), YamlLoader) or {}
   except yaml.YAMLError as e:
     raise ConfigError(f'config file {path} is not valid YAML: {str(e).splitlines()[0]}') from None
   if not isinstance(values, dict):
@@ -446,6 +448,17 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
   return values
 
 
+class YamlLoader(yaml.SafeLoader):
+  """YAML 1.2's integers: 1.1's base 60 would read `train.profile=10:5` as 605."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+  first: [(tag, regexp) for tag, regexp in resolvers if tag != 'tag:yaml.org,2002:int']
+  for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver('tag:yaml.org,2002:int', re.compile(
+  r'^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$'), list('-+0123456789'))
+
+
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
   """`['model.d_model=512', 'train.steps=10']` -> nested dict of raw values."""
   out: dict = {}
@@ -453,7 +466,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
     key, sep, raw = item.partition('=')
     if not sep or not key:
       raise ConfigError(f'override {item!r} is not of the form key.sub=value (e.g. train.steps=100)')
-    value = yaml.safe_load(raw) if raw else ''
+    value = yaml.load(raw, YamlLoader) if raw else ''
     node = out
     parts = key.split('.')
     for part in parts[:-1]:
@@ -530,6 +543,15 @@ def preset_slice(name_or_path: str) -> str | None:
 def _get(config: Config, dotted: str) -> Any:
   section, name = dotted.split('.')
   return getattr(getattr(config, section), name)
+
+
+def profile_steps(spec: str) -> tuple[int, int]:
+  """(first, count) of `train.profile='START:COUNT'`; never step 1, which compiles the step."""
+  start, _, count = str(spec).partition(':')
+  if not (start.strip().isdigit() and count.strip().isdigit()) or int(start) < 2 or int(count) < 1:
+    raise ConfigError(f'train.profile={spec} must be START:COUNT with START >= 2 (step 1 compiles the program) '
+                      f'and COUNT >= 1, e.g. train.profile=10:5')
+  return int(start), int(count)
 
 
 def _check_sequence_split(config: Config) -> None:
@@ -665,6 +687,8 @@ def validate(config: Config) -> None:
       f'make the batch a multiple of the microbatch count')
   if any(step < 1 for step in t.checkpoint_at):
     raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
+  if t.profile is not None:
+    profile_steps(t.profile)
   if t.keep_every < 0 or t.checkpoint_every_minutes < 0:
     raise ConfigError(f'train.keep_every={t.keep_every} and train.checkpoint_every_minutes='
                       f'{t.checkpoint_every_minutes} must be >= 0 (0: off)')

@@ -24,10 +24,11 @@ from lm.config import Config, ConfigError
 from lm.data.mixture import Mixture
 from lm.data.pipeline import Batches, build_batches, held_out_batches, stream_layout
 from lm.distributed import is_main_process
-from lm.run_dir import CHECKPOINTS, CONFIG
+from lm.run_dir import CHECKPOINTS, CONFIG, PROFILE
 from lm.train.branch import branch_state, resolve_branch
 from lm.train.init_from import initial_state
 from lm.train.loop import Callback, Checkpoint, Evaluate, Record, Trainer, restore_or_start
+from lm.train.profiler import Profile
 from lm.train.step import make_eval_step
 
 
@@ -146,7 +147,8 @@ class Pretraining:
         validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
                                    params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
       return self.loop.run(state, self.train_batches,
-                           (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens(),
+                           (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens()
+                           + ([Profile(t.profile, cfg.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []),
                            Checkpoint.of(checkpoints, t, self.train_batches.iterator, cfg.to_dict()))
     finally:
       checkpoints.close()

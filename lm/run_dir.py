@@ -35,6 +35,7 @@ CHECKPOINTS = 'checkpoints'
 BEST = 'best'
 HF_CONFIG = 'hf_config.json'
 TOKENIZER = 'tokenizer'
+PROFILE = 'profile'  # train.profile's traces
 HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
                       'vocab.txt', 'vocab.json', 'merges.txt', 'spiece.model')
 

@@ -36,9 +36,11 @@ from lm.glue.metrics import task_metrics
 from lm.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import UNPARSEABLE, TaskHead
-from lm.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
+from lm.run_dir import (BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, PROFILE, is_hf_dir, is_run_dir,
+                        read_config)
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
+from lm.train.profiler import Profile
 from lm.train.step import make_score_step
 
 Features = dict[str, np.ndarray]
@@ -229,7 +231,8 @@ class FineTuner:
         (self.task_dir / CONFIG).write_text(cfg.to_yaml())
       self.loop.run(state, stream,
                     [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every),
-                     KeepBest(best, self.metric, t.eval_every, cfg.to_dict())],
+                     KeepBest(best, self.metric, t.eval_every, cfg.to_dict())]
+                    + ([Profile(t.profile, self.task_dir / PROFILE, t.profile_all_hosts)] if t.profile else []),
                     Checkpoint.of(latest, t, stream, cfg.to_dict()))
       if self.loop.stopped_at is not None:
         return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -86,13 +87,18 @@ def quiet_libtpu() -> None:
   """Off a TPU VM, keeps an installed libtpu from probing VM metadata and logging errors about it.
 
   Must run before JAX starts its backends. The values only stop the probe: with no TPU attached
-  the TPU backend still fails to start (quietly) and JAX falls back to the CPU or GPU.
+  the TPU backend still fails to start (quietly) and JAX falls back to the CPU or GPU. Where no GPU plugin is
+  installed either, JAX is told so (JAX_PLATFORMS=cpu, unless set): with the failed TPU backend loaded,
+  jax.profiler's traces crash the process (`train.profile`); AOT compiles for TPU topologies need no backend.
   """
   if importlib.util.find_spec('libtpu') is None or on_tpu_vm():
     return
   for key, value in (('TPU_SKIP_MDS_QUERY', '1'), ('TPU_WORKER_HOSTNAMES', 'localhost'),
                      ('TPU_ACCELERATOR_TYPE', 'v5litepod-4')):
     os.environ.setdefault(key, value)
+  if not importlib.metadata.entry_points(group='jax_plugins') and 'JAX_PLATFORMS' not in os.environ:
+    os.environ['JAX_PLATFORMS'] = 'cpu'  # processes this one starts
+    jax.config.update('jax_platforms', 'cpu')  # this one (jax read the environment when imported)
 
 
 def physical_topology(name: str) -> str:

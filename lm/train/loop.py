@@ -218,7 +218,8 @@ class Trainer:
       timer = time.perf_counter()
       with preemption(checkpoint.checkpointer if checkpoint else None) as reached:
         for done in range(start + 1, t.steps + 1):
-          state, step_metrics = self.train_step(state, next(batches))
+          with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
+            state, step_metrics = self.train_step(state, next(batches))
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
