@@ -295,6 +295,7 @@ class TrainConfig:
   branch_from: str | None = None  # continue this checkpoint's whole state (RUN or RUN/checkpoints/STEP) in a new run
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
+  watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
@@ -689,6 +690,8 @@ def validate(config: Config) -> None:
     raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
   if t.profile is not None:
     profile_steps(t.profile)
+  if t.watch_every < 0:
+    raise ConfigError(f'train.watch_every={t.watch_every} must be >= 0 (0: off)')
   if t.keep_every < 0 or t.checkpoint_every_minutes < 0:
     raise ConfigError(f'train.keep_every={t.keep_every} and train.checkpoint_every_minutes='
                       f'{t.checkpoint_every_minutes} must be >= 0 (0: off)')

@@ -262,7 +262,9 @@ class Trainer:
     """Metrics of the steps since the last log; the last one carries throughput over the interval."""
     fetched = jax.device_get(pending)  # blocks until those steps are done
     elapsed = time.perf_counter() - since
-    records = [{'step': s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
+    watch = self.config.train.watch_every  # per-layer norms: only their steps' are computed
+    records = [{'step': s, **{k: float(v) for k, v in m.items() if not (k.startswith('watch/') and s % watch)}}
+               for s, m in fetched]
     tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
     records[-1]['tokens_per_sec'] = tokens_per_sec
     utilisation = mfu(tokens_per_sec, self.flops_per_token, self.assembly.mesh.devices.size, self.peak_flops)

@@ -13,11 +13,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState
 from lm.data.pipeline import feature_specs
+from lm.models import logical_axes
 from lm.models.family import Head
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
+from lm.train.watch import watch_metrics
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -121,6 +123,8 @@ def make_train_step(assembly: Assembly, loss: StepLoss | None = None
   check_batch(mesh, config.train.global_batch, k)
   schedule = assembly.schedule
   grad_fn = jax.value_and_grad(loss, has_aux=True)
+  watch_every = config.train.watch_every
+  axes = logical_axes(assembly.model) if watch_every else None
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
@@ -152,11 +156,22 @@ def make_train_step(assembly: Assembly, loss: StepLoss | None = None
     metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm,
                'learning_rate': schedule(state.step - state.skipped),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
+    if watch_every:  # off, the step's program is as without it
+      metrics.update(_watched(state.step + 1, watch_every, {'params': params, 'grads': grads, 'updates': updates},
+                              axes))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped), metrics
 
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
   shardings = assembly.shardings
   return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=(0,))
+
+
+def _watched(step: jax.Array, every: int, trees: dict[str, Any], axes: Any) -> Metrics:
+  """watch_metrics at every `every`-th step, zeros at the others (the loop logs only the former)."""
+  with jax.named_scope('watch'):
+    compute = lambda: watch_metrics(trees, axes)
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute))
+    return jax.lax.cond(step % every == 0, compute, zeros)
 
 
 def compile_train_step(assembly: Assembly) -> jax.stages.Compiled:
