@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
+from lm.parallel.rules import sharding_context
 from lm.pretraining import Pretraining
 from lm.train.step import PretrainingLoss, lay_out_sequences
-from lm.parallel.rules import sharding_context
 
 
 def numpy_groups(tree, scanned: bool) -> dict[str, float]:
