@@ -18,16 +18,18 @@ from tqdm import tqdm
 
 
 def _summary_writer() -> type:
-  """tensorboardX's SummaryWriter without torch: tensorboardX imports torch where it is installed (2 s of every
-  run's start) only to accept torch tensors, and we log floats. While it imports, `import torch` fails."""
-  if 'torch' in sys.modules:
-    from tensorboardX import SummaryWriter
-    return SummaryWriter
-  sys.modules['torch'] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+  """tensorboardX's SummaryWriter without the optional imports it makes where those libraries are installed: torch
+  (2 s of every run's start) only to accept torch tensors, where we log floats; google-cloud-storage and boto3
+  (1 s) for gs:// and s3:// event files, where ours are always local (a remote run dir's are copied up). While it
+  imports, importing those fails."""
+  blocked = [name for name in ('torch', 'google.cloud.storage', 'boto3') if name not in sys.modules]
+  for name in blocked:
+    sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` raise ImportError
   try:
     from tensorboardX import SummaryWriter
   finally:
-    del sys.modules['torch']
+    for name in blocked:
+      del sys.modules[name]
   return SummaryWriter
 
 
