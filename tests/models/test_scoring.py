@@ -87,7 +87,7 @@ def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mes
 
 @pytest.mark.parametrize('mesh', ['1 device', pytest.param('data x fsdp', marks=pytest.mark.long(0.2))])
 @pytest.mark.parametrize('preset, scan', [
-  ('gpt_tiny', False), ('gemma2_window', False),
+  ('gpt_tiny', False), pytest.param('gemma2_window', False, marks=pytest.mark.long(0.2)),
   *(pytest.param(p, scan, marks=pytest.mark.long(0.2)) for p, scan in (('llama_tiny', True), ('t5_tiny', False)))])
 def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
   """Each context computed once (decoders: a KV cache prefilled, its rows taken for each continuation, scanned

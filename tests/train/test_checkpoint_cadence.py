@@ -28,6 +28,7 @@ def continues_exactly(small_config, straight, step: int, tmp_path, *overrides: s
   np.testing.assert_array_equal([losses(branch)[s] for s in (step + 1, step + 2)], [want[step + 1], want[step + 2]])
 
 
+@pytest.mark.long(0.3)
 def test_every_kth_step_is_checkpointed_and_kept_and_each_continues(small_config, tmp_path):
   run = tmp_path / 'run'
   cadence = ['train.checkpoint_every=3', 'train.keep_every=4', 'train.keep_checkpoints=1', 'optim.schedule=constant']
@@ -60,6 +61,7 @@ def test_a_checkpoint_comes_at_the_first_logging_step_past_the_minutes():
   assert saves.steps == [4, 8, 12]
 
 
+@pytest.mark.long(0.2)
 def test_time_based_checkpoints_appear_at_logging_steps_and_continue(small_config, tmp_path):
   run = tmp_path / 'run'
   cadence = ['train.checkpoint_every=0', 'train.checkpoint_every_minutes=1e-9', 'train.log_every=3',

@@ -11,6 +11,7 @@ import pytest
 
 from lm import cli
 from lm.train.logging import read_metrics
+from lm.train.profiler import Profile
 from tests.conftest import SMALL, one_device_env
 from tests.glue import synthetic
 
@@ -57,3 +58,18 @@ def test_a_bad_profile_is_one_line(spec, tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.count('\n') == 1 and f'train.profile={spec} must be START:COUNT with START >= 2' in err
   assert not os.path.exists(tmp_path / 'run')
+
+
+def test_the_trace_brackets_the_steps_and_never_a_first_step(capsys):
+  """Started after step START-1 and stopped after the last asked step (or the run's end); a resumed run whose
+  first step (which compiles) falls in the window traces nothing and says so."""
+  profile = Profile('4:3', '/unused')
+  profile.start(0, None, [])
+  assert [s for s in range(1, 10) if profile.due(s, final=s == 9, stopping=False)] == [3]  # not tracing yet
+  profile.tracing = True
+  assert next(s for s in range(4, 10) if profile.due(s, final=s == 9, stopping=False)) == 6
+  assert profile.due(5, final=True, stopping=False) and profile.due(4, final=False, stopping=True)
+  resumed = Profile('4:3', '/unused')
+  resumed.start(4, None, [])
+  assert not any(resumed.due(s, final=False, stopping=False) for s in range(5, 10))
+  assert 'step 5 is this process\'s first (it compiles the program); steps 4-6 are not traced' in capsys.readouterr().out

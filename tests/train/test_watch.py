@@ -33,7 +33,7 @@ def numpy_groups(tree, scanned: bool) -> dict[str, float]:
   return {group: np.sqrt(squares[group] / sizes[group]) for group in squares}
 
 
-@pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
+@pytest.mark.parametrize('scan', [True, pytest.param(False, marks=pytest.mark.long(0.2))], ids=['scanned', 'unrolled'])
 def test_watched_norms_equal_numpy_from_the_steps_tensors(small_config, scan):
   trainer = Pretraining(small_config('train.watch_every=2', f'model.scan_layers={str(scan).lower()}'),
                         jax.devices()[:1])
@@ -66,6 +66,7 @@ def test_watched_norms_equal_numpy_from_the_steps_tensors(small_config, scan):
   assert float(second['grad_norm']) == pytest.approx(np.sqrt(total), rel=1e-4)
 
 
+@pytest.mark.long(0.2)
 def test_watch_logs_at_its_steps_and_is_absent_from_the_program_when_off(small_config):
   on = Pretraining(small_config('train.watch_every=2', 'train.steps=5'), jax.devices()[:1])
   records = [r for r in on.run() if 'loss' in r]
