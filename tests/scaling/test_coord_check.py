@@ -14,7 +14,7 @@ from lm.scaling.coord_check import width_config
 from tests.conftest import one_device_env
 
 ARGS = ['scaling', 'coord-check', '--config', 'gpt_tiny', '--widths', '64,128,256,512,1024', '--lr', '3e-3',
-        '--steps', '3', '--seeds', '2', 'train.global_batch=4', 'data.seq_len=64']
+        '--steps', '3', '--seeds', '3', 'train.global_batch=4', 'data.seq_len=64']
 
 
 @pytest.mark.long(2.5)
