@@ -1,4 +1,5 @@
-"""`lm train | finetune | eval | scaling | info | compile | convert | generate | tokenizer | data`: the command line.
+"""`lm train | finetune | eval | report | scaling | info | compile | convert | generate | tokenizer | data`:
+the command line.
 
 Config problems exit with one line naming the fix."""
 from __future__ import annotations
@@ -171,6 +172,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
   if not report['fits']:
     print(does_not_fit_message(report), file=sys.stderr, flush=True)
     return 3
+  return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+  from lm.train.timing import format_run_report, run_report
+  report = run_report(args.run)
+  print(json.dumps(report, indent=2) if args.json else format_run_report(report), flush=True)
   return 0
 
 
@@ -415,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help='simulate this many CPU devices (mesh planning; default: the chips of the slice the '
                          'preset\'s header names when it has more than one, else the host\'s devices)')
   info.set_defaults(fn=cmd_info)
+
+  report = sub.add_parser('report', help='where a run\'s time went: steps, tokens, wall time, goodput, MFU, '
+                                         'restarts, time by part, the slowest intervals')
+  report.add_argument('run', metavar='RUN_DIR', help='the run directory')
+  report.add_argument('--json', action='store_true', help='print the report as JSON')
+  report.set_defaults(fn=cmd_report)
 
   aot = sub.add_parser('compile', help='compile the train step for a TPU slice ahead of time (no TPU needed): '
                                        'per-device memory, FLOPs and predicted step time')

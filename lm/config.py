@@ -295,6 +295,7 @@ class TrainConfig:
   branch_from: str | None = None  # continue this checkpoint's whole state (RUN or RUN/checkpoints/STEP) in a new run
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
+  slow_step_factor: float = 3.0  # say when an interval's step time is this many times the median (0: never)
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
@@ -690,6 +691,8 @@ def validate(config: Config) -> None:
     raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
   if t.profile is not None:
     profile_steps(t.profile)
+  if t.slow_step_factor < 0:
+    raise ConfigError(f'train.slow_step_factor={t.slow_step_factor} must be >= 0 (0: never)')
   if t.watch_every < 0:
     raise ConfigError(f'train.watch_every={t.watch_every} must be >= 0 (0: off)')
   if t.keep_every < 0 or t.checkpoint_every_minutes < 0:

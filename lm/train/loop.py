@@ -28,6 +28,7 @@ from lm.parallel.chips import peak_flops
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
 from lm.train.step import Batch, StepLoss, make_train_step
+from lm.train.timing import Clock, SlowSteps
 
 Record = dict[str, Any]
 
@@ -46,8 +47,10 @@ class After:
 
 
 class Callback:
-  """Runs after every `every`-th step and after the final one (`every` 0: the final only); returns records to log."""
+  """Runs after every `every`-th step and after the final one (`every` 0: the final only); returns records to log.
+  Its time counts as `part` of the run's (lm.train.timing)."""
   every: int = 0
+  part: str = 'other'
 
   def due(self, step: int, final: bool, stopping: bool) -> bool:
     """Whether to run after `step`: `final` is train.steps; `stopping`, a step a SIGTERM stops the run after."""
@@ -67,6 +70,7 @@ class Callback:
 class Evaluate(Callback):
   """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
   when asked; `params_of(state)` picks the params evaluated (default the trained ones)."""
+  part = 'eval'
 
   def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False,
                params_of: Callable[[Any], Any] = lambda state: state.params):
@@ -84,6 +88,7 @@ class Checkpoint(Callback):
   of `keep_every`, after the final one, at a SIGTERM, and (`minutes` > 0) at the first step of `check_every` (the
   logging interval) at which every process has spent that long since the last save; asynchronous unless the
   checkpointer says otherwise."""
+  part = 'checkpoint'
 
   def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict, at: Sequence[int] = (),
                keep_every: int = 0, minutes: float = 0.0, check_every: int = 1,
@@ -123,6 +128,7 @@ class KeepBest(Callback):
   """A params-only checkpoint whenever `metric` (logged by an evaluation at the same cadence, before this) beats
   every earlier value (higher is better; the first of equals is kept). The record holding it is saved with the
   params, so a resumed run compares against it and a job reads the best metrics back."""
+  part = 'checkpoint'
 
   def __init__(self, checkpointer: Checkpointer, metric: str, every: int, config: dict):
     self.checkpointer, self.metric, self.every, self.config = checkpointer, metric, every, config
@@ -191,6 +197,7 @@ class Trainer:
     self.train_step = make_train_step(assembly, loss)
     self.flops_per_token = assembly.flops_per_token()
     self.peak_flops = self.config.train.peak_flops or peak_flops(assembly.mesh.devices.flat[0])
+    self._slow_steps = SlowSteps(self.config.train.slow_step_factor if is_main_process() else 0.0)
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     self.final_state: TrainState | None = None
 
@@ -211,6 +218,7 @@ class Trainer:
         history.append(record)
         logger.log(record)
 
+    clock = Clock(self.log_dir, start, enabled=is_main)
     try:
       for callback in callbacks:
         emit(callback.start(start, state, history))
@@ -219,25 +227,39 @@ class Trainer:
       with preemption(checkpoint.checkpointer if checkpoint else None) as reached:
         for done in range(start + 1, t.steps + 1):
           with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
-            state, step_metrics = self.train_step(state, next(batches))
+            waited = time.perf_counter()
+            batch = next(batches)
+            stepped = time.perf_counter()
+            clock.add('data', stepped - waited)
+            state, step_metrics = self.train_step(state, batch)
+          if done == start + 1:  # this process's first step compiles the program
+            jax.block_until_ready(step_metrics)
+            clock.add('startup', time.perf_counter() - stepped)
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
           due = [c for c in callbacks if c.due(done, done == t.steps, preempted)]
           if done % t.log_every == 0 or last or due:  # every record up to a callback's step is written before it
             flushed = self._records(pending, timer)
+            flushed[-1].update(clock.record(done))
+            self._slow_steps.check(flushed[-1], len(pending))
             emit(flushed)
             logger.advance(len(pending))
             pending = []
             self._check_finite(flushed)
             for callback in due:
+              began = time.perf_counter()
               emit(callback(After(done, state, history)))
+              clock.add(callback.part, time.perf_counter() - began)
             timer = time.perf_counter()
           if preempted:
             self.stopped_at = done
             break
       for callback in callbacks:
+        began = time.perf_counter()
         callback.finish()
+        clock.add(callback.part, time.perf_counter() - began)
+      clock.record(int(jax.device_get(state.step)))
       if self.stopped_at is not None:
         barrier('stopped')  # every process has written its part of the checkpoint
         then = ask_requeue() if is_main else 'continue with --resume'
