@@ -76,8 +76,6 @@ def test_a_training_checkpoint_exports_to_transformers(preset, extra, tmp_path):
   kind = hf_config['model_type']
   hf_model = HF_CLASSES[kind].from_pretrained(tmp_path / 'hf').eval()
   assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id) == (byte.bos_id, byte.eos_id)
-  if kind == 't5':
-    assert hf_model.config.decoder_start_token_id == byte.pad_id
   assert compare(hf_model, assembly.model, state.params, kind) < 1e-4
 
 

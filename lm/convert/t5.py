@@ -86,7 +86,6 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
     'feed_forward_proj': ffp, 'dense_act_fn': 'gelu_new' if ffp == 'gated-gelu' else act,
     'is_gated_act': ffp.startswith('gated-'), 'dropout_rate': cfg.dropout, 'initializer_factor': cfg.init_std}
   hf.setdefault('tie_word_embeddings', not separate)
-  hf.setdefault('decoder_start_token_id', hf.get('pad_token_id', 0))  # our decoder starts from the padding id
   if scales_output(hf) != cfg.tie_embeddings:
     hf['scale_decoder_outputs'] = cfg.tie_embeddings
   out = rules(cfg)
