@@ -102,10 +102,13 @@ class Clock:
     self.earlier = read_attempts(run_dir) if enabled else []
     now, self.mark = time.time(), time.perf_counter()
     began = process_start() or now  # the attempt began with its process: imports, data, restore are startup
-    self.attempt = Attempt(began, step)
+    self.start = began
+    # earlier attempts' counted device time, fixed now: this attempt's lines add only its own running totals
+    earlier = account(self.earlier + [Attempt(began, step)])
+    self.earlier_device, self.first_start = earlier['seconds']['device'], (self.earlier or [Attempt(began, 0)])[0].start
     self.interval = {p: 0.0 for p in PARTS if p != 'device'}
     self.total = {p: 0.0 for p in PARTS} | {'startup': now - began}
-    self._append({'start': self.attempt.start, 'step': step})
+    self._append({'start': began, 'step': step})
 
   def add(self, part: str, seconds: float) -> None:
     self.interval[part] += seconds
@@ -118,14 +121,12 @@ class Clock:
     self.mark, self.interval = now, {p: 0.0 for p in self.interval}
     for part, seconds in parts.items():
       self.total[part] += seconds
-    line = {'time': self.attempt.start + sum(self.total.values()), 'step': step, **self.total}
-    self.attempt.lines.append(line)
+    line = {'time': self.start + sum(self.total.values()), 'step': step, **self.total}
     self._append(line)
-    summary = account(self.earlier + [self.attempt])
-    return {**{f'time/{p}_s': s for p, s in parts.items() if p != 'startup' or s}, 'goodput': summary['goodput'],
-            'time/wall_s': summary['wall']}
-
-
+    wall = line['time'] - self.first_start
+    goodput = (self.earlier_device + self.total['device']) / wall if wall > 0 else 0.0
+    return {**{f'time/{p}_s': s for p, s in parts.items() if p != 'startup' or s}, 'goodput': goodput,
+            'time/wall_s': wall}
   def _append(self, entry: dict[str, Any]) -> None:
     if not self.enabled:
       return
