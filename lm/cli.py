@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-  from lm.run_dir import export_hf, import_hf
+  from lm.storage.convert.runs import export_hf, import_hf
   if args.from_hf:
     if not args.to:
       raise ConfigError('lm convert --from-hf HF_DIR needs --to RUN_DIR (where to write the lm checkpoint)')
@@ -185,11 +185,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
   import jax
 
-  from lm.generate import generate_text, load_run
+  from lm.generate import generate_text
   from lm.models.decode import Sampling
+  from lm.storage.source import open_model
   sampling = Sampling(args.temperature, args.top_k, args.top_p)
-  config, params = load_run(args.run, args.overrides, args.ema)
-  texts = generate_text(config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+  _, assembly, params = open_model(args.run, ema=args.ema, flag='--run', overrides=args.overrides)
+  texts = generate_text(assembly.config, params, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         rng=jax.random.key(args.seed))
   for prompt, text in zip(args.prompt, texts):
     print(f'--- {prompt!r}\n{text}', flush=True)
@@ -608,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f'lm: error: {e}', file=sys.stderr)
     return 2
   except RuntimeError as e:
-    from lm.checkpoint import CheckpointWriteError
+    from lm.storage.checkpoint import CheckpointWriteError
     from lm.train.loop import TrainingError
     if not isinstance(e, (TrainingError, CheckpointWriteError)):
       raise

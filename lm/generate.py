@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
 
-from lm.config import Config, ConfigError, MeshConfig, ModelConfig, inference_mesh
+from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import span_sentinels
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.models import FAMILIES, build_model, get_family
 from lm.models.decode import Decoding, Sampling, decode_batch, pad_prompts
-from lm.parallel.mesh import make_mesh
-from lm.run_dir import load_params, read_config
 
 
 def decoding(cfg: ModelConfig) -> Decoding:
@@ -91,16 +88,6 @@ def generate_with_logits(model: nn.Module, params: Any, prompts: Sequence[Sequen
 
 
 # ---------------------------------------------------------------- runs and text
-
-def load_run(run_dir: str | Path, overrides: Sequence[str] = (), ema: bool = False) -> tuple[Config, Any]:
-  """A run's config (config.yaml with `key=value` overrides) and the params of its latest checkpoint,
-  trained or imported (`ema`: their moving average), on this machine's devices: split over mesh.fsdp and
-  mesh.tensor as configured, replicated over the data axis, which takes the devices left over."""
-  config = read_config(run_dir, list(overrides))
-  mesh = make_mesh(MeshConfig(**inference_mesh(config.to_dict()['mesh'], overrides)))
-  _, params = load_params(run_dir, mesh, ema)
-  return config, params
-
 
 _SENTINEL = re.compile(r'<extra_id_(\d+)>')
 

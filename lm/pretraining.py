@@ -17,14 +17,13 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
-from lm.assembly.optim import ema_params, schedule_free_params
 from lm.assembly.state import TrainState
-from lm.checkpoint import Checkpointer
+from lm.storage.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
 from lm.data.mixture import Mixture
 from lm.data.pipeline import Batches, build_batches, held_out_batches, stream_layout
 from lm.distributed import is_main_process
-from lm.run_dir import CHECKPOINTS, CONFIG, PROFILE
+from lm.storage.run_dir import CHECKPOINTS, CONFIG, PROFILE
 from lm.train.branch import branch_state, resolve_branch
 from lm.train.init_from import initial_state
 from lm.train.loop import Callback, Checkpoint, Evaluate, Record, Trainer, restore_or_start
@@ -60,10 +59,8 @@ class Pretraining:
     return self.loop.final_state
 
   def model_params(self, state: TrainState) -> Any:
-    """The params evaluated and exported: schedule-free AdamW's averaged params, else the trained ones."""
-    if self.config.optim.name == 'schedule_free_adamw':
-      return schedule_free_params(state.opt_state, state.params)
-    return state.params
+    """The params evaluated and exported: the optimizer's view (schedule-free AdamW's averaged params)."""
+    return self.assembly.params_of(state)
 
   def init_state(self) -> TrainState:
     return self.assembly.init_state()
@@ -145,7 +142,7 @@ class Pretraining:
                              params_of=self.model_params)]
       if t.ema_decay:  # the moving average beside the params, on the same batches
         validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
-                                   params_of=lambda state: ema_params(state.opt_state, t.ema_decay)))
+                                   params_of=lambda state: self.assembly.params_of(state, 'ema')))
       return self.loop.run(state, self.train_batches,
                            (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens()
                            + ([Profile(t.profile, cfg.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []),

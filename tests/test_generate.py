@@ -10,7 +10,8 @@ import pytest
 from lm import cli
 from lm.config import ConfigError, load_config
 from lm.data.tokenizers import ByteTokenizer
-from lm.generate import decode_ids, decoding, encode_prompt, generate, generate_text, generate_with_logits, load_run
+from lm.generate import decode_ids, decoding, encode_prompt, generate, generate_text, generate_with_logits
+from lm.storage.source import open_model
 from lm.models import build_model, init_params
 from lm.models.decode import Sampling, decode_batch, init_cache, pad_prompts, sample_logits
 from lm.pretraining import Pretraining
@@ -201,7 +202,8 @@ def test_cli_prints_continuations(trained_run, capsys):
   argv = ['generate', '--run', str(trained_run), '--prompt', 'def ', '--prompt', 'The', '--max-new-tokens', '12']
   assert cli.main(argv) == 0
   out = capsys.readouterr().out
-  config, params = load_run(trained_run)
+  _, assembly, params = open_model(trained_run)
+  config = assembly.config
   texts = generate_text(config, params, ['def ', 'The'], max_new_tokens=12)
   assert out == f"--- 'def '\n{texts[0]}\n--- 'The'\n{texts[1]}\n"
   assert any(texts)
@@ -232,10 +234,10 @@ def test_cli_rejects_bad_input(trained_run, capsys, argv, message):
 
 def test_runs_without_checkpoints_and_other_misuse_are_config_errors(tmp_path, trained_run, capsys):
   assert cli.main(['generate', '--run', str(tmp_path), '--prompt', 'x']) == 2
-  assert 'no config.yaml' in capsys.readouterr().err
+  assert 'neither a run directory' in capsys.readouterr().err
   (tmp_path / 'config.yaml').write_text((trained_run / 'config.yaml').read_text())
   with pytest.raises(ConfigError, match='holds no checkpoint'):
-    load_run(tmp_path)
+    open_model(tmp_path)
   model, params = tiny('gpt_tiny')
   with pytest.raises(ConfigError, match='explicit rng'):
     generate(model, params, PROMPTS, max_new_tokens=2, sampling=Sampling(1.0))

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from lm.assembly import accounting
-from lm.assembly.optim import make_optimizer
+from lm.assembly.optim import ParamsView, make_optimizer, params_views
 from lm.assembly.state import TrainState, abstract_state, make_init_fn, shardings_of
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family, logical_axes
@@ -35,6 +35,7 @@ class Assembly:
   tx: optax.GradientTransformation
   schedule: optax.Schedule
   abstract_state: TrainState  # ShapeDtypeStructs carrying their NamedShardings
+  views: dict[str, ParamsView]  # the optimizer's: 'model' (what a model is evaluated with), 'ema' when kept
 
   @property
   def shardings(self) -> TrainState:
@@ -43,6 +44,10 @@ class Assembly:
   @property
   def abstract_params(self) -> Any:
     return self.abstract_state.params
+
+  def params_of(self, state: TrainState, view: str = 'model') -> Any:
+    """The params `view` (see `views`) makes of a train state."""
+    return self.views[view].of(state.params, state.opt_state)
 
   def init_state(self, rng: jax.Array | None = None) -> TrainState:
     """Fresh state from `rng` (default: the config's seed), each device creating only its shards."""
@@ -69,4 +74,4 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
                                 optimizer_multipliers(axes, config.model, config.optim))
   state = abstract_state(abstract_params(model, mesh), tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
-                  abstract_state=state)
+                  abstract_state=state, views=params_views(config.optim, config.train.ema_decay))

@@ -4,6 +4,7 @@ average of the params."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -158,3 +159,23 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, a
   parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [base] + \
     ([params_ema(ema_decay)] if ema_decay else [])
   return (optax.chain(*parts) if len(parts) > 1 else base), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsView:
+  """A set of params a model is used with, made from a train state's (params, optimizer state); a restore reads
+  the optimizer state only for a view that `reads_optimizer`."""
+  of: Callable[[Any, Any], Any]  # (params, opt_state) -> params
+  reads_optimizer: bool
+
+
+def params_views(cfg: OptimConfig, ema_decay: float = 0.0) -> dict[str, ParamsView]:
+  """The optimizer's views of its params: 'model', what evaluation, export and generation use (schedule-free
+  AdamW's averaged sequence x, else the trained params); with `ema_decay`, 'ema', their moving average."""
+  if cfg.name == 'schedule_free_adamw':
+    views = {'model': ParamsView(lambda params, opt_state: schedule_free_params(opt_state, params), True)}
+  else:
+    views = {'model': ParamsView(lambda params, _: params, False)}
+  if ema_decay:
+    views['ema'] = ParamsView(lambda _, opt_state: ema_params(opt_state, ema_decay), True)
+  return views

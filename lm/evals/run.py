@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh, parse_overrides
-from lm.run_dir import HF_TOKENIZER_FILES, checkpoints, is_hf_dir, is_run_dir, load_params, read_config
+from lm.config import ConfigError, parse_overrides
+from lm.storage.source import open_model
 
 DEFAULT_BATCH = 32
 SUBSET_SEED = 0
@@ -38,50 +38,14 @@ class Request:
   batch_size: int = DEFAULT_BATCH
 
 
-def _mesh(base: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-  if set(parse_overrides(list(overrides))) - {'mesh'}:
-    raise ConfigError(f'lm eval takes mesh.* overrides only (e.g. mesh.fsdp=4); got {", ".join(overrides)}')
-  return inference_mesh(base, list(overrides))
-
-
 def load_checkpoint(path: str | Path, step: int | None = None, overrides: Sequence[str] = (), ema: bool = False
                     ) -> tuple[Any, Any, int]:
   """(assembly, params, step) of a run dir's checkpoint `step` (default: the latest; `ema`: its params' moving
   average) or an HF directory's weights (step 0), laid out over every device (`mesh.*` overrides choose how)."""
-  from lm.assembly import assemble
-  from lm.convert.hf import hf_model_config
-  if is_run_dir(path):
-    mesh = _mesh(read_config(path).to_dict()['mesh'], overrides)
-    saved = checkpoints(path)
-    try:
-      steps = saved.all_steps()
-      if not steps:
-        raise ConfigError(f'{path} holds no checkpoint yet; train it first or import a model with lm convert')
-      step = steps[-1] if step is None else step
-      if step not in steps:
-        raise ConfigError(f'--step {step}: {path} has checkpoints at steps {", ".join(map(str, steps))}')
-      assembly = assemble(from_dict({**saved.saved_config(step), 'mesh': mesh}))
-      if ema:
-        return assembly, saved.restore_ema(step, assembly.abstract_state, assembly.config.train.ema_decay), step
-      return assembly, saved.restore_model(step, assembly.abstract_state, assembly.config.optim.name), step
-    finally:
-      saved.close()
-  if is_hf_dir(path):
-    if ema:
-      raise ConfigError(f'--ema: {path} is a Hugging Face directory (one set of weights, no moving average); '
-                        f'drop --ema')
-    if step not in (None, 0):
-      raise ConfigError(f'--step {step}: {path} is a Hugging Face directory (one set of weights); drop --step')
-    mesh = _mesh(Config().to_dict()['mesh'], overrides)
-    model = hf_model_config(path)
-    tokenizer = f'hf:{path}' if any((Path(path) / f).is_file() for f in HF_TOKENIZER_FILES) else 'byte'
-    config = from_dict({**Config(name=Path(path).name, model=model,
-                                 data=DataConfig(seq_len=model.max_len, tokenizer=tokenizer)).to_dict(), 'mesh': mesh})
-    assembly = assemble(config)
-    _, params = load_params(path, assembly.mesh)
-    return assembly, params, 0
-  raise ConfigError(f'--model {path} is neither a run directory (with config.yaml) nor a Hugging Face model '
-                    f'directory (with config.json)')
+  if set(parse_overrides(list(overrides))) - {'mesh'}:
+    raise ConfigError(f'lm eval takes mesh.* overrides only (e.g. mesh.fsdp=4); got {", ".join(overrides)}')
+  source, assembly, params = open_model(path, step=step, ema=ema, flag='--model', overrides=tuple(overrides))
+  return assembly, params, source.step
 
 
 def check_installed() -> None:

@@ -22,12 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 
 from lm.assembly import Assembly, assemble
 from lm.assembly.state import TrainState
-from lm.checkpoint import Checkpointer
-from lm.config import Config, ConfigError, DataConfig, from_dict, load_config, merge, parse_overrides
+from lm.storage.checkpoint import Checkpointer
+from lm.config import Config, ConfigError, from_dict, load_config, merge, parse_overrides
 from lm.data.pipeline import HostRows, global_rows
 from lm.data.tokenizers import Tokenizer, get_tokenizer
 from lm.distributed import is_main_process
@@ -36,8 +35,8 @@ from lm.glue.metrics import task_metrics
 from lm.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import UNPARSEABLE, TaskHead
-from lm.run_dir import (BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, PROFILE, is_hf_dir, is_run_dir,
-                        read_config)
+from lm.storage.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, PROFILE
+from lm.storage.source import ModelSource
 from lm.train.init_from import initial_state
 from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
 from lm.train.profiler import Profile
@@ -57,18 +56,13 @@ EPOCHS = 3
 
 
 def source_config(init: str) -> Config:
-  """The model and tokenizer of a run dir (its config) or an HF directory (its config.json and tokenizer files)."""
-  if is_run_dir(init):
-    return read_config(init)
-  if is_hf_dir(init):
-    from lm.convert.hf import hf_model_config
-    files = [name for name in HF_TOKENIZER_FILES if (epath.Path(init) / name).is_file()]
-    if not files:
-      raise ConfigError(f'--init {init} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); add the '
-                        f'model\'s tokenizer there, or pass data.tokenizer=hf:PATH')
-    return Config(name=epath.Path(init).name, model=hf_model_config(init), data=DataConfig(tokenizer=f'hf:{init}'))
-  raise ConfigError(f'--init {init} is neither a run directory (with {CONFIG}) nor a Hugging Face model directory '
-                    f'(with config.json); pass one of those')
+  """The model and tokenizer of `--init` (`lm.storage.source`): a run dir's, or an HF directory's with its
+  tokenizer files."""
+  source = ModelSource(init, flag='--init')
+  if not source.has_tokenizer:
+    raise ConfigError(f'--init {init} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); add the '
+                      f'model\'s tokenizer there, or pass data.tokenizer=hf:PATH')
+  return source.config
 
 
 def default_run_dir(init: str) -> str:

@@ -23,7 +23,7 @@ from lm.glue.outputs import (
 )
 from lm.glue.tasks import AX, GLUE_ORDER, Task, get_task
 from lm.report import format_lines
-from lm.run_dir import CHECKPOINTS
+from lm.storage.run_dir import CHECKPOINTS
 from lm.train.logging import read_metrics
 
 

@@ -99,7 +99,7 @@ class BERTFamily(Encoder):
   name = 'bert'
   readout_norm = ('mlm_norm',)
   module = BERT
-  hf_converter = 'lm.convert.bert'
+  hf_converter = 'lm.storage.convert.bert'
   heads = (NSP,)
   task_head = Classifier(params=('pooler', 'classifier'), token_types=True)
 

@@ -8,7 +8,7 @@ from lm.models.family import DecoderOnly
 class GPTFamily(DecoderOnly):
   name = 'gpt'
   module = CausalDecoder
-  hf_converter = 'lm.convert.gpt2'
+  hf_converter = 'lm.storage.convert.gpt2'
 
 
 FAMILY = GPTFamily()

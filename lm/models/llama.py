@@ -11,7 +11,7 @@ from lm.models.family import DecoderOnly
 class LlamaFamily(DecoderOnly):
   name = 'llama'
   module = CausalDecoder
-  hf_converter = 'lm.convert.llama'
+  hf_converter = 'lm.storage.convert.llama'
 
   def validate(self, config: Config) -> None:
     if config.model.position not in ('rotary', 'none'):
@@ -22,26 +22,26 @@ class LlamaFamily(DecoderOnly):
 class MistralFamily(LlamaFamily):
   """Mistral 7B: Llama's layout at 8 key/value heads."""
   name = 'mistral'
-  hf_converter = 'lm.convert.mistral'
+  hf_converter = 'lm.storage.convert.mistral'
 
 
 class Qwen2Family(LlamaFamily):
   """Qwen2 and Qwen2.5: Llama's layout with query, key and value biases (model.qkv_bias)."""
   name = 'qwen2'
-  hf_converter = 'lm.convert.qwen2'
+  hf_converter = 'lm.storage.convert.qwen2'
 
 
 class Qwen3Family(LlamaFamily):
   """Qwen3: Llama's layout with per-head query and key RMSNorm (model.qk_norm)."""
   name = 'qwen3'
-  hf_converter = 'lm.convert.qwen3'
+  hf_converter = 'lm.storage.convert.qwen3'
 
 
 class Gemma2Family(LlamaFamily):
   """Gemma 2: (1 + w) RMSNorm before and after each branch, scaled embeddings tied to the output, GeGLU, soft-capped
   attention and output logits, sliding-window layers alternating with global ones (all config fields)."""
   name = 'gemma2'
-  hf_converter = 'lm.convert.gemma2'
+  hf_converter = 'lm.storage.convert.gemma2'
 
 
 FAMILY = LlamaFamily()

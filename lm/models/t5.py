@@ -79,7 +79,7 @@ class T5(nn.Module):
 class T5Family(EncoderDecoder):
   name = 't5'
   module = T5
-  hf_converter = 'lm.convert.t5'
+  hf_converter = 'lm.storage.convert.t5'
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)

@@ -81,3 +81,8 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
       ordered = np.asarray(devices).reshape(shape)  # a shape the physical-topology layouts do not cover
     return Mesh(ordered, MESH_AXES, axis_types=auto)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def one_device_mesh() -> Mesh:
+  """The default mesh on the first device alone (conversions, references)."""
+  return make_mesh(MeshConfig(), jax.devices()[:1])

@@ -19,21 +19,12 @@ from etils import epath
 from lm.assembly import accounting
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
-from lm.run_dir import CONFIG, checkpoints, read_config
+from lm.storage.run_dir import CONFIG
+from lm.storage.source import ModelSource
 from lm.scaling.sweep import sweep_runs
 from lm.train.logging import read_metrics
 
 DEFAULT_EVAL_BATCHES = 20  # --evaluate on a run that trained without evaluation
-
-
-def run_config(run_dir: epath.Path) -> Config:
-  """The config the run's latest checkpoint was written with, else its config.yaml."""
-  saved = checkpoints(run_dir)
-  try:
-    step = saved.latest_step()
-    return check_config(from_dict(saved.saved_config(step)) if step is not None else read_config(run_dir))
-  finally:
-    saved.close()
 
 
 def _sizes(config: Config) -> dict[str, float]:
@@ -69,21 +60,17 @@ def evaluated_losses(run_dir: epath.Path, config: Config, eval_set: str | None =
   from lm.pretraining import Pretraining
   if not config.train.eval_batches:
     config = from_dict(merge(config.to_dict(), {'train': {'eval_batches': DEFAULT_EVAL_BATCHES}}))
-  saved = checkpoints(run_dir)
-  try:
-    steps = [s for s in saved.all_steps() if s > 0]
-    if not steps:
-      raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
-    trainer = Pretraining(config)
-    if eval_set is not None and eval_set not in trainer.held_out:
-      raise ConfigError(f'--eval {eval_set}: {run_dir} has no data.evals set of that name (it has: '
-                        f'{", ".join(trainer.held_out) or "none"}); add it with --evaluate data.evals=[...]')
-    batches = trainer.val_batches if eval_set is None else trainer.held_out[eval_set]
-    abstract, optimizer = trainer.assembly.abstract_state, config.optim.name
-    return {step: trainer.evaluate(saved.restore_model(step, abstract, optimizer), batches,
-                                   config.train.eval_batches)[metric] for step in steps}
-  finally:
-    saved.close()
+  source = ModelSource(run_dir, need_params=False)
+  steps = [s for s in source.steps if s > 0]
+  if not steps:
+    raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
+  trainer = Pretraining(config)
+  if eval_set is not None and eval_set not in trainer.held_out:
+    raise ConfigError(f'--eval {eval_set}: {run_dir} has no data.evals set of that name (it has: '
+                      f'{", ".join(trainer.held_out) or "none"}); add it with --evaluate data.evals=[...]')
+  batches = trainer.val_batches if eval_set is None else trainer.held_out[eval_set]
+  return {step: trainer.evaluate(source.params(trainer.mesh, step), batches, config.train.eval_batches)[metric]
+          for step in steps}
 
 
 def task_columns(run_dir: epath.Path, steps: Sequence[int], request: Any) -> dict[int, dict[str, float]]:
@@ -98,21 +85,16 @@ def task_columns(run_dir: epath.Path, steps: Sequence[int], request: Any) -> dic
   missing = [step for step in steps if {key.split('/')[0] for key in columns[step]} != wanted]
   if not missing:
     return columns
-  from lm.evals.run import TaskEvaluator, load_checkpoint, metric_records
-  saved = checkpoints(run_dir)
-  try:
-    have = set(saved.all_steps())
-    if absent := [step for step in missing if step not in have]:
-      raise ConfigError(f'{run_dir} step {absent[0]}: no task records and no checkpoint to evaluate; train with '
-                        f'train.evals=... or keep its checkpoints (train.keep_checkpoints)')
-    assembly, params, _ = load_checkpoint(run_dir, missing[0])
-    evaluator = TaskEvaluator(assembly, request)
-    for step in missing:
-      params = params if step == missing[0] else saved.restore_model(step, assembly.abstract_state,
-                                                                      assembly.config.optim.name)
-      columns[step] = {k.removeprefix('eval/'): v for k, v in metric_records(evaluator(params)).items()}
-  finally:
-    saved.close()
+  from lm.evals.run import TaskEvaluator, metric_records
+  source = ModelSource(run_dir, need_params=False)
+  if absent := [step for step in missing if step not in source.steps]:
+    raise ConfigError(f'{run_dir} step {absent[0]}: no task records and no checkpoint to evaluate; train with '
+                      f'train.evals=... or keep its checkpoints (train.keep_checkpoints)')
+  assembly = source.assembly()
+  evaluator = TaskEvaluator(assembly, request)
+  for step in missing:
+    params = source.params(assembly.mesh, step)
+    columns[step] = {k.removeprefix('eval/'): v for k, v in metric_records(evaluator(params)).items()}
   return columns
 
 
@@ -141,7 +123,7 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
   rows = []
   for name in _expand(run_dirs):
     run_dir = epath.Path(name)
-    config = run_config(run_dir)
+    config = ModelSource(run_dir, need_params=False).config
     if evaluate:
       if overrides:
         config = check_config(from_dict(merge(config.to_dict(), parse_overrides(list(overrides)))))

@@ -26,7 +26,7 @@ from etils import epath
 from lm.assembly import accounting
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
-from lm.run_dir import CHECKPOINTS, checkpoints
+from lm.storage.run_dir import CHECKPOINTS, checkpoints
 
 SWEEP = 'sweep.json'
 # The default ladder on the embedded corpus: 5 sizes (42k to 1.9M params) x 3 token budgets with gpt_tiny's

@@ -21,10 +21,10 @@ from etils import epath
 from lm.assembly import Assembly
 from lm.assembly.optim import learning_rate_schedule
 from lm.assembly.state import TrainState
-from lm.checkpoint import config_mismatch, with_defaults
+from lm.storage.checkpoint import config_mismatch, with_defaults
 from lm.config import Config, ConfigError
 from lm.distributed import is_main_process
-from lm.run_dir import CHECKPOINTS, CONFIG, checkpoints, read_config
+from lm.storage.run_dir import CHECKPOINTS, CONFIG, checkpoints, read_config
 from lm.train.logging import METRICS, read_metrics
 
 # What a branch may set otherwise than its source: the schedule's length and decay.

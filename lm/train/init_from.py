@@ -22,7 +22,7 @@ from lm.assembly.state import TrainState, shardings_of
 from lm.config import ConfigError
 from lm.models import init_params
 from lm.models.transformer import relayout
-from lm.run_dir import load_params
+from lm.storage.source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def _flat(tree: Any) -> dict[str, Any]:
 def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initialised:
   """Step-0 state whose params come from `source` (`ema`: its params' moving average; fresh heads where it has
   none), sharded on the mesh."""
-  _, params = load_params(source, assembly.mesh, ema)
+  params = ModelSource(source, view='ema' if ema else 'model', flag='train.init_from=').params(assembly.mesh)
   params = relayout(params, assembly.config.model.scan_layers)
   have, want = _flat(params), _flat(assembly.abstract_params)
   heads = assembly.family.per_sequence_params()

@@ -21,7 +21,7 @@ import jax
 from lm.assembly import Assembly
 from lm.assembly.accounting import mfu
 from lm.assembly.state import TrainState
-from lm.checkpoint import UNRESTORABLE, Checkpointer
+from lm.storage.checkpoint import UNRESTORABLE, Checkpointer
 from lm.config import ConfigError, TrainConfig
 from lm.distributed import all_processes, barrier, is_main_process
 from lm.parallel.chips import peak_flops

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Mapping
 
 import jax
 
-from lm.checkpoint import Checkpointer
+from lm.storage.checkpoint import Checkpointer
 
 
 @contextlib.contextmanager

@@ -157,7 +157,7 @@ class SlowSteps:
 def run_report(run_dir: str | epath.PathLike, slowest: int = 5) -> dict[str, Any]:
   """`lm report RUN`: steps, tokens, wall time, goodput, mean MFU, restarts, each part's seconds and the
   `slowest` logging intervals by mean step time."""
-  from lm.run_dir import read_config
+  from lm.storage.run_dir import read_config
   from lm.train.logging import read_metrics
   config, records = read_config(run_dir), read_metrics(run_dir)
   attempts = read_attempts(run_dir)

@@ -51,8 +51,9 @@ def test_two_processes_train_like_one_process_with_all_devices(tmp_path):
 
   check = f'''
 import jax, numpy as np
-from lm.run_dir import load_params, one_device_mesh
-(_, a), (_, b) = load_params("{tmp_path}/one", one_device_mesh()), load_params("{tmp_path}/two", one_device_mesh())
+from lm.parallel.mesh import one_device_mesh
+from lm.storage.source import ModelSource
+a, b = ModelSource("{tmp_path}/one").params(one_device_mesh()), ModelSource("{tmp_path}/two").params(one_device_mesh())
 flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
 print(np.linalg.norm(flat(a) - flat(b)) / np.linalg.norm(flat(b)))
 '''

@@ -91,7 +91,7 @@ def test_bad_parametrization_settings_are_one_line(small_config, overrides, mess
 
 def test_a_mup_t5_with_a_tied_output_layer_cannot_be_exported(small_config, tmp_path):
   """Its d_model^-0.5 output rescale is taken at the base width, which no standard T5 has: one line, no files."""
-  from lm.convert.hf import save_hf
+  from lm.storage.convert.hf import save_hf
   from lm.models import build_model
   config = load_config('t5_tiny', SMALL + ['model.tie_embeddings=true', 'model.parametrization=mup',
                                            'model.mup_base_width=32'])

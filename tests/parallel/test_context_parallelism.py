@@ -150,7 +150,7 @@ def test_glue_fine_tuning_takes_a_split_source_sequence_as_data_devices(tmp_path
   """Task heads read fixed positions of a row ([CLS], the last token), which the split layout reorders."""
   from lm.glue.finetune import finetune_config
   from lm.glue.tasks import TASKS
-  from lm.run_dir import CONFIG
+  from lm.storage.run_dir import CONFIG
   (tmp_path / CONFIG).write_text(family_config('gpt', tmp_path, 'mesh.data=2', 'mesh.sequence=4').to_yaml())
   config = finetune_config(TASKS['rte'], str(tmp_path), None, [], num_train=100)
   assert (config.mesh.data, config.mesh.sequence) == (8, 1)

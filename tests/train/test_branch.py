@@ -6,7 +6,7 @@ import pytest
 
 from lm import cli
 from lm.pretraining import Pretraining
-from lm.run_dir import read_config
+from lm.storage.run_dir import read_config
 from lm.train.branch import resolve_branch
 from lm.train.logging import read_metrics
 

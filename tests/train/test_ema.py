@@ -8,10 +8,9 @@ from lm import cli
 from lm.assembly.optim import ema_params
 from lm.config import ConfigError
 from lm.evals.run import load_checkpoint
-from lm.generate import load_run
 from lm.models.transformer import relayout
 from lm.pretraining import Pretraining
-from lm.run_dir import load_params
+from lm.storage.source import ModelSource, open_model
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics
 
@@ -47,12 +46,12 @@ def test_the_moving_average_is_evaluated_checkpointed_and_resumed(small_config, 
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # ... and so do `lm generate --ema`, `lm convert --to-hf --ema` and train.init_from_ema (on 8 devices and on one)
   mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
-  for params in (load_run(tmp_path / 'a', ema=True)[1], load_params(tmp_path / 'a', mesh, ema=True)[1],
+  for params in (open_model(tmp_path / 'a', ema=True)[2], ModelSource(tmp_path / 'a', view='ema').params(mesh),
                  initial_state(straight.assembly, str(tmp_path / 'a'), ema=True).state.params):
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(average), strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(tmp_path / 'a'), '--ema']) == 0
-  _, exported = load_params(tmp_path / 'hf', mesh)
+  exported = ModelSource(tmp_path / 'hf').params(mesh)
   for x, y in zip(jax.tree.leaves(relayout(exported, True)), jax.tree.leaves(average), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -60,7 +59,7 @@ def test_the_moving_average_is_evaluated_checkpointed_and_resumed(small_config, 
   with pytest.raises(ConfigError, match=rf'--ema: {tmp_path}/plain keeps no moving average .*; drop --ema'):
     load_checkpoint(tmp_path / 'plain', ema=True)
   with pytest.raises(ConfigError, match=rf'--ema: {tmp_path}/plain keeps no moving average .*; drop --ema'):
-    load_params(tmp_path / 'plain', mesh, ema=True)
+    ModelSource(tmp_path / 'plain', view='ema')
 
   other = small_config('train.steps=8', f'train.run_dir={tmp_path}/b', 'train.resume=true',
                        *[c.replace('0.9', '0.99') for c in COMMON])

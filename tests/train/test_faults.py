@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from lm import cli
-from lm.checkpoint import Checkpointer
-from lm.run_dir import load_params, one_device_mesh
+from lm.storage.checkpoint import Checkpointer
+from lm.parallel.mesh import one_device_mesh
+from lm.storage.source import ModelSource
 from lm.train.logging import read_metrics
 from lm.pretraining import Pretraining
 from lm.train.loop import restore_or_start
@@ -98,7 +99,7 @@ def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path,
   assert first['step'] == bad and all(not r.get('nonfinite') for r in metrics if r['step'] < bad)
   saved = Checkpointer(tmp_path / 'checkpoints', create=False)
   assert max(saved.all_steps()) < bad
-  _, params = load_params(tmp_path, one_device_mesh())
+  params = ModelSource(tmp_path).params(one_device_mesh())
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
 
 

@@ -12,7 +12,7 @@ from lm import cli
 from lm.assembly import assemble
 from lm.assembly.optim import decay_mask, schedule_free_params
 from lm.pretraining import Pretraining
-from lm.run_dir import load_params
+from lm.storage.source import ModelSource
 
 LR, WD, B1, B2, EPS = 3e-3, 0.1, 0.9, 0.95, 1e-8
 
@@ -132,7 +132,7 @@ def test_each_optimizer_trains_200_steps_below_a_stated_loss_and_resumes_exactly
     final = trainer.final_state
     (sf_state,) = [s for s in jax.tree.leaves(final.opt_state, is_leaf=lambda s: isinstance(s, ScheduleFreeState))
                    if isinstance(s, ScheduleFreeState)]
-    _, params = load_params(tmp_path / 'run', trainer.mesh)
+    params = ModelSource(tmp_path / 'run').params(trainer.mesh)
     assert_close(params, optax.contrib.schedule_free_eval_params(sf_state, final.params))
     assert not np.allclose(params['decoder']['final_norm']['scale'], final.params['decoder']['final_norm']['scale'])
 

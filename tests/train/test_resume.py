@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lm.models.transformer import relayout
-from lm.run_dir import read_config
+from lm.storage.run_dir import read_config
 from lm.train.logging import read_metrics
 from lm.pretraining import Pretraining
 

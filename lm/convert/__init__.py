@@ -1,1 +1,0 @@
-"""Converting models between lm and other frameworks (Hugging Face: `lm.convert.hf`)."""

@@ -1,0 +1,302 @@
+"""Orbax checkpoints in one layout for every run, restorable onto any mesh.
+
+Each step directory holds the items `params` and `config`; a training checkpoint adds
+`optimizer` (step and optimizer state) and `data` (the grain iterator's position, one JSON file
+per process, so every host resumes at its exact record). An imported model
+(`lm convert --from-hf`) writes params and config only, so every command that reads params
+reads both alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import inspect
+import logging
+import re
+import sys
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from lm.assembly.state import TrainState, shardings_of
+from lm.config import EXECUTION_FIELDS, Config, ConfigError
+from lm.distributed import all_processes, barrier
+from lm.models.transformer import relayout
+
+UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
+
+# Orbax saves a replicated array as 1/R slices, one per replica, so that R devices (and hosts) share the write;
+# each slice shape is one more device program to compile. Below a few MiB per slice (norms, biases, every array
+# of a small model) that costs more than it spreads: those arrays are written whole from one replica.
+REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+  """Orbax logs a warning (through absl, on every run's stderr) for any handler that replaces its own."""
+  absl, level = logging.getLogger('absl'), logging.getLogger('absl').level
+  absl.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl.setLevel(level)
+
+
+with _absl_quiet():
+  ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES),
+    override=True)
+
+
+_ORDER_FREE = frozenset({'prefetch', 'evals'})  # data settings that change speed or evaluation, not which rows come
+
+
+def _reason(error: BaseException | None) -> str:
+  """The first sentence of a restore error, without TensorStore's spec dump."""
+  if error is None:
+    return 'it fails on another process'
+  text = str(error).split(' See full TensorStore details')[0].splitlines()[0]
+  return text if len(text) <= 160 else text[:157] + '...'
+
+
+def _drop_abandoned_io_reports() -> None:
+  """A failed restore or save abandons orbax's reads or writes: their coroutines are collected, and TensorStore's
+  threads finish them whenever they do, each then calling back into orbax's closed event loop. Python would print
+  a traceback for every such coroutine, task and callback (dozens or thousands, after the one line that names the
+  checkpoint), and orbax logs each failed write: those reports are dropped and every other one is passed on."""
+  previous = sys.unraisablehook
+  if getattr(previous, 'drops_abandoned_reads', False):
+    return
+
+  def hook(unraisable):
+    obj, error = unraisable.object, unraisable.exc_value
+    abandoned = inspect.iscoroutine(obj) and 'orbax' in obj.cr_code.co_filename
+    closed_loop = obj is None and isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+    if not (abandoned or closed_loop):
+      previous(unraisable)
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+  # A read task collected before anyone awaited it is logged by asyncio instead (when the timing has it so).
+  logging.getLogger('asyncio').addFilter(lambda record: not (
+    record.getMessage().startswith('Task exception was never retrieved') and 'orbax' in record.getMessage()))
+  # the failure a save's background threads met, logged by orbax (with tracebacks) as it reaches the caller
+  # (Checkpointer._write), which names it in one line
+  logging.getLogger('absl').addFilter(lambda record: not any(
+    failed in record.getMessage() for failed in SAVE_FAILURE_LOGS))
+
+
+SAVE_FAILURE_LOGS = ('_SignalingThread.run() raised an exception', 'Handler Commit operations or the Commit callback',
+                     'Save Finalize thread (save_finalize) failed')
+
+
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (a full disk, a lost bucket); the message says which, why and what next."""
+
+
+def _write_reason(error: BaseException, directory: epath.Path) -> str:
+  """Why a write failed, in a few words: the OS error TensorStore or Python met, else the error's first line."""
+  text = str(error)
+  if 'No space left on device' in text or getattr(error, 'errno', None) == errno.ENOSPC:
+    return f'no space left on the device holding {directory}'
+  found = re.search(r"Failed to write [^:]*: (.*?) \[os_error_code", text)
+  return f'{found[1]} under {directory}' if found else _reason(error)
+
+
+def with_defaults(saved: dict) -> dict:
+  """A checkpoint's config sections, a field added since it was written taking its default (it was written so)."""
+  return {section: {**default, **saved.get(section, {})}
+          for section, default in Config().to_dict().items() if isinstance(default, dict)}
+
+
+def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
+  """What a run continuing a checkpoint written under `saved` (with_defaults) must share with it and does not:
+  (the model | data order | seed or moving average | optimizer and its param groups, the differing fields), or
+  None."""
+  for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
+                              ('train', ('seed', 'ema_decay'), 'seed or moving average'),
+                              ('optim', ('name', 'lr_multipliers'), 'optimizer')):
+    theirs, ours = saved[section], config[section]
+    free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
+    keys = keys or sorted((set(theirs) | set(ours)) - free)
+    diff = [f'{section}.{k}' for k in keys if theirs.get(k) != ours.get(k)]
+    if diff:
+      return what, diff
+  return None
+
+
+class Checkpointer:
+  """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
+
+  def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True,
+               keep_steps: tuple[int, ...] = (), keep_every: int = 0):
+    """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` and the
+    multiples of `keep_every` (> 0) are kept besides the latest `keep`."""
+    self.directory = epath.Path(directory)
+    if '://' not in str(self.directory):
+      self.directory = self.directory.absolute()
+    managers = ocp.checkpoint_managers
+    kept = ([managers.CustomSteps(keep_steps)] if keep_steps else []) + \
+        ([managers.EveryNSteps(keep_every)] if keep_every else [])
+    policy = managers.AnyPreservationPolicy([managers.LatestN(keep), *kept]) if kept else None
+    self.options = ocp.CheckpointManagerOptions(max_to_keep=None if policy else keep, preservation_policy=policy,
+                                                create=create, enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
+    """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
+    self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(state.params),
+      optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
+      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True))
+
+  def _write(self, step: int | None, write: Any) -> None:
+    """Runs `write` (a save, which first waits for the previous one, or the wait), turning a failed write of this
+    or the previous asynchronous save into one CheckpointWriteError: the step, why, the last complete checkpoint
+    and what to do. The failed save's partial files (its orbax temporary directory) are removed: they only take
+    space, and the next save or a resume never reads them."""
+    _drop_abandoned_io_reports()  # a failed write's callbacks come as soon as it fails
+    try:
+      write()
+    except Exception as e:  # TensorStore, orbax and the OS raise many kinds
+      partial = sorted(self.directory.glob('*.orbax-checkpoint-tmp*')) if self.directory.exists() else []
+      failed = partial[0].name.split('.')[0] if partial else step
+      for path in partial:
+        path.rmtree(missing_ok=True)
+      complete = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) \
+        if self.directory.exists() else []
+      last = f'{self.directory}/{complete[-1]}' if complete else 'none'
+      raise CheckpointWriteError(
+        f'checkpoint {failed} was not written: {_write_reason(e, self.directory)}; the last complete checkpoint is '
+        f'{last}; free space (or lower train.keep_checkpoints), then continue with --resume') from e
+
+  def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
+    """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them
+    best): no optimizer state or data position."""
+    items = {'params': ocp.args.StandardSave(params), 'config': ocp.args.JsonSave(config)}
+    if metrics is not None:
+      items['metrics'] = ocp.args.JsonSave(metrics)
+    self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+
+  def saved_metrics(self, step: int) -> dict[str, float]:
+    return self.manager.restore(step, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))['metrics']
+
+  def delete_all(self) -> None:
+    for step in self.all_steps():
+      self.manager.delete(step)
+
+  def saved_config(self, step: int) -> dict:
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))['config']
+
+  def has_optimizer(self, step: int) -> bool:
+    return (self.directory / str(step) / 'optimizer').is_dir()
+
+  def is_params_only(self) -> bool:
+    """Whether every checkpoint holds params alone (an imported model: nothing to resume)."""
+    steps = self.all_steps()
+    return bool(steps) and not any(self.has_optimizer(s) for s in steps)
+
+  def restore(self, step: int, abstract_state: TrainState, config: dict, data: Any) -> TrainState:
+    """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
+    saved position in place. Execution fields (`EXECUTION_FIELDS`) may differ: the params are converted to this
+    run's layer layout when `model.scan_layers` changed, and one line on stdout says what changed."""
+    saved = with_defaults(self.saved_config(step))
+    mismatch = config_mismatch(saved, config)
+    if mismatch:
+      what, fields = mismatch
+      raise ConfigError(f'checkpoint {self.directory}/{step} was written for a different {what} (differs in '
+                        f'{", ".join(fields)}); resume with the same settings or start a new train.run_dir')
+    if not self.has_optimizer(step):
+      raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
+                        f'resume; start a new run from it with train.init_from={self.directory.parent}')
+    scanned = config['model']['scan_layers']
+    saved_scanned = saved['model']['scan_layers']
+    a = abstract_state if saved_scanned == scanned else relayout(abstract_state, saved_scanned)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(a.params),
+        optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
+        data=grain.checkpoint.CheckpointRestore(data)))
+    except ValueError as e:
+      if 'process_' not in str(e):
+        raise
+      raise ConfigError(f'checkpoint {self.directory}/{step} holds no data position for this process '
+                        f'({jax.process_index()} of {jax.process_count()}); resume with as many processes as '
+                        f'wrote it') from None
+    optimizer = restored['optimizer']
+    state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
+                       skipped=optimizer['skipped'])
+    if saved_scanned != scanned:
+      state = jax.jit(lambda s: relayout(s, scanned), out_shardings=shardings_of(abstract_state))(state)
+    show = lambda v: str(v).lower() if isinstance(v, bool) else v  # as written on the command line
+    changed = [f'model.{k}={show(saved["model"][k])} -> {show(config["model"][k])}' for k in EXECUTION_FIELDS
+               if saved['model'][k] != config['model'][k]]
+    if changed and jax.process_index() == 0:
+      print(f'checkpoint {self.directory}/{step} was written with other execution settings: {", ".join(changed)}',
+            flush=True)
+    return state
+
+  def restore_latest(self, abstract_state: TrainState, config: dict, data: Any
+                     ) -> tuple[int, TrainState] | None:
+    """The newest checkpoint that restores on every process, or None. One that does not (truncated or
+    missing files) is never half-used: it is renamed <step>.unrestorable, kept, and named in one line on stderr
+    (and the one resumed in another)."""
+    set_aside = False
+    _drop_abandoned_io_reports()  # before a restore can fail: TensorStore's callbacks come as soon as it does
+    for step in reversed(self.all_steps()):
+      error = None if self.has_optimizer(step) else FileNotFoundError('its optimizer state is missing')
+      try:
+        state = None if error else self.restore(step, abstract_state, config, data)
+      except ConfigError:
+        raise
+      except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
+        error = e
+      if all_processes(error is None):
+        if set_aside:
+          print(f'resuming from {self.directory}/{step}', file=sys.stderr, flush=True)
+        return step, state
+      set_aside = True
+      aside = self.directory / f'{step}{UNRESTORABLE}'
+      if jax.process_index() == 0:
+        (self.directory / str(step)).rename(aside)
+      barrier(f'set_aside_{step}')
+      # A failed restore leaves orbax's event loop closed: start a new manager for the next attempt (its
+      # abandoned reads released now, not at some later collection).
+      self.manager.close()
+      gc.collect()
+      self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+      print(f'checkpoint {self.directory}/{step} does not restore ({_reason(error)}); kept as {aside}; trying the '
+            f'one before', file=sys.stderr, flush=True)
+    return None
+
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """Only the params, placed on `abstract_params`' shardings."""
+    return self.manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract_params)))['params']
+
+  def restore_view(self, step: int, abstract_state: TrainState, view: Any) -> Any:
+    """The params `view` (an `lm.assembly.optim.ParamsView`) makes of checkpoint `step`, on the params'
+    shardings; the optimizer state is read only when the view reads it. `abstract_state` is the assembly's of the
+    run's own config."""
+    if not view.reads_optimizer:
+      return self.restore_params(step, abstract_state.params)
+    a = abstract_state
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(a.params),
+      optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))
+    return view.of(restored['params'], restored['optimizer']['opt_state'])
+
+  def wait(self) -> None:
+    self._write(None, self.manager.wait_until_finished)
+
+  def close(self) -> None:
+    self.manager.close()

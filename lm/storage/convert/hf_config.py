@@ -1,0 +1,47 @@
+"""config.json conventions the HF converters share: activation names, unsupported settings, export checks.
+
+Each converter module (`gpt2`, `bert`, `t5`, `llama`), named by its family record's `hf_converter`,
+provides `ARCHITECTURE` (the transformers class), `load(hf_config, checkpoint) -> (ModelConfig, rules)`
+(the family field is filled in by `lm.storage.convert.hf`) and
+`save(model_config, flat_params, base_hf_config) -> (hf_config, rules)`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from lm.config import ConfigError, ModelConfig
+
+# transformers ACT2FN names -> ours, and back (the first HF name of each is the canonical one).
+ACTIVATIONS = {'gelu': 'gelu', 'gelu_python': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh',
+               'relu': 'relu', 'silu': 'silu', 'swish': 'silu'}
+HF_ACTIVATIONS = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'relu': 'relu', 'silu': 'silu'}
+
+
+def our_activation(name: str, key: str, architecture: str) -> str:
+  if name not in ACTIVATIONS:
+    raise ConfigError(f'config.json {key}={name!r} is not supported for {architecture}; '
+                      f'supported: {", ".join(sorted(ACTIVATIONS))}')
+  return ACTIVATIONS[name]
+
+
+def hf_activation(ours: str, base_name: Any, architecture: str) -> str:
+  """HF name of activation `ours`, keeping the base config's spelling when it means the same."""
+  if ours not in HF_ACTIVATIONS:
+    raise ConfigError(f'cannot export model.activation={ours!r} as {architecture}; '
+                      f'it supports: {", ".join(HF_ACTIVATIONS)}')
+  return base_name if ACTIVATIONS.get(base_name) == ours else HF_ACTIVATIONS[ours]
+
+
+def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
+  """ConfigError when a config.json setting has a value our models cannot reproduce."""
+  for key, value in allowed.items():
+    if hf.get(key, value) != value:
+      raise ConfigError(f'config.json {key}={hf[key]!r} is not supported when converting {architecture} '
+                        f'(only {value!r})')
+
+
+def check_exportable(cfg: ModelConfig, architecture: str, **expected: Any) -> None:
+  """ConfigError naming each model setting that the HF architecture cannot express."""
+  wrong = [f'model.{k}={getattr(cfg, k)!r} (needs {v!r})' for k, v in expected.items() if getattr(cfg, k) != v]
+  if wrong:
+    raise ConfigError(f'cannot export this {cfg.family} model as {architecture}: {", ".join(wrong)}')

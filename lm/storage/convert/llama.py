@@ -1,0 +1,162 @@
+"""Llama (`LlamaForCausalLM`) <-> our `llama` family, and the shared converter of the classes in its layout
+(`Architecture`: Mistral, Qwen2, Qwen3).
+
+HF linear weights are [out, in]; queries and keys are stored for the half-split rotary layout our
+`rotary` uses, so they load unpermuted. RoPE settings come as `rope_parameters` (transformers 5)
+or `rope_theta` / `rope_scaling` (transformers 4): the default rotation, linear, llama3 (Llama 3.1 to 3.3)
+and yarn scaling.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lm.config import ConfigError, ModelConfig
+from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
+from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
+
+ARCHITECTURE = 'LlamaForCausalLM'
+GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu'}
+
+
+ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}  # HF rope_type -> ours
+# our field -> its HF rope parameter, per scaling
+ROPE_FIELDS = {'linear': {'rope_factor': 'factor'},
+               'llama3': {'rope_factor': 'factor', 'rope_low_freq_factor': 'low_freq_factor',
+                          'rope_high_freq_factor': 'high_freq_factor',
+                          'rope_original_max_len': 'original_max_position_embeddings'},
+               'yarn': {'rope_factor': 'factor', 'rope_original_max_len': 'original_max_position_embeddings',
+                        'rope_beta_fast': 'beta_fast', 'rope_beta_slow': 'beta_slow',
+                        'rope_attention_factor': 'attention_factor'}}
+
+
+def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
+  """Our rotary fields from either config layout (`rope_parameters`, transformers 5; `rope_theta` and
+  `rope_scaling`, transformers 4); scalings we cannot reproduce (dynamic, longrope, ...) are refused by name."""
+  params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+  kind = params.get('rope_type', params.get('type', 'default'))
+  if kind not in ROPE_TYPES:
+    raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {architecture} '
+                      f'(supported: {", ".join(ROPE_TYPES)})')
+  for key, fine in (('partial_rotary_factor', 1.0), ('mscale', None), ('mscale_all_dim', None), ('truncate', True)):
+    value = params.get(key, hf.get(key, fine))
+    if value not in (fine, None) or (fine is True and value is False):
+      raise ConfigError(f'config.json rope {key}={value!r} is not supported when converting {architecture}')
+  fields: dict[str, Any] = {'rope_theta': float(params.get('rope_theta', hf.get('rope_theta', 10000.0))),
+                            'rope_scaling': ROPE_TYPES[kind]}
+  for ours, theirs in ROPE_FIELDS.get(ROPE_TYPES[kind], {}).items():
+    if params.get(theirs) is not None:
+      fields[ours] = (int if ours == 'rope_original_max_len' else float)(params[theirs])
+  if kind == 'yarn' and params.get('factor') is None:  # HF: the ratio of the extended context to the original
+    fields['rope_factor'] = hf['max_position_embeddings'] / params['original_max_position_embeddings']
+  return fields
+
+
+def hf_rope(cfg: ModelConfig, base: dict) -> dict[str, Any]:
+  """The rotary settings of config.json, in the layout of `base` (transformers 4 when it has `rope_theta`)."""
+  scaling = {theirs: getattr(cfg, ours) for ours, theirs in ROPE_FIELDS.get(cfg.rope_scaling, {}).items()
+             if getattr(cfg, ours) is not None}
+  kind = {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling]
+  if 'rope_theta' in base:
+    return {'rope_theta': cfg.rope_theta, 'rope_scaling': {'rope_type': kind, **scaling} if scaling else None}
+  return {'rope_parameters': {**(base.get('rope_parameters') or {}), 'rope_theta': cfg.rope_theta,
+                              'rope_type': kind, **scaling}}
+
+
+@dataclass(frozen=True)
+class Architecture:
+  """One transformers class of the Llama layout (pre-RMSNorm, rotary, gated MLP, no MLP biases): what its
+  config.json holds and which of our fields it fixes."""
+  name: str  # the transformers class
+  model_type: str
+  defaults: dict[str, Any]  # config.json fields absent from a file take these (the transformers class's)
+  refused: dict[str, Any]  # config.json fields honoured at this value only
+  qkv_bias: bool = False  # query, key and value biases (Qwen2)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+  window: bool = False  # `sliding_window` (None: none) applies to every layer (Mistral)
+
+
+COMMON = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008, 'num_hidden_layers': 32,
+          'num_attention_heads': 32, 'num_key_value_heads': None, 'head_dim': None, 'hidden_act': 'silu',
+          'max_position_embeddings': 2048, 'rms_norm_eps': 1e-6, 'initializer_range': 0.02,
+          'attention_dropout': 0.0, 'tie_word_embeddings': False}
+LLAMA = Architecture(ARCHITECTURE, 'llama', COMMON, {'attention_bias': False, 'mlp_bias': False, 'pretraining_tp': 1})
+
+
+def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
+  unsupported(arch.name, hf, **arch.refused)
+  layer_types = set(hf.get('layer_types') or ['full_attention'])
+  if layer_types != {'full_attention'}:
+    raise ConfigError(f'config.json layer_types {sorted(layer_types)} is not supported when converting {arch.name} '
+                      f'(only full_attention layers)')
+  h = {**arch.defaults, **hf}
+  embed = ckpt.get('model.embed_tokens.weight')
+  same = None if embed is None else ckpt.same_as('lm_head.weight', embed)
+  heads = h['num_attention_heads']
+  cfg = ModelConfig(
+    vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'], num_heads=heads,
+    num_kv_heads=h['num_key_value_heads'] or heads, head_dim=h['head_dim'] or h['hidden_size'] // heads,
+    d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary',
+    **rope_fields(hf, arch.name), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
+    activation=GATED[our_activation(h['hidden_act'], 'hidden_act', arch.name)], use_bias=False,
+    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, tie_embeddings=h['tie_word_embeddings'] if same is None else same,
+    sliding_window=(hf.get('sliding_window') or 0) if arch.window else 0, dropout=0.0,
+    attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
+  return cfg, rules(cfg)
+
+
+def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict
+            ) -> tuple[dict, list[Tensor]]:
+  check_exportable(cfg, arch.name, position='rotary', norm='rmsnorm', norm_position='pre', use_bias=False,
+                   scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, attn_logit_softcap=0.0,
+                   **({} if arch.window else {'sliding_window': 0}))
+  plain = {v: k for k, v in GATED.items()}
+  if cfg.activation not in plain:
+    raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {arch.name}; it supports the gated '
+                      f'activations: {", ".join(plain)}')
+  hf: dict[str, Any] = {
+    **base, 'architectures': [arch.name], 'model_type': arch.model_type, 'vocab_size': cfg.vocab_size,
+    'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
+    'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.resolved_kv_heads,
+    'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len, 'rms_norm_eps': cfg.norm_eps,
+    'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), arch.name),
+    **arch.refused, 'tie_word_embeddings': cfg.tie_embeddings,
+    'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
+  if arch.window:
+    hf['sliding_window'] = cfg.sliding_window or None
+  hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
+  hf.update(hf_rope(cfg, base))
+  return hf, rules(cfg)
+
+
+def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """(load, save) of the converter-module interface (`lm.storage.convert.hf_config`) for `arch`."""
+  return functools.partial(load_as, arch), functools.partial(save_as, arch)
+
+
+load, save = converter(LLAMA)
+
+
+def rules(cfg: ModelConfig) -> list[Tensor]:
+  out = [Tensor('model.embed_tokens.weight', ('token_embed/embedding',))]
+  for i in range(cfg.num_layers):
+    h, o = f'model.layers.{i}.', f'decoder/layers_{i}/'
+    for x, name in zip('qkv', ('query', 'key', 'value')):
+      out += dense(f'{h}self_attn.{x}_proj', f'{o}attention/{name}', 'linear', bias=cfg.qkv_bias)
+    if cfg.qk_norm:
+      out += [*norm(f'{h}self_attn.q_norm', f'{o}attention/query_norm', bias=False),
+              *norm(f'{h}self_attn.k_norm', f'{o}attention/key_norm', bias=False)]
+    out += [*dense(f'{h}self_attn.o_proj', f'{o}attention/out', 'linear', n_in=2, bias=False),
+            *norm(f'{h}input_layernorm', f'{o}attention_norm', bias=False),
+            *dense(f'{h}mlp.gate_proj', f'{o}mlp/wi_0', 'linear', bias=False),
+            *dense(f'{h}mlp.up_proj', f'{o}mlp/wi_1', 'linear', bias=False),
+            *dense(f'{h}mlp.down_proj', f'{o}mlp/wo', 'linear', bias=False),
+            *norm(f'{h}post_attention_layernorm', f'{o}mlp_norm', bias=False)]
+  out += norm('model.norm', 'decoder/final_norm', bias=False)
+  if not cfg.tie_embeddings:
+    out.append(Tensor('lm_head.weight', ('lm_head/kernel',), 'linear'))
+  return out
