@@ -557,17 +557,10 @@ def profile_steps(spec: str) -> tuple[int, int]:
 
 
 def _check_sequence_split(config: Config) -> None:
-  """mesh.sequence > 1 (context parallelism) runs ring attention: blocks by the XLA path or our flash kernel, no
-  attention dropout, and each sequence cut into 2 x mesh.sequence equal chunks (the load-balanced causal layout)."""
-  m, n = config.model, config.mesh.sequence
-  if n == 1:
-    return
-  if m.attention_impl not in ('xla', 'auto', 'flash'):
-    raise ConfigError(f'mesh.sequence={n} runs ring attention, whose blocks use the XLA path or our flash kernel: '
-                      f'set model.attention_impl=auto, xla or flash (not {m.attention_impl}), or mesh.sequence=1')
-  if m.attention_dropout > 0:
-    raise ConfigError(f'ring attention (mesh.sequence={n}) does no attention dropout: set model.attention_dropout=0 '
-                      f'or mesh.sequence=1')
+  """mesh.sequence > 1 (context parallelism) cuts each sequence into 2 x mesh.sequence equal chunks (the
+  load-balanced causal layout); what ring attention serves is checked with the attention implementations'
+  capabilities (`lm.ops.attention.capabilities`)."""
+  n = config.mesh.sequence
   if n > 1 and config.data.seq_len % (2 * n):  # (-1, the devices left over, is checked with the mesh)
     raise ConfigError(f'data.seq_len={config.data.seq_len} does not split into 2 x mesh.sequence = {2 * n} equal '
                       f'chunks (the balanced causal layout); make it a multiple of {2 * n}')
@@ -602,14 +595,6 @@ def _check_window_and_softcap(config: Config) -> None:
   if m.final_logit_softcap < 0 or (m.attention_scale_dim is not None and m.attention_scale_dim <= 0):
     raise ConfigError(f'model.final_logit_softcap={m.final_logit_softcap} must be >= 0 and model.attention_scale_dim='
                       f'{m.attention_scale_dim} positive (or null)')
-  features = [f for f, on in (('model.sliding_window', m.sliding_window), ('model.attn_logit_softcap',
-                                                                           m.attn_logit_softcap)) if on]
-  if features and m.attention_impl in ('tpu_flash', 'tpu_splash', 'cudnn'):
-    raise ConfigError(f'model.attention_impl={m.attention_impl} has no {" or ".join(features)}; use '
-                      f'model.attention_impl=flash (our kernel), xla or auto')
-  if features and config.mesh.sequence != 1 and m.attention_impl == 'flash':
-    raise ConfigError(f'ring attention with flash blocks (mesh.sequence={config.mesh.sequence}) takes no '
-                      f'{" or ".join(features)}; use model.attention_impl=xla or auto (the ring with XLA blocks)')
 
 
 def _check_rope_scaling(m: ModelConfig) -> None:
@@ -731,13 +716,7 @@ def validate(config: Config) -> None:
     raise ConfigError(f'optim.schedule=wsd: warmup ({o.warmup_steps} steps) runs into the decay (the last '
                       f'{round(o.decay_fraction * length)} of {length} steps); lower optim.warmup_steps or '
                       f'optim.decay_fraction')
-  if m.attention_impl not in ('xla', 'auto') and m.attention_dropout > 0:
-    raise ConfigError(f'model.attention_impl={m.attention_impl} does not do attention dropout; set '
-                      f'model.attention_dropout=0 or use model.attention_impl=xla')
   _check_sequence_split(config)
-  if m.attention_impl == 'tpu_splash' and m.position == 'relative':
-    raise ConfigError('model.attention_impl=tpu_splash takes no bias, which T5 relative positions need; '
-                      'use model.attention_impl=flash or tpu_flash')
   if d.source in ('text', 'jsonl') and not d.paths:
     raise ConfigError(f'data.source={d.source} needs data.paths (globs of local files), e.g. '
                       f'data.paths=[corpus/*.{"txt" if d.source == "text" else "jsonl"}]')

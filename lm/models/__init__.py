@@ -14,6 +14,7 @@ from lm.config import Config, ConfigError, ModelConfig
 from lm.models import bert, gpt, llama, t5
 from lm.models.family import Family
 from lm.models.parametrization import initialize
+from lm.ops.attention.capabilities import check_attention
 from lm.parallel.rules import tree_shardings
 
 if TYPE_CHECKING:
@@ -35,8 +36,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 
 def check_config(config: Config) -> Config:
-  """The family's own checks beyond `lm.config.validate` (which knows no family); `config` when they pass."""
+  """The checks beyond `lm.config.validate` (which knows no family or attention implementation): the family's
+  own, then whether the attention implementation serves what the model asks; `config` when they pass."""
   get_family(config.model.family).validate(config)
+  check_attention(config)
   return config
 
 

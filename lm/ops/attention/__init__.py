@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import AttentionImpl
-from lm.ops.attention import vendor
+from lm.ops.attention import capabilities, vendor
 from lm.ops.attention.flash import flash_attention
 from lm.ops.attention.ring import QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
 from lm.ops.attention.xla import _causal_blocks, attention_mask, blocked_causal_attention, xla_attention
@@ -102,9 +102,7 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
     specs.append(spec_for(('batch', 'heads', 'length', None), bias.shape, mesh, rules))
 
   platform = mesh.devices.flat[0].platform
-  if flash and platform not in ('tpu', 'cpu'):
-    raise ValueError(f'ring attention with flash blocks runs on TPU (interpreted on CPU), not {platform}: '
-                     f'use model.attention_impl=xla')
+  _check_platform('ring_flash' if flash else 'ring', platform)
 
   def per_shard(q, k, v, pos, *rest):
     seg = rest[0] if segment_ids is not None else None
@@ -117,23 +115,24 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
   return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
 
 
+def _check(name: str, needs: set[str]) -> None:
+  lacks = capabilities.missing(name, needs)
+  if lacks:
+    raise ValueError(capabilities.refusal(name, lacks))
+
+
+def _check_platform(name: str, platform: str) -> None:
+  if platform not in capabilities.TABLE[name].platforms:
+    raise ValueError(f'{capabilities.NAMES.get(name, f"attention impl {name}")} runs on '
+                     f'{" or ".join(capabilities.TABLE[name].platforms)}, not {platform}: use model.attention_impl=xla')
+
+
 KERNELS: dict[str, Callable[..., jax.Array]] = {
   'flash': flash_attention,
   'tpu_flash': vendor.tpu_flash,
   'tpu_splash': vendor.tpu_splash,
   'cudnn': vendor.cudnn,
 }
-GROUPED_KV = frozenset({'flash'})  # kernels that read grouped key/value heads without a repeated copy
-WINDOWED = frozenset({'flash'})  # kernels with a sliding window and logit soft-capping
-
-
-def pick_impl(*, mask: jax.Array | None, dropout_rate: float, windowed: bool = False) -> str:
-  """`auto`: our flash kernel on TPU and cuDNN on GPU where they can serve the call (a sliding window or
-  soft-capping: not cuDNN), else the XLA path."""
-  platform = target_platform()
-  if mask is not None or dropout_rate > 0.0:
-    return 'xla'
-  return {'tpu': 'flash', 'gpu': 'xla' if windowed else 'cudnn'}.get(platform, 'xla')
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -149,31 +148,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if window and not causal:
     raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if sequence_shards() > 1 and (window or softcap) and impl == 'flash':
-    raise ValueError('ring attention with flash blocks takes no sliding window or soft-capping; use impl xla or auto '
-                     '(the ring with XLA blocks)')
+  needs = {f for f, on in (('window', window), ('softcap', softcap), ('bias', bias is not None),
+                           ('dropout', dropout_rate > 0.0), ('mask', mask is not None),
+                           ('cross', kv_segment_ids is not None)) if on}
   if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
-    if impl not in ('auto', 'xla', 'flash') or mask is not None or dropout_rate > 0.0 or kv_segment_ids is not None:
-      raise ValueError(f'a sequence split over the mesh takes ring attention (impl auto, xla or flash) on '
-                       f'self-attention with causal, segment ids and bias, not impl {impl}, masks, dropout or '
-                       f'cross-attention')
+    if impl not in capabilities.RING:
+      raise ValueError(f'a sequence split over the mesh runs ring attention (impl auto, xla or flash), not {impl}')
+    _check(capabilities.RING[impl], needs)
     k, v = repeat_kv(k, v, q.shape[2])
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
                                        flash=impl == 'flash', block_q=block_q, block_k=block_k, window=window,
                                        softcap=softcap)
   if impl == 'auto':
-    impl = pick_impl(mask=mask, dropout_rate=dropout_rate, windowed=bool(window or softcap))
-  if impl not in GROUPED_KV:
+    impl = capabilities.pick_impl(target_platform(), needs)
+  _check(impl, needs)
+  if not capabilities.TABLE[impl].grouped_kv:
     k, v = repeat_kv(k, v, q.shape[2])
   if impl in KERNELS:
-    if mask is not None or dropout_rate > 0.0:
-      raise ValueError(f'attention impl {impl} takes causal, segment ids and bias but not an arbitrary mask or '
-                       f'attention dropout; use impl xla for those')
-    extra = {}
-    if window or softcap:
-      if impl not in WINDOWED:
-        raise ValueError(f'attention impl {impl} has no sliding window or soft-capping; use impl flash or xla')
-      extra = {'window': window, 'softcap': softcap}
+    extra = {'window': window, 'softcap': softcap} if window or softcap else {}
     return _kernel_attention(KERNELS[impl], q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                              bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k, **extra)
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
