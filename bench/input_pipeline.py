@@ -27,11 +27,11 @@ def pipeline_rate(overrides: list[str], batches: int) -> dict:
   from lm.config import load_config
   from functools import partial
 
-  from lm.data.pipeline import build_batches
+  from lm.data.pipeline import training_batches
   from lm.models import make_objective
   from lm.parallel.mesh import make_mesh
   config = load_config('gpt_tiny', ['mesh.data=1', 'train.eval_batches=0', *overrides])
-  _, train, _ = build_batches(config, make_mesh(config.mesh, jax.devices()[:1]), partial(make_objective, config))
+  _, train = training_batches(config, make_mesh(config.mesh, jax.devices()[:1]), partial(make_objective, config))
   for _ in range(10):  # warm up: workers started, buffers filled once
     jax.block_until_ready(next(train))
   t0 = time.perf_counter()

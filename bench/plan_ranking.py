@@ -29,7 +29,7 @@ from timing import time_calls
 from lm.assembly import assemble
 from lm.config import load_config
 from lm.plan import Candidate, Chip, predict_seconds
-from lm.train.step import abstract_batch, make_train_step
+from lm.train.step import PretrainingLoss, abstract_batch, make_train_step
 
 MODEL = ['model.d_model=256', 'model.num_heads=4', 'model.d_ff=1024', 'model.num_layers=2', 'data.seq_len=256',
          'model.max_len=256', 'train.global_batch=32']
@@ -78,7 +78,8 @@ def main() -> None:
   for c in CANDIDATES:
     assembly = assemble(c.apply(load_config('gpt_tiny', MODEL)))
     batch_spec = abstract_batch(assembly)
-    compiled = make_train_step(assembly).lower(assembly.abstract_state, batch_spec).compile()
+    step = make_train_step(assembly, PretrainingLoss(assembly))
+    compiled = step.lower(assembly.abstract_state, batch_spec).compile()
     zeros = lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
     runs.append({'candidate': c, 'step': compiled, 'state': jax.tree.map(zeros, assembly.abstract_state),
                  'batch': jax.tree.map(zeros, batch_spec), 'predicted': predict_seconds(assembly, chip)['step'],

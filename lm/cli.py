@@ -610,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   except RuntimeError as e:
     from lm.storage.checkpoint import CheckpointWriteError
-    from lm.train.loop import TrainingError
+    from lm.train.callbacks import TrainingError
     if not isinstance(e, (TrainingError, CheckpointWriteError)):
       raise
     print(f'lm: error: {e}', file=sys.stderr)

@@ -9,26 +9,22 @@ at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 
 from lm.assembly import assemble
 from lm.assembly.state import TrainState
-from lm.storage.checkpoint import Checkpointer
 from lm.config import Config, ConfigError
 from lm.data.mixture import Mixture
-from lm.data.pipeline import Batches, build_batches, held_out_batches, stream_layout
-from lm.distributed import is_main_process
-from lm.storage.run_dir import CHECKPOINTS, CONFIG, PROFILE
+from lm.data.pipeline import stream_layout, training_batches
 from lm.train.branch import branch_state, resolve_branch
 from lm.train.init_from import initial_state
-from lm.train.loop import Callback, Checkpoint, Evaluate, Record, Trainer, restore_or_start
-from lm.train.profiler import Profile
-from lm.train.step import make_eval_step
+from lm.train.callbacks import Callback, Evaluate, Record
+from lm.train.loop import Trainer
+from lm.train.held_out import HeldOut
+from lm.train.step import PretrainingLoss
 
 
 class Pretraining:
@@ -39,11 +35,10 @@ class Pretraining:
     self.assembly = assemble(config, devices)
     self.mesh, self.model = self.assembly.mesh, self.assembly.model
     # The loop first: its step checks the batch against the mesh, before any batch is laid out on it.
-    self.loop = Trainer(self.assembly, log_dir=config.run_dir)
+    self.loop = Trainer(self.assembly, PretrainingLoss(self.assembly), run_dir=config.run_dir)
     objective_for = functools.partial(self.assembly.family.objective, config)
-    self.tokenizer, self.train_batches, self.val_batches = build_batches(config, self.mesh, objective_for)
-    self.held_out = held_out_batches(config, self.mesh, objective_for)  # data.evals
-    self.eval_step = make_eval_step(self.assembly)
+    self.tokenizer, self.train_batches = training_batches(config, self.mesh, objective_for)
+    self.held_out = HeldOut(self.assembly)  # the validation split and data.evals
     self.task_evals = self._task_evals()  # before the run dir is written: a bad task name stops here
 
   @property
@@ -58,35 +53,8 @@ class Pretraining:
   def final_state(self) -> TrainState | None:
     return self.loop.final_state
 
-  def model_params(self, state: TrainState) -> Any:
-    """The params evaluated and exported: the optimizer's view (schedule-free AdamW's averaged params)."""
-    return self.assembly.params_of(state)
-
   def init_state(self) -> TrainState:
     return self.assembly.init_state()
-
-  def evaluate(self, params: Any, batches: Batches, num_batches: int) -> dict[str, float]:
-    """{'loss': mean NLL per target token (nats), 'bpb': bits per UTF-8 byte of the text the targets stand for}
-    over the first `num_batches` batches of a held-out set (-1: all), stopping at its padding."""
-    sums: dict[str, float] = {}
-    for batch in batches.first(num_batches):
-      out = jax.device_get(self.eval_step(params, batch))
-      if float(out['weight']) == 0:  # every stream is past its end: the set was read whole
-        break
-      sums = {key: sums.get(key, 0.0) + float(value) for key, value in out.items()}
-    return {'loss': sums.get('nll', 0.0) / max(sums.get('weight', 0.0), 1.0),
-            'bpb': sums.get('nll', 0.0) / math.log(2) / max(sums.get('bytes', 0.0), 1.0)}
-
-  def validation(self, params: Any, suffix: str = '') -> Record:
-    """Every held-out set's metrics (+ `suffix`): the run's own split as val_loss and val_bpb, each `data.evals`
-    set as val/NAME/loss and val/NAME/bpb."""
-    count = self.config.train.eval_batches
-    record = {f'val_{metric}{suffix}': value
-              for metric, value in self.evaluate(params, self.val_batches, count).items()}
-    for name, batches in self.held_out.items():
-      record.update({f'val/{name}/{metric}{suffix}': value
-                     for metric, value in self.evaluate(params, batches, count).items()})
-    return record
 
   def _mixture_tokens(self) -> list[Callback]:
     """With `data.mixture`: the tokens each source has given, as data/NAME/tokens, every `train.log_every` steps."""
@@ -112,7 +80,7 @@ class Pretraining:
     evaluator = TaskEvaluator(self.assembly, Request(tasks=t.evals, data_dir=data_dir, subset=t.evals_limit,
                                                      num_fewshot=t.evals_num_fewshot))
     return [Evaluate(lambda params, _: metric_records(evaluator(params)), t.evals_every or t.eval_every,
-                     params_of=self.model_params)]
+                     params_of=self.assembly.params_of)]
 
   def _start(self) -> TrainState:
     cfg = self.config
@@ -131,24 +99,14 @@ class Pretraining:
     """Trains to `train.steps`, resuming if asked; returns the logged records."""
     self.config = cfg = resolve_branch(self.config)  # the checkpoint a branch starts from, named
     t = cfg.train
-    checkpoints = Checkpointer(cfg.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, keep_steps=t.checkpoint_at,
-                               keep_every=t.keep_every)
-    try:
-      state = restore_or_start(checkpoints, self.assembly, self.train_batches.iterator, self._start)
-      if is_main_process():
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / CONFIG).write_text(cfg.to_yaml())
-      validation = [Evaluate(lambda params, _: self.validation(params), t.eval_every, at_start=True,
-                             params_of=self.model_params)]
-      if t.ema_decay:  # the moving average beside the params, on the same batches
-        validation.append(Evaluate(lambda params, _: self.validation(params, '_ema'), t.eval_every,
-                                   params_of=lambda state: self.assembly.params_of(state, 'ema')))
-      return self.loop.run(state, self.train_batches,
-                           (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens()
-                           + ([Profile(t.profile, cfg.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []),
-                           Checkpoint.of(checkpoints, t, self.train_batches.iterator, cfg.to_dict()))
-    finally:
-      checkpoints.close()
+    validation = [Evaluate(lambda params, _: self.held_out(params), t.eval_every, at_start=True,
+                           params_of=self.assembly.params_of)]
+    if t.ema_decay:  # the moving average beside the params, on the same batches
+      validation.append(Evaluate(lambda params, _: self.held_out(params, '_ema'), t.eval_every,
+                                 params_of=lambda state: self.assembly.params_of(state, 'ema')))
+    return self.loop.run(self.train_batches, self._start,
+                         (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens(),
+                         position=self.train_batches.iterator, config=cfg)
 
 
 def train(config: Config, devices: Sequence[jax.Device] | None = None) -> list[Record]:

@@ -12,7 +12,7 @@ from lm.assembly import assemble
 from lm.compile import compile_report
 from lm.config import CONFIG_DIR, ConfigError, load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
-from lm.train.step import abstract_batch, compile_train_step, make_train_step
+from lm.train.step import compile_train_step, lower_train_step
 from tests.conftest import needs_libtpu
 
 # gpt_tiny at width 64 on 64-token rows, scanned layers, bf16: the real step's program at a TPU compile of ~3 s
@@ -71,7 +71,7 @@ def _dots_in_lowered_step(layers: int, scan: bool) -> int:
                                     'model.remat=full', 'model.d_model=64', 'model.num_heads=2', 'data.seq_len=32',
                                     'model.max_len=32', 'train.global_batch=8'])
   assembly = assemble(config)
-  text = make_train_step(assembly).lower(assembly.abstract_state, abstract_batch(assembly)).as_text()
+  text = lower_train_step(assembly).as_text()
   return text.count('stablehlo.dot_general')
 
 
@@ -192,7 +192,7 @@ def test_on_tpu_bf16_dots_write_bf16_activations_and_float32_gradients_of_weight
   config = load_config('llama_tiny', TPU_TINY + ['train.global_batch=8', 'mesh.data=1', 'mesh.fsdp=-1',
                                                   'model.num_kv_heads=2'])
   assembly = assemble(config, topology_devices(physical_topology('v5p-8')))
-  text = make_train_step(assembly).lower(assembly.abstract_state, abstract_batch(assembly)).as_text()
+  text = lower_train_step(assembly).as_text()
   assert _dot_types(text) == {'bf16,bf16->bf16', 'bf16,bf16->f32'}
 
 

@@ -6,7 +6,7 @@ from lm import cli
 from lm.config import ConfigError, load_config, parse_overrides
 from lm.assembly import assemble
 from lm.parallel.mesh import make_mesh
-from lm.train.step import make_train_step
+from lm.train.step import PretrainingLoss, make_train_step
 
 
 def test_preset_by_name_and_path_agree():
@@ -74,7 +74,7 @@ def test_batch_must_divide_over_data_parallel():
   cfg = load_config('gpt_tiny', ['mesh.data=8', 'train.global_batch=12'])
   with pytest.raises(ConfigError, match=r'gives 12 rows, not divisible by the data-parallel size '
                                         r'mesh.data=8; use a global batch that is a multiple of 8'):
-    make_train_step(assemble(cfg, jax.devices()))
+    make_train_step(a := assemble(cfg, jax.devices()), PretrainingLoss(a))
 
 
 def test_tensor_must_divide_heads():
@@ -148,7 +148,7 @@ def test_paths_expand_home_and_variables_but_not_uris(monkeypatch):
 def test_sizes_that_do_not_divide_over_the_mesh_name_the_field(overrides, needle):
   with pytest.raises(ConfigError) as info:
     cfg = load_config('gpt_tiny', overrides)
-    make_train_step(assemble(cfg, jax.devices()))
+    make_train_step(a := assemble(cfg, jax.devices()), PretrainingLoss(a))
   assert needle in str(info.value)
 
 
@@ -156,4 +156,4 @@ def test_a_size_that_divides_gives_no_error():
   """The checks are not over-eager: the same settings made divisible assemble and build a step."""
   cfg = load_config('gpt_tiny', ['mesh.data=2', 'mesh.fsdp=4', 'train.global_batch=32', 'train.microbatches=4',
                                  'model.vocab_size=264'])
-  make_train_step(assemble(cfg, jax.devices()))
+  make_train_step(a := assemble(cfg, jax.devices()), PretrainingLoss(a))

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lm.config import Config, ConfigError, held_out_sets
+from lm.config import Config, ConfigError, DataConfig, held_out_sets
 from lm.data.mixture import Mixture
 from lm.data.objectives import Objective, Rows
 from lm.data.sources import Documents, Split, held_out_documents, mixture_documents, open_documents
@@ -351,30 +351,38 @@ def _evaluation_batches(documents: Documents, config: Config, mesh: Mesh, tokeni
   return Batches(dataset, mesh, config.train.global_batch, 0, config.data.prefetch)
 
 
-def build_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
-                  process_count: int | None = None) -> tuple[Tokenizer, Batches, Batches | None]:
-  """Tokenizer, training batches (shuffled from the seed, endless) and validation batches (in order), or
-  None for validation when `train.eval_batches` is 0, of the objective `objective_for` gives for the
-  config's tokenizer. Process index and count default to JAX's."""
+def training_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
+                     process_count: int | None = None) -> tuple[Tokenizer, Batches]:
+  """Tokenizer and training batches (shuffled from the seed, endless) of the objective `objective_for` gives for the
+  config's tokenizer (its data.mixture when set). Process index and count default to JAX's."""
   tokenizer = get_tokenizer(config.data.tokenizer)
   objective = objective_for(tokenizer)
   process = _process(mesh, config.train.global_batch, process_index, process_count)
   d, seed = config.data, config.train.seed
-
-  def documents(split: Split) -> Documents:
-    found = open_documents(d, split)
-    if len(found) == 0:
-      raise ConfigError(f'the {split} split of data.source={d.source} holds no documents; add data')
-    return found
   mixture = Mixture.of(d)
-  sources = documents('train') if mixture is None else mixture_documents(d)
-  train = Batches(batch_dataset(sources, tokenizer, objective, shuffle_seed=seed, key_seed=seed,
-                                global_batch=config.train.global_batch, streams=d.streams, process_index=process[0],
-                                process_count=process[1], mixture=mixture), mesh, config.train.global_batch,
-                  d.workers, d.prefetch)
+  sources = _documents(d, 'train') if mixture is None else mixture_documents(d)
+  return tokenizer, Batches(batch_dataset(sources, tokenizer, objective, shuffle_seed=seed, key_seed=seed,
+                                          global_batch=config.train.global_batch, streams=d.streams,
+                                          process_index=process[0], process_count=process[1], mixture=mixture),
+                            mesh, config.train.global_batch, d.workers, d.prefetch)
+
+
+def validation_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,
+                       process_count: int | None = None) -> Batches | None:
+  """The validation split's batches (in order), or None when `train.eval_batches` is 0."""
   if not config.train.eval_batches:
-    return tokenizer, train, None
-  return tokenizer, train, _evaluation_batches(documents('validation'), config, mesh, tokenizer, objective, process)
+    return None
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  process = _process(mesh, config.train.global_batch, process_index, process_count)
+  return _evaluation_batches(_documents(config.data, 'validation'), config, mesh, tokenizer, objective_for(tokenizer),
+                             process)
+
+
+def _documents(d: DataConfig, split: Split) -> Documents:
+  found = open_documents(d, split)
+  if len(found) == 0:
+    raise ConfigError(f'the {split} split of data.source={d.source} holds no documents; add data')
+  return found
 
 
 def held_out_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, process_index: int | None = None,

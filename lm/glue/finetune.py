@@ -29,17 +29,16 @@ from lm.storage.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, from_dict, load_config, merge, parse_overrides
 from lm.data.pipeline import HostRows, global_rows
 from lm.data.tokenizers import Tokenizer, get_tokenizer
-from lm.distributed import is_main_process
 from lm.glue.data import SplitData
 from lm.glue.metrics import task_metrics
 from lm.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import UNPARSEABLE, TaskHead
-from lm.storage.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, PROFILE
+from lm.storage.run_dir import BEST, HF_TOKENIZER_FILES
 from lm.storage.source import ModelSource
 from lm.train.init_from import initial_state
-from lm.train.loop import Checkpoint, Evaluate, KeepBest, Trainer, restore_or_start
-from lm.train.profiler import Profile
+from lm.train.callbacks import Evaluate, KeepBest
+from lm.train.loop import Trainer
 from lm.train.step import make_score_step
 
 Features = dict[str, np.ndarray]
@@ -170,7 +169,7 @@ class FineTuner:
     self.assembly = assemble(config)
     self.head = self.assembly.family.task_head
     self.task_dir = config.run_dir / task.name
-    self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), log_dir=self.task_dir)
+    self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), run_dir=self.task_dir)
     self._infer = make_score_step(
       self.assembly, lambda model, params, batch: self.head.infer(model, params, batch, tokenizer, target_len))
     self.batch = config.train.global_batch
@@ -213,28 +212,18 @@ class FineTuner:
     `train.eval_every` steps and at the end, and keeping the best params. Returns {'step', 'metrics',
     'predictions'} of the best evaluation, or None when a SIGTERM stopped the run."""
     cfg, t = self.config, self.config.train
-    # Made by their first save: a source that fails to load leaves nothing behind.
-    latest = Checkpointer(self.task_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False,
-                          keep_steps=t.checkpoint_at, keep_every=t.keep_every)
     best = Checkpointer(self.task_dir / BEST, keep=1, async_save=False, create=False)
     stream = HostRows(self.train, self.batch, t.seed, self.assembly.mesh)
     try:
-      state = restore_or_start(latest, self.assembly, stream, lambda: self._start(init))
-      if is_main_process():
-        self.task_dir.mkdir(parents=True, exist_ok=True)
-        (self.task_dir / CONFIG).write_text(cfg.to_yaml())
-      self.loop.run(state, stream,
+      self.loop.run(stream, lambda: self._start(init),
                     [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every),
-                     KeepBest(best, self.metric, t.eval_every, cfg.to_dict())]
-                    + ([Profile(t.profile, self.task_dir / PROFILE, t.profile_all_hosts)] if t.profile else []),
-                    Checkpoint.of(latest, t, stream, cfg.to_dict()))
+                     KeepBest(best, self.metric, t.eval_every, cfg.to_dict())])
       if self.loop.stopped_at is not None:
         return None
       step = best.latest_step()
       params = best.restore_params(step, self.assembly.abstract_params)
       scores = {k[len('dev_'):]: v for k, v in best.saved_metrics(step).items() if k != 'dev_unparseable'}
     finally:
-      latest.close()
       best.close()
     return {'step': step, 'metrics': scores,
             'predictions': {name: self.predict(params, features) for name, features in dev.items()}}

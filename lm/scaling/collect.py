@@ -16,12 +16,13 @@ from typing import Any
 
 from etils import epath
 
-from lm.assembly import accounting
+from lm.assembly import accounting, assemble
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model, check_config
 from lm.storage.run_dir import CONFIG
 from lm.storage.source import ModelSource
 from lm.scaling.sweep import sweep_runs
+from lm.train.held_out import HeldOut
 from lm.train.logging import read_metrics
 
 DEFAULT_EVAL_BATCHES = 20  # --evaluate on a run that trained without evaluation
@@ -57,19 +58,19 @@ def evaluated_losses(run_dir: epath.Path, config: Config, eval_set: str | None =
                      metric: str = 'loss') -> dict[int, float]:
   """step -> a held-out set's `metric` (the validation split's, or the `data.evals` set `eval_set`'s) for every
   checkpoint, evaluated afresh on the devices present."""
-  from lm.pretraining import Pretraining
   if not config.train.eval_batches:
     config = from_dict(merge(config.to_dict(), {'train': {'eval_batches': DEFAULT_EVAL_BATCHES}}))
   source = ModelSource(run_dir, need_params=False)
   steps = [s for s in source.steps if s > 0]
   if not steps:
     raise ConfigError(f'{run_dir} holds no checkpoint to evaluate; train it first, or collect without --evaluate')
-  trainer = Pretraining(config)
-  if eval_set is not None and eval_set not in trainer.held_out:
+  assembly = assemble(config)
+  held_out = HeldOut(assembly)
+  if eval_set is not None and eval_set not in held_out.sets:
     raise ConfigError(f'--eval {eval_set}: {run_dir} has no data.evals set of that name (it has: '
-                      f'{", ".join(trainer.held_out) or "none"}); add it with --evaluate data.evals=[...]')
-  batches = trainer.val_batches if eval_set is None else trainer.held_out[eval_set]
-  return {step: trainer.evaluate(source.params(trainer.mesh, step), batches, config.train.eval_batches)[metric]
+                      f'{", ".join(held_out.sets) or "none"}); add it with --evaluate data.evals=[...]')
+  batches = held_out.validation if eval_set is None else held_out.sets[eval_set]
+  return {step: held_out.evaluate(source.params(assembly.mesh, step), batches, config.train.eval_batches)[metric]
           for step in steps}
 
 

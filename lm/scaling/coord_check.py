@@ -24,7 +24,7 @@ import numpy as np
 
 from lm.assembly import assemble
 from lm.config import Config, ConfigError, validate
-from lm.data.pipeline import build_batches
+from lm.data.pipeline import training_batches
 from lm.models.parametrization import standard
 from lm.ops.unembed import Unembedding
 from lm.train.step import PretrainingLoss, make_train_step, pretraining_loss
@@ -92,7 +92,7 @@ def coord_check(base: Config, widths: Sequence[int], parametrization: str, learn
     assembly = assemble(config, jax.devices()[:1])
     if batch is None:  # one batch for every width and seed
       objective_for = functools.partial(assembly.family.objective, config)
-      batch = next(build_batches(config, assembly.mesh, objective_for)[1])
+      batch = next(training_batches(config, assembly.mesh, objective_for)[1])
     step = make_train_step(assembly, RecordingLoss(assembly))
     for seed in range(seeds):
       state = assembly.init_state(jax.random.key(seed))

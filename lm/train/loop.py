@@ -1,4 +1,5 @@
-"""The one training loop: a state over a stream of batches, with callbacks at their cadence.
+"""The one training loop: a Trainer owns a run (its directory, resuming, the checkpoint cadence, profiling) and
+steps a state over a stream of batches, with callbacks (`lm.train.callbacks`) at their cadence.
 
 Jobs (pretraining, GLUE fine-tuning, scaling sweeps) build the data, the loss and the callbacks and hand them
 here. Every step's metrics are logged (metrics.jsonl, TensorBoard, a bar or lines), the last of each logging
@@ -11,146 +12,25 @@ the checkpoint callback and returns, so `--resume` continues exactly.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import jax
+from etils import epath
 
 from lm.assembly import Assembly
-from lm.assembly.accounting import mfu
 from lm.assembly.state import TrainState
-from lm.storage.checkpoint import UNRESTORABLE, Checkpointer
-from lm.config import ConfigError, TrainConfig
-from lm.distributed import all_processes, barrier, is_main_process
+from lm.config import Config, ConfigError
+from lm.distributed import barrier, is_main_process
 from lm.parallel.chips import peak_flops
+from lm.storage.checkpoint import UNRESTORABLE, Checkpointer
+from lm.storage.run_dir import CHECKPOINTS, CONFIG, PROFILE
+from lm.train.callbacks import After, Callback, Checkpoint, FiniteGuard, Interval, Record, Throughput
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
+from lm.train.profiler import Profile
 from lm.train.step import Batch, StepLoss, make_train_step
 from lm.train.timing import Clock, SlowSteps
-
-Record = dict[str, Any]
-
-
-class TrainingError(RuntimeError):
-  """The run cannot go on (e.g. a non-finite loss); the message names the step and what to change."""
-
-
-@dataclass(frozen=True)
-class After:
-  """What a callback sees: the step just taken, the state after it, and every record logged so far (a resumed
-  run's included)."""
-  step: int
-  state: TrainState
-  history: list[Record]
-
-
-class Callback:
-  """Runs after every `every`-th step and after the final one (`every` 0: the final only); returns records to log.
-  Its time counts as `part` of the run's (lm.train.timing)."""
-  every: int = 0
-  part: str = 'other'
-
-  def due(self, step: int, final: bool, stopping: bool) -> bool:
-    """Whether to run after `step`: `final` is train.steps; `stopping`, a step a SIGTERM stops the run after."""
-    return final or bool(self.every and step % self.every == 0)
-
-  def start(self, step: int, state: TrainState, history: list[Record]) -> list[Record]:
-    """Before the first step (`step` 0 for a fresh run, the checkpoint's step for a resumed one)."""
-    return []
-
-  def __call__(self, after: After) -> list[Record]:
-    return []
-
-  def finish(self) -> None:
-    """After the last step: wait for anything still in flight."""
-
-
-class Evaluate(Callback):
-  """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
-  when asked; `params_of(state)` picks the params evaluated (default the trained ones)."""
-  part = 'eval'
-
-  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False,
-               params_of: Callable[[Any], Any] = lambda state: state.params):
-    self.evaluator, self.every, self.at_start, self.params_of = evaluator, every, at_start, params_of
-
-  def start(self, step, state, history):
-    return [{'step': 0, **self.evaluator(self.params_of(state), 0)}] if self.at_start and step == 0 else []
-
-  def __call__(self, after):
-    return [{'step': after.step, **self.evaluator(self.params_of(after.state), after.step)}]
-
-
-class Checkpoint(Callback):
-  """The latest state, the data position and the config, every `every` steps, at the steps `at` and the multiples
-  of `keep_every`, after the final one, at a SIGTERM, and (`minutes` > 0) at the first step of `check_every` (the
-  logging interval) at which every process has spent that long since the last save; asynchronous unless the
-  checkpointer says otherwise."""
-  part = 'checkpoint'
-
-  def __init__(self, checkpointer: Checkpointer, every: int, data: Any, config: dict, at: Sequence[int] = (),
-               keep_every: int = 0, minutes: float = 0.0, check_every: int = 1,
-               clock: Callable[[], float] = time.monotonic):
-    self.checkpointer, self.every, self.data, self.config, self.at = checkpointer, every, data, config, set(at)
-    self.keep_every, self.minutes, self.check_every, self.clock = keep_every, minutes, check_every, clock
-    self.last_save = clock()
-
-  @classmethod
-  def of(cls, checkpointer: Checkpointer, train: TrainConfig, data: Any, config: dict) -> Checkpoint:
-    """The cadence `train` sets (checkpoint_every, checkpoint_at, keep_every, checkpoint_every_minutes)."""
-    return cls(checkpointer, train.checkpoint_every, data, config, train.checkpoint_at, train.keep_every,
-               train.checkpoint_every_minutes, train.log_every)
-
-  def start(self, step, state, history):
-    self.last_save = self.clock()
-    return []
-
-  def due(self, step, final, stopping):
-    if stopping or step in self.at or super().due(step, final, stopping) or \
-        (self.keep_every and step % self.keep_every == 0):
-      return True
-    # every process takes the same decision at the same step (a collective where there are several)
-    return bool(self.minutes) and step % self.check_every == 0 and \
-        all_processes(self.clock() - self.last_save >= 60 * self.minutes)
-
-  def __call__(self, after):
-    self.checkpointer.save(after.step, after.state, self.data, self.config)
-    self.last_save = self.clock()
-    return []
-
-  def finish(self):
-    self.checkpointer.wait()
-
-
-class KeepBest(Callback):
-  """A params-only checkpoint whenever `metric` (logged by an evaluation at the same cadence, before this) beats
-  every earlier value (higher is better; the first of equals is kept). The record holding it is saved with the
-  params, so a resumed run compares against it and a job reads the best metrics back."""
-  part = 'checkpoint'
-
-  def __init__(self, checkpointer: Checkpointer, metric: str, every: int, config: dict):
-    self.checkpointer, self.metric, self.every, self.config = checkpointer, metric, every, config
-    self.best: float | None = None
-
-  def start(self, step, state, history):
-    if step == 0:  # a fresh run: best params of an earlier start that never checkpointed are not this run's
-      self.checkpointer.delete_all()
-    saved = self.checkpointer.latest_step()
-    self.best = None if saved is None else self.checkpointer.saved_metrics(saved)[self.metric]
-    return []
-
-  def __call__(self, after):
-    record = next((r for r in reversed(after.history) if r['step'] == after.step and self.metric in r), None)
-    if record is not None and (self.best is None or record[self.metric] > self.best):
-      self.best = record[self.metric]
-      self.checkpointer.save_params(after.step, after.state.params, self.config,
-                                    metrics={k: v for k, v in record.items() if k != 'step'})
-    return []
-
-  def finish(self):
-    self.checkpointer.wait()
 
 
 class Resumable(Protocol):
@@ -189,27 +69,54 @@ def restore_or_start(checkpoints: Checkpointer, assembly: Assembly, data: Resuma
 
 
 class Trainer:
-  """Trains an assembly's state with `loss` (default: the family's pretraining objective) to `train.steps`,
-  logging into `log_dir`."""
+  """Owns one run: its directory (config.yaml, metrics, checkpoints, profile), resuming, and the loop that steps an
+  assembly's state with the job's `loss` to `train.steps`, with the job's callbacks, the checkpoint cadence and
+  profiling the config sets, and the monitors (throughput and MFU, slow steps, the finite guard)."""
 
-  def __init__(self, assembly: Assembly, loss: StepLoss | None = None, *, log_dir: Any):
-    self.assembly, self.config, self.log_dir = assembly, assembly.config, log_dir
+  def __init__(self, assembly: Assembly, loss: StepLoss, *, run_dir: Any):
+    self.assembly, self.config, self.run_dir = assembly, assembly.config, epath.Path(run_dir)
     self.train_step = make_train_step(assembly, loss)
-    self.flops_per_token = assembly.flops_per_token()
-    self.peak_flops = self.config.train.peak_flops or peak_flops(assembly.mesh.devices.flat[0])
-    self._slow_steps = SlowSteps(self.config.train.slow_step_factor if is_main_process() else 0.0)
+    t = self.config.train
+    peak = t.peak_flops or peak_flops(assembly.mesh.devices.flat[0])
+    self.monitors: list[Callback] = [
+      Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
+                 peak),
+      SlowSteps(t.slow_step_factor if is_main_process() else 0.0), FiniteGuard(t.on_nonfinite)]
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     self.final_state: TrainState | None = None
 
-  def run(self, state: TrainState, batches: Iterator[Batch], callbacks: Sequence[Callback] = (),
-          checkpoint: Checkpoint | None = None) -> list[Record]:
-    """Steps `state` on `batches` from its step to `train.steps`, running `callbacks` in order, then `checkpoint`
-    (which also agrees across processes on the step a SIGTERM stops at); returns the records this call logged."""
-    callbacks = list(callbacks) + ([checkpoint] if checkpoint else [])
+  def run(self, batches: Iterator[Batch], start: Callable[[], TrainState], callbacks: Sequence[Callback] = (),
+          position: Resumable | None = None, config: Config | None = None) -> list[Record]:
+    """Resumes the run dir's latest checkpoint under `train.resume` (else takes `start()`), writes config.yaml and
+    trains on `batches`, whose position (`position`, default `batches`) checkpoints keep; returns the records this
+    call logged. `config` is what config.yaml and the checkpoints record (default: the assembly's; a branch's
+    names the checkpoint it starts from). Checkpoints are made by their first save: a run that fails before
+    leaves nothing behind."""
+    cfg = self.config if config is None else config
+    t = cfg.train
+    position = batches if position is None else position
+    checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False,
+                               keep_steps=t.checkpoint_at, keep_every=t.keep_every)
+    try:
+      state = restore_or_start(checkpoints, self.assembly, position, start)
+      if is_main_process():
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG).write_text(cfg.to_yaml())
+      profile = [Profile(t.profile, self.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []
+      return self._steps(state, batches, [*callbacks, *profile],
+                         Checkpoint.of(checkpoints, t, position, cfg.to_dict()))
+    finally:
+      checkpoints.close()
+
+  def _steps(self, state: TrainState, batches: Iterator[Batch], callbacks: list[Callback],
+             checkpoint: Checkpoint) -> list[Record]:
+    """Steps `state` from its step to `train.steps`, running `callbacks` in order, then `checkpoint` (which also
+    agrees across processes on the step a SIGTERM stops at)."""
+    callbacks = callbacks + [checkpoint]
     t, is_main = self.config.train, is_main_process()
     start = int(jax.device_get(state.step))
-    history = [r for r in read_metrics(self.log_dir) if r['step'] <= start] if start and is_main else []
-    logger = MetricsLogger(self.log_dir, t.steps, start, t.progress, enabled=is_main)
+    history = [r for r in read_metrics(self.run_dir) if r['step'] <= start] if start and is_main else []
+    logger = MetricsLogger(self.run_dir, t.steps, start, t.progress, enabled=is_main)
     records: list[Record] = []
 
     def emit(new: list[Record]) -> None:
@@ -218,13 +125,13 @@ class Trainer:
         history.append(record)
         logger.log(record)
 
-    clock = Clock(self.log_dir, start, enabled=is_main)
+    clock = Clock(self.run_dir, start, enabled=is_main)
     try:
       for callback in callbacks:
         emit(callback.start(start, state, history))
       pending: list[tuple[int, Any]] = []
       timer = time.perf_counter()
-      with preemption(checkpoint.checkpointer if checkpoint else None) as reached:
+      with preemption(checkpoint.checkpointer) as reached:
         for done in range(start + 1, t.steps + 1):
           with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
             waited = time.perf_counter()
@@ -240,13 +147,9 @@ class Trainer:
           last = done == t.steps or preempted
           due = [c for c in callbacks if c.due(done, done == t.steps, preempted)]
           if done % t.log_every == 0 or last or due:  # every record up to a callback's step is written before it
-            flushed = self._records(pending, timer)
-            flushed[-1].update(clock.record(done))
-            self._slow_steps.check(flushed[-1], len(pending))
-            emit(flushed)
+            self._log_interval(pending, timer, clock, callbacks, emit)
             logger.advance(len(pending))
             pending = []
-            self._check_finite(flushed)
             for callback in due:
               began = time.perf_counter()
               emit(callback(After(done, state, history)))
@@ -269,27 +172,18 @@ class Trainer:
     self.final_state = state
     return records
 
-  def _check_finite(self, records: list[Record]) -> None:
-    """Under train.on_nonfinite=stop, the first non-finite step ends the run (its state was never updated)."""
-    bad = next((r for r in records if r.get('nonfinite')), None)
-    if bad is None or self.config.train.on_nonfinite != 'stop':
-      return
-    metric = next((k for k in ('loss', 'z_loss', 'grad_norm') if k in bad and not math.isfinite(bad[k])),
-                  'grad_norm')
-    raise TrainingError(f'step {bad["step"]}: {metric} is {bad[metric]}; stopped with the state of step '
-                        f'{bad["step"] - 1} (no later checkpoint); lower optim.learning_rate, or set '
-                        f'train.on_nonfinite=skip to drop such steps')
-
-  def _records(self, pending: list[tuple[int, Any]], since: float) -> list[Record]:
-    """Metrics of the steps since the last log; the last one carries throughput over the interval."""
+  def _log_interval(self, pending: list[tuple[int, Any]], since: float, clock: Clock, callbacks: list[Callback],
+                    emit: Callable[[list[Record]], None]) -> None:
+    """The metrics of the steps since the last log, the last record with the interval's clock and what the
+    monitors and callbacks annotate, logged; then the monitors and callbacks see them."""
     fetched = jax.device_get(pending)  # blocks until those steps are done
     elapsed = time.perf_counter() - since
     watch = self.config.train.watch_every  # per-layer norms: only their steps' are computed
-    records = [{'step': s, **{k: float(v) for k, v in m.items() if not (k.startswith('watch/') and s % watch)}}
+    flushed = [{'step': s, **{k: float(v) for k, v in m.items() if not (k.startswith('watch/') and s % watch)}}
                for s, m in fetched]
-    tokens_per_sec = len(fetched) * self.config.train.global_batch * self.config.data.seq_len / elapsed
-    records[-1]['tokens_per_sec'] = tokens_per_sec
-    utilisation = mfu(tokens_per_sec, self.flops_per_token, self.assembly.mesh.devices.size, self.peak_flops)
-    if utilisation is not None:
-      records[-1]['mfu'] = utilisation
-    return records
+    flushed[-1].update(clock.record(fetched[-1][0]))
+    for observer in self.monitors + callbacks:
+      observer.annotate(Interval(flushed, elapsed))
+    emit(flushed)
+    for observer in self.monitors + callbacks:
+      observer.logged(flushed)

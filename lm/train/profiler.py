@@ -13,7 +13,7 @@ import jax
 
 from lm.config import profile_steps
 from lm.distributed import is_main_process
-from lm.train.loop import After, Callback
+from lm.train.callbacks import After, Callback
 
 
 class Profile(Callback):

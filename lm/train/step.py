@@ -112,12 +112,10 @@ class PretrainingLoss:
     return metrics
 
 
-def make_train_step(assembly: Assembly, loss: StepLoss | None = None
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """jit(step): gradients of `loss` (default: the family's pretraining objective) over `train.microbatches`,
-  one optimizer update, and the non-finite guard of `train.on_nonfinite`."""
+def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """jit(step): gradients of `loss` (the family's pretraining objective: `PretrainingLoss`; a task's) over
+  `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`."""
   config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
-  loss = PretrainingLoss(assembly) if loss is None else loss
   k, seed = config.train.microbatches, config.train.seed
   stop_at_nonfinite = config.train.on_nonfinite == 'stop'
   check_batch(mesh, config.train.global_batch, k)
@@ -174,9 +172,14 @@ def _watched(step: jax.Array, every: int, trees: dict[str, Any], axes: Any) -> M
     return jax.lax.cond(step % every == 0, compute, zeros)
 
 
+def lower_train_step(assembly: Assembly) -> jax.stages.Lowered:
+  """The pretraining train step lowered for the assembly's abstract state and batch (nothing allocated)."""
+  return make_train_step(assembly, PretrainingLoss(assembly)).lower(assembly.abstract_state, abstract_batch(assembly))
+
+
 def compile_train_step(assembly: Assembly) -> jax.stages.Compiled:
   """The train step compiled ahead of time for the assembly's mesh (memory and cost analysis)."""
-  return make_train_step(assembly).lower(assembly.abstract_state, abstract_batch(assembly)).compile()
+  return lower_train_step(assembly).compile()
 
 
 def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:

@@ -25,6 +25,7 @@ from etils import epath
 
 from lm.config import ConfigError
 from lm.report import format_lines
+from lm.train.callbacks import Callback, Interval
 
 ATTEMPTS = 'attempts.jsonl'
 PARTS = ('startup', 'device', 'data', 'checkpoint', 'eval', 'other')
@@ -137,14 +138,18 @@ class Clock:
       f.write(json.dumps(entry) + '\n')
 
 
-class SlowSteps:
+class SlowSteps(Callback):
   """Says when an interval's mean step time exceeds `factor` times the median of the intervals before it (three
-  or more; `factor` 0: never), and gives each record its interval's mean (`time/per_step_s`)."""
+  or more; `factor` 0: never), and gives each interval's last record its mean (`time/per_step_s`)."""
 
   def __init__(self, factor: float):
     self.factor, self.means = factor, []
 
-  def check(self, record: dict[str, Any], steps: int) -> None:
+  def due(self, step, final, stopping):
+    return False
+
+  def annotate(self, interval: Interval) -> None:
+    record, steps = interval.records[-1], len(interval.records)
     mean = record['time/per_step_s'] = record['time/device_s'] / steps
     if self.factor and len(self.means) >= 3:
       median = statistics.median(self.means)

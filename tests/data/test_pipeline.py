@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ConfigError, load_config
-from lm.data.pipeline import batch_dataset, build_batches, local_row_range, records, stream_layout
+from lm.data.pipeline import (batch_dataset, local_row_range, records, stream_layout, training_batches,
+                              validation_batches)
 from lm.data.sources import TextList, embedded_documents, is_validation, split_documents
 from lm.data.tokenizers import get_tokenizer
 from lm.models import make_objective
@@ -34,7 +35,9 @@ def test_validation_split_is_fixed_and_disjoint():
 
 
 def one_device_batches(config):
-  return build_batches(config, make_mesh(config.mesh, jax.devices()[:1]), partial(make_objective, config))
+  """(tokenizer, training batches, validation batches) on one device."""
+  mesh, objective_for = make_mesh(config.mesh, jax.devices()[:1]), partial(make_objective, config)
+  return (*training_batches(config, mesh, objective_for), validation_batches(config, mesh, objective_for))
 
 
 def test_same_seed_same_batches_other_seed_other_batches(small_config):
@@ -116,7 +119,7 @@ def test_the_global_batch_is_the_same_for_any_number_of_processes():
 
 def test_global_batch_is_sharded_over_data_axes(small_config):
   config = small_config('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')
-  _, train, _ = build_batches(config, make_mesh(config.mesh), partial(make_objective, config))
+  _, train = training_batches(config, make_mesh(config.mesh), partial(make_objective, config))
   batch = next(train)
   assert batch['inputs'].shape == (16, 32)
   assert batch['inputs'].sharding.spec[0] == ('data', 'fsdp')  # the size-1 slice and tensor axes split nothing

@@ -14,7 +14,7 @@ from lm.config import ConfigError
 from lm.parallel.mesh import mesh_shape, strategy_name
 from lm.parallel.rules import sharding_context
 from lm.pretraining import Pretraining
-from lm.train.step import PretrainingLoss, abstract_batch, lay_out_sequences, make_train_step
+from lm.train.step import PretrainingLoss, lay_out_sequences, lower_train_step
 from tests.parallel.test_sharding import family_config, rel
 
 MESHES = {'dp+cp': ['mesh.data=2', 'mesh.sequence=4'],
@@ -121,7 +121,7 @@ def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(s
   for n in (1, 2, 4):
     a = assemble(small_config(f'mesh.sequence={n}', 'data.seq_len=256', 'model.max_len=256', 'train.global_batch=2'),
                  jax.devices()[:n])
-    lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
+    lowered = lower_train_step(a)
     assert ('collective_permute' in lowered.as_text()) == (n > 1)
     memory = lowered.compile().memory_analysis()
     temps[n], state[n] = memory.temp_size_in_bytes, memory.argument_size_in_bytes
@@ -132,7 +132,8 @@ def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(s
 @pytest.mark.parametrize('overrides, message', [
   (['mesh.sequence=2'], 't5 does not split its sequences over a mesh axis'),
   (['mesh.sequence=2', 'model.attention_impl=tpu_flash'], 'auto, xla or flash (not tpu_flash)'),
-  (['mesh.sequence=2', 'model.attention_dropout=0.1'], 'ring attention (mesh.sequence=2) does no attention dropout'),
+  (['mesh.sequence=2', 'model.attention_dropout=0.1'],
+   'ring attention with XLA blocks (mesh.sequence > 1) has no model.attention_dropout'),
   (['mesh.sequence=4', 'data.seq_len=36'], 'data.seq_len=36 does not split into 2 x mesh.sequence = 8 equal'),
 ])
 def test_what_cannot_split_a_sequence_is_refused_in_one_line(overrides, message, tmp_path, capsys):
@@ -164,7 +165,7 @@ def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small
   from lm.parallel.chips import topology_devices
   a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.attention_impl=auto'),
                topology_devices('v5e:2x2'))
-  text = make_train_step(a).lower(a.abstract_state, abstract_batch(a)).as_text()
+  text = lower_train_step(a).as_text()
   assert 'collective_permute' in text and 'tpu_custom_call' not in text
 
 
@@ -176,7 +177,7 @@ def test_flash_blocks_in_the_ring_compile_for_a_tpu_slice(small_config):
   from lm.parallel.chips import topology_devices
   a = assemble(small_config('mesh.sequence=4', 'model.attention_impl=flash', 'data.seq_len=1024', 'model.max_len=1024'),
                topology_devices('v5e:2x2'))
-  lowered = make_train_step(a).lower(a.abstract_state, abstract_batch(a))
+  lowered = lower_train_step(a)
   text = lowered.as_text()
   assert 'collective_permute' in text and 'tpu_custom_call' in text
   compiled = lowered.compile()

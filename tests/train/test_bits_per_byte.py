@@ -75,10 +75,10 @@ def test_val_bpb_of_a_set_smaller_than_one_batch_is_the_hand_computation(small_c
   trainer = Pretraining(small_config(f'data.evals=[small=text:{tmp_path}/*.txt]', f'data.tokenizer={spec}',
                                      'model.vocab_size=640', 'train.eval_batches=-1'), jax.devices()[:1])
   params = trainer.init_state().params
-  got = trainer.evaluate(params, trainer.held_out['small'], -1)
+  got = trainer.held_out.evaluate(params, trainer.held_out.sets['small'], -1)
 
   nll = weight = nbytes = 0.0
-  batches = list(trainer.held_out['small'].first(2))
+  batches = list(trainer.held_out.sets['small'].first(2))
   assert np.asarray(batches[1]['weights']).sum() == 0, 'the set fits in one padded batch'
   batch = batches[0]
   logits = trainer.assembly.family.apply(trainer.model, params, batch, deterministic=True, rngs={})['logits']

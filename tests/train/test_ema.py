@@ -27,7 +27,8 @@ def test_the_moving_average_is_evaluated_checkpointed_and_resumed(small_config, 
   plain = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
   assert sorted(ema) == [4, 8] and sorted(plain) == [0, 4, 8]  # no average before the first update
   average = ema_params(straight.final_state.opt_state, 0.9)
-  assert ema[8] == pytest.approx(straight.evaluate(average, straight.val_batches, config.train.eval_batches)['loss'],
+  assert ema[8] == pytest.approx(straight.held_out.evaluate(average, straight.held_out.validation,
+                                                           config.train.eval_batches)['loss'],
                                 rel=1e-6)
   assert ema[8] != plain[8]
 

@@ -30,7 +30,7 @@ def loss_and_grads(preset: str, mesh: str, loss_chunk: int):
     with sharding_context(trainer.mesh):
       (value, sums), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, jax.random.key(0),
                                                                     loss.totals(batch))
-    return value, sums, grads, trainer.eval_step(params, batch)
+    return value, sums, grads, trainer.held_out.eval_step(params, batch)
   return jax.device_get(run(state.params, batch))
 
 

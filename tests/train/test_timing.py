@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from lm.train.callbacks import Interval
 from lm.train.timing import Attempt, SlowSteps, account, read_attempts
 from tests.conftest import SMALL, one_device_env
 
@@ -36,7 +37,7 @@ def test_a_slow_interval_is_said_when_it_happens(capsys):
   slow = SlowSteps(3.0)
   for step, seconds in ((2, 0.2), (4, 0.22), (6, 0.18), (8, 0.21), (10, 0.9)):
     record = {'step': step, 'time/device_s': seconds}
-    slow.check(record, steps=2)
+    slow.annotate(Interval([{'step': step - 1}, record], elapsed=seconds))
     assert record['time/per_step_s'] == seconds / 2
   # the median of 0.1, 0.11, 0.09 and 0.105 s is 0.1025 s
   assert capsys.readouterr().out == ('step 10: 0.45 s per step over the last 2, 4.4x the median 0.103 s of the '
