@@ -21,7 +21,7 @@ from lm.models.decode import Decoding, Sampling, decode_batch, pad_prompts
 
 
 def decoding(cfg: ModelConfig) -> Decoding:
-  """How the family samples ('decoder' or 'encoder_decoder'); a ConfigError when it cannot."""
+  """How the family samples (`lm.models.decode.Decoding`); a ConfigError when it cannot."""
   mode = get_family(cfg.family).decoding
   if cfg.num_labels:
     raise ConfigError(f'this {cfg.family} model is a fine-tuned classifier (model.num_labels={cfg.num_labels}); it '
@@ -42,7 +42,7 @@ def _check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_t
   if ids.min() < 0 or ids.max() >= cfg.vocab_size:
     raise ConfigError(f'prompt ids must lie in [0, model.vocab_size={cfg.vocab_size}); got {ids.min()}..{ids.max()}')
   longest = max(len(p) for p in prompts)
-  if mode == 'decoder' and cfg.position == 'learned' and longest + max_new_tokens > cfg.max_len:
+  if mode.shares_context and cfg.position == 'learned' and longest + max_new_tokens > cfg.max_len:
     raise ConfigError(f'a {longest}-token prompt plus max_new_tokens={max_new_tokens} exceeds the position table '
                       f'model.max_len={cfg.max_len}; shorten the prompt or lower max_new_tokens')
 
@@ -54,9 +54,9 @@ def _run(model: nn.Module, params: Any, prompts: Sequence[Sequence[int]], max_ne
   if rng is None and sampling.temperature > 0:
     raise ConfigError('sampling at temperature > 0 needs an explicit rng key')
   mode = decoding(model.cfg)
-  tokens, segment_ids = pad_prompts(prompts, pad_id, left=mode == 'decoder')
+  tokens, segment_ids = pad_prompts(prompts, pad_id, left=mode.shares_context)
   out, logits = decode_batch(model, params, tokens, segment_ids, jax.random.key(0) if rng is None else rng,
-                             mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+                             decoding=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_id=-1 if eos_id is None else eos_id, pad_id=pad_id,
                              decoder_start_id=pad_id if decoder_start_id is None else decoder_start_id,
                              keep_logits=keep_logits)
@@ -94,7 +94,7 @@ _SENTINEL = re.compile(r'<extra_id_(\d+)>')
 
 def _sentinels(config: Config, tokenizer: Tokenizer) -> np.ndarray:
   """An encoder-decoder's span sentinel ids (<extra_id_N> is entry N); none for decoders or small vocabularies."""
-  if decoding(config.model) != 'encoder_decoder':
+  if decoding(config.model).shares_context:
     return np.zeros(0, np.int64)
   try:
     return span_sentinels(tokenizer, config.model.vocab_size)
@@ -107,7 +107,8 @@ def encode_prompt(config: Config, tokenizer: Tokenizer, text: str) -> list[int]:
   and may name span sentinels as <extra_id_N>."""
   if not text:
     raise ConfigError('a prompt is empty; pass some text with --prompt')
-  if decoding(config.model) == 'decoder':
+  mode = decoding(config.model)
+  if mode.shares_context:
     return [tokenizer.bos_id, *tokenizer.encode(text).tolist()]
   sentinels = _sentinels(config, tokenizer)
   ids = []
@@ -115,7 +116,7 @@ def encode_prompt(config: Config, tokenizer: Tokenizer, text: str) -> list[int]:
     if i % 2 and int(part) >= len(sentinels):
       raise ConfigError(f'<extra_id_{part}> is beyond the {len(sentinels)} sentinels of this model')
     ids += [int(sentinels[int(part)])] if i % 2 else tokenizer.encode(part).tolist()
-  return ids + [tokenizer.eos_id]
+  return ids + ([tokenizer.eos_id] if mode.input_ends_with_eos else [])
 
 
 def decode_ids(config: Config, tokenizer: Tokenizer, ids: Sequence[int]) -> str:

@@ -100,7 +100,7 @@ def predict_seconds(assembly: Assembly, chip: Chip, num_slices: int = 1) -> dict
   ici_dp = sizes['data'] > 1
   dp_bytes = 2 * grads * (sizes['data'] - 1) / sizes['data'] if ici_dp else 0.0  # ring all-reduce in the slice
   dcn_bytes = 2 * grads * (num_slices - 1) / num_slices
-  layers = m.num_layers + (m.resolved_decoder_layers if assembly.family.decoding == 'encoder_decoder' else 0)
+  layers = assembly.family.num_blocks(m)
   act_bytes = 2 if m.dtype == 'bfloat16' else 4
   tokens_per_rank = tokens / t.microbatches / data / fsdp
   # Two all-reduces per layer forward (attention and MLP outputs), two backward, two more when full remat runs

@@ -48,7 +48,7 @@ def reference_logits(model, params, prompt, new):
   each prefix's last position blind to the padding after it.
   """
   n = len(new)
-  if decoding(model.cfg) == 'decoder':
+  if decoding(model.cfg).shares_context:
     seqs, _ = pad_prompts([prompt + new[:t] for t in range(n)] + [[0] * 24], 0, left=False)
     logits = uncached(model)(params, jnp.asarray(seqs[:n]))
     return np.asarray(logits)[np.arange(n), len(prompt) - 1 + np.arange(n)]
@@ -102,7 +102,7 @@ def test_greedy_is_deterministic_argmax_and_stops_at_eos(preset):
   assert stopped == [row[:row.index(eos) + 1] if eos in row else row for row in greedy]
   # On arrays: padding after EOS, and a lone finished row ends the loop (later steps never run).
   prompt, segment_ids = pad_prompts(PROMPTS[:1], 0, left=preset == 'gpt_tiny')
-  out, logits = decode_batch(model, params, prompt, segment_ids, jax.random.key(0), mode=decoding(model.cfg),
+  out, logits = decode_batch(model, params, prompt, segment_ids, jax.random.key(0), decoding=decoding(model.cfg),
                              max_new_tokens=8, sampling=Sampling(), eos_id=eos, pad_id=0, decoder_start_id=0,
                              keep_logits=True)
   end = greedy[0].index(eos) + 1

@@ -121,7 +121,8 @@ class HarnessLM(TemplateLM):
   def __init__(self, assembly: Assembly, params: Any, tokenizer: Tokenizer, *, batch_size: int, max_length: int):
     super().__init__()
     self.assembly, self.params, self.lm_tokenizer = assembly, params, tokenizer
-    self.backend = 'causal' if assembly.family.decoding == 'decoder' else 'seq2seq'
+    self.decoding = assembly.family.decoding
+    self.backend = self.decoding.kind  # the harness's name: causal | seq2seq
     self._max_length = max_length
     self.batch_size = batch_size
     self.scorer = Scorer(assembly, params, tokenizer.pad_id, batch_size, max_length)
@@ -148,7 +149,7 @@ class HarnessLM(TemplateLM):
     """Ids of `string`; an encoder-decoder's encoder input ends with EOS (as a Hugging Face T5 tokenizer's
     special tokens do), never a decoder target (`add_special_tokens=False`)."""
     ids = self.lm_tokenizer.encode(string).tolist()
-    if self.backend == 'seq2seq' and add_special_tokens is not False:
+    if self.decoding.input_ends_with_eos and add_special_tokens is not False:
       ids.append(self.eot_token_id)
     return ids
 
@@ -192,7 +193,7 @@ class HarnessLM(TemplateLM):
       max_gen_toks = kwargs['max_gen_toks']
       if kwargs['do_sample']:
         raise ValueError('lm eval generates greedily; this task asks for sampling (do_sample=true)')
-      budget = self.max_length - max_gen_toks if self.backend == 'causal' else self.max_length
+      budget = self.max_length - (max_gen_toks if self.decoding.shares_context else 0)
       for start in range(0, len(members), self.batch_size):
         chunk = members[start:start + self.batch_size]
         prompts = [self.tok_encode(requests[i].args[0])[-budget:] for i in chunk]

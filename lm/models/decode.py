@@ -4,14 +4,15 @@ Decoder-only models (GPT, Llama): prompts are left-padded to a common length (se
 positions counting real tokens only) so every row's next token lands in the same cache slot. Encoder-decoders
 (T5): prompts are the encoder inputs; the encoder runs once and the decoder starts from `decoder_start_id` on its
 cache. The steps run inside one jitted `lax.while_loop` that stops when every row has emitted EOS. Which of the two
-a model is comes from its family record (`Family.decoding`); `lm.generate` is the text front end.
+a model is comes from its family record (`Family.decoding`, a `Decoding`: its prefill and its step, the loop asking
+nothing else of the model); `lm.generate` is the text front end.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -19,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import ConfigError
-
-Decoding = Literal['decoder', 'encoder_decoder']
 
 
 @dataclass(frozen=True)
@@ -101,12 +100,68 @@ def _cached_call(model: nn.Module, params: Any, cache: Any, tokens: jax.Array, s
   return logits[:, -1], mutated['cache']
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'mode', 'max_new_tokens', 'sampling', 'keep_logits'))
+class Decoding:
+  """How a family samples: `prefill` runs the prompt batch once into a fresh cache, `step` feeds one token per
+  row. Instances are hashable (a static argument of the jitted loop)."""
+  kind: ClassVar[str]  # causal (a decoder continues its prompt) | seq2seq (the prompt is the encoder's input)
+  shares_context: ClassVar[bool]  # prompt and new tokens share the decoder's positions (prompts left-padded)
+  input_ends_with_eos: ClassVar[bool]  # the prompt ends with EOS, as the model's inputs did in training
+
+  def __eq__(self, other: object) -> bool:
+    return type(self) is type(other)
+
+  def __hash__(self) -> int:
+    return hash(type(self))
+
+  def prefill(self, model: nn.Module, params: Any, prompt: jax.Array, prompt_segment_ids: jax.Array,
+              max_new_tokens: int, decoder_start_id: jax.Array) -> tuple[jax.Array, Any, Any]:
+    """(logits [batch, vocab] of the first new token, the cache, what `step` needs beside it)."""
+    raise NotImplementedError
+
+  def step(self, model: nn.Module, params: Any, cache: Any, token: jax.Array, t: jax.Array, state: Any
+           ) -> tuple[jax.Array, Any]:
+    """(logits [batch, vocab], cache) after feeding `token` [batch], the `t`-th new token (from 1)."""
+    raise NotImplementedError
+
+
+class DecoderOnly(Decoding):
+  """Prompts left-padded to a common length (positions counting real tokens only), so every row's next token
+  lands in the same cache slot."""
+  kind, shares_context, input_ends_with_eos = 'causal', True, False
+
+  def prefill(self, model, params, prompt, prompt_segment_ids, max_new_tokens, decoder_start_id):
+    lengths = prompt_segment_ids.sum(axis=1)
+    positions = jnp.maximum(jnp.cumsum(prompt_segment_ids, axis=1) - 1, 0)  # padding takes position 0
+    cache = init_cache(model, prompt.shape[0], prompt.shape[1] + max_new_tokens - 1, None)
+    logits, cache = _cached_call(model, params, cache, prompt, prompt_segment_ids, positions, None)
+    return logits, cache, lengths
+
+  def step(self, model, params, cache, token, t, state):
+    positions = (state + t - 1)[:, None]  # real tokens before the fed one
+    return _cached_call(model, params, cache, token[:, None], jnp.ones_like(token[:, None]), positions, None)
+
+
+class EncoderDecoder(Decoding):
+  """The encoder runs once on the prompts; the decoder starts from `decoder_start_id` on its own cache."""
+  kind, shares_context, input_ends_with_eos = 'seq2seq', False, True
+
+  def prefill(self, model, params, prompt, prompt_segment_ids, max_new_tokens, decoder_start_id):
+    context = (model.apply({'params': params}, prompt, prompt_segment_ids, method='encode'), prompt_segment_ids)
+    first = jnp.full((prompt.shape[0], 1), decoder_start_id, jnp.int32)
+    cache = init_cache(model, prompt.shape[0], max_new_tokens, context)
+    logits, cache = _cached_call(model, params, cache, first, jnp.ones_like(first), None, context)
+    return logits, cache, context
+
+  def step(self, model, params, cache, token, t, state):
+    return _cached_call(model, params, cache, token[:, None], jnp.ones_like(token[:, None]), None, state)
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'decoding', 'max_new_tokens', 'sampling', 'keep_logits'))
 def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segment_ids: jax.Array, rng: jax.Array,
-                 *, mode: Decoding, max_new_tokens: int, sampling: Sampling, eos_id: int, pad_id: int,
+                 *, decoding: Decoding, max_new_tokens: int, sampling: Sampling, eos_id: int, pad_id: int,
                  decoder_start_id: int, keep_logits: bool = False) -> tuple[jax.Array, jax.Array | None]:
-  """The jitted loop on arrays: prompts [batch, length] as `pad_prompts` lays them out (left-padded for a
-  decoder-only `mode`).
+  """The jitted loop on arrays: prompts [batch, length] as `pad_prompts` lays them out (left-padded where the
+  `decoding` shares the prompt's context).
 
   Returns new tokens [batch, max_new_tokens], padding after each row's EOS and wherever the loop
   stopped early, and with `keep_logits` the float32 logits [batch, max_new_tokens, vocab] each was
@@ -114,22 +169,13 @@ def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segmen
   `eos_id=-1` never stops.
   """
   batch = prompt.shape[0]
-  if mode == 'encoder_decoder':
-    context = (model.apply({'params': params}, prompt, prompt_segment_ids, method='encode'), prompt_segment_ids)
-    first, first_positions, lengths = jnp.full((batch, 1), decoder_start_id, jnp.int32), None, None
-    first_segment_ids = jnp.ones_like(first)
-    cache = init_cache(model, batch, max_new_tokens, context)
-  else:
-    context, first, first_segment_ids = None, prompt, prompt_segment_ids
-    lengths = prompt_segment_ids.sum(axis=1)
-    first_positions = jnp.maximum(jnp.cumsum(prompt_segment_ids, axis=1) - 1, 0)  # padding takes position 0
-    cache = init_cache(model, batch, prompt.shape[1] + max_new_tokens - 1, None)
 
   def choose(logits: jax.Array, t: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
     token = jnp.where(done, pad_id, sample_logits(logits, jax.random.fold_in(rng, t), sampling))
     return token, done | (token == eos_id)
 
-  logits, cache = _cached_call(model, params, cache, first, first_segment_ids, first_positions, context)
+  logits, cache, state = decoding.prefill(model, params, prompt, prompt_segment_ids, max_new_tokens,
+                                          decoder_start_id)
   token, done = choose(logits, jnp.int32(0), jnp.zeros((batch,), bool))
   out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
   kept = jnp.zeros((batch, max_new_tokens, logits.shape[-1]), jnp.float32).at[:, 0].set(logits) if keep_logits else None
@@ -140,12 +186,13 @@ def decode_batch(model: nn.Module, params: Any, prompt: jax.Array, prompt_segmen
 
   def step(carry: tuple) -> tuple:
     t, cache, token, done, out, kept = carry
-    positions = None if lengths is None else (lengths + t - 1)[:, None]  # real tokens before the fed one
-    logits, cache = _cached_call(model, params, cache, token[:, None], jnp.ones((batch, 1), jnp.int32),
-                                 positions, context)
+    logits, cache = decoding.step(model, params, cache, token, t, state)
     token, done = choose(logits, t, done)
     kept = None if kept is None else kept.at[:, t].set(logits.astype(jnp.float32))
     return t + 1, cache, token, done, out.at[:, t].set(token), kept
 
   *_, out, kept = jax.lax.while_loop(unfinished, step, (jnp.int32(1), cache, token, done, out, kept))
   return out, kept
+
+
+DECODER_ONLY, ENCODER_DECODER = DecoderOnly(), EncoderDecoder()

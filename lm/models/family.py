@@ -22,7 +22,7 @@ import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
-from lm.models.decode import Decoding, init_cache, take_cache_rows
+from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding, init_cache, take_cache_rows
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
 
@@ -139,6 +139,10 @@ class Family:
   def active_heads(self, cfg: ModelConfig) -> tuple[Head, ...]:
     return tuple(h for h in self.heads if h.enabled(cfg))
 
+  def num_blocks(self, cfg: ModelConfig) -> int:
+    """Transformer blocks in the model (every stack's)."""
+    return cfg.num_layers
+
   def per_sequence_params(self) -> frozenset[str]:
     """Top-level param modules of the heads (pretraining and fine-tuning): they read one position per row,
     and start fresh when a source checkpoint lacks them."""
@@ -165,7 +169,7 @@ def _attention_flops(cfg: ModelConfig, pairs: float) -> float:
 class DecoderOnly(Family):
   """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)` gives logits;
   `module.classify` a classifier's scores from the last real token."""
-  decoding = 'decoder'
+  decoding = DECODER_ONLY
   task_head = Classifier(params=('score',))
   readout_norm = ('decoder', 'final_norm')
 
@@ -253,8 +257,11 @@ class Encoder(Family):
 class EncoderDecoder(Family):
   """Encoder-decoders (T5): `module(inputs, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)`,
   with `encode` and `decode` methods for cached generation; fine-tuned text to text."""
-  decoding = 'encoder_decoder'
+  decoding = ENCODER_DECODER
   task_head = TextToText()
+
+  def num_blocks(self, cfg):
+    return cfg.num_layers + cfg.resolved_decoder_layers
 
   def validate(self, config):
     if config.mesh.sequence > 1:  # ring attention is self-attention; cross-attention would gather the encoder

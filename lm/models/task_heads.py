@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.models.decode import Sampling, decode_batch
+from lm.models.decode import ENCODER_DECODER, Sampling, decode_batch
 from lm.ops.losses import cross_entropy, squared_error
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class TextToText(TaskHead):
   def infer(self, model, params, batch, tokenizer, target_len):
     """The greedily decoded label names [batch, target_len]: padding after EOS."""
     ids, _ = decode_batch(model, params, batch['inputs'], batch['segment_ids'], jax.random.key(0),
-                          mode='encoder_decoder', max_new_tokens=target_len, sampling=Sampling(),
+                          decoding=ENCODER_DECODER, max_new_tokens=target_len, sampling=Sampling(),
                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, decoder_start_id=tokenizer.pad_id)
     return ids
 

@@ -50,4 +50,4 @@ def test_family_checks_run_where_the_model_is_assembled(preset, override, messag
 
 
 def test_decoding_is_declared():
-  assert get_family('llama').decoding == 'decoder' and get_family('bert').decoding is None
+  assert get_family('llama').decoding.kind == 'causal' and get_family('bert').decoding is None
