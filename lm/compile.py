@@ -18,13 +18,21 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
-from lm.assembly.accounting import count_params, shard_bytes
+from lm.assembly.accounting import count_params, estimate_memory, shard_bytes
 from lm.config import Config, ConfigError
 from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
 from lm.train.step import compile_train_step
+
+
+def _unfitted_memory(assembly: Any, error: str | None) -> dict[str, int]:
+  """Per-device memory of a step the compiler refused: the state, and the temporaries its error names."""
+  state_bytes = shard_bytes(assembly.abstract_state)
+  needed = _oom_figures(error) or 0
+  return {'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes, 'temp': needed,
+          'generated_code': 0, 'total': state_bytes + needed}
 
 
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
@@ -54,16 +62,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
       raise
     error = str(e).splitlines()[0]
   compile_s = time.perf_counter() - t0
-  cost = None
-  if compiled is not None:
-    memory = compiled_memory(compiled)
-    cost = compiled_cost(compiled)
-  else:
-    state_bytes = shard_bytes(assembly.abstract_state)
-    needed = _oom_figures(error)
-    memory = {'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes,
-              'temp': needed or 0, 'generated_code': 0}
-    memory['total'] = state_bytes + (needed or 0)
+  memory = _unfitted_memory(assembly, error) if compiled is None else compiled_memory(compiled)
+  cost = None if compiled is None else compiled_cost(compiled)
   t, m = config.train, config.model
   tokens = t.global_batch * config.data.seq_len
   flops_per_token = assembly.flops_per_token()
@@ -180,3 +180,20 @@ def does_not_fit_message(r: dict[str, Any]) -> str:
           f'(temp {format_bytes(mem["temp"])}, arguments {format_bytes(mem["arguments"])}) of '
           f'{format_bytes(r["hbm_per_device"])} HBM; '
           f'try model.remat=full, a larger mesh.fsdp, more train.microbatches or a bigger slice')
+
+
+def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
+  """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
+  assembly = assemble(config)
+  sizes = dict(assembly.mesh.shape)
+  report = {
+    'name': config.name,
+    'params': count_params(assembly.abstract_params),
+    'flops_per_token': assembly.flops_per_token(),
+    'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
+             'platform': jax.default_backend()},
+    'memory_per_device': estimate_memory(config, assembly.abstract_state, assembly.mesh),
+  }
+  if compile_step:
+    report['compiled_memory_per_device'] = compiled_memory(compile_train_step(assembly))
+  return report

@@ -106,3 +106,22 @@ def test_info_plans_a_preset_on_the_chips_of_the_slice_its_header_names():
   assert result.returncode == 0, result.stderr
   mesh = json.loads(result.stdout)['mesh']
   assert (mesh['devices'], mesh['data'], mesh['fsdp'], mesh['tensor']) == (512, 1, 64, 8)
+
+
+def test_each_command_module_registers_its_own_commands_and_the_cli_gathers_them():
+  """`lm.commands`: each module adds its commands' parsers; the cli's parser holds exactly their union, and the
+  commands that run on devices join a multi-process job first (lm.distributed)."""
+  import argparse
+
+  from lm.commands import convert, data, evaluate, finetune, generate, planning, scaling, train
+  owners = {}
+  for module in (train, finetune, convert, planning, generate, evaluate, data, scaling):
+    sub = argparse.ArgumentParser().add_subparsers()
+    module.register(sub)
+    owners.update({name: module.__name__ for name in sub.choices})
+  parser = cli.build_parser()
+  assert sorted(owners) == sorted(parser._subparsers._group_actions[0].choices)
+  assert owners['eval'] == 'lm.commands.evaluate' and owners['compile'] == 'lm.commands.planning'
+  joins = lambda argv: getattr(parser.parse_args(argv), 'joins_job', False)
+  assert joins(['train']) and joins(['eval', '--model', 'x', '--tasks', 'piqa']) and joins(['info'])
+  assert not joins(['report', 'x']) and not joins(['scaling', 'fit', 'points.csv'])

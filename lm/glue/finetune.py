@@ -57,7 +57,7 @@ EPOCHS = 3
 def source_config(init: str) -> Config:
   """The model and tokenizer of `--init` (`lm.storage.source`): a run dir's, or an HF directory's with its
   tokenizer files."""
-  source = ModelSource(init, flag='--init')
+  source = ModelSource(init, flag='--init', need_params=False)  # its params are read at the run's start
   if not source.has_tokenizer:
     raise ConfigError(f'--init {init} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); add the '
                       f'model\'s tokenizer there, or pass data.tokenizer=hf:PATH')

@@ -158,10 +158,7 @@ class Trainer:
           if preempted:
             self.stopped_at = done
             break
-      for callback in callbacks:
-        began = time.perf_counter()
-        callback.finish()
-        clock.add(callback.part, time.perf_counter() - began)
+      self._finish(callbacks, clock)
       clock.record(int(jax.device_get(state.step)))
       if self.stopped_at is not None:
         barrier('stopped')  # every process has written its part of the checkpoint
@@ -171,6 +168,14 @@ class Trainer:
       logger.close()
     self.final_state = state
     return records
+
+  @staticmethod
+  def _finish(callbacks: list[Callback], clock: Clock) -> None:
+    """Each callback waits for what it has in flight (an asynchronous checkpoint), its time counted as its part's."""
+    for callback in callbacks:
+      began = time.perf_counter()
+      callback.finish()
+      clock.add(callback.part, time.perf_counter() - began)
 
   def _log_interval(self, pending: list[tuple[int, Any]], since: float, clock: Clock, callbacks: list[Callback],
                     emit: Callable[[list[Record]], None]) -> None:

@@ -41,7 +41,7 @@ def causal_row(tokens) -> jnp.ndarray:
 def reference_logits(assembly, params, context, continuation) -> np.ndarray:
   """The model's logits for the continuation's tokens, [len(continuation), vocab], from this pair alone."""
   apply, n = jitted_apply(assembly.model), len(continuation)
-  if assembly.family.decoding == 'decoder':
+  if assembly.family.decoding.shares_context:
     return np.asarray(apply(params, causal_row(list(context) + list(continuation)[:-1])))[0, len(context) - 1:][:n]
   encoded = jnp.asarray([list(context)], jnp.int32)  # unpadded: the encoder attends both ways
   return np.asarray(apply(params, encoded, causal_row([0] + list(continuation)[:-1])))[0, :n]

@@ -18,6 +18,7 @@ from lm.data.tokenizers import get_tokenizer
 from lm.generate import encode_prompt
 from lm.parallel.mesh import make_mesh
 from lm.parallel.mesh import one_device_mesh
+from lm.storage.convert.runs import import_hf
 from lm.storage.source import ModelSource
 from tests.storage.convert.test_hf import assert_same_tensors, save_hf_model
 
@@ -38,6 +39,8 @@ def test_convert_round_trip_through_a_run_dir(tmp_path, capsys):
 
   assert cli.main(['convert', '--to-hf', str(out), '--from', str(run)]) == 0
   assert_same_tensors(hf, out)
+  with pytest.raises(ConfigError, match='already holds a run'):  # an import never writes over a run
+    import_hf(hf, run)
   assert json.loads((out / 'config.json').read_text()) == json.loads((hf / 'config.json').read_text())
 
   capsys.readouterr()

@@ -11,7 +11,8 @@ import tokenizers
 
 from lm.data.sources import embedded_documents
 from lm.data.tokenizers import get_tokenizer
-from lm.pretraining import Pretraining
+from lm.assembly import assemble
+from lm.train.held_out import HeldOut
 
 WORDS = 'the quick brown fox jumps over a lazy dog while seven wizards quietly hex big jumbo crates'.split()
 SAMPLE = [text for _, text in embedded_documents()[::60]]  # prose and code, some of it beyond ASCII
@@ -72,16 +73,17 @@ def test_val_bpb_of_a_set_smaller_than_one_batch_is_the_hand_computation(small_c
   for i, text in enumerate(ascii_documents(3, 2)):
     (tmp_path / f'{i}.txt').write_text(text)
   spec = tokenizer_specs[kind]
-  trainer = Pretraining(small_config(f'data.evals=[small=text:{tmp_path}/*.txt]', f'data.tokenizer={spec}',
-                                     'model.vocab_size=640', 'train.eval_batches=-1'), jax.devices()[:1])
-  params = trainer.init_state().params
-  got = trainer.held_out.evaluate(params, trainer.held_out.sets['small'], -1)
+  assembly = assemble(small_config(f'data.evals=[small=text:{tmp_path}/*.txt]', f'data.tokenizer={spec}',
+                                   'model.vocab_size=640', 'train.eval_batches=-1'), jax.devices()[:1])
+  held_out = HeldOut(assembly)  # no training stream, no trainer
+  params = assembly.init_state().params
+  got = held_out.evaluate(params, held_out.sets['small'], -1)
 
   nll = weight = nbytes = 0.0
-  batches = list(trainer.held_out.sets['small'].first(2))
+  batches = list(held_out.sets['small'].first(2))
   assert np.asarray(batches[1]['weights']).sum() == 0, 'the set fits in one padded batch'
   batch = batches[0]
-  logits = trainer.assembly.family.apply(trainer.model, params, batch, deterministic=True, rngs={})['logits']
+  logits = assembly.family.apply(assembly.model, params, batch, deterministic=True, rngs={})['logits']
   logits = np.asarray(logits.logits(), np.float64)
   log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
     - logits.max(-1, keepdims=True)

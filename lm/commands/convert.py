@@ -1,0 +1,36 @@
+"""`lm convert`: an HF model directory as a run dir, and back (`lm.storage.convert.runs`)."""
+from __future__ import annotations
+
+import argparse
+
+from lm.config import ConfigError
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+  from lm.storage.convert.runs import export_hf, import_hf
+  if args.from_hf:
+    if not args.to:
+      raise ConfigError('lm convert --from-hf HF_DIR needs --to RUN_DIR (where to write the lm checkpoint)')
+    if args.ema:
+      raise ConfigError('lm convert --ema exports a run\'s moving average of its params: it goes with --to-hf')
+    config = import_hf(args.from_hf, args.to)
+    print(f'converted {args.from_hf} ({config.model.family}) into {args.to}', flush=True)
+  else:
+    if not args.source:
+      raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
+    what = ' (the moving average of its params)' if args.ema else ''
+    print(f'exported {args.source}{what} to {export_hf(args.source, args.to_hf, args.ema)}', flush=True)
+  return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+  convert = sub.add_parser('convert', help='Hugging Face model directory <-> lm run directory '
+                                           '(GPT-2, BERT, T5, Llama)')
+  direction = convert.add_mutually_exclusive_group(required=True)
+  direction.add_argument('--from-hf', metavar='HF_DIR', help='import a HF directory (config.json, model.safetensors)')
+  direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
+  convert.add_argument('--to', metavar='RUN_DIR', help='run directory to write (with --from-hf)')
+  convert.add_argument('--from', dest='source', metavar='RUN_DIR', help='run directory to export (with --to-hf)')
+  convert.add_argument('--ema', action='store_true', help='export the params\' moving average (a run trained with '
+                                                          'train.ema_decay)')
+  convert.set_defaults(fn=cmd_convert, joins_job=True)

@@ -1,0 +1,62 @@
+"""`lm tokenizer train` (SentencePiece) and `lm data build` (local files as a TFDS dataset)."""
+from __future__ import annotations
+
+import argparse
+
+from lm.commands.common import add_config, checked_config
+from lm.config import Config
+
+
+def data_config(args: argparse.Namespace) -> Config:
+  """The config's data section, or local files named by --from (JSONL when every glob ends in .jsonl)."""
+  extra = []
+  if args.source_globs:
+    kind = 'jsonl' if all(g.endswith('.jsonl') for g in args.source_globs) else 'text'
+    extra = [f'data.source={kind}', f'data.paths=[{",".join(args.source_globs)}]']
+  return checked_config(args, extra)
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+  from lm.data.sources import open_documents
+  from lm.data.tokenizer_training import train_sentencepiece
+  documents = open_documents(data_config(args).data, 'train')
+  print(f'training a {args.model_type} SentencePiece model of {args.vocab_size:,} pieces on {len(documents):,} '
+        f'documents (at most {args.max_lines:,} lines)', flush=True)
+  path = train_sentencepiece((documents[i] for i in range(len(documents))), args.out, vocab_size=args.vocab_size,
+                             model_type=args.model_type, sentinels=args.sentinels, max_lines=args.max_lines,
+                             report=lambda message: print(message, flush=True))
+  print(f'wrote {path}; use it with data.tokenizer=sentencepiece:{path}', flush=True)
+  return 0
+
+
+def cmd_data_build(args: argparse.Namespace) -> int:
+  from lm.data.build import build_tfds
+  counts = build_tfds(args.name, args.source_globs, args.data_dir, text_key=args.text_key,
+                      val_fraction=args.val_fraction, max_chars=args.max_chars)
+  print(f'built {args.name} in {args.data_dir}: {counts["train"]:,} train and {counts["validation"]:,} validation '
+        f'records; train on it with data.source=tfds data.name={args.name} data.data_dir={args.data_dir}', flush=True)
+  return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+  tokenizer = sub.add_parser('tokenizer', help='tokenizers').add_subparsers(dest='action', required=True)
+  train_tok = tokenizer.add_parser('train', help='train a SentencePiece model on a data source')
+  add_config(train_tok)
+  train_tok.add_argument('--from', dest='source_globs', nargs='+', metavar='GLOB',
+                         help='local text or JSONL files instead of the config\'s data source')
+  train_tok.add_argument('--vocab-size', type=int, required=True)
+  train_tok.add_argument('--model-type', choices=('unigram', 'bpe'), default='unigram')
+  train_tok.add_argument('--sentinels', type=int, default=0, help='add T5\'s <extra_id_0> ... <extra_id_{N-1}>')
+  train_tok.add_argument('--max-lines', type=int, default=2_000_000, help='lines sampled for training')
+  train_tok.add_argument('--out', required=True, help='model path (PATH.model and PATH.vocab are written)')
+  train_tok.set_defaults(fn=cmd_tokenizer_train)
+
+  data = sub.add_parser('data', help='datasets').add_subparsers(dest='action', required=True)
+  build = data.add_parser('build', help='local JSONL or text files -> a TFDS dataset (ArrayRecord)')
+  build.add_argument('--name', required=True, help='dataset name, lower snake_case')
+  build.add_argument('--from', dest='source_globs', nargs='+', required=True, metavar='GLOB')
+  build.add_argument('--data-dir', required=True, help='TFDS data directory (a local path or gs:// URI)')
+  build.add_argument('--text-key', default='text', help='JSONL field holding the text')
+  build.add_argument('--val-fraction', type=float, default=0.02)
+  build.add_argument('--max-chars', type=int, default=2048, help='text files are cut into records of this size')
+  build.set_defaults(fn=cmd_data_build)

@@ -1,0 +1,49 @@
+"""`lm finetune`: GLUE tasks from a run dir or an HF directory (`lm.glue`)."""
+from __future__ import annotations
+
+import argparse
+
+from lm.commands.common import PROFILE_HELP, profile_overrides
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+  from lm.glue.runs import Options, finetune_glue, finetune_task, parse_sweep, sweep
+  from lm.glue.tasks import GLUE_ORDER
+  # `--sweep` takes every key=value after it: those with one value are plain overrides.
+  axes = [item for item in args.sweep if ',' in item]
+  overrides = [item for item in args.sweep if ',' not in item] + list(args.overrides)
+  overrides += (['train.resume=true'] if args.resume else []) + profile_overrides(args)
+  options = Options(data_dir=args.data_dir, init=args.init, preset=args.config, overrides=tuple(overrides),
+                    source=args.source, epochs=args.epochs)
+  if axes:
+    sweep(GLUE_ORDER if args.task == 'glue' else [args.task], options, parse_sweep(axes))
+  elif args.task == 'glue':
+    finetune_glue(options)
+  else:
+    result = finetune_task(args.task, options)
+    if result is not None:  # None: stopped by SIGTERM, as the loop said
+      print(f'{result["task"]} best at step {result["step"]}: ' +
+            ', '.join(f'{k} {v:.4f}' for k, v in result['metrics'].items()), flush=True)
+  return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+  finetune = sub.add_parser('finetune', help='fine-tune on a GLUE task (or all of GLUE) from a run dir or an HF '
+                                             'model directory; writes eval results, predictions, leaderboard files')
+  finetune.add_argument('--task', required=True, help='cola sst2 mrpc stsb qqp mnli qnli rte wnli, or glue for all')
+  finetune.add_argument('--data-dir', default=None, help='GLUE as its download script lays it out (CoLA/, SST-2/, '
+                                                         '...); with --source tfds, the TFDS data dir')
+  finetune.add_argument('--init', required=True, help='our run dir or an HF model directory (with its tokenizer)')
+  finetune.add_argument('--config', default=None, help='preset or YAML for everything but the model '
+                                                        '(default: the source run\'s config)')
+  finetune.add_argument('--source', choices=('tsv', 'tfds'), default='tsv',
+                        help='GLUE\'s TSV files or TFDS glue/<task>')
+  finetune.add_argument('--epochs', type=float, default=3.0, help='passes over the training set (train.steps=N wins)')
+  finetune.add_argument('--resume', action='store_true',
+                        help='continue each task from the latest checkpoint in its folder (after a stop or a crash)')
+  finetune.add_argument('--sweep', nargs='+', metavar='key=v1,v2', default=(),
+                        help='a grid, e.g. optim.learning_rate=2e-5,3e-5,5e-5 train.seed=0,1,2 (a key with '
+                        'one value is an override)')
+  finetune.add_argument('--profile', metavar='START:COUNT', help=PROFILE_HELP)
+  finetune.add_argument('overrides', nargs='*', metavar='key.sub=value', help='e.g. train.global_batch=16')
+  finetune.set_defaults(fn=cmd_finetune, joins_job=True)

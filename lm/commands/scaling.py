@@ -1,0 +1,226 @@
+"""`lm scaling sweep | coord-check | collect | fit | plot` (`lm.scaling`)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lm.commands.common import checked_config
+from lm.config import ConfigError
+
+
+def cmd_scaling_sweep(args: argparse.Namespace) -> int:
+  from lm.report import format_lines
+  from lm.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep,
+                                 tokens_trained)
+  base = checked_config(args)
+  sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
+  budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
+  tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
+  rates = parse_numbers(args.lr_grid, '--lr-grid') if args.lr_grid else ()
+  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates)
+  print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps'
+                       + (f' (the decay from step {p.branch_at})' if p.branch_at else '')) for p in points]),
+        flush=True)
+  trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
+  print(f'tokens to train: {trained:,} ({trained / alone:.0%} of the {alone:,} of independent runs)', flush=True)
+  if not args.dry_run:
+    sweep(base, args.out, points, args.evals)
+    print(f'{len(points)} runs in {args.out}; next: lm scaling collect {args.out} --out points.csv', flush=True)
+  return 0
+
+
+def cmd_scaling_coord_check(args: argparse.Namespace) -> int:
+  from lm.report import format_lines
+  from lm.scaling.coord_check import ORDER, coord_check, write_coord_check
+  from lm.scaling.sweep import parse_numbers
+  widths = [int(w) for w in parse_numbers(args.widths, '--widths')]
+  result = coord_check(checked_config(args), widths, args.parametrization, args.lr, args.steps, args.seeds)
+  png, data = write_coord_check(result, args.out)
+  print(f'{args.parametrization}: slope of log mean|x| against log width, by step 0..{args.steps}', flush=True)
+  print(format_lines([(group, '  '.join(f'{s:+.2f}' for s in result['slopes'][group])) for group in ORDER]))
+  print(f'wrote {png} and {data}', flush=True)
+  return 0
+
+
+def cmd_scaling_collect(args: argparse.Namespace) -> int:
+  from lm.scaling.collect import collect
+  from lm.scaling.points import write_points
+  runs = [item for item in args.runs if '=' not in item]
+  overrides = [item for item in args.runs if '=' in item] + (args.evaluate or [])
+  if overrides and args.evaluate is None:
+    raise ConfigError(f'{overrides[0]}: overrides only apply with --evaluate (e.g. another eval set); drop them '
+                      f'or add --evaluate')
+  if bad := [item for item in overrides if '=' not in item]:
+    raise ConfigError(f'--evaluate {bad[0]}: takes key=value overrides (e.g. data.paths=[held_out/*.txt]); put run '
+                      f'dirs before --evaluate')
+  tasks = None
+  if args.tasks is not None:
+    from lm.evals.run import Request, check_installed
+    check_installed()
+    names = tuple(t for t in args.tasks.split(',') if t)
+    if not names:
+      raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')
+    if args.tasks_data_dir is not None and not args.tasks_data_dir.is_dir():
+      raise ConfigError(f'--tasks-data-dir {args.tasks_data_dir} is not a directory')
+    if args.tasks_limit is not None and args.tasks_limit < 1:
+      raise ConfigError(f'--tasks-limit {args.tasks_limit} must be at least 1')
+    tasks = Request(tasks=names, data_dir=args.tasks_data_dir, subset=args.tasks_limit)
+  rows = collect(runs, args.evaluate is not None, overrides, tasks, args.eval, args.metric)
+  write_points(args.out, rows)
+  print(f'{len(rows)} points from {len({r["run"] for r in rows})} runs written to {args.out}', flush=True)
+  return 0
+
+
+def cmd_scaling_fit(args: argparse.Namespace) -> int:
+  from lm.scaling.laws import fit
+  from lm.scaling.points import read_points
+  from lm.scaling.report import format_fit
+  if args.bootstrap < 0:
+    raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
+  if any(not c > 0 for c in args.budget):
+    raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
+  if args.law == 'task':
+    from lm.scaling.laws import fit_task
+    from lm.scaling.points import read_column
+    if not args.task:
+      raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
+                        '--metric (default acc)')
+    if len(args.target) % 2 or any(not x > 0 for x in args.target):
+      raise ConfigError('--target takes pairs of positive N D (params and tokens), e.g. --target 7e9 1.4e11')
+    targets = list(zip(args.target[::2], args.target[1::2]))
+    result = fit_task(read_points(args.points, args.params, f'{args.task}/task_loss'),
+                      read_column(args.points, f'{args.task}/{args.metric}'), targets, args.bootstrap)
+    result.update(task=args.task, metric=args.metric)
+  else:
+    result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
+  print(json.dumps(result, indent=2) if args.json else format_fit(result))
+  if args.out:
+    from pathlib import Path
+    Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+  return 0
+
+
+def cmd_scaling_plot(args: argparse.Namespace) -> int:
+  from pathlib import Path
+
+  from lm.scaling.plot import plot
+  from lm.scaling.points import loss_of, read_column, read_points, task_accuracies
+  fit = None
+  if args.fit:
+    try:
+      fit = json.loads(Path(args.fit).read_text())
+    except (OSError, ValueError):
+      fit = None
+    if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
+      raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
+                        f'lm scaling fit {args.points} --out FIT.json')
+  if args.lr:
+    from lm.scaling.plot import plot_learning_rates
+    best = plot_learning_rates(args.points, args.out)
+    print('best learning rate by width: ' + ', '.join(f'{width} {lr:g}' for width, lr in best.items()))
+    print(f'wrote {args.out}', flush=True)
+    return 0
+  tasks = task_accuracies(args.points)
+  if fit is not None and fit['law'] == 'task':  # the fitted metric, with its sigmoid
+    column = f'{fit["task"]}/{fit["metric"]}'
+    tasks = {k: v for k, v in tasks.items() if k.split('/')[0] != fit['task']}
+    tasks[column] = (read_column(args.points, column), read_column(args.points, f'{fit["task"]}/task_loss'))
+  print(f'wrote {plot(read_points(args.points, args.params), args.out, fit, tasks, loss_of(args.points))}',
+        flush=True)
+  return 0
+
+
+def _sweep(scaling: argparse._SubParsersAction) -> None:
+  sweep = scaling.add_parser('sweep', help='train a ladder of sizes x token budgets, or IsoFLOP budgets '
+                                            '(resumable: finished runs are skipped)')
+  sweep.add_argument('--config', default='gpt_tiny', help='the base preset or YAML every point starts from')
+  sweep.add_argument('--out', required=True, help='the sweep directory: one run dir per point and sweep.json')
+  sweep.add_argument('--sizes', default=None, metavar='WxL,...',
+                     help='model widths x depths (head size kept), default 32x2,64x2,96x3,128x4,192x4')
+  design = sweep.add_mutually_exclusive_group()
+  design.add_argument('--tokens', default=None, metavar='D1,D2', help='token budgets (default 1e5,3e5,1e6)')
+  design.add_argument('--budgets', default=None, metavar='C1,C2', help='IsoFLOP: compute budgets in FLOPs, '
+                                                                       'each size at D = C/6N')
+  sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
+  sweep.add_argument('--lr-grid', default=None, metavar='LR1,LR2',
+                     help='peak learning rates: every point at each (learning-rate transfer; see plot --lr)')
+  sweep.add_argument('--schedule', choices=('cosine', 'wsd'), default='cosine',
+                     help='cosine: each point its own run; wsd: warmup-stable-decay, each size one stable run with '
+                          'each point a cooldown branched off it')
+  sweep.add_argument('--dry-run', action='store_true', help='print the points and stop')
+  sweep.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
+  sweep.set_defaults(fn=cmd_scaling_sweep, joins_job=True)
+
+
+def _coord_check(scaling: argparse._SubParsersAction) -> None:
+  coord = scaling.add_parser('coord-check', help='mean |activation| of each layer group against width over a few '
+                             'steps (Tensor Programs V): flat under mup')
+  coord.add_argument('--config', default='gpt_tiny', help='the base preset or YAML (its d_model is the mup base)')
+  coord.add_argument('--widths', default='64,128,256,512,1024', help='d_model of each model, comma-separated')
+  coord.add_argument('--parametrization', choices=('mup', 'standard'), default='mup')
+  coord.add_argument('--lr', type=float, default=3e-3, help='the (deliberately large) AdamW learning rate')
+  coord.add_argument('--steps', type=int, default=3, help='optimizer steps on the one fixed batch')
+  coord.add_argument('--seeds', type=int, default=3, help='initialisations averaged')
+  coord.add_argument('--out', required=True, help='directory for coord_check.png and coord_check.json')
+  coord.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the base config')
+  coord.set_defaults(fn=cmd_scaling_coord_check)
+
+
+def _collect(scaling: argparse._SubParsersAction) -> None:
+  collect = scaling.add_parser('collect', help='run dirs -> points CSV (run, step, params, non_embedding_params, '
+                                                'tokens, flops, flops_6nd, loss, loss_of)')
+  collect.add_argument('runs', nargs='+', metavar='RUN_DIR', help='run dirs (and, with --evaluate, key=value '
+                                                                  'overrides such as data.* for another eval set)')
+  collect.add_argument('--out', required=True, help='the CSV to write')
+  collect.add_argument('--evaluate', nargs='*', metavar='KEY=VALUE', default=None,
+                       help='evaluate held-out loss from every checkpoint instead of reading metrics.jsonl, with '
+                            'these overrides (e.g. data.* for another eval set)')
+  collect.add_argument('--eval', metavar='NAME', help='the loss of this data.evals set (val/NAME/...) instead of '
+                       'the validation split\'s')
+  collect.add_argument('--metric', choices=('loss', 'bpb'), default='loss',
+                       help='loss: nats per token; bpb: bits per UTF-8 byte (compares across tokenizers)')
+  collect.add_argument('--tasks', metavar='T1,T2', help='add harness task columns (<task>/<metric>, <task>/task_loss): '
+                       'the in-loop records of train.evals, else the checkpoint evaluated')
+  collect.add_argument('--tasks-data-dir', type=Path, metavar='DIR', help='local task files, as lm eval --data-dir')
+  collect.add_argument('--tasks-limit', type=int, metavar='N', help='N documents per task (as lm eval --subset N and '
+                                                                    'train.evals_limit)')
+  collect.set_defaults(fn=cmd_scaling_collect, joins_job=True)  # --evaluate runs on the job's devices
+
+
+def _fit(scaling: argparse._SubParsersAction) -> None:
+  fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')
+  fit.add_argument('points', help='CSV of lm scaling collect, or any with params,tokens,loss columns')
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task'), default='chinchilla',
+                   help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
+                   'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
+                   'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024)')
+  fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
+  fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
+  fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
+                   help='--law task: models (params, tokens) to predict task loss and accuracy for')
+  fit.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to fit')
+  fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
+                   help='chinchilla, task: N resamples for 95%% intervals')
+  fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
+                   help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
+  fit.add_argument('--json', action='store_true', help='print the fit as JSON')
+  fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
+  fit.set_defaults(fn=cmd_scaling_fit)
+
+
+def _plot(scaling: argparse._SubParsersAction) -> None:
+  plot = scaling.add_parser('plot', help='loss against compute, IsoFLOP profiles, compute-optimal N and D')
+  plot.add_argument('points', help='points CSV')
+  plot.add_argument('--out', required=True, help='the PNG to write')
+  plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
+  plot.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to plot')
+  plot.add_argument('--lr', action='store_true', help='final loss against learning rate, a curve per width '
+                                                      '(a sweep with --lr-grid)')
+  plot.set_defaults(fn=cmd_scaling_plot)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+  scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
+  for add in (_sweep, _coord_check, _collect, _fit, _plot):
+    add(scaling)
