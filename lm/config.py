@@ -624,11 +624,6 @@ def _check_parametrization(config: Config) -> None:
     raise ConfigError(f'model.parametrization=mup needs model.mup_base_width > 0 (the width the hyperparameters '
                       f'were tuned at, e.g. model.mup_base_width={m.d_model}) and a positive '
                       f'model.mup_base_head_dim if set')
-  per_group = m.parametrization == 'mup' or o.lr_multipliers
-  if per_group and o.name in ('muon', 'schedule_free_adamw'):
-    raise ConfigError(f'optim.name={o.name} takes one learning rate for every param, but model.parametrization='
-                      f'{m.parametrization} / optim.lr_multipliers set per-param ones; use adamw, lion or '
-                      f'adafactor')
 
 
 def validate(config: Config) -> None:

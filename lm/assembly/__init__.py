@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from lm.assembly import accounting
-from lm.assembly.optim import ParamsView, make_optimizer, params_views
+from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
 from lm.assembly.state import TrainState, abstract_state, make_init_fn, shardings_of
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family, logical_axes
@@ -67,6 +67,7 @@ class Assembly:
 def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None) -> Assembly:
   """Builds everything but data for `config` on `devices` (default: all), or on an existing `mesh`."""
   family = get_family(check_config(config).model.family)
+  check_param_groups(config.optim, config.model)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups

@@ -14,7 +14,7 @@ import optax
 from jax.sharding import PartitionSpec
 from optax.contrib import ScheduleFreeState
 
-from lm.config import OptimConfig
+from lm.config import ConfigError, ModelConfig, OptimConfig
 from lm.parallel.rules import path_names
 
 
@@ -147,6 +147,17 @@ def grouped_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = No
     dataclasses.replace(cfg, eps=cfg.eps * eps, weight_decay=cfg.weight_decay * decay),
     lambda count, lr=lr: schedule(count) * lr, axes) for lr, eps, decay in groups}
   return optax.multi_transform(transforms, jax.tree.map(label, multipliers, is_leaf=is_triple))
+
+
+GROUPED_RATES = ('adamw', 'lion', 'adafactor')  # optimizers that take a learning rate per group of params
+
+
+def check_param_groups(optim: OptimConfig, model: ModelConfig) -> None:
+  """μP and `optim.lr_multipliers` give params rates of their own, which only GROUPED_RATES take."""
+  if (model.parametrization == 'mup' or optim.lr_multipliers) and optim.name not in GROUPED_RATES:
+    raise ConfigError(f'optim.name={optim.name} takes one learning rate for every param, but model.parametrization='
+                      f'{model.parametrization} / optim.lr_multipliers set per-param ones; use '
+                      f'{", ".join(GROUPED_RATES[:-1])} or {GROUPED_RATES[-1]}')
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None,

@@ -78,14 +78,22 @@ def test_zero_init_starts_the_queries_and_an_untied_output_layer_at_zero(small_c
   (['model.parametrization=mup'], 'model.parametrization=mup needs model.mup_base_width > 0'),
   (['model.parametrization=mup', 'model.mup_base_width=-64'], 'needs model.mup_base_width > 0'),
   (['model.mup_base_width=64'], 'model.mup_* fields are set but model.parametrization=standard'),
-  (['model.parametrization=mup', 'model.mup_base_width=64', 'optim.name=muon'],
-   'optim.name=muon takes one learning rate for every param'),
   (['optim.lr_multipliers=[embed]'], "optim.lr_multipliers entry 'embed' is not REGEX=FACTOR"),
   (['optim.lr_multipliers=[embed=-1]'], 'needs a pattern and a positive factor'),
 ])
 def test_bad_parametrization_settings_are_one_line(small_config, overrides, message):
   with pytest.raises(ConfigError, match=message.replace('*', r'\*').replace('[', r'\[')) as e:
     small_config(*overrides)
+  assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('overrides', [['model.parametrization=mup', 'model.mup_base_width=64', 'optim.name=muon'],
+                                       ['optim.lr_multipliers=[embed=0.5]', 'optim.name=schedule_free_adamw']])
+def test_an_optimizer_of_one_rate_refuses_param_groups_in_one_line(small_config, overrides):
+  """The optimizer code decides (lm.assembly.optim), when the config is assembled."""
+  with pytest.raises(ConfigError, match=r'optim.name=\w+ takes one learning rate for every param.*; use adamw, '
+                                        r'lion or adafactor') as e:
+    assemble(small_config(*overrides), jax.devices()[:1])
   assert '\n' not in str(e.value)
 
 
