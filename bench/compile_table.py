@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import load_config, preset_slice
 from lm.mesh_axes import mesh_text
 from lm.models import check_config

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import load_config
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.report import format_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import load_config, preset_slice
 from lm.report import format_bytes, format_lines, write_json
 

@@ -28,7 +28,7 @@ from timing import time_calls
 
 from lm.assembly import assemble
 from lm.config import load_config
-from lm.plan import Candidate, Chip, predict_seconds
+from lm.planning.plan import Candidate, Chip, predict_seconds
 from lm.train.step import PretrainingLoss, abstract_batch, make_train_step
 
 MODEL = ['model.d_model=256', 'model.num_heads=4', 'model.d_ff=1024', 'model.num_layers=2', 'data.seq_len=256',

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.report import format_bytes, format_lines, write_json

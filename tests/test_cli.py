@@ -84,7 +84,7 @@ def test_info_simulates_devices_and_reports_the_compiled_step(tmp_path):
   import jax
 
   from lm.assembly import assemble
-  from lm.compile import compiled_memory
+  from lm.planning.compile import compiled_memory
   from lm.config import load_config
   from lm.train.step import compile_train_step
   overrides = ['mesh.data=2', 'mesh.fsdp=2', 'model.num_layers=1', 'train.global_batch=8']

@@ -59,7 +59,7 @@ LAYERS = [
   ('data', 'models'),
   ('assembly', 'storage', 'generate'),
   ('train',),
-  ('pretraining', 'glue', 'evals', 'scaling', 'compile', 'plan'),
+  ('pretraining', 'glue', 'evals', 'scaling', 'planning'),
   ('commands', 'cli'),
 ]
 

@@ -63,7 +63,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python bench/peers.py': 'tests/bench/test_peers.py::test_one_round_reports_each_contender_and_the_ratio',
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
-  'lm compile --config gpt3_175b': 'tests/test_compile.py::test_each_preset_fits_its_slice_as_written',
+  'lm compile --config gpt3_175b': 'tests/planning/test_compile.py::test_each_preset_fits_its_slice_as_written',
   'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512,1024':
     'tests/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
   'python bench/compile_table.py':

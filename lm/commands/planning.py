@@ -26,7 +26,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     except RuntimeError:  # JAX has started already (lm called as a library): plan on the devices it has
       if args.devices:
         raise
-  from lm.compile import model_report
+  from lm.planning.compile import model_report
   report = model_report(checked_config(args), args.compile)
   if args.json:
     print(json.dumps(report, indent=2))
@@ -47,13 +47,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-  from lm.compile import compile_report, does_not_fit_message, format_report
+  from lm.planning.compile import compile_report, does_not_fit_message, format_report
   topology = args.topology or preset_slice(args.config)
   if topology is None:
     raise ConfigError(f'lm compile: {args.config} names no slice in its header (a "# Slice: v5p-1024" line); '
                       f'pass --topology, e.g. --topology v5e-256')
   if args.plan:
-    from lm.plan import best_preset, format_plan, plan, plan_json
+    from lm.planning.plan import best_preset, format_plan, plan, plan_json
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
         (lambda line: print(line, flush=True))
     result = plan(checked_config(args), topology, args.plan_top, args.num_slices, args.plan_max_compiles, log=log)

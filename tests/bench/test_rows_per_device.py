@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import load_config
 from tests.conftest import needs_libtpu
 from tests.test_compile import TPU_TINY

@@ -10,7 +10,7 @@ from lm.assembly import assemble
 from lm.assembly.accounting import count_params
 from lm.config import load_config
 from lm.parallel.chips import topology_devices
-from lm.plan import Candidate, Chip, candidates, meshes, predict_seconds
+from lm.planning.plan import Candidate, Chip, candidates, meshes, predict_seconds
 from tests.conftest import needs_libtpu
 
 TINY = ['model.d_model=64', 'model.num_heads=4', 'model.d_ff=256', 'model.num_layers=2', 'data.seq_len=64',

@@ -26,7 +26,7 @@ import yaml
 
 from lm.assembly import Assembly, assemble
 from lm.assembly.accounting import estimate_memory
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import Config, ConfigError, Remat, merge
 from lm.parallel.chips import hbm_bytes, ici_bytes_per_s, peak_flops, physical_topology, topology_devices
 from lm.report import format_bytes

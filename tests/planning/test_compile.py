@@ -9,7 +9,7 @@ import pytest
 
 from lm import cli
 from lm.assembly import assemble
-from lm.compile import compile_report
+from lm.planning.compile import compile_report
 from lm.config import CONFIG_DIR, ConfigError, load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.train.step import compile_train_step, lower_train_step
@@ -123,7 +123,7 @@ def test_a_saved_executable_loads_back_and_runs_the_same_step(tmp_path):
   import jax
   import numpy as np
 
-  from lm.compile import save_executable
+  from lm.planning.compile import save_executable
   from lm.pretraining import Pretraining
   config = load_config('gpt_tiny', ['model.num_layers=1', 'model.d_model=32', 'model.num_heads=2', 'data.seq_len=32',
                                     'model.max_len=32', 'train.global_batch=4', 'mesh.data=2', 'train.progress=false',
