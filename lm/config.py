@@ -626,10 +626,9 @@ def _check_parametrization(config: Config) -> None:
                       f'model.mup_base_head_dim if set')
 
 
-def validate(config: Config) -> None:
-  """Device-independent checks that need no family or tokenizer: the family's own run where the model is
-  assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
-  m, d, o, t = config.model, config.data, config.optim, config.train
+def _check_sizes(config: Config) -> None:
+  """Every size and count is positive."""
+  m, d, t = config.model, config.data, config.train
   positive = {
     'model.vocab_size': m.vocab_size, 'model.d_model': m.d_model, 'model.num_layers': m.num_layers,
     'model.num_heads': m.num_heads, 'model.max_len': m.max_len, 'data.seq_len': d.seq_len,
@@ -640,6 +639,11 @@ def validate(config: Config) -> None:
   for key, value in positive.items():
     if value <= 0:
       raise ConfigError(f'{key}={value} must be positive')
+
+
+def _check_model(config: Config) -> None:
+  """The model section: heads, positions, windows and soft-caps, rope scaling, dropouts."""
+  m, d = config.model, config.data
   if m.head_dim is None and m.d_model % m.num_heads:
     raise ConfigError(
       f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
@@ -663,6 +667,11 @@ def validate(config: Config) -> None:
   for key in ('model.dropout', 'model.attention_dropout', 'data.val_fraction'):
     if not 0.0 <= _get(config, key) < 1.0:
       raise ConfigError(f'{key}={_get(config, key)} must lie in [0, 1)')
+
+
+def _check_train(config: Config) -> None:
+  """The training section: batches, checkpoint cadence, profiling, watching, in-loop evaluations."""
+  o, t = config.optim, config.train
   if t.global_batch % t.microbatches:
     raise ConfigError(
       f'train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}; '
@@ -683,6 +692,11 @@ def validate(config: Config) -> None:
                       '(-1: every held-out set whole)')
   if t.evals_every < 0 or (t.evals_limit is not None and t.evals_limit < 1) or (t.evals_num_fewshot or 0) < 0:
     raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
+
+
+def _check_optim(config: Config) -> None:
+  """The optimizer section: rates, betas and each optimizer's own knobs."""
+  o = config.optim
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
   ranges = {'optim.b1': (o.b1, 0, 1), 'optim.b2': (o.b2, 0, 1), 'optim.muon_momentum': (o.muon_momentum, 0, 1),
@@ -694,7 +708,11 @@ def validate(config: Config) -> None:
      or o.weight_lr_power < 0:
     raise ConfigError('optim.eps must be > 0, optim.ns_steps and optim.factored_min_dim >= 1, '
                       'optim.clipping_threshold, optim.muon_rms and optim.weight_lr_power >= 0')
-  _check_parametrization(config)
+
+
+def _check_start_and_schedule(config: Config) -> None:
+  """How a run starts (init_from, branch_from, its moving average) and its schedule's shape."""
+  o, t = config.optim, config.train
   if t.init_from_ema and t.init_from is None:
     raise ConfigError('train.init_from_ema=true takes the moving average of the run train.init_from names; set '
                       'train.init_from=RUN or drop it')
@@ -711,7 +729,11 @@ def validate(config: Config) -> None:
     raise ConfigError(f'optim.schedule=wsd: warmup ({o.warmup_steps} steps) runs into the decay (the last '
                       f'{round(o.decay_fraction * length)} of {length} steps); lower optim.warmup_steps or '
                       f'optim.decay_fraction')
-  _check_sequence_split(config)
+
+
+def _check_data(config: Config) -> None:
+  """The data section: sources, held-out sets, mixtures, the input pipeline."""
+  d = config.data
   if d.source in ('text', 'jsonl') and not d.paths:
     raise ConfigError(f'data.source={d.source} needs data.paths (globs of local files), e.g. '
                       f'data.paths=[corpus/*.{"txt" if d.source == "text" else "jsonl"}]')
@@ -726,6 +748,10 @@ def validate(config: Config) -> None:
     raise ConfigError('data.evals needs train.eval_batches > 0 (batches per set and evaluation) or -1 (whole sets)')
   if d.streams < 1 or d.workers < 0 or d.prefetch < 1:
     raise ConfigError('data.streams and data.prefetch must be >= 1, data.workers >= 0')
+
+
+def _check_mesh(config: Config) -> None:
+  """Mesh sizes: positive or -1 (one axis at most) within a slice, positive slices."""
   within = [a.key for a in in_slice_axes()]
   for key in within:
     value = _get(config, key)
@@ -736,7 +762,21 @@ def validate(config: Config) -> None:
       raise ConfigError(f'{axis.key}={_get(config, axis.key)} must be a positive number of TPU slices')
   if sum(_get(config, k) == -1 for k in within) > 1:
     raise ConfigError(f'only one of {", ".join(within)} may be -1')
-  check_tokenizer_spec(d.tokenizer)
+
+
+def validate(config: Config) -> None:
+  """Device-independent checks that need no family or tokenizer: the family's own run where the model is
+  assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
+  _check_sizes(config)
+  _check_model(config)
+  _check_train(config)
+  _check_optim(config)
+  _check_parametrization(config)
+  _check_start_and_schedule(config)
+  _check_sequence_split(config)
+  _check_data(config)
+  _check_mesh(config)
+  check_tokenizer_spec(config.data.tokenizer)
 
 
 TOKENIZER_SPECS = ('byte', 'sentencepiece:PATH', 'hf:PATH')

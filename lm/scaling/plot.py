@@ -61,53 +61,11 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
   panels = 1 + (iso is not None) + optimal + len(tasks) + (law_task in tasks)
   figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5), squeeze=False)
   axes = list(axes[0])
-
-  ax = axes.pop(0)
-  for rows in _runs(points):
-    ax.plot(points.flops[rows], points.loss[rows], '-', color='tab:blue', alpha=0.35, lw=1)
-  edge = laws.frontier(points)
-  ax.plot(points.flops[edge], points.loss[edge], 'k.-', lw=1.5, label='frontier')
-  span = np.logspace(np.log10(points.flops.min()), np.log10(points.flops.max()) + 0.5, 100)
-  curve = _law_curve(fit, span) if fit else None
-  if curve is not None:
-    ax.plot(span, curve, 'r--', label=f'{fit["law"]} fit')
-  ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel=loss_label(loss_of), title='loss against compute')
-  ax.legend()
-
+  _loss_panel(axes.pop(0), points, fit, loss_of)
   if iso is not None:
-    ax = axes.pop(0)
-    colours = plt.cm.viridis(np.linspace(0, 0.9, len(iso['budgets'])))
-    for budget, rows, colour in zip(iso['budgets'], laws.budget_groups(points.flops), colours):
-      n = points.params[rows]
-      ax.plot(n, points.loss[rows], 'o', color=colour, ms=4, label=f'C {budget["flops"]:.2g}')
-      x = np.linspace(np.log(n.min()), np.log(n.max()), 100)
-      ax.plot(np.exp(x), np.polyval(budget['parabola'], x), '-', color=colour)
-      ax.plot(budget['params_opt'], budget['loss_opt'], '*', color=colour, ms=10)
-    ax.set(xscale='log', xlabel='parameters N', ylabel=loss_label(loss_of), title='IsoFLOP profiles')
-    ax.legend(fontsize='small')
-
+    _isoflop_panel(axes.pop(0), points, iso, loss_of, plt.cm.viridis(np.linspace(0, 0.9, len(iso['budgets']))))
   if optimal:
-    ax = axes.pop(0)
-    budgets = [o['flops'] for o in fit.get('optimal', [])] if fit else []
-    c = np.logspace(np.log10(points.flops.min()), max(np.log10(points.flops.max()) + 2, *np.log10(budgets or [1])), 50)
-    if iso is not None:
-      vertices = np.array([b['flops'] for b in iso['budgets']])
-      ax.plot(vertices, [b['params_opt'] for b in iso['budgets']], 'o', color='tab:blue', label='IsoFLOP N_opt')
-      ax.plot(vertices, [b['tokens_opt'] for b in iso['budgets']], 's', color='tab:orange', label='IsoFLOP D_opt')
-      ax.plot(c, iso['params']['k_N'] * c ** iso['a'], ':', color='tab:blue', label=f'N ~ C^{iso["a"]:.2f}')
-      ax.plot(c, iso['params']['k_D'] * c ** iso['b'], ':', color='tab:orange', label=f'D ~ C^{iso["b"]:.2f}')
-    if fit is not None and fit['law'] == 'chinchilla':
-      best = [laws.compute_optimal(fit['params'], x) for x in c]
-      ax.plot(c, [o['params'] for o in best], '-', color='tab:blue', label=f'N_opt (approach 3, a={fit["a"]:.2f})')
-      ax.plot(c, [o['tokens'] for o in best], '-', color='tab:orange', label=f'D_opt (b={fit["b"]:.2f})')
-      for opt in fit.get('optimal', []):  # each --budget with its bootstrap interval
-        for key, colour in (('params', 'tab:blue'), ('tokens', 'tab:orange')):
-          lo, hi = fit.get('ci', {}).get(f'{key}_opt@{opt["flops"]:g}', (opt[key], opt[key]))
-          ax.errorbar(opt['flops'], opt[key], yerr=[[opt[key] - lo], [hi - opt[key]]], fmt='o', color=colour,
-                      capsize=3)
-    ax.set(xscale='log', yscale='log', xlabel='compute C (FLOPs)', ylabel='N, D', title='compute-optimal allocation')
-    ax.legend(fontsize='small')
-
+    _allocation_panel(axes.pop(0), points, fit, iso)
   for column, (accuracy, task_loss) in tasks.items():
     ax = axes.pop(0)
     for rows in _runs(points):
@@ -127,6 +85,56 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
   figure.savefig(out, dpi=110)
   plt.close(figure)
   return out
+
+
+def _loss_panel(ax: Any, points: Points, fit: dict[str, Any] | None, loss_of: str) -> None:
+  """Each run's loss against compute, the frontier, and the fitted law."""
+  for rows in _runs(points):
+    ax.plot(points.flops[rows], points.loss[rows], '-', color='tab:blue', alpha=0.35, lw=1)
+  edge = laws.frontier(points)
+  ax.plot(points.flops[edge], points.loss[edge], 'k.-', lw=1.5, label='frontier')
+  span = np.logspace(np.log10(points.flops.min()), np.log10(points.flops.max()) + 0.5, 100)
+  curve = _law_curve(fit, span) if fit else None
+  if curve is not None:
+    ax.plot(span, curve, 'r--', label=f'{fit["law"]} fit')
+  ax.set(xscale='log', xlabel='compute C (FLOPs)', ylabel=loss_label(loss_of), title='loss against compute')
+  ax.legend()
+
+
+def _isoflop_panel(ax: Any, points: Points, iso: dict[str, Any], loss_of: str, colours: Any) -> None:
+  """Each budget's points against N, its parabola and its minimum."""
+  for budget, rows, colour in zip(iso['budgets'], laws.budget_groups(points.flops), colours):
+    n = points.params[rows]
+    ax.plot(n, points.loss[rows], 'o', color=colour, ms=4, label=f'C {budget["flops"]:.2g}')
+    x = np.linspace(np.log(n.min()), np.log(n.max()), 100)
+    ax.plot(np.exp(x), np.polyval(budget['parabola'], x), '-', color=colour)
+    ax.plot(budget['params_opt'], budget['loss_opt'], '*', color=colour, ms=10)
+  ax.set(xscale='log', xlabel='parameters N', ylabel=loss_label(loss_of), title='IsoFLOP profiles')
+  ax.legend(fontsize='small')
+
+
+def _allocation_panel(ax: Any, points: Points, fit: dict[str, Any] | None, iso: dict[str, Any] | None) -> None:
+  """Compute-optimal N and D against compute: the IsoFLOP minima and power laws, approach 3's curves and each
+  --budget with its bootstrap interval."""
+  budgets = [o['flops'] for o in fit.get('optimal', [])] if fit else []
+  c = np.logspace(np.log10(points.flops.min()), max(np.log10(points.flops.max()) + 2, *np.log10(budgets or [1])), 50)
+  if iso is not None:
+    vertices = np.array([b['flops'] for b in iso['budgets']])
+    ax.plot(vertices, [b['params_opt'] for b in iso['budgets']], 'o', color='tab:blue', label='IsoFLOP N_opt')
+    ax.plot(vertices, [b['tokens_opt'] for b in iso['budgets']], 's', color='tab:orange', label='IsoFLOP D_opt')
+    ax.plot(c, iso['params']['k_N'] * c ** iso['a'], ':', color='tab:blue', label=f'N ~ C^{iso["a"]:.2f}')
+    ax.plot(c, iso['params']['k_D'] * c ** iso['b'], ':', color='tab:orange', label=f'D ~ C^{iso["b"]:.2f}')
+  if fit is not None and fit['law'] == 'chinchilla':
+    best = [laws.compute_optimal(fit['params'], x) for x in c]
+    ax.plot(c, [o['params'] for o in best], '-', color='tab:blue', label=f'N_opt (approach 3, a={fit["a"]:.2f})')
+    ax.plot(c, [o['tokens'] for o in best], '-', color='tab:orange', label=f'D_opt (b={fit["b"]:.2f})')
+    for opt in fit.get('optimal', []):
+      for key, colour in (('params', 'tab:blue'), ('tokens', 'tab:orange')):
+        lo, hi = fit.get('ci', {}).get(f'{key}_opt@{opt["flops"]:g}', (opt[key], opt[key]))
+        ax.errorbar(opt['flops'], opt[key], yerr=[[opt[key] - lo], [hi - opt[key]]], fmt='o', color=colour,
+                    capsize=3)
+  ax.set(xscale='log', yscale='log', xlabel='compute C (FLOPs)', ylabel='N, D', title='compute-optimal allocation')
+  ax.legend(fontsize='small')
 
 
 def final_losses_by_width(path: str | Path) -> dict[int, dict[float, float]]:
