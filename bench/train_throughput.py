@@ -41,7 +41,7 @@ def main() -> None:
     'vocab': m.vocab_size, 'seq_len': config.data.seq_len, 'batch': config.train.global_batch,
     'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
     'min_step_s': min(times), 'tokens_per_sec': tokens / step_s,
-    'model_tflops_per_sec': trainer.loop.flops_per_token * tokens / step_s / 1e12,
+    'model_tflops_per_sec': trainer.assembly.flops_per_token() * tokens / step_s / 1e12,
   }
   rows = [('config', config.name), ('layers x d_model x heads', f'{m.num_layers} x {m.d_model} x {m.num_heads}'),
           ('vocab / seq / batch', f'{m.vocab_size} / {config.data.seq_len} / {config.train.global_batch}'),
