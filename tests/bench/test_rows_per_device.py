@@ -9,7 +9,7 @@ import pytest
 from lm.planning.compile import compile_report
 from lm.config import load_config
 from tests.conftest import needs_libtpu
-from tests.test_compile import TPU_TINY
+from tests.planning.test_compile import TPU_TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 
