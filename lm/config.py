@@ -1,6 +1,7 @@
 """Typed, validated, frozen run configuration: presets in YAML plus `key.sub=value` overrides."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -8,7 +9,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from etils import epath
@@ -44,6 +45,55 @@ OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_ada
 
 
 @dataclass(frozen=True)
+class RopeConfig:
+  """Rotary positions (model.position=rotary) and their scaling for contexts beyond the trained one
+  (`lm.models.rope`): linear (positions / factor), llama3 (Llama 3.1's frequency-dependent factor), yarn (by
+  frequency, with YaRN's attention temperature)."""
+  theta: float = 10000.0  # base wavelength
+  scaling: RopeScaling = 'none'
+  factor: float = 1.0
+  original_max_len: int = 0  # llama3, yarn: the context the model was first trained at
+  low_freq_factor: float = 1.0  # llama3
+  high_freq_factor: float = 4.0  # llama3
+  beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
+  beta_slow: float = 1.0  # yarn: ... below which they are divided by factor
+  attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1
+
+  def check(self, position: str) -> None:
+    if self.scaling == 'none':
+      return
+    if position != 'rotary':
+      raise ConfigError(f'model.rope.scaling={self.scaling} scales rotary positions, but model.position={position}; '
+                        f'set model.position=rotary or model.rope.scaling=none')
+    if self.factor < 1:
+      raise ConfigError(f'model.rope.factor={self.factor} must be >= 1 (how many times the trained context)')
+    if self.scaling in ('llama3', 'yarn') and self.original_max_len <= 0:
+      raise ConfigError(f'model.rope.scaling={self.scaling} needs model.rope.original_max_len, the context the '
+                        f'model was first trained at (Llama 3.1: 8192)')
+    if self.scaling == 'llama3' and not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ConfigError(f'model.rope.high_freq_factor={self.high_freq_factor} must exceed '
+                        f'model.rope.low_freq_factor={self.low_freq_factor} > 0 (Llama 3.1: 4 and 1)')
+
+
+@dataclass(frozen=True)
+class MupConfig:
+  """μP's base shapes (model.parametrization=mup, `lm.models.parametrization`)."""
+  base_width: int = 0  # the d_model the hyperparameters were tuned at (width multiplier d_model / it)
+  base_head_dim: int | None = None  # the base model's head dim; default head_dim x base_width / d_model
+  zero_init: bool = False  # the query projections and an untied output layer start at zero
+
+  def check(self, parametrization: str, d_model: int) -> None:
+    if parametrization == 'standard':
+      if self != MupConfig():
+        raise ConfigError('model.mup fields are set but model.parametrization=standard; set '
+                          'model.parametrization=mup or drop them')
+    elif self.base_width <= 0 or (self.base_head_dim is not None and self.base_head_dim <= 0):
+      raise ConfigError(f'model.parametrization=mup needs model.mup.base_width > 0 (the width the hyperparameters '
+                        f'were tuned at, e.g. model.mup.base_width={d_model}) and a positive '
+                        f'model.mup.base_head_dim if set')
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
@@ -56,17 +106,7 @@ class ModelConfig:
   d_ff: int | None = None  # default 4 * d_model
   max_len: int = 256  # rows of the learned position table
   position: Position = 'learned'
-  rope_theta: float = 10000.0  # rotary base wavelength
-  # Rotary scaling for contexts beyond the trained one (lm.models.rope): linear (positions / rope_factor), llama3
-  # (Llama 3.1's frequency-dependent factor), yarn (by frequency, with YaRN's attention temperature)
-  rope_scaling: RopeScaling = 'none'
-  rope_factor: float = 1.0
-  rope_original_max_len: int = 0  # llama3, yarn: the context the model was first trained at
-  rope_low_freq_factor: float = 1.0  # llama3
-  rope_high_freq_factor: float = 4.0  # llama3
-  rope_beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
-  rope_beta_slow: float = 1.0  # yarn: ... below which they are divided by rope_factor
-  rope_attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(rope_factor) + 1
+  rope: RopeConfig = field(default_factory=RopeConfig)  # rotary positions and their scaling
   relative_buckets: int = 32
   relative_max_distance: int = 128
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings when > 0
@@ -104,14 +144,12 @@ class ModelConfig:
   loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
   parametrization: Parametrization = 'standard'
-  mup_base_width: int = 0  # mup: the d_model the hyperparameters were tuned at (width multiplier d_model / it)
-  mup_base_head_dim: int | None = None  # mup: the base model's head dim; default head_dim x mup_base_width / d_model
-  mup_zero_init: bool = False  # mup: the query projections and an untied output layer start at zero
+  mup: MupConfig = field(default_factory=MupConfig)  # parametrization=mup: its base shapes
 
   @property
   def base_width(self) -> int:
     """The width every width-dependent constant is taken at: the μP base, else d_model itself."""
-    return self.mup_base_width if self.parametrization == 'mup' else self.d_model
+    return self.mup.base_width if self.parametrization == 'mup' else self.d_model
 
   @property
   def embedding_scale(self) -> float:
@@ -271,6 +309,40 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+  """When a run writes checkpoints and which it keeps."""
+  every: int = 500  # 0: only at the end
+  every_minutes: float = 0.0  # also when this long has passed since the last save (checked at log steps)
+  keep: int = 2  # the latest N
+  keep_every: int = 0  # K > 0: a checkpoint at every K-th step too, kept for good (e.g. for scaling plots)
+  at: tuple[int, ...] = ()  # further steps checkpointed, each kept for good (e.g. a ladder's branch points)
+
+  def check(self) -> None:
+    if self.keep <= 0:
+      raise ConfigError(f'train.checkpoint.keep={self.keep} must be positive')
+    if any(step < 1 for step in self.at):
+      raise ConfigError(f'train.checkpoint.at={list(self.at)} must list steps >= 1')
+    if self.every < 0 or self.keep_every < 0 or self.every_minutes < 0:
+      raise ConfigError(f'train.checkpoint.every={self.every}, train.checkpoint.keep_every={self.keep_every} and '
+                        f'train.checkpoint.every_minutes={self.every_minutes} must be >= 0 (0: off)')
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+  """lm-eval-harness tasks evaluated in the training loop (the eval extra), recorded as eval/<task>/<metric>."""
+  tasks: tuple[str, ...] = ()  # e.g. hellaswag,piqa
+  every: int = 0  # steps between them, and after the last; 0: train.eval_every
+  limit: int | None = None  # N documents of each task, drawn with a fixed seed (lm eval --subset N); None: all
+  num_fewshot: int | None = None  # None: each task's own default
+  data_dir: str | None = None  # local task files (lm eval --data-dir); None: the harness loads from the Hub
+
+  def check(self) -> None:
+    if self.every < 0 or (self.limit is not None and self.limit < 1) or (self.num_fewshot or 0) < 0:
+      raise ConfigError('train.harness.every and train.harness.num_fewshot must be >= 0 and '
+                        'train.harness.limit >= 1')
+
+
+@dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000
   global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
@@ -280,11 +352,7 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 100
   eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
-  checkpoint_every: int = 500  # 0: only at the end
-  checkpoint_every_minutes: float = 0.0  # also when this long has passed since the last save (checked at log steps)
-  keep_checkpoints: int = 2  # the latest N
-  keep_every: int = 0  # K > 0: a checkpoint at every K-th step too, kept for good (e.g. for scaling plots)
-  checkpoint_at: tuple[int, ...] = ()  # further steps checkpointed, each kept for good (e.g. a ladder's branch points)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when checkpoints are written, kept
   run_dir: str = 'runs/{name}'
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal
@@ -299,13 +367,7 @@ class TrainConfig:
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
-  # lm-eval-harness tasks in the loop (the eval extra; e.g. hellaswag,piqa): records eval/<task>/<metric>
-  evals: tuple[str, ...] = ()
-  evals_every: int = 0  # steps between them, and after the last; 0: train.eval_every
-  evals_limit: int | None = None  # N documents of each task, drawn with a fixed seed (lm eval --subset N); None: all
-  evals_num_fewshot: int | None = None  # None: each task's own default
-  evals_data_dir: str | None = None  # local task files (lm eval --data-dir); None: the harness loads from the Hub
-
+  harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
 
 @dataclass(frozen=True)
 class Config:
@@ -441,6 +503,7 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
     raise ConfigError(f'config file {path} is not valid YAML: {str(e).splitlines()[0]}') from None
   if not isinstance(values, dict):
     raise ConfigError(f'config file {path} must hold a mapping of keys, not {type(values).__name__}')
+  values = upgrade(values)
   values.setdefault('name', path.stem)
   base = values.pop('base', None)
   if base is not None:
@@ -476,12 +539,53 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
       if not isinstance(node, dict):
         raise ConfigError(f'override {item!r} conflicts with an earlier override of {part!r}')
     node[parts[-1]] = value
-  return out
+  return upgrade(out)
 
 
 # Path-valued fields: `~` and $VARS expand as a shell would (it does not after `key=`); URIs stay as written.
-PATH_FIELDS = (('data', 'data_dir'), ('data', 'paths'), ('data', 'tokenizer'), ('train', 'run_dir'),
-               ('train', 'init_from'), ('train', 'branch_from'), ('train', 'evals_data_dir'))
+PATH_FIELDS = ('data.data_dir', 'data.paths', 'data.tokenizer', 'train.run_dir', 'train.init_from',
+               'train.branch_from', 'train.harness.data_dir')
+
+# Earlier spellings of grouped fields -> where they live now: presets, overrides and the config.yaml of run dirs
+# written before the grouping load through `upgrade`.
+RENAMED = {
+  **{f'model.rope_{f.name}': f'model.rope.{f.name}' for f in dataclasses.fields(RopeConfig)},
+  **{f'model.mup_{f.name}': f'model.mup.{f.name}' for f in dataclasses.fields(MupConfig)},
+  'train.checkpoint_every': 'train.checkpoint.every', 'train.checkpoint_every_minutes': 'train.checkpoint.every_minutes',
+  'train.keep_checkpoints': 'train.checkpoint.keep', 'train.keep_every': 'train.checkpoint.keep_every',
+  'train.checkpoint_at': 'train.checkpoint.at',
+  'train.evals': 'train.harness.tasks', 'train.evals_every': 'train.harness.every',
+  'train.evals_limit': 'train.harness.limit', 'train.evals_num_fewshot': 'train.harness.num_fewshot',
+  'train.evals_data_dir': 'train.harness.data_dir',
+}
+
+
+def upgrade(values: dict) -> dict:
+  """`values` (nested, as YAML or overrides give them) with every earlier spelling (`RENAMED`) moved to its
+  group; a ConfigError when one dict sets a field under both spellings."""
+  out = copy.deepcopy(values)
+  for old, new in RENAMED.items():
+    *path, key = old.split('.')
+    section = _section(out, path)
+    if section is None or key not in section or isinstance(section[key], dict):
+      continue
+    *new_path, new_key = new.split('.')
+    target = _section(out, new_path, create=True)
+    if new_key in target:
+      raise ConfigError(f'{old} and {new} are both set; {old} is the earlier spelling of {new}: keep one')
+    target[new_key] = section.pop(key)
+  return out
+
+
+def _section(values: dict, path: list[str], create: bool = False) -> dict | None:
+  """The dict at `path` inside `values` (made when `create`), or None when it is absent or not a dict."""
+  for part in path:
+    if create and part not in values:
+      values[part] = {}
+    values = values.get(part)
+    if not isinstance(values, dict):
+      return None
+  return values
 
 
 def inference_mesh(mesh: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
@@ -507,19 +611,36 @@ def expand_path(value: str) -> str:
 
 
 def _expand_paths(values: dict) -> dict:
-  values = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
-  for section, key in PATH_FIELDS:
-    value = values.get(section, {}).get(key)
+  values = copy.deepcopy(values)
+  for dotted in PATH_FIELDS:
+    *path, key = dotted.split('.')
+    section = _section(values, path)
+    value = section.get(key) if section else None
     if isinstance(value, str):
-      values[section][key] = expand_path(value)
+      section[key] = expand_path(value)
     elif isinstance(value, list):
-      values[section][key] = [expand_path(v) if isinstance(v, str) else v for v in value]
+      section[key] = [expand_path(v) if isinstance(v, str) else v for v in value]
   return values
 
 
+# Checks that need more than this module knows (the model families, the attention implementations): their layer
+# registers them (`lm.models`), and every config loaded after runs them.
+_CHECKS: list[Callable[[Config], None]] = []
+
+
+def register_check(check: Callable[[Config], None]) -> None:
+  """Run `check` on every config built from now on (`from_dict`, `load_config`)."""
+  if check not in _CHECKS:
+    _CHECKS.append(check)
+
+
 def from_dict(values: dict) -> Config:
-  config = _build(Config, _expand_paths(values), '')
+  """A Config from nested values (earlier spellings upgraded), validated by every check: this module's and the
+  registered ones."""
+  config = _build(Config, _expand_paths(upgrade(values)), '')
   validate(config)
+  for check in _CHECKS:
+    check(config)
   return config
 
 
@@ -597,35 +718,6 @@ def _check_window_and_softcap(config: Config) -> None:
                       f'{m.attention_scale_dim} positive (or null)')
 
 
-def _check_rope_scaling(m: ModelConfig) -> None:
-  if m.rope_scaling == 'none':
-    return
-  if m.position != 'rotary':
-    raise ConfigError(f'model.rope_scaling={m.rope_scaling} scales rotary positions, but model.position='
-                      f'{m.position}; set model.position=rotary or model.rope_scaling=none')
-  if m.rope_factor < 1:
-    raise ConfigError(f'model.rope_factor={m.rope_factor} must be >= 1 (how many times the trained context)')
-  if m.rope_scaling in ('llama3', 'yarn') and m.rope_original_max_len <= 0:
-    raise ConfigError(f'model.rope_scaling={m.rope_scaling} needs model.rope_original_max_len, the context the '
-                      f'model was first trained at (Llama 3.1: 8192)')
-  if m.rope_scaling == 'llama3' and not m.rope_high_freq_factor > m.rope_low_freq_factor > 0:
-    raise ConfigError(f'model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor='
-                      f'{m.rope_low_freq_factor} > 0 (Llama 3.1: 4 and 1)')
-
-
-def _check_parametrization(config: Config) -> None:
-  m, o = config.model, config.optim
-  lr_multipliers(o)
-  if m.parametrization == 'standard':
-    if m.mup_base_width or m.mup_base_head_dim is not None or m.mup_zero_init:
-      raise ConfigError('model.mup_* fields are set but model.parametrization=standard; set '
-                        'model.parametrization=mup or drop them')
-  elif m.mup_base_width <= 0 or (m.mup_base_head_dim is not None and m.mup_base_head_dim <= 0):
-    raise ConfigError(f'model.parametrization=mup needs model.mup_base_width > 0 (the width the hyperparameters '
-                      f'were tuned at, e.g. model.mup_base_width={m.d_model}) and a positive '
-                      f'model.mup_base_head_dim if set')
-
-
 def _check_sizes(config: Config) -> None:
   """Every size and count is positive."""
   m, d, t = config.model, config.data, config.train
@@ -634,7 +726,7 @@ def _check_sizes(config: Config) -> None:
     'model.num_heads': m.num_heads, 'model.max_len': m.max_len, 'data.seq_len': d.seq_len,
     'data.max_chars': d.max_chars,
     'train.steps': t.steps, 'train.global_batch': t.global_batch, 'train.microbatches': t.microbatches,
-    'train.log_every': t.log_every, 'train.eval_every': t.eval_every, 'train.keep_checkpoints': t.keep_checkpoints,
+    'train.log_every': t.log_every, 'train.eval_every': t.eval_every,
   }
   for key, value in positive.items():
     if value <= 0:
@@ -654,7 +746,8 @@ def _check_model(config: Config) -> None:
   if m.position == 'rotary' and m.resolved_head_dim % 2:
     raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
                       f'use an even model.head_dim')
-  _check_rope_scaling(m)
+  m.rope.check(m.position)
+  m.mup.check(m.parametrization, m.d_model)
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(
@@ -676,27 +769,22 @@ def _check_train(config: Config) -> None:
     raise ConfigError(
       f'train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}; '
       f'make the batch a multiple of the microbatch count')
-  if any(step < 1 for step in t.checkpoint_at):
-    raise ConfigError(f'train.checkpoint_at={list(t.checkpoint_at)} must list steps >= 1')
   if t.profile is not None:
     profile_steps(t.profile)
   if t.slow_step_factor < 0:
     raise ConfigError(f'train.slow_step_factor={t.slow_step_factor} must be >= 0 (0: never)')
   if t.watch_every < 0:
     raise ConfigError(f'train.watch_every={t.watch_every} must be >= 0 (0: off)')
-  if t.keep_every < 0 or t.checkpoint_every_minutes < 0:
-    raise ConfigError(f'train.keep_every={t.keep_every} and train.checkpoint_every_minutes='
-                      f'{t.checkpoint_every_minutes} must be >= 0 (0: off)')
-  if t.checkpoint_every < 0 or t.eval_batches < -1 or o.warmup_steps < 0:
-    raise ConfigError('train.checkpoint_every and optim.warmup_steps must be >= 0, train.eval_batches >= -1 '
-                      '(-1: every held-out set whole)')
-  if t.evals_every < 0 or (t.evals_limit is not None and t.evals_limit < 1) or (t.evals_num_fewshot or 0) < 0:
-    raise ConfigError('train.evals_every and train.evals_num_fewshot must be >= 0 and train.evals_limit >= 1')
+  if t.eval_batches < -1 or o.warmup_steps < 0:
+    raise ConfigError('optim.warmup_steps must be >= 0, train.eval_batches >= -1 (-1: every held-out set whole)')
+  t.checkpoint.check()
+  t.harness.check()
 
 
 def _check_optim(config: Config) -> None:
   """The optimizer section: rates, betas and each optimizer's own knobs."""
   o = config.optim
+  lr_multipliers(o)
   if o.learning_rate <= 0 or o.grad_clip < 0 or o.weight_decay < 0:
     raise ConfigError('optim.learning_rate must be > 0; optim.grad_clip and optim.weight_decay >= 0')
   ranges = {'optim.b1': (o.b1, 0, 1), 'optim.b2': (o.b2, 0, 1), 'optim.muon_momentum': (o.muon_momentum, 0, 1),
@@ -765,13 +853,12 @@ def _check_mesh(config: Config) -> None:
 
 
 def validate(config: Config) -> None:
-  """Device-independent checks that need no family or tokenizer: the family's own run where the model is
-  assembled (`lm.models.check_config`), mesh-dependent ones when the mesh is built."""
+  """Device-independent checks that need no family or tokenizer: the family's own are registered by `lm.models`
+  (`register_check`) and run after these; mesh-dependent ones when the mesh is built."""
   _check_sizes(config)
   _check_model(config)
   _check_train(config)
   _check_optim(config)
-  _check_parametrization(config)
   _check_start_and_schedule(config)
   _check_sequence_split(config)
   _check_data(config)

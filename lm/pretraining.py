@@ -2,8 +2,8 @@
 
 Builds the assembly, the training and held-out batches, and the callbacks (loss and bits per byte of the
 validation split and each `data.evals` set at step 0, every `train.eval_every` steps and at the end;
-lm-eval-harness tasks (`train.evals`) every `train.evals_every` steps and at the end; with `data.mixture`, the
-tokens of each source every `train.log_every` steps; the latest checkpoint every `train.checkpoint_every` steps,
+lm-eval-harness tasks (`train.harness.tasks`) every `train.harness.every` steps and at the end; with `data.mixture`, the
+tokens of each source every `train.log_every` steps; the latest checkpoint every `train.checkpoint.every` steps,
 at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
 """
 from __future__ import annotations
@@ -68,18 +68,19 @@ class Pretraining:
                      self.config.train.log_every)]
 
   def _task_evals(self) -> list[Callback]:
-    """`train.evals` through the harness on the training devices, recorded as eval/<task>/<metric>."""
+    """`train.harness.tasks` through the harness on the training devices, recorded as eval/<task>/<metric>."""
     t = self.config.train
-    if not t.evals:
+    h = t.harness
+    if not h.tasks:
       return []
     from lm.evals.run import Request, TaskEvaluator, metric_records
-    data_dir = None if t.evals_data_dir is None else Path(t.evals_data_dir)
+    data_dir = None if h.data_dir is None else Path(h.data_dir)
     if data_dir is not None and not data_dir.is_dir():
-      raise ConfigError(f'train.evals_data_dir={data_dir} is not a directory; point it at the task files '
+      raise ConfigError(f'train.harness.data_dir={data_dir} is not a directory; point it at the task files '
                         f'(as lm eval --data-dir takes them) or drop it to load from the Hub')
-    evaluator = TaskEvaluator(self.assembly, Request(tasks=t.evals, data_dir=data_dir, subset=t.evals_limit,
-                                                     num_fewshot=t.evals_num_fewshot))
-    return [Evaluate(lambda params, _: metric_records(evaluator(params)), t.evals_every or t.eval_every,
+    evaluator = TaskEvaluator(self.assembly, Request(tasks=h.tasks, data_dir=data_dir, subset=h.limit,
+                                                     num_fewshot=h.num_fewshot))
+    return [Evaluate(lambda params, _: metric_records(evaluator(params)), h.every or t.eval_every,
                      params_of=self.assembly.params_of)]
 
   def _start(self) -> TrainState:

@@ -1,9 +1,10 @@
 """Config loading, overrides and the one-line errors for bad input."""
 import jax
 import pytest
+import yaml
 
 from lm import cli
-from lm.config import ConfigError, load_config, parse_overrides
+from lm.config import RENAMED, ConfigError, load_config, parse_overrides
 from lm.assembly import assemble
 from lm.parallel.mesh import make_mesh
 from lm.train.step import PretrainingLoss, make_train_step
@@ -30,6 +31,40 @@ def test_base_inheritance():
   tiny = load_config('gpt_tiny')
   assert bench.model.vocab_size == 8192 and bench.train.global_batch == 8
   assert bench.model.num_layers == tiny.model.num_layers and bench.name == 'gpt_bench'
+
+
+# One value per earlier spelling (lm.config.RENAMED), each valid where it lands.
+EARLIER = {'model.rope_theta': 5e5, 'model.rope_scaling': 'linear', 'model.rope_factor': 2.0,
+           'model.rope_original_max_len': 64, 'model.rope_low_freq_factor': 1.5, 'model.rope_high_freq_factor': 3.0,
+           'model.rope_beta_fast': 16.0, 'model.rope_beta_slow': 2.0, 'model.rope_attention_factor': 1.1,
+           'model.mup_base_width': 64, 'model.mup_base_head_dim': 16, 'model.mup_zero_init': True,
+           'train.checkpoint_every': 7, 'train.checkpoint_every_minutes': 5.0, 'train.keep_checkpoints': 3,
+           'train.keep_every': 4, 'train.checkpoint_at': [3, 9], 'train.evals': ['piqa'], 'train.evals_every': 5,
+           'train.evals_limit': 10, 'train.evals_num_fewshot': 2, 'train.evals_data_dir': '/tmp/tasks'}
+
+
+def test_earlier_spellings_load_into_their_groups(tmp_path):
+  """Every field a grouping moved keeps its earlier spelling, on the command line and in a YAML file (a run dir's
+  config.yaml written before the grouping); a field set under both spellings is refused in one line."""
+  assert set(EARLIER) == set(RENAMED)
+  fixed = ['model.position=rotary', 'model.parametrization=mup']
+  show = lambda v: f'[{",".join(map(str, v))}]' if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else v
+  old = load_config('gpt_tiny', fixed + [f'{k}={show(v)}' for k, v in EARLIER.items()])
+  new = load_config('gpt_tiny', fixed + [f'{RENAMED[k]}={show(v)}' for k, v in EARLIER.items()])
+  assert old == new != load_config('gpt_tiny', fixed + ['model.mup.base_width=64'])
+  for dotted, value in EARLIER.items():
+    *path, key = RENAMED[dotted].split('.')
+    node = new
+    for part in path:
+      node = getattr(node, part)
+    assert getattr(node, key) == (tuple(value) if isinstance(value, list) else value), dotted
+  flat = yaml.safe_dump({'model': {'position': 'rotary', 'parametrization': 'mup',
+                                   **{k.split('.')[1]: v for k, v in EARLIER.items() if k.startswith('model.')}},
+                         'train': {k.split('.')[1]: v for k, v in EARLIER.items() if k.startswith('train.')}})
+  (tmp_path / 'old.yaml').write_text(f'base: gpt_tiny\n{flat}')
+  assert load_config(str(tmp_path / 'old.yaml')).model == new.model
+  with pytest.raises(ConfigError, match='train.checkpoint_every and train.checkpoint.every are both set'):
+    load_config('gpt_tiny', ['train.checkpoint_every=3', 'train.checkpoint.every=4'])
 
 
 def test_parse_overrides_nested():

@@ -28,7 +28,7 @@ from tests.glue.test_data import write_glue_files
 from tests.glue.test_finetune import save_hf_bert
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint_every=2',
+TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint.every=2',
             'train.log_every=1', 'optim.warmup_steps=1']
 # (a regex on the command, what replaces each match): shorter runs, same commands.
 SHORTER = [

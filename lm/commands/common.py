@@ -17,9 +17,11 @@ def add_config(parser: argparse.ArgumentParser) -> None:
 
 
 def checked_config(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
-  """The config of --config and the overrides, with its family's and attention's checks."""
-  from lm.models import check_config  # here: commands that need no model (scaling fit, plot) start without JAX
-  return check_config(load_config(args.config, list(args.overrides) + list(extra)))
+  """The config of --config and the overrides, with its family's and attention's checks: importing the models
+  registers them with the loader (imported here: commands that need no model, scaling fit and plot, start without
+  JAX)."""
+  import lm.models  # noqa: F401
+  return load_config(args.config, list(args.overrides) + list(extra))
 
 
 def profile_overrides(args: argparse.Namespace) -> list[str]:

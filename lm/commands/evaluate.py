@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
   ev.add_argument('--num-fewshot', type=int, metavar='K', help='few-shot examples (default: each task\'s own)')
   ev.add_argument('--limit', type=int, metavar='N', help='only the first N documents of each task')
   ev.add_argument('--subset', type=int, metavar='N', help='N documents of each task drawn with a fixed seed (those '
-                                                          'train.evals_limit=N evaluates in training)')
+                                                          'train.harness.limit=N evaluates in training)')
   ev.add_argument('--max-length', type=int, metavar='N', help='tokens per request (default: the model\'s context)')
   ev.add_argument('--step', type=int, metavar='S', help='the run\'s checkpoint at step S (default: the latest)')
   ev.add_argument('--ema', action='store_true', help='the params\' moving average (runs trained with '

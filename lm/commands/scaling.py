@@ -181,10 +181,10 @@ def _collect(scaling: argparse._SubParsersAction) -> None:
   collect.add_argument('--metric', choices=('loss', 'bpb'), default='loss',
                        help='loss: nats per token; bpb: bits per UTF-8 byte (compares across tokenizers)')
   collect.add_argument('--tasks', metavar='T1,T2', help='add harness task columns (<task>/<metric>, <task>/task_loss): '
-                       'the in-loop records of train.evals, else the checkpoint evaluated')
+                       'the in-loop records of train.harness.tasks, else the checkpoint evaluated')
   collect.add_argument('--tasks-data-dir', type=Path, metavar='DIR', help='local task files, as lm eval --data-dir')
   collect.add_argument('--tasks-limit', type=int, metavar='N', help='N documents per task (as lm eval --subset N and '
-                                                                    'train.evals_limit)')
+                                                                    'train.harness.limit)')
   collect.set_defaults(fn=cmd_scaling_collect, joins_job=True)  # --evaluate runs on the job's devices
 
 

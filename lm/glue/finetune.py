@@ -6,7 +6,7 @@ user's overrides: AdamW (weight decay 0.01 off biases and norms, eps 1e-6, clip 
 warmup then linear decay to 0, batch 32, 3 epochs, max_len 128 (`data.seq_len`). Batches cycle
 through seeded per-epoch shuffles, so a training set smaller than the batch still trains. Dev is
 evaluated every `train.eval_every` steps (default: each epoch) and the state checkpointed as often
-(`train.checkpoint_every`), so `--resume` continues a stopped or killed run exactly; the params with the
+(`train.checkpoint.every`), so `--resume` continues a stopped or killed run exactly; the params with the
 best main metric are kept and predict the dev and test files.
 
 The task's folder `<run_dir>/<task>/` is a run dir (config.yaml, checkpoints/ with the latest state for
@@ -47,7 +47,7 @@ Features = dict[str, np.ndarray]
 RECIPE = {
   'optim': {'learning_rate': 2e-5, 'schedule': 'linear', 'min_lr_ratio': 0.0, 'b1': 0.9, 'b2': 0.999, 'eps': 1e-6,
             'weight_decay': 0.01, 'decay_exclude': ['bias', 'scale'], 'grad_clip': 1.0},
-  'train': {'global_batch': 32, 'log_every': 10, 'eval_batches': 0, 'keep_checkpoints': 1,
+  'train': {'global_batch': 32, 'log_every': 10, 'eval_batches': 0, 'checkpoint': {'keep': 1},
             'resume': False},
   'data': {'seq_len': 128},
 }
@@ -97,8 +97,8 @@ def finetune_config(task: Task, init: str, preset: str | None, overrides: list[s
     values['optim']['warmup_steps'] = round(0.1 * steps)
   if 'eval_every' not in given.get('train', {}):
     values['train']['eval_every'] = min(steps_per_epoch, steps)
-  if 'checkpoint_every' not in given.get('train', {}):  # a killed run resumes from its last evaluation
-    values['train']['checkpoint_every'] = values['train']['eval_every']
+  if 'every' not in given.get('train', {}).get('checkpoint', {}):  # a killed run resumes from its last evaluation
+    values['train']['checkpoint']['every'] = values['train']['eval_every']
   return from_dict(values)
 
 

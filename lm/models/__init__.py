@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from lm.config import Config, ConfigError, ModelConfig
+from lm.config import Config, ConfigError, ModelConfig, register_check
 from lm.models import bert, gpt, llama, t5
 from lm.models.family import Family
 from lm.models.parametrization import initialize
@@ -41,6 +41,9 @@ def check_config(config: Config) -> Config:
   get_family(config.model.family).validate(config)
   check_attention(config)
   return config
+
+
+register_check(check_config)  # every config loaded from here on runs them (`lm.config.from_dict`)
 
 
 def make_objective(config: Config, tokenizer: Tokenizer) -> Objective:

@@ -2,7 +2,7 @@
 
 `standard`: the families' own initialisation, one learning rate, logits as they are. `mup`: the maximal update
 parametrization for Adam-like optimizers (Yang, Hu et al., Tensor Programs V, 2022, Table 3 in the MuReadout form
-of microsoft/mup), with width multiplier m = d_model / model.mup_base_width:
+of microsoft/mup), with width multiplier m = d_model / model.mup.base_width:
 
 - hidden matrices (the residual stream's `embed` axis with a `heads`, `kv_heads` or `mlp` axis): init variance
   1/fan_in, i.e. a width-constant std (`model.init=scaled_normal`) divided by sqrt(m), a fan-in init
@@ -12,7 +12,7 @@ of microsoft/mup), with width multiplier m = d_model / model.mup_base_width:
   back to the base's, as mup's MuReadout rescales), base lr, its logits x 1/m in the forward;
 - embeddings, biases, norm scales: as standard;
 - attention logits x sqrt(base head dim) / head dim (1/d_head, equal to 1/sqrt(d_head) at the base);
-- `model.mup_zero_init`: the query projections and an untied output layer start at zero.
+- `model.mup.zero_init`: the query projections and an untied output layer start at zero.
 
 At m = 1 every multiplier is 1 and the model trains as `standard` does.
 """
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from lm.config import ConfigError, ModelConfig, OptimConfig, lr_multipliers
+from lm.config import ConfigError, ModelConfig, MupConfig, OptimConfig, lr_multipliers
 from lm.parallel.rules import path_names
 
 HIDDEN = frozenset({'heads', 'kv_heads', 'mlp'})  # with 'embed': the axes of a hidden (residual-stream) matrix
@@ -60,7 +60,7 @@ def readout_input(x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def base_head_dim(cfg: ModelConfig) -> float:
-  return cfg.mup_base_head_dim or cfg.resolved_head_dim * cfg.mup_base_width / cfg.d_model
+  return cfg.mup.base_head_dim or cfg.resolved_head_dim * cfg.mup.base_width / cfg.d_model
 
 
 def attention_scale(cfg: ModelConfig) -> float | None:
@@ -76,7 +76,7 @@ def attention_scale(cfg: ModelConfig) -> float | None:
 def init_multiplier(axes: tuple[str | None, ...], cfg: ModelConfig) -> float:
   """What μP multiplies a param's standard init by."""
   kind, m = role(axes), width_multiplier(cfg)
-  if cfg.mup_zero_init and kind in ('query', 'readout'):
+  if cfg.mup.zero_init and kind in ('query', 'readout'):
     return 0.0
   width_constant = cfg.init == 'scaled_normal'
   if kind in ('hidden', 'query'):
@@ -121,8 +121,7 @@ def optimizer_multipliers(axes: Any, model: ModelConfig, optim: OptimConfig) -> 
 
 def standard(cfg: ModelConfig) -> ModelConfig:
   """`cfg` under the standard parametrization (its μP fields cleared)."""
-  return dataclasses.replace(cfg, parametrization='standard', mup_base_width=0, mup_base_head_dim=None,
-                             mup_zero_init=False)
+  return dataclasses.replace(cfg, parametrization='standard', mup=MupConfig())
 
 
 def fold(params: Any, axes: Any, cfg: ModelConfig, readout_norm: tuple[str, ...] | None) -> Any:
@@ -137,7 +136,7 @@ def fold(params: Any, axes: Any, cfg: ModelConfig, readout_norm: tuple[str, ...]
   if (tied and readout_norm is None) or (cfg.scale_embeddings and cfg.base_width != cfg.d_model):
     raise ConfigError(f'cannot fold this μP {cfg.family} model into a standard one: its output layer or embedding '
                       f'scale depends on the width otherwise (model.tie_embeddings={cfg.tie_embeddings}, '
-                      f'model.scale_embeddings={cfg.scale_embeddings}); export it at model.mup_base_width='
+                      f'model.scale_embeddings={cfg.scale_embeddings}); export it at model.mup.base_width='
                       f'{cfg.d_model} or untie its output layer')
   query = (base_head_dim(cfg) / cfg.resolved_head_dim) ** 0.5
   readout = readout_multiplier(cfg)

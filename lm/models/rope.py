@@ -11,6 +11,7 @@ size of cos and sin; each follows transformers' `modeling_rope_utils`:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -18,21 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.config import ModelConfig
+from lm.config import ModelConfig, RopeConfig
 
 
 @dataclass(frozen=True)
-class Rope:
-  """What rotates queries and keys: the base wavelength and a scaling (`lm.config.RopeScaling`)."""
-  theta: float = 10000.0
-  scaling: str = 'none'
-  factor: float = 1.0
-  original_max_len: int = 0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  beta_fast: float = 32.0
-  beta_slow: float = 1.0
-  attention_factor: float | None = None
+class Rope(RopeConfig):
+  """What rotates queries and keys: `model.rope`'s base wavelength and scaling, with their arithmetic."""
 
   def inverse_frequencies(self, head_dim: int) -> np.ndarray:
     """[head_dim / 2] radians per position, float64."""
@@ -71,9 +63,7 @@ def rope_of(cfg: ModelConfig) -> Rope | None:
   """The model's rotation (None unless model.position is rotary)."""
   if cfg.position != 'rotary':
     return None
-  return Rope(cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len,
-              cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow,
-              cfg.rope_attention_factor)
+  return Rope(**dataclasses.asdict(cfg.rope))
 
 
 def rotary(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:

@@ -6,7 +6,7 @@ restored through orbax onto the devices present and evaluated on the run's valid
 another, through `data.*` overrides). Tokens are the row tokens trained on (step x batch x length);
 `flops` is our accounting's count for them and `flops_6nd` 6ND with N the total parameters. Step 0 is
 no point: an untrained model says nothing of a law. With `tasks`, each point also gets a `<task>/<metric>`
-column per harness metric and `<task>/task_loss`: from the run's in-loop records of that step (`train.evals`)
+column per harness metric and `<task>/task_loss`: from the run's in-loop records of that step (`train.harness.tasks`)
 where they exist, else by evaluating that step's checkpoint (`lm.evals.run`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from etils import epath
 
 from lm.assembly import accounting, assemble
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
-from lm.models import abstract_params, build_model, check_config
+from lm.models import abstract_params, build_model
 from lm.storage.run_dir import CONFIG
 from lm.storage.source import ModelSource
 from lm.scaling.sweep import sweep_runs
@@ -90,7 +90,7 @@ def task_columns(run_dir: epath.Path, steps: Sequence[int], request: Any) -> dic
   source = ModelSource(run_dir, need_params=False)
   if absent := [step for step in missing if step not in source.steps]:
     raise ConfigError(f'{run_dir} step {absent[0]}: no task records and no checkpoint to evaluate; train with '
-                      f'train.evals=... or keep its checkpoints (train.keep_checkpoints)')
+                      f'train.harness.tasks=... or keep its checkpoints (train.checkpoint.keep_every)')
   assembly = source.assembly()
   evaluator = TaskEvaluator(assembly, request)
   for step in missing:
@@ -127,7 +127,7 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
     config = ModelSource(run_dir, need_params=False).config
     if evaluate:
       if overrides:
-        config = check_config(from_dict(merge(config.to_dict(), parse_overrides(list(overrides)))))
+        config = from_dict(merge(config.to_dict(), parse_overrides(list(overrides))))
       losses = evaluated_losses(run_dir, config, eval_set, metric)
     else:
       losses = recorded_losses(run_dir, column)

@@ -5,7 +5,7 @@ curve is flat in width; under the standard parametrization the logits and hidden
 params have moved.
 
 Widths grow the head dim at a fixed number of heads (and d_ff in proportion), as microsoft/mup's check does;
-μP's base width is the base config's `model.mup_base_width`, else its d_model.
+μP's base width is the base config's `model.mup.base_width`, else its d_model.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def width_config(base: Config, width: int, parametrization: str, learning_rate: 
   m = base.model
   scale = lambda x: None if x is None else x * width // m.d_model
   model = standard(m) if parametrization == 'standard' else \
-    dataclasses.replace(m, parametrization='mup', mup_base_width=m.mup_base_width or m.d_model)
+    dataclasses.replace(m, parametrization='mup', mup=dataclasses.replace(m.mup, base_width=m.mup.base_width or m.d_model))
   model = dataclasses.replace(model, d_model=width, d_ff=scale(m.d_ff), head_dim=scale(m.head_dim), scan_layers=False,
                               remat='none', dropout=0.0, attention_dropout=0.0)
   optim = dataclasses.replace(base.optim, name='adamw', learning_rate=learning_rate, warmup_steps=0,
@@ -103,7 +103,7 @@ def coord_check(base: Config, widths: Sequence[int], parametrization: str, learn
   log_w = np.log(np.asarray(widths, np.float64))
   slopes = {group: [float(np.polyfit(log_w, np.log(values[t]), 1)[0]) for t in range(steps + 1)]
             for group, values in mean_abs.items()}
-  return {'parametrization': parametrization, 'base_width': base.model.mup_base_width or base.model.d_model,
+  return {'parametrization': parametrization, 'base_width': base.model.mup.base_width or base.model.d_model,
           'learning_rate': learning_rate, 'widths': list(widths), 'steps': steps, 'seeds': seeds,
           'mean_abs': {group: values.tolist() for group, values in mean_abs.items()}, 'slopes': slopes}
 

@@ -25,7 +25,7 @@ from etils import epath
 
 from lm.assembly import accounting
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
-from lm.models import abstract_params, build_model, check_config
+from lm.models import abstract_params, build_model
 from lm.storage.run_dir import CHECKPOINTS, checkpoints
 
 SWEEP = 'sweep.json'
@@ -87,9 +87,8 @@ def _sized(base: Config, width: int, depth: int) -> tuple[Config, int]:
   if width % heads:
     raise ConfigError(f'width {width} does not split into heads of {head_dim}; pick widths that are multiples '
                       f'of {head_dim}')
-  config = check_config(from_dict(merge(base.to_dict(), {'model': {'d_model': width, 'num_layers': depth,
-                                                                    'num_heads': heads, 'num_kv_heads': None,
-                                                                    'head_dim': None}})))
+  config = from_dict(merge(base.to_dict(), {'model': {'d_model': width, 'num_layers': depth, 'num_heads': heads,
+                                                      'num_kv_heads': None, 'head_dim': None}}))
   return config, accounting.count_params(abstract_params(build_model(config.model)))['total']
 
 
@@ -99,7 +98,7 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
   """The sweep's points: sizes x `tokens`, or for each compute budget every size at D = C / 6N; with `schedule`
   'wsd', each a warmup-stable-decay run (a size's points warm up alike, so they share a stable phase); each at
   every one of `learning_rates` (labels `..._lr<rate>`). Under μP every width scales its init and per-param
-  rates from `model.mup_base_width`; its base head dim is the one the sizes keep."""
+  rates from `model.mup.base_width`; its base head dim is the one the sizes keep."""
   if bool(tokens) == bool(budgets):
     raise ConfigError('a sweep takes token budgets (--tokens) or compute budgets (--budgets), one of the two')
   per_step = base.train.global_batch * base.data.seq_len
@@ -123,9 +122,9 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       warmup = min(base.optim.warmup_steps, (shortest if schedule == 'wsd' else steps) // 10)
       overrides = (f'model.d_model={width}', f'model.num_layers={depth}', f'model.num_heads={config.model.num_heads}',
                    f'train.steps={steps}', f'optim.decay_steps={steps}', f'optim.warmup_steps={warmup}',
-                   f'train.eval_every={every}', f'train.checkpoint_every={every}', 'train.resume=true')
-      if base.model.parametrization == 'mup' and base.model.mup_base_head_dim is None:
-        overrides += (f'model.mup_base_head_dim={base.model.resolved_head_dim}',)
+                   f'train.eval_every={every}', f'train.checkpoint.every={every}', 'train.resume=true')
+      if base.model.parametrization == 'mup' and base.model.mup.base_head_dim is None:
+        overrides += (f'model.mup.base_head_dim={base.model.resolved_head_dim}',)
       branch_at = 0
       if schedule == 'wsd':
         overrides += ('optim.schedule=wsd',)
@@ -156,11 +155,11 @@ def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int,
     shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
                                                                      'model.num_heads', 'optim.warmup_steps',
                                                                      'optim.learning_rate',
-                                                                     'model.mup_base_head_dim')]
+                                                                     'model.mup.base_head_dim')]
     stable[key] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
                           (*shared, 'optim.schedule=constant', f'train.steps={steps}', f'train.eval_every={every}',
-                           f'train.checkpoint_every={every}',
-                           f'train.checkpoint_at=[{",".join(str(p.branch_at) for p in mine)}]', 'train.resume=true'))
+                           f'train.checkpoint.every={every}',
+                           f'train.checkpoint.at=[{",".join(str(p.branch_at) for p in mine)}]', 'train.resume=true'))
   return stable
 
 
@@ -189,7 +188,7 @@ def _train(base: Config, run_dir: epath.Path, overrides: Sequence[str], head: st
     return
   print(head, flush=True)
   config = from_dict(merge(base.to_dict(), parse_overrides([*overrides, f'train.run_dir={run_dir}'])))
-  Pretraining(check_config(config)).run()
+  Pretraining(config).run()
 
 
 def sweep(base: Config, out: str, points: Sequence[Point], evals: int = 4) -> list[str]:

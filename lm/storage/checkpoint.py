@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lm.assembly.state import TrainState, shardings_of
-from lm.config import EXECUTION_FIELDS, Config, ConfigError
+from lm.config import EXECUTION_FIELDS, Config, ConfigError, merge, upgrade
 from lm.distributed import all_processes, barrier
 from lm.models.transformer import relayout
 
@@ -107,9 +107,19 @@ def _write_reason(error: BaseException, directory: epath.Path) -> str:
 
 
 def with_defaults(saved: dict) -> dict:
-  """A checkpoint's config sections, a field added since it was written taking its default (it was written so)."""
-  return {section: {**default, **saved.get(section, {})}
+  """A checkpoint's config sections in today's spelling (`upgrade`), a field added since it was written taking its
+  default (it was written so)."""
+  saved = upgrade(saved)
+  return {section: merge(default, saved.get(section, {}))
           for section, default in Config().to_dict().items() if isinstance(default, dict)}
+
+
+def _flat(section: dict, prefix: str = '') -> dict[str, Any]:
+  """A config section's fields by dotted name, its groups' fields included (`rope.factor`)."""
+  out: dict[str, Any] = {}
+  for key, value in section.items():
+    out.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict) else {f'{prefix}{key}': value})
+  return out
 
 
 def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
@@ -119,7 +129,7 @@ def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
   for section, keys, what in (('model', None, 'model'), ('data', None, 'data order'),
                               ('train', ('seed', 'ema_decay'), 'seed or moving average'),
                               ('optim', ('name', 'lr_multipliers'), 'optimizer')):
-    theirs, ours = saved[section], config[section]
+    theirs, ours = _flat(saved[section]), _flat(config[section])
     free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
     keys = keys or sorted((set(theirs) | set(ours)) - free)
     diff = [f'{section}.{k}' for k in keys if theirs.get(k) != ours.get(k)]
@@ -177,7 +187,7 @@ class Checkpointer:
       last = f'{self.directory}/{complete[-1]}' if complete else 'none'
       raise CheckpointWriteError(
         f'checkpoint {failed} was not written: {_write_reason(e, self.directory)}; the last complete checkpoint is '
-        f'{last}; free space (or lower train.keep_checkpoints), then continue with --resume') from e
+        f'{last}; free space (or lower train.checkpoint.keep), then continue with --resume') from e
 
   def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
     """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from lm.assembly import Assembly, assemble
 from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh, merge, parse_overrides
-from lm.models import abstract_params, check_config
+from lm.models import abstract_params
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import hf_model_config, load_hf
 from lm.storage.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
@@ -82,13 +82,13 @@ class ModelSource:
         if need_params:
           raise ConfigError(f'{self.path} holds no checkpoint yet; train it first (lm train ... '
                             f'train.run_dir={self.path}) or import a model into it with lm convert --from-hf')
-        self.config, self.step = check_config(read_config(self.path)), None
+        self.config, self.step = read_config(self.path), None
         return
       self.step = self.steps[-1] if step is None else step
       if self.step not in self.steps:
         raise ConfigError(f'--step {self.step}: {self.path} has checkpoints at steps '
                           f'{", ".join(map(str, self.steps))}')
-      self.config = check_config(from_dict(saved.saved_config(self.step)))
+      self.config = from_dict(saved.saved_config(self.step))
     finally:
       saved.close()
     if self.view == 'ema' and not self.config.train.ema_decay:

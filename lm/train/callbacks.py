@@ -97,9 +97,9 @@ class Checkpoint(Callback):
 
   @classmethod
   def of(cls, checkpointer: Checkpointer, train: TrainConfig, data: Any, config: dict) -> Checkpoint:
-    """The cadence `train` sets (checkpoint_every, checkpoint_at, keep_every, checkpoint_every_minutes)."""
-    return cls(checkpointer, train.checkpoint_every, data, config, train.checkpoint_at, train.keep_every,
-               train.checkpoint_every_minutes, train.log_every)
+    """The cadence `train.checkpoint` sets, the time checked at each log step."""
+    c = train.checkpoint
+    return cls(checkpointer, c.every, data, config, c.at, c.keep_every, c.every_minutes, train.log_every)
 
   def start(self, step, state, history):
     self.last_save = self.clock()

@@ -95,8 +95,8 @@ class Trainer:
     cfg = self.config if config is None else config
     t = cfg.train
     position = batches if position is None else position
-    checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.keep_checkpoints, create=False,
-                               keep_steps=t.checkpoint_at, keep_every=t.keep_every)
+    checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.checkpoint.keep, create=False,
+                               keep_steps=t.checkpoint.at, keep_every=t.checkpoint.keep_every)
     try:
       state = restore_or_start(checkpoints, self.assembly, position, start)
       if is_main_process():

@@ -120,7 +120,7 @@ def test_a_mixture_run_logs_each_sources_tokens_and_resumes_exactly(corpus, smal
   mix = [*corpus, 'data.weights=[a=0.5 b=0.3 c=0.2, 3 a=0.2 b=0 c=0.8]', 'train.log_every=1', 'mesh.data=-1']
   straight = small_config(*mix, 'train.steps=6', f'train.run_dir={tmp_path}/straight')
   assert cli.main(['train', '--config', str(write(straight, tmp_path / 's.yaml'))]) == 0
-  first = small_config(*mix, 'train.steps=2', f'train.run_dir={tmp_path}/resumed', 'train.checkpoint_every=2')
+  first = small_config(*mix, 'train.steps=2', f'train.run_dir={tmp_path}/resumed', 'train.checkpoint.every=2')
   assert cli.main(['train', '--config', str(write(first, tmp_path / 'r.yaml'))]) == 0
   assert cli.main(['train', '--config', str(write(first, tmp_path / 'r.yaml')), '--resume', 'train.steps=6']) == 0
   a, b = read_metrics(tmp_path / 'straight'), read_metrics(tmp_path / 'resumed')

@@ -61,7 +61,7 @@ def losses_and_params(config, run_dir, *, preempt_at=None, resume=False):
 def test_resume_after_sigterm_is_exact(corpus, tmp_path):
   """Preempted at step 20 and resumed: every step's loss and the final params equal 40 steps straight."""
   config = lambda *o: load_config('gpt_tiny', SMALL + corpus + ['train.steps=40', 'train.eval_batches=0',
-                                                                 'train.checkpoint_every=100', 'optim.decay_steps=40',
+                                                                 'train.checkpoint.every=100', 'optim.decay_steps=40',
                                                                  *o])
   straight = losses_and_params(config, tmp_path / 'a')
   first = losses_and_params(config, tmp_path / 'b', preempt_at=20)

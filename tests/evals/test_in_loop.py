@@ -1,4 +1,4 @@
-"""lm-eval-harness tasks inside training (`train.evals`): recorded at the set steps as eval/<task>/<metric>, equal to
+"""lm-eval-harness tasks inside training (`train.harness.tasks`): recorded at the set steps as eval/<task>/<metric>, equal to
 `lm eval --subset` on the checkpoint of the same step."""
 import json
 
@@ -25,9 +25,9 @@ def test_in_loop_records_equal_lm_eval_on_the_same_checkpoint(tmp_path, capsys):
   releases.write_both(data, tmp_path / 'hub_layout')
   run_dir = tmp_path / 'run'
   assert cli.main(['train', '--config', 'gpt_tiny', f'train.run_dir={run_dir}', 'train.steps=4', *TINY,
-                   'train.eval_every=4', 'train.checkpoint_every=2', 'train.keep_checkpoints=3',
-                   'train.evals=piqa,lambada_openai', 'train.evals_every=2', 'train.evals_limit=6',
-                   f'train.evals_data_dir={data}']) == 0
+                   'train.eval_every=4', 'train.checkpoint.every=2', 'train.checkpoint.keep=3',
+                   'train.harness.tasks=piqa,lambada_openai', 'train.harness.every=2', 'train.harness.limit=6',
+                   f'train.harness.data_dir={data}']) == 0
   assert 'piqa/acc ' in capsys.readouterr().out  # the console shows them
   records = {r['step']: r for r in read_metrics(run_dir) if any(k.startswith('eval/') for k in r)}
   assert sorted(records) == [2, 4]
@@ -47,7 +47,7 @@ def test_in_loop_records_equal_lm_eval_on_the_same_checkpoint(tmp_path, capsys):
 def test_an_unknown_task_stops_training_before_anything_is_written(tmp_path, capsys):
   run_dir = tmp_path / 'run'
   assert cli.main(['train', '--config', 'gpt_tiny', f'train.run_dir={run_dir}', 'train.steps=1', *TINY,
-                   'train.evals=piqaa']) == 2
+                   'train.harness.tasks=piqaa']) == 2
   err = capsys.readouterr().err.strip()
   assert "no task 'piqaa'" in err and len(err.splitlines()) == 1, err
   assert not run_dir.exists()

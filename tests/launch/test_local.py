@@ -76,7 +76,7 @@ def test_a_failing_process_stops_the_others(tmp_path):
 def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
   """The preemption notice reaches one host; every process saves the same step and exits 0."""
   port = free_port()
-  command = [*LM, 'train', *TINY, 'train.steps=2000', 'train.eval_batches=0', 'train.checkpoint_every=10000',
+  command = [*LM, 'train', *TINY, 'train.steps=2000', 'train.eval_batches=0', 'train.checkpoint.every=10000',
              'mesh.data=2', 'mesh.fsdp=2', f'train.run_dir={tmp_path}/run']
   logs = [open(tmp_path / f'{i}.log', 'w') for i in range(2)]
   procs = [subprocess.Popen(command, env=process_env(i, 2, 2, port), stdout=logs[i], stderr=subprocess.STDOUT)

@@ -82,7 +82,7 @@ def test_a_two_task_cpu_job_trains_from_a_fresh_checkout_with_its_default_port_t
 def test_scancel_full_checkpoints_requeues_and_resumes_to_the_last_step(cluster, tmp_path):
   job = submit(cluster, tmp_path, 'full', '--time', '00:10:00',
                command=[*TINY, 'train.steps=150', 'train.eval_every=150', 'train.log_every=10',
-                        'train.checkpoint_every=1000', 'train.run_dir=run'])
+                        'train.checkpoint.every=1000', 'train.run_dir=run'])
   log = tmp_path / 'logs' / 'slurm' / f'full-{job}-0.out'
   wait_for(log, r'step 10 \| loss', cluster, job)
   subprocess.run(['scancel', '--signal=TERM', '--full', job], env=cluster.env, check=True)
@@ -104,7 +104,7 @@ def test_the_time_limit_signal_checkpoints_and_requeues(cluster, tmp_path):
   task (the test above has two stop at one step): the run trains flat out for a minute or two."""
   job = submit(cluster, tmp_path, 'limit', '--time', '00:03:00', '--signal-seconds', '60', tasks=1,
                command=[*TINY, 'train.steps=1000000', 'train.eval_every=1000000', 'train.log_every=10',
-                        'train.checkpoint_every=1000000', 'train.run_dir=run'])
+                        'train.checkpoint.every=1000000', 'train.run_dir=run'])
   log = tmp_path / 'logs' / 'slurm' / f'limit-{job}-0.out'
   try:
     stopped = int(wait_for(log, r'stopped by SIGTERM after step (\d+); checkpoint saved, the job requeues',

@@ -1,4 +1,5 @@
 """The family registry: generic code asks the records, never a family's name."""
+import dataclasses
 import re
 from pathlib import Path
 
@@ -37,13 +38,21 @@ def test_every_family_declares_what_generic_code_needs():
   ('bert_tiny', 'model.nsp=true', 'model.nsp=true .* set model.type_vocab_size=2'),
   ('llama_tiny', 'model.position=learned', 'a llama model has no position table'),
 ])
-def test_family_checks_run_where_the_model_is_assembled(preset, override, message, capsys):
-  """`load_config` knows no family; `check_config`, `assemble` and every CLI command run the family's checks."""
+def test_family_checks_run_wherever_a_config_is_loaded(preset, override, message, capsys):
+  """`lm.config` knows no family, yet loading runs the family's checks (`lm.models` registers them); a config built
+  in code meets them at `assemble`; every CLI command reports them in one line."""
   overrides = [override] + (['model.type_vocab_size=0'] if 'nsp' in override else [])
-  config = load_config(preset, overrides)
+  with pytest.raises(ConfigError, match=message):
+    load_config(preset, overrides)
+  section, _, value = override.partition('=')
+  key = section.split('.')[1]
+  built = load_config(preset)
+  built = dataclasses.replace(built, model=dataclasses.replace(
+    built.model, **{key: value == 'true' if value in ('true', 'false') else value},
+    **({'type_vocab_size': 0} if 'nsp' in override else {})))
   for check in (check_config, assemble):
     with pytest.raises(ConfigError, match=message):
-      check(config)
+      check(built)
   assert cli.main(['info', '--config', preset, *overrides]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and re.search(message, err), err

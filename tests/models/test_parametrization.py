@@ -29,7 +29,7 @@ def test_mup_at_the_base_width_trains_as_standard(preset, scanned, tmp_path):
   overrides = SMALL + [f'model.scan_layers={str(scanned).lower()}', f'train.run_dir={tmp_path}']
   losses, params = five_steps(load_config(preset, overrides))
   mup_losses, mup_params = five_steps(load_config(preset, overrides + ['model.parametrization=mup',
-                                                                       'model.mup_base_width=64']))
+                                                                       'model.mup.base_width=64']))
   np.testing.assert_allclose(mup_losses, losses, rtol=1e-6)
   assert_close(mup_params, params, rtol=1e-6)
 
@@ -45,7 +45,7 @@ def test_mup_init_and_first_adamw_update_follow_table_3(small_config):
   embeddings, norms and biases step as standard; optim.lr_multipliers scales what its pattern matches."""
   m = 4
   params, grads, mask, updates, _, _ = first_update(
-    small_config, 'adamw', 'model.parametrization=mup', 'model.mup_base_width=16',
+    small_config, 'adamw', 'model.parametrization=mup', 'model.mup.base_width=16',
     'optim.lr_multipliers=[position_embed=0.5]')
   layers = params['decoder']['layers']
   residual = 0.02 / np.sqrt(2 * 2)
@@ -67,7 +67,7 @@ def test_mup_init_and_first_adamw_update_follow_table_3(small_config):
 def test_zero_init_starts_the_queries_and_an_untied_output_layer_at_zero(small_config):
   config = small_config('model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'model.use_bias=false',
                         'model.activation=swiglu', 'model.tie_embeddings=false', 'model.parametrization=mup',
-                        'model.mup_base_width=32', 'model.mup_zero_init=true')
+                        'model.mup.base_width=32', 'model.mup.zero_init=true')
   params = jax.device_get(assemble(config, jax.devices()[:1]).init_state().params)
   assert not params['decoder']['layers']['attention']['query']['kernel'].any()
   assert not params['lm_head']['kernel'].any()
@@ -75,9 +75,9 @@ def test_zero_init_starts_the_queries_and_an_untied_output_layer_at_zero(small_c
 
 
 @pytest.mark.parametrize('overrides, message', [
-  (['model.parametrization=mup'], 'model.parametrization=mup needs model.mup_base_width > 0'),
-  (['model.parametrization=mup', 'model.mup_base_width=-64'], 'needs model.mup_base_width > 0'),
-  (['model.mup_base_width=64'], 'model.mup_* fields are set but model.parametrization=standard'),
+  (['model.parametrization=mup'], 'model.parametrization=mup needs model.mup.base_width > 0'),
+  (['model.parametrization=mup', 'model.mup.base_width=-64'], 'needs model.mup.base_width > 0'),
+  (['model.mup.base_width=64'], 'model.mup fields are set but model.parametrization=standard'),
   (['optim.lr_multipliers=[embed]'], "optim.lr_multipliers entry 'embed' is not REGEX=FACTOR"),
   (['optim.lr_multipliers=[embed=-1]'], 'needs a pattern and a positive factor'),
 ])
@@ -87,7 +87,7 @@ def test_bad_parametrization_settings_are_one_line(small_config, overrides, mess
   assert '\n' not in str(e.value)
 
 
-@pytest.mark.parametrize('overrides', [['model.parametrization=mup', 'model.mup_base_width=64', 'optim.name=muon'],
+@pytest.mark.parametrize('overrides', [['model.parametrization=mup', 'model.mup.base_width=64', 'optim.name=muon'],
                                        ['optim.lr_multipliers=[embed=0.5]', 'optim.name=schedule_free_adamw']])
 def test_an_optimizer_of_one_rate_refuses_param_groups_in_one_line(small_config, overrides):
   """The optimizer code decides (lm.assembly.optim), when the config is assembled."""
@@ -102,7 +102,7 @@ def test_a_mup_t5_with_a_tied_output_layer_cannot_be_exported(small_config, tmp_
   from lm.storage.convert.hf import save_hf
   from lm.models import build_model
   config = load_config('t5_tiny', SMALL + ['model.tie_embeddings=true', 'model.parametrization=mup',
-                                           'model.mup_base_width=32'])
+                                           'model.mup.base_width=32'])
   params = jax.device_get(assemble(config, jax.devices()[:1]).init_state().params)
   with pytest.raises(ConfigError, match='cannot fold this μP t5 model into a standard one') as e:
     save_hf(build_model(config.model), params, tmp_path / 'hf')

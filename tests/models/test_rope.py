@@ -46,13 +46,13 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor():
 
 
 def test_the_config_names_what_a_scaling_needs():
-  cfg = load_config('llama_tiny', ['model.rope_scaling=llama3', 'model.rope_factor=8',
-                                   'model.rope_original_max_len=128']).model
+  cfg = load_config('llama_tiny', ['model.rope.scaling=llama3', 'model.rope.factor=8',
+                                   'model.rope.original_max_len=128']).model
   assert rope_of(cfg) == Rope(10000.0, 'llama3', 8.0, 128, 1.0, 4.0)
   assert rope_of(load_config('gpt_tiny').model) is None
-  with pytest.raises(ConfigError, match='needs model.rope_original_max_len'):
-    load_config('llama_tiny', ['model.rope_scaling=yarn', 'model.rope_factor=4'])
+  with pytest.raises(ConfigError, match='needs model.rope.original_max_len'):
+    load_config('llama_tiny', ['model.rope.scaling=yarn', 'model.rope.factor=4'])
   with pytest.raises(ConfigError, match='scales rotary positions, but model.position=learned'):
-    load_config('gpt_tiny', ['model.rope_scaling=linear'])
-  with pytest.raises(ConfigError, match='model.rope_factor=0.5 must be >= 1'):
-    load_config('llama_tiny', ['model.rope_scaling=linear', 'model.rope_factor=0.5'])
+    load_config('gpt_tiny', ['model.rope.scaling=linear'])
+  with pytest.raises(ConfigError, match='model.rope.factor=0.5 must be >= 1'):
+    load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=0.5'])

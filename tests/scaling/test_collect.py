@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
   for width in WIDTHS:
     assert cli.main(['train', '--config', 'gpt_tiny', f'model.d_model={width}', f'model.num_layers={LAYERS}',
                      'model.num_heads=2', f'data.seq_len={SEQ}', f'train.global_batch={BATCH}', 'train.steps=4',
-                     'train.eval_every=2', 'train.checkpoint_every=2', 'train.keep_checkpoints=3',
+                     'train.eval_every=2', 'train.checkpoint.every=2', 'train.checkpoint.keep=3',
                      'train.eval_batches=2', 'train.progress=false', f'train.run_dir={root / str(width)}',
                      evals]) == 0
   return root

@@ -31,13 +31,13 @@ def test_plan_fits_each_schedule_to_its_budget():
 
 
 def test_an_lr_grid_runs_every_point_at_every_rate_and_mup_keeps_the_base_head_dim():
-  base = load_config('gpt_tiny', BASE + ['model.parametrization=mup', 'model.mup_base_width=64'])
+  base = load_config('gpt_tiny', BASE + ['model.parametrization=mup', 'model.mup.base_width=64'])
   points = plan(base, [(64, 2), (128, 2)], tokens=[2560, 7680], evals=2, schedule='wsd',
                 learning_rates=[1e-3, 3e-3])
   assert len(points) == 8 and {p.label for p in points} >= {'d64_l2_t2.56e03_lr0.001', 'd128_l2_t7.68e03_lr0.003'}
   for p in points:
     assert f'optim.learning_rate={p.learning_rate:g}' in p.overrides and p.label.endswith(f'_lr{p.learning_rate:g}')
-    assert 'model.mup_base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
+    assert 'model.mup.base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
   stable = stable_runs(points)
   assert len(stable) == 4  # one per width and rate: cooldowns branch off their own rate's stable run
   for (width, _, lr), run in stable.items():
@@ -67,7 +67,7 @@ def test_sweep_collect_fit_plot(tmp_path, capsys):
   data = tmp_path / 'data'
   releases.write_both(data, tmp_path / 'hub')
   out = tmp_path / 'sweep'
-  evals = ['train.evals=piqa', 'train.evals_limit=8', f'train.evals_data_dir={data}']
+  evals = ['train.harness.tasks=piqa', 'train.harness.limit=8', f'train.harness.data_dir={data}']
   argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE,
           *evals]
   assert cli.main(argv) == 0

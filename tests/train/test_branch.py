@@ -53,7 +53,7 @@ def stable(tmp_path_factory):
   root = tmp_path_factory.mktemp('stable')
   from tests.conftest import SMALL
   argv = ['train', '--config', 'gpt_tiny', *SMALL, *WSD, 'mesh.data=-1', 'train.steps=6', 'optim.schedule=constant',
-          'train.checkpoint_every=1', 'train.keep_checkpoints=1', 'train.checkpoint_at=[3]', f'train.run_dir={root}/run']
+          'train.checkpoint.every=1', 'train.checkpoint.keep=1', 'train.checkpoint.at=[3]', f'train.run_dir={root}/run']
   assert cli.main(argv) == 0
   return root / 'run'
 

@@ -1,4 +1,4 @@
-"""Checkpoints by step multiple kept for good (`train.keep_every`) and by wall time (`train.checkpoint_every_minutes`):
+"""Checkpoints by step multiple kept for good (`train.checkpoint.keep_every`) and by wall time (`train.checkpoint.every_minutes`):
 they appear where set, the latest-N policy leaves the kept ones alone, and a run continues from each exactly."""
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ def continues_exactly(small_config, straight, step: int, tmp_path, *overrides: s
 @pytest.mark.long(0.3)
 def test_every_kth_step_is_checkpointed_and_kept_and_each_continues(small_config, tmp_path):
   run = tmp_path / 'run'
-  cadence = ['train.checkpoint_every=3', 'train.keep_every=4', 'train.keep_checkpoints=1', 'optim.schedule=constant']
+  cadence = ['train.checkpoint.every=3', 'train.checkpoint.keep_every=4', 'train.checkpoint.keep=1', 'optim.schedule=constant']
   Pretraining(small_config(*cadence, 'train.steps=12', f'train.run_dir={run}'), jax.devices()[:1]).run()
   # saved at 3, 4, 6, 8, 9, 12; the latest one kept, and the multiples of 4 for good
   assert steps_of(run) == [4, 8, 12]
@@ -64,14 +64,14 @@ def test_a_checkpoint_comes_at_the_first_logging_step_past_the_minutes():
 @pytest.mark.long(0.2)
 def test_time_based_checkpoints_appear_at_logging_steps_and_continue(small_config, tmp_path):
   run = tmp_path / 'run'
-  cadence = ['train.checkpoint_every=0', 'train.checkpoint_every_minutes=1e-9', 'train.log_every=3',
-             'train.keep_checkpoints=5', 'optim.schedule=constant']
+  cadence = ['train.checkpoint.every=0', 'train.checkpoint.every_minutes=1e-9', 'train.log_every=3',
+             'train.checkpoint.keep=5', 'optim.schedule=constant']
   Pretraining(small_config(*cadence, 'train.steps=8', f'train.run_dir={run}'), jax.devices()[:1]).run()
   assert steps_of(run) == [3, 6, 8]  # each logging step (past the minutes) and the final one
   continues_exactly(small_config, run, 3, tmp_path, *cadence)
 
 
-@pytest.mark.parametrize('override', ['train.keep_every=-1', 'train.checkpoint_every_minutes=-5'])
+@pytest.mark.parametrize('override', ['train.checkpoint.keep_every=-1', 'train.checkpoint.every_minutes=-5'])
 def test_negative_cadences_are_refused(override):
   with pytest.raises(ConfigError, match='must be >= 0'):
     load_config('gpt_tiny', [override])

@@ -14,7 +14,7 @@ from lm.storage.source import ModelSource, open_model
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics
 
-COMMON = ['train.ema_decay=0.9', 'train.eval_every=4', 'train.checkpoint_every=4', 'optim.decay_steps=8']
+COMMON = ['train.ema_decay=0.9', 'train.eval_every=4', 'train.checkpoint.every=4', 'optim.decay_steps=8']
 
 
 @pytest.mark.long(0.2)

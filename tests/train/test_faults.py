@@ -28,7 +28,7 @@ def without_timing(records):
 @pytest.mark.long(1)
 def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(tmp_path):
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
-           'train.eval_every=10', 'train.checkpoint_every=4', 'optim.decay_steps=30']
+           'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30']
   # One host CPU device at full optimisation, as a user runs it; the suite's compilation cache (conftest.py) spares
   # the restarts the first run's compiling.
   env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin',
@@ -65,7 +65,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path
   # Run and resumed as a user runs them, each in a process of its own (one device, this XLA): whatever Python,
   # orbax and TensorStore print reaches its stderr (under pytest, Python's reports of ignored exceptions would not).
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=15',
-           'train.checkpoint_every=5', 'optim.decay_steps=15', 'train.keep_checkpoints=3', f'train.run_dir={tmp_path}']
+           'train.checkpoint.every=5', 'optim.decay_steps=15', 'train.checkpoint.keep=3', f'train.run_dir={tmp_path}']
   env = one_device_env()
   first = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
   assert first.returncode == 0 and first.stderr == '', first.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(tmp_path
 @pytest.mark.long(0.2)
 def test_nan_stops_with_one_line_and_no_later_checkpoint(small_config, tmp_path, capsys):
   argv = ['train', '--config', 'gpt_tiny', *SMALL, 'mesh.data=-1', 'optim.learning_rate=1e4', 'optim.warmup_steps=0',
-          'optim.grad_clip=0', 'train.steps=40', 'train.checkpoint_every=2', f'train.run_dir={tmp_path}']
+          'optim.grad_clip=0', 'train.steps=40', 'train.checkpoint.every=2', f'train.run_dir={tmp_path}']
   assert cli.main(argv) == 1
   err = capsys.readouterr().err
   assert err.startswith('lm: error: step ') and err.count('\n') == 1 and ('is nan' in err or 'is inf' in err)
@@ -163,7 +163,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_the_last_checkpoint_resumes(tm
   small, kept = tmp_path / 'small', tmp_path / 'kept'
   small.mkdir()
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=10',
-           'train.checkpoint_every=2', 'train.keep_checkpoints=2', f'train.run_dir={small}/run']
+           'train.checkpoint.every=2', 'train.checkpoint.keep=2', f'train.run_dir={small}/run']
   script = f'mount -t tmpfs -o size=4m tmpfs {small} && {shlex.join(train)}; rc=$?; cp -a {small}/run {kept}; exit $rc'
   done = subprocess.run(['unshare', '-rm', 'sh', '-c', script], env=one_device_env(), capture_output=True, text=True,
                         timeout=600)
@@ -172,7 +172,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_the_last_checkpoint_resumes(tm
   assert len(err) == 1, done.stderr[:3000]
   found = re.fullmatch(rf'lm: error: checkpoint (\d+) was not written: no space left on the device holding '
                        rf'{small}/run/checkpoints; the last complete checkpoint is {small}/run/checkpoints/(\d+); '
-                       rf'free space \(or lower train.keep_checkpoints\), then continue with --resume', err[0])
+                       rf'free space \(or lower train.checkpoint.keep\), then continue with --resume', err[0])
   assert found, err[0]
   failed, last = int(found[1]), int(found[2])
   assert failed == last + 2 and last >= 2

@@ -16,7 +16,7 @@ def train_losses(records):
 
 @pytest.mark.long(0.2)
 def test_resume_is_exact(small_config, tmp_path):
-  common = ['optim.decay_steps=20', 'train.checkpoint_every=5', 'train.eval_every=10']
+  common = ['optim.decay_steps=20', 'train.checkpoint.every=5', 'train.eval_every=10']
   straight = Pretraining(small_config('train.steps=20', f'train.run_dir={tmp_path}/a', *common), jax.devices()[:1])
   straight.run()
   first = Pretraining(small_config('train.steps=10', f'train.run_dir={tmp_path}/b', *common), jax.devices()[:1])

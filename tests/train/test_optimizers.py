@@ -118,7 +118,7 @@ def test_each_optimizer_trains_200_steps_below_a_stated_loss_and_resumes_exactly
   trained by most tests, 2.64). The run resumed from its checkpoint at step 198 gives its last two losses again,
   bit for bit."""
   overrides = [f'optim.name={name}', f'optim.learning_rate={lr}', 'train.steps=200', 'optim.warmup_steps=20',
-               'train.eval_batches=0', 'train.checkpoint_at=[198]', 'train.keep_checkpoints=1']
+               'train.eval_batches=0', 'train.checkpoint.at=[198]', 'train.checkpoint.keep=1']
   trainer = Pretraining(small_config(*overrides, f'train.run_dir={tmp_path}/run'), jax.devices()[:1])
   records = trainer.run()
   losses = [r['loss'] for r in records if 'loss' in r]

@@ -13,7 +13,7 @@ from lm.storage.run_dir import read_config
 from lm.train.logging import read_metrics
 from lm.pretraining import Pretraining
 
-COMMON = ['train.steps=4', 'train.checkpoint_every=2', 'optim.decay_steps=4']
+COMMON = ['train.steps=4', 'train.checkpoint.every=2', 'optim.decay_steps=4']
 FIXTURE = Path(__file__).parent.parent / 'fixtures' / 'gpt_run'
 
 
@@ -64,7 +64,7 @@ def test_a_run_directory_from_an_earlier_version_resumes(tmp_path):
   """`tests/fixtures/gpt_run` was written by lm at commit 13c7027, stopped at step 2 of 3:
     lm train --config gpt_tiny model.d_model=16 model.num_heads=2 model.num_layers=2 model.d_ff=64
       model.max_len=32 data.seq_len=32 train.global_batch=4 train.eval_batches=1 train.eval_every=1
-      train.checkpoint_every=2 optim.warmup_steps=1 optim.decay_steps=3 mesh.data=1 train.steps=2
+      train.checkpoint.every=2 optim.warmup_steps=1 optim.decay_steps=3 mesh.data=1 train.steps=2
   `gpt_run_step3.json` holds step 3 of the same command run straight to train.steps=3. A change that can no
   longer resume old run directories, or resumes them differently, fails here."""
   run = tmp_path / 'gpt_run'

@@ -47,7 +47,7 @@ def test_a_slow_interval_is_said_when_it_happens(capsys):
 @pytest.mark.long(1)
 def test_a_killed_and_resumed_run_reports_its_lost_time_and_its_parts_add_up(tmp_path):
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=60',
-           'train.log_every=2', 'train.checkpoint_every=10', 'train.eval_every=20', f'train.run_dir={tmp_path}']
+           'train.log_every=2', 'train.checkpoint.every=10', 'train.eval_every=20', f'train.run_dir={tmp_path}']
   began = time.time()
   first = subprocess.Popen(train, env=one_device_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 300

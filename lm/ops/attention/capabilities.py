@@ -1,5 +1,5 @@
 """What each attention implementation can do, in one table: dispatch (`lm.ops.attention.attention`, `pick_impl`)
-and config validation (`check_attention`, run by `lm.models.check_config`) both read it, and both refuse a call
+and config validation (`check_attention`, which every loaded config runs: `lm.models.check_config`) both read it, and both refuse a call
 or a config it cannot serve in the same words."""
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ModelConfig, RopeConfig
 from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -25,17 +25,15 @@ GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': '
 
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}  # HF rope_type -> ours
 # our field -> its HF rope parameter, per scaling
-ROPE_FIELDS = {'linear': {'rope_factor': 'factor'},
-               'llama3': {'rope_factor': 'factor', 'rope_low_freq_factor': 'low_freq_factor',
-                          'rope_high_freq_factor': 'high_freq_factor',
-                          'rope_original_max_len': 'original_max_position_embeddings'},
-               'yarn': {'rope_factor': 'factor', 'rope_original_max_len': 'original_max_position_embeddings',
-                        'rope_beta_fast': 'beta_fast', 'rope_beta_slow': 'beta_slow',
-                        'rope_attention_factor': 'attention_factor'}}
+ROPE_FIELDS = {'linear': {'factor': 'factor'},  # model.rope.* -> HF's name, per scaling
+               'llama3': {'factor': 'factor', 'low_freq_factor': 'low_freq_factor',
+                          'high_freq_factor': 'high_freq_factor', 'original_max_len': 'original_max_position_embeddings'},
+               'yarn': {'factor': 'factor', 'original_max_len': 'original_max_position_embeddings',
+                        'beta_fast': 'beta_fast', 'beta_slow': 'beta_slow', 'attention_factor': 'attention_factor'}}
 
 
 def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
-  """Our rotary fields from either config layout (`rope_parameters`, transformers 5; `rope_theta` and
+  """`model.rope` (as a ModelConfig keyword) from either config layout (`rope_parameters`, transformers 5; `rope_theta` and
   `rope_scaling`, transformers 4); scalings we cannot reproduce (dynamic, longrope, ...) are refused by name."""
   params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
   kind = params.get('rope_type', params.get('type', 'default'))
@@ -46,24 +44,25 @@ def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
     value = params.get(key, hf.get(key, fine))
     if value not in (fine, None) or (fine is True and value is False):
       raise ConfigError(f'config.json rope {key}={value!r} is not supported when converting {architecture}')
-  fields: dict[str, Any] = {'rope_theta': float(params.get('rope_theta', hf.get('rope_theta', 10000.0))),
-                            'rope_scaling': ROPE_TYPES[kind]}
+  fields: dict[str, Any] = {'theta': float(params.get('rope_theta', hf.get('rope_theta', 10000.0))),
+                            'scaling': ROPE_TYPES[kind]}
   for ours, theirs in ROPE_FIELDS.get(ROPE_TYPES[kind], {}).items():
     if params.get(theirs) is not None:
-      fields[ours] = (int if ours == 'rope_original_max_len' else float)(params[theirs])
+      fields[ours] = (int if ours == 'original_max_len' else float)(params[theirs])
   if kind == 'yarn' and params.get('factor') is None:  # HF: the ratio of the extended context to the original
-    fields['rope_factor'] = hf['max_position_embeddings'] / params['original_max_position_embeddings']
-  return fields
+    fields['factor'] = hf['max_position_embeddings'] / params['original_max_position_embeddings']
+  return {'rope': RopeConfig(**fields)}
 
 
 def hf_rope(cfg: ModelConfig, base: dict) -> dict[str, Any]:
   """The rotary settings of config.json, in the layout of `base` (transformers 4 when it has `rope_theta`)."""
-  scaling = {theirs: getattr(cfg, ours) for ours, theirs in ROPE_FIELDS.get(cfg.rope_scaling, {}).items()
-             if getattr(cfg, ours) is not None}
-  kind = {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling]
+  rope = cfg.rope
+  scaling = {theirs: getattr(rope, ours) for ours, theirs in ROPE_FIELDS.get(rope.scaling, {}).items()
+             if getattr(rope, ours) is not None}
+  kind = {v: k for k, v in ROPE_TYPES.items()}[rope.scaling]
   if 'rope_theta' in base:
-    return {'rope_theta': cfg.rope_theta, 'rope_scaling': {'rope_type': kind, **scaling} if scaling else None}
-  return {'rope_parameters': {**(base.get('rope_parameters') or {}), 'rope_theta': cfg.rope_theta,
+    return {'rope_theta': rope.theta, 'rope_scaling': {'rope_type': kind, **scaling} if scaling else None}
+  return {'rope_parameters': {**(base.get('rope_parameters') or {}), 'rope_theta': rope.theta,
                               'rope_type': kind, **scaling}}
 
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ModelConfig, MupConfig
 from lm.storage.convert.hf import load_hf, read_hf_config, save_hf
 from lm.generate import generate
 from lm.models import abstract_params, build_model
@@ -321,7 +321,7 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
   save_hf_model('llama', tmp_path / 'hf')
   model, _ = load_hf(tmp_path / 'hf')
   cfg = model.cfg
-  assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
+  assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope.theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
   assert not cfg.tie_embeddings and cfg.activation == 'swiglu' and not cfg.use_bias
   for kind, extra in (('dynamic', {}), ('yarn', {'mscale': 0.7}), ('default', {'partial_rotary_factor': 0.5})):
     scaled = edited_copy(tmp_path / 'hf', tmp_path / kind, edit_config=lambda c, kind=kind, extra=extra: c.update(
@@ -331,16 +331,16 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
       load_hf(scaled)
   old = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: (c.pop('rope_parameters'), c.update(
     rope_theta=1234.0, rope_scaling=None)))
-  assert load_hf(old)[0].cfg.rope_theta == 1234.0
+  assert load_hf(old)[0].cfg.rope.theta == 1234.0
 
 
 def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_path):
   hf_model = save_hf_model('llama3', tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
   cfg = model.cfg
-  assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_low_freq_factor,
-          cfg.rope_high_freq_factor) == ('llama3', 8.0, 8, 1.0, 4.0)
-  unscaled = build_model(dataclasses.replace(cfg, rope_scaling='none'))
+  rope = cfg.rope
+  assert (rope.scaling, rope.factor, rope.original_max_len, rope.low_freq_factor, rope.high_freq_factor) == ('llama3', 8.0, 8, 1.0, 4.0)
+  unscaled = build_model(dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, scaling='none')))
   assert compare(hf_model, unscaled, params, 'llama3') > 1e-2  # the parity test would see a scaling ignored
   # a transformers 4 config (rope_theta, rope_scaling) reads the same and exports in its own layout
   v4 = edited_copy(tmp_path / 'hf', tmp_path / 'v4', edit_config=lambda c: c.update(
@@ -451,7 +451,7 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
   folded into the final norm) and untied (Llama, into lm_head); the exported model's logits are ours."""
   save_hf_model(kind, tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
-  mup = build_model(dataclasses.replace(model.cfg, parametrization='mup', mup_base_width=8))
+  mup = build_model(dataclasses.replace(model.cfg, parametrization='mup', mup=MupConfig(base_width=8)))
   ids, mask = batch()
   ours = our_logits(mup, params, kind, ids, mask)
   assert relative_error(our_logits(model, params, kind, ids, mask), ours, mask) > 0.1  # μP's forward differs
