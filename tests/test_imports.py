@@ -138,3 +138,27 @@ def test_the_checks_find_a_cycle_and_an_upward_import():
   assert layer_violations(graph) == ['lm.models.b imports lm.train.c']
   with pytest.raises(AssertionError, match='nowhere'):
     layer_violations({'lm.nowhere.x': set()})
+
+
+LONGEST_FUNCTION = 60  # lines, decorators and docstring included: split a longer one into named steps
+
+
+def long_functions(files) -> list[str]:
+  found = []
+  for path in files:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > LONGEST_FUNCTION:
+          found.append(f'{path.relative_to(LM.parent)}:{node.lineno} {node.name} ({lines} lines)')
+  return found
+
+
+def test_no_function_in_lm_is_over_sixty_lines(tmp_path):
+  assert long_functions(sorted(LM.rglob('*.py'))) == []
+  (tmp_path / 'lm').mkdir()
+  long = tmp_path / 'lm' / 'long.py'
+  long.write_text('def f():\n' + '  x = 1\n' * LONGEST_FUNCTION)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sys.modules[__name__], 'LM', tmp_path / 'lm')
+    assert long_functions([long]) == ['lm/long.py:1 f (61 lines)']

@@ -13,7 +13,6 @@ from jax.sharding import Mesh
 from lm.config import Config, ConfigError, ModelConfig, register_check
 from lm.models import bert, gpt, llama, t5
 from lm.models.family import Family
-from lm.models.parametrization import initialize
 from lm.ops.attention.capabilities import check_attention
 from lm.parallel.rules import tree_shardings
 
@@ -78,4 +77,4 @@ def _boxed_shapes(model: nn.Module) -> Any:
 def init_params(model: nn.Module, rng: jax.Array, length: int) -> Any:
   """Boxed (logically partitioned) params of `model`, from dummy inputs of `length` tokens, initialised as its
   `model.parametrization` says."""
-  return initialize(get_family(model.cfg.family).init(model, rng, length), model.cfg)
+  return get_family(model.cfg.family).init(model, rng, length)

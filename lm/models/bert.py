@@ -9,7 +9,7 @@ from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import MaskedLM, NextSentencePairs, regular_ids
 from lm.models.family import Encoder, Head, check_vocabulary
 from lm.models.layers import ACTIVATIONS, DTYPES, DenseGeneral, Embed, LearnedPositions, LayerNorm
-from lm.models.parametrization import readout_input
+from lm.models.parametrization import Init, readout_input
 from lm.models.task_heads import Classifier
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
@@ -25,23 +25,25 @@ class BERT(nn.Module):
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     common = dict(dtype=dtype, param_dtype=param_dtype)
-    dense = dict(use_bias=True, kernel_init=nn.initializers.normal(cfg.init_std), **common)
-    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, scale=cfg.embedding_scale, **common)
-    self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
+    inits = Init(cfg)
+    head = lambda features, axes, **kw: DenseGeneral(features, axes, use_bias=True,
+                                                     kernel_init=inits('head', axes), **common, **kw)
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, inits=inits, scale=cfg.embedding_scale, **common)
+    self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, inits=inits, **common)
     if cfg.type_vocab_size:
-      self.type_embed = Embed(cfg.type_vocab_size, cfg.d_model, init_std=cfg.init_std, axes=(None, 'embed'), **common)
+      self.type_embed = Embed(cfg.type_vocab_size, cfg.d_model, inits=inits, axes=(None, 'embed'), **common)
     self.embed_norm = LayerNorm(cfg.norm_eps, **common)
     self.embed_dropout = nn.Dropout(cfg.dropout)
     self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
-    self.mlm_dense = DenseGeneral(cfg.d_model, ('embed', 'mlp'), **dense)
+    self.mlm_dense = head(cfg.d_model, ('embed', 'mlp'))
     self.mlm_norm = LayerNorm(cfg.norm_eps, **common)
     self.mlm_bias = self.param('mlm_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                                (cfg.vocab_size,), param_dtype)
-    self.pooler = DenseGeneral(cfg.d_model, ('embed', 'mlp'), **dense)
+    self.pooler = head(cfg.d_model, ('embed', 'mlp'))
     if cfg.nsp:
-      self.nsp_head = DenseGeneral(2, ('mlp', None), **dense)
+      self.nsp_head = head(2, ('mlp', None))
     if cfg.num_labels:
-      self.classifier = DenseGeneral(cfg.num_labels, ('mlp', None), **dense)
+      self.classifier = head(cfg.num_labels, ('mlp', None))
 
   def encode(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
              token_types: jax.Array | None = None, deterministic: bool = True) -> jax.Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, LMHead, sinusoidal_positions
-from lm.models.parametrization import readout_input
+from lm.models.parametrization import Init, readout_input
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -46,7 +46,7 @@ class CausalDecoder(nn.Module):
     """`head(last hidden states, token embedding)`, called here so the layers it makes are this module's."""
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                  init_std=cfg.init_std, scale=cfg.embedding_scale, name='token_embed')
+                  inits=Init(cfg), scale=cfg.embedding_scale, name='token_embed')
     x = embed(tokens)
     positions = default_positions(tokens) if positions is None else positions
     pos = embed_positions(cfg, positions)
@@ -62,7 +62,7 @@ class CausalDecoder(nn.Module):
 def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
   """Absolute position encodings for `positions` [batch, length]; None for rotary (inside attention) or none."""
   if cfg.position == 'learned':
-    return LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, dtype=DTYPES[cfg.dtype],
+    return LearnedPositions(cfg.max_len, cfg.d_model, inits=Init(cfg), dtype=DTYPES[cfg.dtype],
                             param_dtype=DTYPES[cfg.param_dtype], name='position_embed')(positions)
   if cfg.position == 'sinusoidal':
     return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.dtype])
@@ -76,7 +76,7 @@ def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
   if cfg.tie_embeddings:
     return embed.unembed(x, chunk=cfg.loss_chunk, softcap=cfg.final_logit_softcap)
   return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                kernel_init=nn.initializers.normal(cfg.init_std), chunk=cfg.loss_chunk,
+                inits=Init(cfg), chunk=cfg.loss_chunk,
                 softcap=cfg.final_logit_softcap, name='lm_head')(x)
 
 
@@ -92,4 +92,4 @@ def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | N
     last = jnp.max(jnp.where(segment_ids > 0, jnp.arange(x.shape[1])[None], 0), axis=1)
   hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
   return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                      kernel_init=nn.initializers.normal(cfg.init_std), name='score')(hidden)
+                      kernel_init=Init(cfg)('head', ('embed', None)), name='score')(hidden)

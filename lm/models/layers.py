@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from lm.config import ModelConfig
+from lm.models.parametrization import Init
 from lm.models.rope import Rope, rotary
 from lm.ops import mixed
 from lm.ops.attention import attention
@@ -24,6 +26,7 @@ Dtype = Any
 Initializer = Callable[..., jax.Array]
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+STANDARD = Init(ModelConfig())  # a layer built alone: the default model's standard init
 
 
 def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -89,13 +92,13 @@ class Embed(nn.Module):
   features: int
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  init_std: float = 0.02
+  inits: Init = STANDARD
   axes: tuple[str | None, str] = ('vocab', 'embed')
   scale: float = 1.0  # applied to looked-up rows only, not to the tied output layer
 
   def setup(self) -> None:
     self.embedding = self.param(
-      'embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.axes),
+      'embedding', nn.with_logical_partitioning(self.inits('embedding', self.axes), self.axes),
       (self.num_embeddings, self.features), self.param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
@@ -114,14 +117,14 @@ class LMHead(nn.Module):
   vocab_size: int
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  kernel_init: Initializer = nn.initializers.normal(0.02)
+  inits: Init = STANDARD
   chunk: int = 0  # the tiled loss's sequence positions per tile
   softcap: float = 0.0  # > 0: logits soft-capped
 
   @nn.compact
   def __call__(self, x: jax.Array) -> Unembedding:
     axes = ('embed', 'vocab')
-    kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, axes),
+    kernel = self.param('kernel', nn.with_logical_partitioning(self.inits('readout', axes), axes),
                         (x.shape[-1], self.vocab_size), self.param_dtype)
     return Unembedding(x, kernel, None, layout='dv', axes=axes, dtype=self.dtype, chunk=self.chunk,
                        softcap=self.softcap)
@@ -193,15 +196,14 @@ class Mlp(nn.Module):
   d_ff: int
   activation: str = 'gelu'
   use_bias: bool = True
-  init_std: float = 0.02
-  out_init_std: float = 0.02
+  inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-    init = nn.initializers.normal(self.init_std)
+    init = self.inits('mlp_in', ('embed', 'mlp'))
     if self.activation in GATED:
       act = ACTIVATIONS[GATED[self.activation]]
       gate = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_0', **dense)(x)
@@ -211,7 +213,7 @@ class Mlp(nn.Module):
       h = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi', **dense)(x)
       h = ACTIVATIONS[self.activation](h)
     h = constrain(h, ('batch', 'length', 'mlp'))
-    out = DenseGeneral(x.shape[-1], ('mlp', 'embed'), kernel_init=nn.initializers.normal(self.out_init_std),
+    out = DenseGeneral(x.shape[-1], ('mlp', 'embed'), kernel_init=self.inits('mlp_out', ('mlp', 'embed')),
                        name='wo', **dense)(h)
     return checkpoint_name(out, 'mlp_out')
 
@@ -241,9 +243,7 @@ class Attention(nn.Module):
   block_k: int = 128
   logit_scale: float | None = None  # None: 1/sqrt(head_dim)
   dropout_rate: float = 0.0
-  init_std: float = 0.02
-  query_init_std: float | None = None  # default init_std
-  out_init_std: float = 0.02
+  inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -254,15 +254,15 @@ class Attention(nn.Module):
                global_layer: bool | jax.Array = False) -> jax.Array:
     """`global_layer` (traced in a scanned stack) lifts the window: the layer attends to every earlier key."""
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-    normal = nn.initializers.normal
     kv_heads = self.num_kv_heads or self.num_heads
-    q_std = self.init_std if self.query_init_std is None else self.query_init_std
     projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
-    q = DenseGeneral((self.num_heads, self.head_dim), ('embed', 'heads', 'kv'), kernel_init=normal(q_std),
+    q_axes = ('embed', 'heads', 'kv')
+    q = DenseGeneral((self.num_heads, self.head_dim), q_axes, kernel_init=self.inits('query', q_axes),
                      name='query', **projection)(x_q)
     kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
-    k = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='key', **projection)(x_kv)
-    v = DenseGeneral(kv_shape, kv_axes, kernel_init=normal(self.init_std), name='value', **projection)(x_kv)
+    kv_init = self.inits('key_value', kv_axes)
+    k = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='key', **projection)(x_kv)
+    v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
     if self.qk_norm_eps is not None:
       norm = lambda name: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, axis='kv', name=name)
       q, k = norm('query_norm')(q), norm('key_norm')(k)
@@ -295,8 +295,9 @@ class Attention(nn.Module):
     else:
       out = attend(window)
     out = constrain(out, ('batch', 'length', 'heads', 'kv'))
-    out = DenseGeneral(x_q.shape[-1], ('heads', 'kv', 'embed'), axis=(-2, -1),
-                       kernel_init=normal(self.out_init_std), name='out', **dense)(out)
+    out_axes = ('heads', 'kv', 'embed')
+    out = DenseGeneral(x_q.shape[-1], out_axes, axis=(-2, -1), kernel_init=self.inits('attention_out', out_axes),
+                       name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
 
   def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int,
@@ -377,13 +378,14 @@ class RelativePositionBias(nn.Module):
   num_buckets: int = 32
   max_distance: int = 128
   bidirectional: bool = True
+  inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, q_len: int, k_len: int, q_offset: jax.Array | int = 0) -> jax.Array:
-    table = self.param('rel_embedding', nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                     ('heads', 'relpos_buckets')),
+    axes = ('heads', 'relpos_buckets')
+    table = self.param('rel_embedding', nn.with_logical_partitioning(self.inits('relative', axes), axes),
                        (self.num_heads, self.num_buckets), self.param_dtype)
     relative = jnp.arange(k_len)[None, :] - (q_offset + jnp.arange(q_len))[:, None]
     buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
@@ -395,14 +397,14 @@ class LearnedPositions(nn.Module):
   """Learned absolute position table [max_len, embed], indexed by per-token positions."""
   max_len: int
   features: int
-  init_std: float = 0.02
+  inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, positions: jax.Array) -> jax.Array:
-    table = self.param('embedding', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
-                                                                 ('position', 'embed')),
+    axes = ('position', 'embed')
+    table = self.param('embedding', nn.with_logical_partitioning(self.inits('embedding', axes), axes),
                        (self.max_len, self.features), self.param_dtype)
     return jnp.take(gathered(table, ('position', 'embed')), positions, axis=0).astype(self.dtype)
 

@@ -19,6 +19,7 @@ At m = 1 every multiplier is 1 and the model trains as `standard` does.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -86,19 +87,44 @@ def init_multiplier(axes: tuple[str | None, ...], cfg: ModelConfig) -> float:
   return 1.0
 
 
-def _axes_tree(boxed: Any) -> Any:
-  return jax.tree.map(lambda box: tuple(box.names), boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+def standard_std(cfg: ModelConfig, kind: str, num_layers: int) -> float:
+  """A param kind's init std under `model.init`, before the parametrization's multiplier.
+
+  scaled_normal (GPT, BERT, Llama): N(0, init_std), the residual outputs (`attention_out`, `mlp_out`) shrunk by
+  1/sqrt(2 x layers) as in GPT-2. fan_in (Mesh-TF, T5, whose attention logits are unscaled): 1/sqrt(fan in) for
+  every matrix of the stack and the untied output layer, so logits start at unit scale. Either way embeddings
+  and task heads take init_std, T5's relative position table 0.02."""
+  if kind not in INIT_KINDS:
+    raise ValueError(f'no init for a param of kind {kind!r}; kinds: {", ".join(INIT_KINDS)}')
+  if kind in ('embedding', 'head'):
+    return cfg.init_std
+  if kind == 'relative':
+    return 0.02
+  if cfg.init == 'scaled_normal':
+    return cfg.init_std / math.sqrt(2 * num_layers) if kind in ('attention_out', 'mlp_out') else cfg.init_std
+  fan_in = {'query': cfg.d_model * cfg.resolved_head_dim, 'attention_out': cfg.num_heads * cfg.resolved_head_dim,
+            'mlp_out': cfg.resolved_d_ff}.get(kind, cfg.d_model)
+  return fan_in ** -0.5
 
 
-def initialize(boxed: Any, cfg: ModelConfig) -> Any:
-  """The boxed params of a standard init, rescaled to `cfg`'s parametrization."""
-  if cfg.parametrization == 'standard':
-    return boxed
+# What a param is to its init: token, position and type tables; task heads (BERT's pretraining heads, classifiers);
+# the attention projections; the MLP's; an untied output layer; T5's relative position table.
+INIT_KINDS = ('embedding', 'head', 'query', 'key_value', 'attention_out', 'mlp_in', 'mlp_out', 'readout', 'relative')
 
-  def rescale(box: nn.Partitioned) -> nn.Partitioned:
-    factor = init_multiplier(tuple(box.names), cfg)
-    return box if factor == 1.0 else box.replace_boxed(box.value * factor)
-  return jax.tree.map(rescale, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+@dataclasses.dataclass(frozen=True)
+class Init:
+  """Every param's initializer, the one place init scale is decided: the kind's standard std (`standard_std`) times
+  what the parametrization multiplies a param with these logical axes by (`init_multiplier`); a zero std (μP's
+  zero init) gives zeros. Layers ask it with their param's kind and axes; `num_layers`: the stack's depth."""
+  cfg: ModelConfig
+  num_layers: int = 1
+
+  def __call__(self, kind: str, axes: tuple[str | None, ...]) -> nn.initializers.Initializer:
+    std = standard_std(self.cfg, kind, self.num_layers)
+    if self.cfg.parametrization == 'mup':
+      std *= init_multiplier(axes, self.cfg)
+    return nn.initializers.normal(std) if std else nn.initializers.zeros
 
 
 def optimizer_multipliers(axes: Any, model: ModelConfig, optim: OptimConfig) -> Any:

@@ -8,7 +8,7 @@ from lm.config import ConfigError, ModelConfig
 from lm.data.objectives import EXTRA_IDS, SpanCorruption, span_lengths, span_sentinels
 from lm.models.family import EncoderDecoder, check_vocabulary
 from lm.models.layers import DTYPES, Embed, LearnedPositions, LMHead, sinusoidal_positions
-from lm.models.parametrization import readout_input
+from lm.models.parametrization import Init, readout_input
 from lm.models.transformer import Stack, default_positions
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -27,14 +27,14 @@ class T5(nn.Module):
   def setup(self) -> None:
     cfg = self.cfg
     common = dict(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
-    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, scale=cfg.embedding_scale, **common)
+    self.token_embed = Embed(cfg.vocab_size, cfg.d_model, inits=Init(cfg), scale=cfg.embedding_scale, **common)
     self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
     self.decoder = Stack(cfg, causal=True, num_layers=cfg.resolved_decoder_layers, cross=True)
     self.dropout = nn.Dropout(cfg.dropout)
     if cfg.position == 'learned':
-      self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, init_std=cfg.init_std, **common)
+      self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, inits=Init(cfg), **common)
     if not cfg.tie_embeddings:
-      self.lm_head = LMHead(cfg.vocab_size, kernel_init=nn.initializers.normal(cfg.d_model ** -0.5),
+      self.lm_head = LMHead(cfg.vocab_size, inits=Init(cfg),
                             chunk=cfg.loss_chunk, **common)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:

@@ -1,7 +1,6 @@
 """Transformer blocks and the scanned, rematerialised stack every family builds on."""
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -13,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
-from lm.models.parametrization import attention_scale
+from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.rules import constrain
 
@@ -23,20 +22,6 @@ REMAT_POLICIES = {
   'projections': jax.checkpoint_policies.save_only_these_names(
     'query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out'),
 }
-
-
-def attention_init(cfg: ModelConfig, num_layers: int) -> dict[str, float]:
-  """Init std of the attention projections (`model.init`).
-
-  scaled_normal (GPT, BERT, Llama): N(0, init_std), residual outputs shrunk by 1/sqrt(2 * layers) as
-  in GPT-2. fan_in (T5, whose attention logits are unscaled): Mesh-TF's fan-in init, so logits start
-  at unit scale.
-  """
-  if cfg.init == 'scaled_normal':
-    return {'init_std': cfg.init_std, 'out_init_std': cfg.init_std / math.sqrt(2 * num_layers)}
-  inner = cfg.num_heads * cfg.resolved_head_dim
-  return {'init_std': cfg.d_model ** -0.5, 'query_init_std': (cfg.d_model * cfg.resolved_head_dim) ** -0.5,
-          'out_init_std': inner ** -0.5}
 
 
 class Block(nn.Module):
@@ -56,10 +41,7 @@ class Block(nn.Module):
                deterministic: bool, decode: bool, layer: int | jax.Array = 0) -> tuple[jax.Array, None]:
     cfg = self.cfg
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-    init = attention_init(cfg, self.num_layers)
-    scaled = cfg.init == 'scaled_normal'
-    mlp_out_std = init['out_init_std'] if scaled else cfg.resolved_d_ff ** -0.5
-    mlp_in_std = cfg.init_std if scaled else cfg.d_model ** -0.5
+    inits = Init(cfg, self.num_layers)
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name, cfg.norm_plus_one)
     global_layer = bool(cfg.global_every) and (layer + 1) % max(cfg.global_every, 1) == 0
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
@@ -68,7 +50,7 @@ class Block(nn.Module):
       qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, softcap=cfg.attn_logit_softcap, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
-      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, **init, **kw)
+      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, **kw)
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode, global_layer=global_layer))]
@@ -76,8 +58,8 @@ class Block(nn.Module):
       branches.append(('cross_attention', lambda h: make_attention('cross_attention')(
         h, encoded, causal=False, segment_ids=segment_ids, kv_segment_ids=encoded_segment_ids,
         deterministic=deterministic)))
-    mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, init_std=mlp_in_std,
-              out_init_std=mlp_out_std, dtype=dtype, param_dtype=param_dtype, name='mlp')
+    mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
+              param_dtype=param_dtype, name='mlp')
     branches.append(('mlp', mlp))
 
     for name, branch in branches:
@@ -134,7 +116,7 @@ class Stack(nn.Module):
     """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""
     cfg = self.cfg
     relpos = RelativePositionBias(cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
-                                  bidirectional=not self.causal, dtype=DTYPES[cfg.dtype],
+                                  bidirectional=not self.causal, inits=Init(cfg), dtype=DTYPES[cfg.dtype],
                                   param_dtype=DTYPES[cfg.param_dtype], name='relpos')
     if not decode:
       return relpos(length, length)
