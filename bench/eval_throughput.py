@@ -67,8 +67,8 @@ def build_models(config_name: str, folder: Path, batch_size: int) -> tuple[Any, 
   from lm.config import load_config
   from lm.data.sources import embedded_documents
   from lm.data.tokenizers import get_tokenizer
-  from lm.evals.engine import HarnessLM
-  from lm.evals.run import load_checkpoint
+  from lm.jobs.evals.engine import HarnessLM
+  from lm.jobs.evals.run import load_checkpoint
   m = load_config(config_name).model
   hf, run = folder / 'hf', folder / 'run'
   bpe = tokenizers.ByteLevelBPETokenizer()
@@ -102,7 +102,7 @@ def main() -> None:
   logging.getLogger('lm_eval').setLevel(logging.ERROR)  # its per-request truncation notes
   import numpy as np
 
-  from lm.evals.tasks import task_manager
+  from lm.jobs.evals.tasks import task_manager
   from lm.report import format_lines, write_json
   with tempfile.TemporaryDirectory() as tmp:
     folder = Path(tmp)

@@ -15,8 +15,8 @@ from timing import time_calls
 from lm.assembly import assemble
 from lm.config import load_config
 from lm.data.tokenizers import get_tokenizer
-from lm.glue.finetune import RECIPE, TaskLoss
-from lm.glue.tasks import TASKS
+from lm.jobs.glue.finetune import RECIPE, TaskLoss
+from lm.jobs.glue.tasks import TASKS
 from lm.models import get_family
 from lm.parallel.chips import quiet_libtpu
 from lm.parallel.rules import batch_sharding

@@ -46,7 +46,7 @@ def step_rate(steps: int) -> dict:
   import jax
 
   from lm.config import load_config
-  from lm.pretraining import Pretraining
+  from lm.jobs.pretraining import Pretraining
   config = load_config('gpt_tiny', ['mesh.data=1', 'train.eval_batches=0'])
   trainer = Pretraining(config, jax.devices()[:1])
   state, batch = trainer.init_state(), next(trainer.train_batches)

@@ -42,7 +42,7 @@ def lm_worker(config_name: str, overrides: list[str]) -> Callable[[], None]:
   import jax
 
   from lm.config import load_config
-  from lm.pretraining import Pretraining
+  from lm.jobs.pretraining import Pretraining
   trainer = Pretraining(load_config(config_name, overrides))
   state, batch = trainer.init_state(), next(trainer.train_batches)
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from lm.assembly.accounting import flops_per_sequence  # noqa: E402
 from lm.config import load_config  # noqa: E402
-from lm.pretraining import Pretraining  # noqa: E402
+from lm.jobs.pretraining import Pretraining  # noqa: E402
 from lm.report import format_lines, write_json  # noqa: E402
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%(\S+) = (\S+?)\[([\d,]*)\]\S* (\S+?)\((.*)$')

@@ -11,7 +11,7 @@ import jax
 from timing import time_calls
 
 from lm.config import load_config
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.report import format_lines, write_json
 
 

@@ -24,7 +24,7 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettemp
 os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(4 << 30))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '1')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
-# lm's own cache (the harness's task index, lm.evals.tasks) likewise: built by the first process that needs it.
+# lm's own cache (the harness's task index, lm.jobs.evals.tasks) likewise: built by the first process that needs it.
 OWN_LM_CACHE = 'LM_CACHE_DIR' not in os.environ
 os.environ.setdefault('LM_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'lm-tests-cache-{os.getpid()}'))
 

@@ -1,5 +1,5 @@
 """The fast tier (`pytest -m "not long"`) still touches every module of lm/: a test file holding at least one test
-not marked `long` imports it by name, or imports a module of the same subpackage (lm.glue, lm.ops.attention, ...)
+not marked `long` imports it by name, or imports a module of the same subpackage (lm.jobs.glue, lm.ops.attention, ...)
 that imports it: `lm.models` builds each family's model, `lm.train.loop` stops at a SIGTERM through
 `lm.train.preemption`."""
 import ast

@@ -23,9 +23,9 @@ import transformers
 import yaml
 
 from lm.config import load_config
-from tests.evals import releases
-from tests.glue.test_data import write_glue_files
-from tests.glue.test_finetune import save_hf_bert
+from tests.jobs.evals import releases
+from tests.jobs.glue.test_data import write_glue_files
+from tests.jobs.glue.test_finetune import save_hf_bert
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint.every=2',
@@ -65,13 +65,13 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/planning/test_compile.py::test_each_preset_fits_its_slice_as_written',
   'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512,1024':
-    'tests/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
+    'tests/jobs/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
   'python bench/compile_table.py':
     'tests/bench/test_compile_table.py::test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
-    'tests/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
+    'tests/jobs/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
-    'tests/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
+    'tests/jobs/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }
 
 

@@ -1,4 +1,4 @@
-"""`lm eval`: lm-eval-harness tasks on a checkpoint (`lm.evals.run`)."""
+"""`lm eval`: lm-eval-harness tasks on a checkpoint (`lm.jobs.evals.run`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from lm.config import ConfigError
 
 def cmd_eval(args: argparse.Namespace) -> int:
   from lm.distributed import is_main_process
-  from lm.evals.run import Request, run
+  from lm.jobs.evals.run import Request, run
   tasks = tuple(t for t in args.tasks.split(',') if t)
   if not tasks:
     raise ConfigError('--tasks is empty; name harness tasks, e.g. --tasks hellaswag,piqa')

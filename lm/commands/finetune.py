@@ -1,4 +1,4 @@
-"""`lm finetune`: GLUE tasks from a run dir or an HF directory (`lm.glue`)."""
+"""`lm finetune`: GLUE tasks from a run dir or an HF directory (`lm.jobs.glue`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ from lm.commands.common import PROFILE_HELP, profile_overrides
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-  from lm.glue.runs import Options, finetune_glue, finetune_task, parse_sweep, sweep
-  from lm.glue.tasks import GLUE_ORDER
+  from lm.jobs.glue.runs import Options, finetune_glue, finetune_task, parse_sweep, sweep
+  from lm.jobs.glue.tasks import GLUE_ORDER
   # `--sweep` takes every key=value after it: those with one value are plain overrides.
   axes = [item for item in args.sweep if ',' in item]
   overrides = [item for item in args.sweep if ',' not in item] + list(args.overrides)

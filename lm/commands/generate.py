@@ -1,4 +1,4 @@
-"""`lm generate`: sample continuations from a run dir or an HF directory (`lm.generate`)."""
+"""`lm generate`: sample continuations from a run dir or an HF directory (`lm.jobs.generate`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import argparse
 def cmd_generate(args: argparse.Namespace) -> int:
   import jax
 
-  from lm.generate import generate_text
+  from lm.jobs.generate import generate_text
   from lm.models.decode import Sampling
   from lm.storage.source import open_model
   sampling = Sampling(args.temperature, args.top_k, args.top_p)

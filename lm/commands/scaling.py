@@ -1,4 +1,4 @@
-"""`lm scaling sweep | coord-check | collect | fit | plot` (`lm.scaling`)."""
+"""`lm scaling sweep | coord-check | collect | fit | plot` (`lm.jobs.scaling`)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from lm.config import ConfigError
 
 def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   from lm.report import format_lines
-  from lm.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep,
+  from lm.jobs.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep,
                                  tokens_trained)
   base = checked_config(args)
   sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
@@ -32,8 +32,8 @@ def cmd_scaling_sweep(args: argparse.Namespace) -> int:
 
 def cmd_scaling_coord_check(args: argparse.Namespace) -> int:
   from lm.report import format_lines
-  from lm.scaling.coord_check import ORDER, coord_check, write_coord_check
-  from lm.scaling.sweep import parse_numbers
+  from lm.jobs.scaling.coord_check import ORDER, coord_check, write_coord_check
+  from lm.jobs.scaling.sweep import parse_numbers
   widths = [int(w) for w in parse_numbers(args.widths, '--widths')]
   result = coord_check(checked_config(args), widths, args.parametrization, args.lr, args.steps, args.seeds)
   png, data = write_coord_check(result, args.out)
@@ -44,8 +44,8 @@ def cmd_scaling_coord_check(args: argparse.Namespace) -> int:
 
 
 def cmd_scaling_collect(args: argparse.Namespace) -> int:
-  from lm.scaling.collect import collect
-  from lm.scaling.points import write_points
+  from lm.jobs.scaling.collect import collect
+  from lm.jobs.scaling.points import write_points
   runs = [item for item in args.runs if '=' not in item]
   overrides = [item for item in args.runs if '=' in item] + (args.evaluate or [])
   if overrides and args.evaluate is None:
@@ -56,7 +56,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
                       f'dirs before --evaluate')
   tasks = None
   if args.tasks is not None:
-    from lm.evals.run import Request, check_installed
+    from lm.jobs.evals.run import Request, check_installed
     check_installed()
     names = tuple(t for t in args.tasks.split(',') if t)
     if not names:
@@ -73,16 +73,16 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
-  from lm.scaling.laws import fit
-  from lm.scaling.points import read_points
-  from lm.scaling.report import format_fit
+  from lm.jobs.scaling.laws import fit
+  from lm.jobs.scaling.points import read_points
+  from lm.jobs.scaling.report import format_fit
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
   if any(not c > 0 for c in args.budget):
     raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
   if args.law == 'task':
-    from lm.scaling.laws import fit_task
-    from lm.scaling.points import read_column
+    from lm.jobs.scaling.laws import fit_task
+    from lm.jobs.scaling.points import read_column
     if not args.task:
       raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
                         '--metric (default acc)')
@@ -104,8 +104,8 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
 def cmd_scaling_plot(args: argparse.Namespace) -> int:
   from pathlib import Path
 
-  from lm.scaling.plot import plot
-  from lm.scaling.points import loss_of, read_column, read_points, task_accuracies
+  from lm.jobs.scaling.plot import plot
+  from lm.jobs.scaling.points import loss_of, read_column, read_points, task_accuracies
   fit = None
   if args.fit:
     try:
@@ -116,7 +116,7 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
       raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
                         f'lm scaling fit {args.points} --out FIT.json')
   if args.lr:
-    from lm.scaling.plot import plot_learning_rates
+    from lm.jobs.scaling.plot import plot_learning_rates
     best = plot_learning_rates(args.points, args.out)
     print('best learning rate by width: ' + ', '.join(f'{width} {lr:g}' for width, lr in best.items()))
     print(f'wrote {args.out}', flush=True)

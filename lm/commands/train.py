@@ -10,7 +10,7 @@ from lm.config import ConfigError
 
 def cmd_train(args: argparse.Namespace) -> int:
   from lm.distributed import is_main_process
-  from lm.pretraining import Pretraining
+  from lm.jobs.pretraining import Pretraining
   config = checked_config(args, (['train.resume=true'] if args.resume else []) + profile_overrides(args))
   if args.resume and not config.run_dir.exists():  # a typo in the run dir should not start a new long run
     raise ConfigError(f'--resume: {config.run_dir} does not exist; check train.run_dir, or drop --resume to start '

@@ -5,7 +5,7 @@ positions counting real tokens only) so every row's next token lands in the same
 (T5): prompts are the encoder inputs; the encoder runs once and the decoder starts from `decoder_start_id` on its
 cache. The steps run inside one jitted `lax.while_loop` that stops when every row has emitted EOS. Which of the two
 a model is comes from its family record (`Family.decoding`, a `Decoding`: its prefill and its step, the loop asking
-nothing else of the model); `lm.generate` is the text front end.
+nothing else of the model); `lm.jobs.generate` is the text front end.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A record says how to build and initialise the module, how a batch maps onto its call, which
 objective pretrains it, which extra heads it trains (with their losses and metrics), its
-forward FLOPs, how `lm.generate` decodes it, and which Hugging Face converter reads and writes
+forward FLOPs, how `lm.jobs.generate` decodes it, and which Hugging Face converter reads and writes
 it. Step, loss, data pipeline, accounting, generation, conversion and config validation ask
 the record and never the family's name. The three shapes of model share their record code
 here (`DecoderOnly`, `Encoder`, `EncoderDecoder`); a family's own record sits in its model file.
@@ -65,7 +65,7 @@ class Family:
   name: ClassVar[str]
   module: ClassVar[type[nn.Module]]
   hf_converter: ClassVar[str | None] = None  # module with ARCHITECTURE (the transformers class), load, save
-  decoding: ClassVar[Decoding | None] = None  # how `lm.generate` samples from it; None: it cannot
+  decoding: ClassVar[Decoding | None] = None  # how `lm.jobs.generate` samples from it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()
   task_head: ClassVar[TaskHead | None] = None  # how it fine-tunes on sequence tasks (GLUE); None: it cannot
   # The norm whose output alone feeds a tied output layer (μP's 1/m readout multiplier folds into it on export);

@@ -5,7 +5,7 @@ Every head implements one interface (`TaskHead`): the config it needs (`num_labe
 the host). A `Classifier` reads a summary of the sequence (BERT's pooled [CLS], a decoder's last real token) into
 `model.num_labels` scores, trained by cross-entropy over classes or squared error on one regression score.
 `TextToText` (T5) trains the token loss on the label's name and predicts by decoding it greedily. The fine-tuning
-job (`lm.glue.finetune`) drives any head alike and never asks which one it has.
+job (`lm.jobs.glue.finetune`) drives any head alike and never asks which one it has.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ UNPARSEABLE = -1
 
 
 class TaskText(Protocol):
-  """What a head reads of a task (`lm.glue.tasks.Task`): its outputs, and its casting to text and back."""
+  """What a head reads of a task (`lm.jobs.glue.tasks.Task`): its outputs, and its casting to text and back."""
   @property
   def regression(self) -> bool: ...
   @property

@@ -12,7 +12,7 @@ from lm import cli
 from lm.config import load_config
 from lm.data.sources import embedded_documents
 from lm.train.logging import read_metrics
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from lm.assembly import assemble
 from lm.config import ConfigError, load_config
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 from tests.train.test_optimizers import EPS, LR, WD, assert_close, first_update
 

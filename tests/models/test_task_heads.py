@@ -7,7 +7,7 @@ import pytest
 from lm.config import load_config
 from lm.data.tokenizers import get_tokenizer
 from lm.models import abstract_params, build_model, get_family
-from lm.glue.tasks import TASKS
+from lm.jobs.glue.tasks import TASKS
 from lm.models.task_heads import UNPARSEABLE, Classifier, TextToText, truncate_longest_first
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from lm.config import load_config
 from lm.ops import mixed
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 CASES = [  # spec, a's shape and dtype, b's shape and dtype, out dtype: each use in the model

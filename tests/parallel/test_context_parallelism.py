@@ -13,7 +13,7 @@ from lm.assembly import assemble
 from lm.config import ConfigError
 from lm.parallel.mesh import mesh_shape, strategy_name
 from lm.parallel.rules import sharding_context
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.step import PretrainingLoss, lay_out_sequences, lower_train_step
 from tests.parallel.test_sharding import family_config, rel
 
@@ -149,8 +149,8 @@ def test_what_cannot_split_a_sequence_is_refused_in_one_line(overrides, message,
 
 def test_glue_fine_tuning_takes_a_split_source_sequence_as_data_devices(tmp_path):
   """Task heads read fixed positions of a row ([CLS], the last token), which the split layout reorders."""
-  from lm.glue.finetune import finetune_config
-  from lm.glue.tasks import TASKS
+  from lm.jobs.glue.finetune import finetune_config
+  from lm.jobs.glue.tasks import TASKS
   from lm.storage.run_dir import CONFIG
   (tmp_path / CONFIG).write_text(family_config('gpt', tmp_path, 'mesh.data=2', 'mesh.sequence=4').to_yaml())
   config = finetune_config(TASKS['rte'], str(tmp_path), None, [], num_train=100)

@@ -5,7 +5,7 @@ import pytest
 
 from lm.assembly import assemble
 from lm.parallel.mesh import mesh_shape, strategy_name
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.step import compile_train_step
 
 MESHES = {

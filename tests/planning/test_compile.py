@@ -124,7 +124,7 @@ def test_a_saved_executable_loads_back_and_runs_the_same_step(tmp_path):
   import numpy as np
 
   from lm.planning.compile import save_executable
-  from lm.pretraining import Pretraining
+  from lm.jobs.pretraining import Pretraining
   config = load_config('gpt_tiny', ['model.num_layers=1', 'model.d_model=32', 'model.num_heads=2', 'data.seq_len=32',
                                     'model.max_len=32', 'train.global_batch=4', 'mesh.data=2', 'train.progress=false',
                                     f'train.run_dir={tmp_path}/run'])

@@ -14,12 +14,12 @@ import pytest
 
 from lm import cli
 from lm.parallel.mesh import one_device_mesh
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.storage.convert.hf import load_hf
 from lm.storage.run_dir import read_config
 from lm.storage.source import ModelSource
 from lm.train.logging import read_metrics
-from tests.evals import releases
+from tests.jobs.evals import releases
 
 FIXTURES = Path(__file__).resolve().parents[1] / 'fixtures'
 REFERENCE = json.loads((FIXTURES / 'llama_run_reference.json').read_text())

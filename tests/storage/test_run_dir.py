@@ -15,7 +15,7 @@ from lm.config import ConfigError, load_config
 from lm.storage.convert.hf import load_hf
 from lm.data.sources import embedded_documents
 from lm.data.tokenizers import get_tokenizer
-from lm.generate import encode_prompt
+from lm.jobs.generate import encode_prompt
 from lm.parallel.mesh import make_mesh
 from lm.parallel.mesh import one_device_mesh
 from lm.storage.convert.runs import import_hf

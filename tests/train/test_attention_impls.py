@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lm.config import load_config
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 FAMILIES = {'gpt_tiny': [], 'bert_tiny': ['model.max_len=32'], 't5_tiny': ['model.d_ff=128'],

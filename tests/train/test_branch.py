@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lm import cli
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.storage.run_dir import read_config
 from lm.train.branch import resolve_branch
 from lm.train.logging import read_metrics

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lm.config import ConfigError, load_config
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.logging import read_metrics
 from lm.train.loop import After, Checkpoint
 

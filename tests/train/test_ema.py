@@ -7,9 +7,9 @@ import pytest
 from lm import cli
 from lm.assembly.optim import ema_params
 from lm.config import ConfigError
-from lm.evals.run import load_checkpoint
+from lm.jobs.evals.run import load_checkpoint
 from lm.models.transformer import relayout
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.storage.source import ModelSource, open_model
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics

@@ -16,7 +16,7 @@ from lm.storage.checkpoint import Checkpointer
 from lm.parallel.mesh import one_device_mesh
 from lm.storage.source import ModelSource
 from lm.train.logging import read_metrics
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.loop import restore_or_start
 from lm.train.timing import is_timing
 from tests.conftest import SMALL, one_device_env

@@ -7,7 +7,7 @@ from lm import cli
 from lm.config import ConfigError, load_config
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 

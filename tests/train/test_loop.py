@@ -7,7 +7,7 @@ import pytest
 
 from lm.config import ConfigError
 from lm.train.logging import read_metrics
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 
 
 def train_losses(records):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lm.config import load_config
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 PRESETS = {'gemma2_tiny': ['model.sliding_window=8'],  # shorter than the 32-token rows
@@ -47,7 +47,7 @@ def test_an_imported_gemma2_generates_trains_and_fine_tunes(tmp_path, capsys):
 
   from lm import cli
   from lm.train.logging import read_metrics
-  from tests.glue import synthetic
+  from tests.jobs.glue import synthetic
   torch.manual_seed(0)
   hf = transformers.Gemma2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,

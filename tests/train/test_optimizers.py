@@ -11,7 +11,7 @@ from optax.contrib import ScheduleFreeState
 from lm import cli
 from lm.assembly import assemble
 from lm.assembly.optim import decay_mask, schedule_free_params
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.storage.source import ModelSource
 
 LR, WD, B1, B2, EPS = 3e-3, 0.1, 0.9, 0.95, 1e-8

@@ -13,7 +13,7 @@ from lm import cli
 from lm.train.logging import read_metrics
 from lm.train.profiler import Profile
 from tests.conftest import SMALL, one_device_env
-from tests.glue import synthetic
+from tests.jobs.glue import synthetic
 
 
 def lm(*argv: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import pytest
 from lm.models.transformer import relayout
 from lm.storage.run_dir import read_config
 from lm.train.logging import read_metrics
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 
 COMMON = ['train.steps=4', 'train.checkpoint.every=2', 'optim.decay_steps=4']
 FIXTURE = Path(__file__).parent.parent / 'fixtures' / 'gpt_run'

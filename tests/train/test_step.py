@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 
 
 def one_update(trainer):

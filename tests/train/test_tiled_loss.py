@@ -8,7 +8,7 @@ import pytest
 
 from lm.config import load_config
 from lm.parallel.rules import sharding_context
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.step import PretrainingLoss
 from tests.conftest import SMALL
 

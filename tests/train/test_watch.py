@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lm.parallel.rules import sharding_context
-from lm.pretraining import Pretraining
+from lm.jobs.pretraining import Pretraining
 from lm.train.step import PretrainingLoss, lay_out_sequences
 
 

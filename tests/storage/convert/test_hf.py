@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from lm.config import ConfigError, ModelConfig, MupConfig
 from lm.storage.convert.hf import load_hf, read_hf_config, save_hf
-from lm.generate import generate
+from lm.jobs.generate import generate
 from lm.models import abstract_params, build_model
 from lm.models.transformer import stack_layers
 

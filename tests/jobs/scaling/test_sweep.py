@@ -1,0 +1,180 @@
+"""`lm scaling sweep` end to end on the embedded corpus: plan, train, resume, collect, fit, plot."""
+import csv
+import json
+import math
+
+import pytest
+
+from lm import cli
+from lm.config import load_config
+from lm.jobs.scaling.sweep import plan, stable_runs
+from lm.train.logging import read_metrics
+
+BASE = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.log_every=5',
+        'train.progress=false']
+SIZES = '16x1,32x1,32x2'
+
+
+def test_plan_fits_each_schedule_to_its_budget():
+  base = load_config('gpt_tiny', BASE)
+  points = plan(base, [(32, 2), (64, 2)], tokens=[2560, 7680], evals=2)
+  assert {p.label for p in points} == {'d32_l2_t2.56e03', 'd32_l2_t7.68e03', 'd64_l2_t2.56e03',
+                                       'd64_l2_t7.68e03'}
+  for p in points:
+    steps = round(float(p.label.split('_t')[1]) / (8 * 32))
+    assert p.steps == steps and p.tokens == steps * 8 * 32
+    assert {f'train.steps={steps}', f'optim.decay_steps={steps}', f'train.eval_every={-(-steps // 2)}',
+            f'optim.warmup_steps={min(30, steps // 10)}', f'model.num_heads={p.width // 64 or 1}'} <= set(p.overrides)
+  iso = plan(base, [(32, 2), (64, 2)], budgets=[1e10])
+  for p in iso:  # D = C / 6N, rounded to whole batches
+    assert abs(p.tokens - 1e10 / (6 * p.params)) <= 8 * 32 / 2
+
+
+def test_an_lr_grid_runs_every_point_at_every_rate_and_mup_keeps_the_base_head_dim():
+  base = load_config('gpt_tiny', BASE + ['model.parametrization=mup', 'model.mup.base_width=64'])
+  points = plan(base, [(64, 2), (128, 2)], tokens=[2560, 7680], evals=2, schedule='wsd',
+                learning_rates=[1e-3, 3e-3])
+  assert len(points) == 8 and {p.label for p in points} >= {'d64_l2_t2.56e03_lr0.001', 'd128_l2_t7.68e03_lr0.003'}
+  for p in points:
+    assert f'optim.learning_rate={p.learning_rate:g}' in p.overrides and p.label.endswith(f'_lr{p.learning_rate:g}')
+    assert 'model.mup.base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
+  stable = stable_runs(points)
+  assert len(stable) == 4  # one per width and rate: cooldowns branch off their own rate's stable run
+  for (width, _, lr), run in stable.items():
+    assert run.label == f'd{width}_l2_lr{lr:g}_stable' and f'optim.learning_rate={lr:g}' in run.overrides
+
+
+def test_plot_lr_stars_each_widths_lowest_final_loss(tmp_path, capsys):
+  rows = [('a', 64, 1e-3, 10, 3.0), ('a', 64, 1e-3, 20, 2.5), ('b', 64, 3e-3, 20, 2.4), ('c', 64, 1e-2, 20, 'nan'),
+          ('d', 256, 1e-3, 20, 2.2), ('e', 256, 3e-3, 20, 2.3), ('e', 256, 3e-3, 10, 2.0)]
+  points = tmp_path / 'points.csv'
+  points.write_text('run,step,params,tokens,loss,width,learning_rate\n' + ''.join(
+    f'{run},{step},1000,{step * 100},{loss},{width},{lr}\n' for run, width, lr, step, loss in rows))
+  assert cli.main(['scaling', 'plot', str(points), '--lr', '--out', str(tmp_path / 'lr.png')]) == 0
+  assert 'best learning rate by width: 64 0.003, 256 0.001' in capsys.readouterr().out  # final steps, NaN skipped
+  assert (tmp_path / 'lr.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  one = tmp_path / 'one.csv'
+  one.write_text('run,step,params,tokens,loss,width,learning_rate\na,1,1,1,2.0,64,0.001\n')
+  assert cli.main(['scaling', 'plot', str(one), '--lr', '--out', str(tmp_path / 'x.png')]) == 2
+  assert 'sweep with --lr-grid' in capsys.readouterr().err
+
+
+@pytest.mark.long(2)
+def test_sweep_collect_fit_plot(tmp_path, capsys):
+  """The ladder trains with a harness task in the loop; `collect --tasks` takes the recorded values, and evaluates
+  the checkpoints of a run whose records are gone to the same values; `fit --law task` and the plot run on them."""
+  from tests.jobs.evals import releases
+  data = tmp_path / 'data'
+  releases.write_both(data, tmp_path / 'hub')
+  out = tmp_path / 'sweep'
+  evals = ['train.harness.tasks=piqa', 'train.harness.limit=8', f'train.harness.data_dir={data}']
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', SIZES, '--tokens', '1280,2560', '--evals', '2', *BASE,
+          *evals]
+  assert cli.main(argv) == 0
+  plan_ = json.loads((out / 'sweep.json').read_text())['points']
+  assert len(plan_) == 6
+  for point in plan_:
+    records = [json.loads(line) for line in (out / point['label'] / 'metrics.jsonl').read_text().splitlines()]
+    assert max(r['step'] for r in records) == point['steps']
+    assert load_config(str(out / point['label'] / 'config.yaml')).train.steps == point['steps']
+  capsys.readouterr()
+  assert cli.main(argv) == 0  # a second invocation trains nothing
+  log = capsys.readouterr().out
+  assert log.count('done, skipped') == 6
+
+  points = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', str(out), '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 6 * 2 and {r['run'] for r in rows} == {str(out / p['label']) for p in plan_}
+  fit = tmp_path / 'fit.json'
+  assert cli.main(['scaling', 'fit', str(points), '--law', 'kaplan', '--out', str(fit)]) == 0
+  assert cli.main(['scaling', 'plot', str(points), '--fit', str(fit), '--out', str(tmp_path / 'fig.png')]) == 0
+  assert (tmp_path / 'fig.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+  points = tmp_path / 'task_points.csv'
+  collect = ['scaling', 'collect', str(out), '--tasks', 'piqa', '--tasks-data-dir', str(data), '--tasks-limit', '8']
+  assert cli.main([*collect, '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    recorded = list(csv.DictReader(f))
+  assert len(recorded) == 12 and all(float(r['piqa/acc']) >= 0 and float(r['piqa/task_loss']) > 0 for r in recorded)
+  run = out / json.loads((out / 'sweep.json').read_text())['points'][0]['label']
+  metrics = run / 'metrics.jsonl'
+  lines = [{k: v for k, v in json.loads(line).items() if not k.startswith('eval/')}
+           for line in metrics.read_text().splitlines()]
+  metrics.write_text(''.join(json.dumps(r) + '\n' for r in lines))
+  assert cli.main([*collect, '--out', str(tmp_path / 'evaluated.csv')]) == 0
+  with open(tmp_path / 'evaluated.csv', newline='') as f:
+    evaluated = list(csv.DictReader(f))
+  for a, b in zip(recorded, evaluated):
+    assert a['run'] == b['run'] and a['step'] == b['step']
+    for column in ('piqa/acc', 'piqa/acc_norm', 'piqa/task_loss'):
+      assert float(b[column]) == pytest.approx(float(a[column]), rel=1e-6), (a['run'], a['step'], column)
+  fit = tmp_path / 'task_fit.json'
+  assert cli.main(['scaling', 'fit', str(points), '--law', 'task', '--task', 'piqa', '--target', '1e6', '1e8',
+                   '--out', str(fit)]) == 0
+  assert math.isfinite(json.loads(fit.read_text())['predictions'][0]['accuracy'])
+  assert cli.main(['scaling', 'plot', str(points), '--fit', str(fit), '--out', str(tmp_path / 'tasks.png')]) == 0
+  assert (tmp_path / 'tasks.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.mark.long(0.2)
+def test_an_interrupted_point_resumes(tmp_path):
+  """A point stopped before its last step is continued from its checkpoint, not restarted."""
+  out = tmp_path / 'sweep'
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '2560', '--evals', '2', *BASE]
+  assert cli.main(argv) == 0
+  run = out / 'd16_l1_t2.56e03'
+  [final] = [p for p in (run / 'checkpoints').iterdir() if p.name == '10']
+  import shutil
+  shutil.rmtree(final)  # as if killed between the mid-run and the final checkpoint
+  assert cli.main(argv) == 0
+  records = [json.loads(line) for line in (run / 'metrics.jsonl').read_text().splitlines()]
+  assert sorted(p.name for p in (run / 'checkpoints').iterdir()) == ['10', '5']
+  assert [r['step'] for r in records if 'val_loss' in r] == [0, 5, 10]
+
+
+@pytest.mark.parametrize('argv, message', [
+  (['--sizes', '64by2'], 'is not WIDTHxDEPTH'),
+  (['--tokens', '1e5,-3'], 'is not a list of positive numbers'),
+  (['--sizes', '16x1', '--tokens', '10'], 'shorter than one batch'),
+])
+def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
+  assert cli.main(['scaling', 'sweep', '--out', str(tmp_path / 's'), '--dry-run', *argv, *BASE]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
+
+
+
+@pytest.mark.long(0.5)
+def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
+  """`--schedule wsd`: one constant-rate run to the last decay start, each budget a cooldown branched off it; every
+  point's final val_loss is the independent WSD run's of its budget, exactly, for 12 of the 15 steps."""
+  base = [*BASE, 'optim.decay_fraction=0.4']  # 5 steps decay from step 3, 10 from step 6
+  out = tmp_path / 'sweep'
+  argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '1280,2560', '--evals', '2',
+          '--schedule', 'wsd', *base]
+  assert cli.main(argv) == 0
+  assert 'tokens to train: 3,072 (80% of the 3,840 of independent runs)' in capsys.readouterr().out
+  listing = json.loads((out / 'sweep.json').read_text())
+  assert [(p['label'], p['steps'], p['branch_at']) for p in listing['points']] == [
+    ('d16_l1_t1.28e03', 5, 3), ('d16_l1_t2.56e03', 10, 6)]
+  assert [(s['label'], s['steps'], s['branches']) for s in listing['stable']] == [('d16_l1_stable', 6, [3, 6])]
+  assert listing['tokens_trained'] == 12 * 256 and listing['tokens_as_independent_runs'] == 15 * 256
+  assert sorted(p.name for p in (out / 'd16_l1_stable' / 'checkpoints').iterdir()) == ['3', '6']
+
+  final = lambda run: [r['val_loss'] for r in read_metrics(run) if 'val_loss' in r][-1]
+  for point in listing['points']:
+    alone = tmp_path / f'alone_{point["steps"]}'
+    overrides = [o for o in point['overrides'] if o != 'train.resume=true']
+    assert cli.main(['train', '--config', 'gpt_tiny', *base, *overrides, f'train.run_dir={alone}']) == 0
+    assert final(out / point['label']) == final(alone), point['label']
+    assert max(r['step'] for r in read_metrics(out / point['label'])) == point['steps']
+
+  capsys.readouterr()
+  assert cli.main(argv) == 0  # nothing left to train: the stable run and both branches are skipped
+  assert capsys.readouterr().out.count('done, skipped') == 3
+  points = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', str(out), '--out', str(points)]) == 0
+  with open(points, newline='') as f:
+    assert {r['run'] for r in csv.DictReader(f)} == {str(out / p['label']) for p in listing['points']}
