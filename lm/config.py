@@ -369,6 +369,7 @@ class TrainConfig:
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
 
+
 @dataclass(frozen=True)
 class Config:
   name: str = 'gpt_tiny'
