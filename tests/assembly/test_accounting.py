@@ -13,6 +13,7 @@ SEQ, BATCH = 64, 4
 
 
 @pytest.mark.parametrize('name', ['gpt_tiny', 'bert_tiny', 't5_tiny', 't5_v1_0_tiny', 'llama_tiny'])
+@pytest.mark.variants
 def test_flops_agree_with_xla_cost_analysis(name):
   """Unscanned layers: XLA's cost analysis counts a while loop's body once, not per iteration."""
   config = load_config(name, ['model.num_layers=2', 'model.num_decoder_layers=2', f'data.seq_len={SEQ}',

@@ -56,6 +56,7 @@ def test_wsd_refuses_a_warmup_that_runs_into_the_decay():
 
 
 @pytest.mark.parametrize('grad_clip', [0.0, 1.0])
+@pytest.mark.variants
 def test_the_params_moving_average_is_the_debiased_mean_of_the_params_after_each_update(grad_clip):
   """ema_decay keeps sum_i (1 - d) d^(t-i) params_i / (1 - d^t) over the params after updates 1..t (float64
   NumPy from the params the optimizer produced), and leaves the updates as AdamW alone makes them."""

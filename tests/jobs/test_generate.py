@@ -64,6 +64,7 @@ def relative_error(got, want):
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
 @pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny',
                                     'mistral_window', 'gemma2_window'])
+@pytest.mark.variants
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)
   rows, logits = generate_with_logits(model, params, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0),
@@ -76,6 +77,7 @@ def test_cached_step_logits_match_uncached_forward(preset, scan):
 
 
 @pytest.mark.parametrize('preset, layers, windowed', [('mistral_window', 2, {0, 1}), ('gemma2_window', 4, {0, 2})])
+@pytest.mark.variants
 def test_windowed_layers_cache_only_their_window(preset, layers, windowed):
   """Windowed layers keep a ring of `window` slots (memory bounded by the window, not the context); global layers
   keep every slot, and so does a scanned stack that has both kinds (its layers share one cache shape)."""
@@ -160,6 +162,7 @@ def sampling_reference(logits, temperature, top_k=None, top_p=None):
 @pytest.mark.parametrize('temperature, top_k, top_p', [
   (0.5, None, None), (2.0, None, None), (2.0, 4, None), (0.7, None, 0.8), (1.5, 5, 0.7),
 ])
+@pytest.mark.variants
 def test_sampled_frequencies_follow_the_tempered_truncated_softmax(temperature, top_k, top_p):
   """20,000 draws against the float64 reference: a chi-square test over its support (p > 1e-3; the seed is
   fixed, so the outcome is too) and no draw outside it."""

@@ -104,6 +104,7 @@ def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
 
 
 @pytest.mark.parametrize('kind', ['explicit', 'slurm'])
+@pytest.mark.variants
 def test_processes_find_each_other_from_explicit_settings_and_slurm(kind, tmp_path):
   """`lm.distributed.initialize` joins the job from LM_* settings, or from SLURM's variables (faked on localhost)."""
   port = free_port()

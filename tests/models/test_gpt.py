@@ -86,6 +86,7 @@ def test_scanned_and_unrolled_layers_agree():
 
 
 @pytest.mark.parametrize('policy', ['full', 'dots', 'projections'])
+@pytest.mark.variants
 def test_remat_keeps_gradients(policy):
   _, model, params = make()
   _, remat_model, _ = make(f'model.remat={policy}')

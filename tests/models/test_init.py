@@ -24,6 +24,7 @@ COMPARED = {'gpt2': lambda path: True, 't5': lambda path: 'layers_' in path or '
 
 
 @pytest.mark.parametrize('name', MODELS)
+@pytest.mark.variants
 def test_standard_init_matches_the_reference_implementation(name, tmp_path):
   torch.manual_seed(0)
   MODELS[name]().save_pretrained(tmp_path)

@@ -60,6 +60,7 @@ def test_every_config_choice_has_an_implementation():
 
 
 @pytest.mark.parametrize('activation', typing.get_args(Activation))
+@pytest.mark.variants
 def test_mlp_matches_numpy(activation):
   from scipy.special import erf
   x = np.random.default_rng(3).normal(size=(2, 3, 16)).astype(np.float32)

@@ -72,6 +72,7 @@ def reference(preset, scan=False):
 @pytest.mark.parametrize('mesh', MESHES)
 @pytest.mark.parametrize('preset', ['gpt_tiny', *(pytest.param(p, marks=pytest.mark.long(0.2))
                                                 for p in ('llama_tiny', 't5_tiny'))])  # the fast tier: GPT
+@pytest.mark.variants
 def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mesh):
   """Rows of several lengths padded to one, in one batch split over the mesh (the same seed's params)."""
   pairs, log_probs = reference(preset)

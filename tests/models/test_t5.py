@@ -32,6 +32,7 @@ def numpy_bucket(rel, bidirectional, num_buckets, max_distance):
 
 @pytest.mark.parametrize('bidirectional', [True, False])
 @pytest.mark.parametrize('buckets, distance', [(32, 128), (16, 64)])
+@pytest.mark.variants
 def test_relative_buckets_match_numpy(bidirectional, buckets, distance):
   rel = np.arange(-300, 301)[None, :] - np.arange(0, 5)[:, None]
   got = np.asarray(relative_position_bucket(jnp.asarray(rel), bidirectional, buckets, distance))
@@ -51,6 +52,7 @@ def ids(seed, shape):
 
 
 @pytest.mark.parametrize('variant', ['t5_tiny', 't5_v1_0_tiny'])
+@pytest.mark.variants
 def test_encoder_is_bidirectional_and_decoder_causal(variant):
   cfg = load_config(variant, SMALL).model
   model = build_model(cfg)

@@ -67,6 +67,7 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(famil
 
 
 @pytest.mark.parametrize('family', ['gpt', 'llama', 'bert'])
+@pytest.mark.variants
 def test_num_labels_adds_the_head_params_and_leaves_the_forward_unchanged(family):
   """A classifier config's params are the language model's with the head's in place of the output layer (HF's
   ...ForSequenceClassification layout), and its forward, given the LM's params, still gives the LM's logits."""

@@ -44,6 +44,7 @@ def load_layer(layer, ours, norms):
 
 
 @pytest.mark.parametrize('preset', ['transformer_base', 'transformer_big'])
+@pytest.mark.variants
 def test_forward_equals_pytorch_transformer(preset):
   config = load_config(preset, TINY)
   cfg = config.model

@@ -27,6 +27,7 @@ def bf16(x):
 
 
 @pytest.mark.parametrize('spec, a_shape, a_dtype, b_shape, b_dtype, out_dtype', CASES)
+@pytest.mark.variants
 def test_values_and_gradients_equal_float64_on_the_rounded_operands(spec, a_shape, a_dtype, b_shape, b_dtype,
                                                                    out_dtype):
   rng = np.random.default_rng(0)
@@ -67,6 +68,7 @@ def dots(hlo: str) -> list[str]:
 
 
 @pytest.mark.parametrize('preset', ['gpt_tiny', 'bert_tiny', 't5_tiny', 'llama_tiny'])
+@pytest.mark.variants
 def test_every_dot_of_a_bf16_training_step_multiplies_bf16_into_float32(preset, tmp_path):
   """The whole step (forward, backward, for each family): no dot runs at the float32 rate."""
   config = load_config(preset, SMALL + ['model.dtype=bfloat16', f'train.run_dir={tmp_path}'])

@@ -34,6 +34,7 @@ def reference(hidden, kernel, bias, layout, targets, weights, z_loss):
   ('dv', False, 1e-2, 5),   # an lm_head kernel
   ('dv', True, 0.0, 1),
 ])
+@pytest.mark.variants
 def test_tiled_loss_and_gradients_match_float64(layout, with_bias, z_loss, chunk):
   rng = np.random.default_rng(0)
   hidden = rng.normal(size=(B, L, D)).astype(np.float32)

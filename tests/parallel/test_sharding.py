@@ -67,11 +67,12 @@ def reference(tmp_path_factory):
 
 # Every mesh for GPT; for the other families (the same layers and rules table, their own attention, norms and
 # heads) tensor parallelism over all 8 devices, which splits their heads, and the mesh with every axis.
-CASES = [pytest.param(family, name, marks=() if family == 'gpt' else pytest.mark.long(0.2))  # the fast tier: GPT
+CASES = [pytest.param(family, name, marks=() if family == 'gpt' else pytest.mark.long(0.2))  # the suite: every GPT mesh
          for family in FAMILIES for name in MESHES if family == 'gpt' or name in ('tp', 'dp_fsdp_tp')]
 
 
 @pytest.mark.parametrize('family, name', CASES)
+@pytest.mark.variants
 def test_sharded_training_equals_one_device(family, name, tmp_path, reference, capfd):
   """... and XLA honours every sharding: no "involuntary full rematerialization" (a replicated copy of a
   tensor, which on a pod costs memory and bandwidth) while the step compiles."""
@@ -133,6 +134,7 @@ def test_a_two_slice_mesh_trains_like_one_device(tmp_path, reference):
 
 
 @pytest.mark.parametrize('mesh', [('mesh.fsdp=8',), ('mesh.fsdp=4', 'mesh.tensor=2')])
+@pytest.mark.variants
 def test_initialisation_creates_each_shard_where_it_lives(tmp_path, mesh):
   """The compiled init function: its outputs carry the state's shardings, each device's output is its shards
   (about 1/8 of the state here), and its temporaries stay far below the whole params (it never builds the

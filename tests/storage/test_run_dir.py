@@ -58,6 +58,7 @@ HF_CLASSES = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertFor
   ('gpt_tiny', []), ('bert_tiny', ['model.max_len=32']), ('t5_tiny', ['model.d_ff=128']),
   ('llama_tiny', ['model.num_kv_heads=4']),
 ])
+@pytest.mark.variants
 def test_a_training_checkpoint_exports_to_transformers(preset, extra, tmp_path):
   """A scanned-layer checkpoint written by lm's train loop, every family, loads in transformers with the same
   logits on a padded batch."""
@@ -119,6 +120,7 @@ def _bpe(directory, vocab_size, specials):
 
 
 @pytest.mark.parametrize('kind', ['gpt2', 't5'])
+@pytest.mark.variants
 def test_imported_models_bring_their_tokenizer_to_generation(kind, tmp_path, capsys):
   """GPT-2 with vocab.json + merges.txt, T5 with a tokenizer.json holding <extra_id_N>: the run keeps the files
   and `lm generate` encodes and decodes with them."""

@@ -22,7 +22,8 @@ def trained(small_config, devices, *overrides):
   return run
 
 
-@pytest.mark.parametrize('mesh', ['1 device', pytest.param('data x fsdp', marks=pytest.mark.long(0.2))])
+@pytest.mark.long(0.3)
+@pytest.mark.parametrize('mesh', ['1 device', 'data x fsdp'])
 def test_a_branched_cooldown_is_the_straight_wsd_run_of_its_budget(small_config, tmp_path, mesh, capsys):
   devices = jax.devices()[:1] if mesh == '1 device' else jax.devices()
   straight = trained(small_config, devices, 'train.steps=10', f'train.run_dir={tmp_path}/straight', *MESHES[mesh])

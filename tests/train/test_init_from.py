@@ -28,6 +28,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.parametrize('source', ['imported', 'hf', 'source'])
+@pytest.mark.variants
 def test_a_new_run_starts_where_the_source_ended(trained, source, tmp_path):
   """Step-0 validation loss equals the source run's final one, through HF and back and across layer layouts."""
   config = load_config('gpt_tiny', SMALL + ['train.steps=1', 'train.eval_batches=2', f'train.run_dir={tmp_path}',

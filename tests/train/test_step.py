@@ -28,6 +28,7 @@ def assert_same_update(got, want):
 
 
 @pytest.mark.parametrize('k', [2, 4])
+@pytest.mark.variants
 def test_microbatches_give_the_same_update(small_config, k):
   one, accumulated = (one_update(Pretraining(small_config(f'train.microbatches={m}'), jax.devices()[:1])) for m in (1, k))
   assert_same_update(accumulated, one)

@@ -37,6 +37,7 @@ def loss_and_grads(preset: str, mesh: str, loss_chunk: int):
 @pytest.mark.parametrize('mesh', MESHES)
 @pytest.mark.parametrize('preset', [p if p == 'gpt_tiny' else pytest.param(p, marks=pytest.mark.long(0.2))
                                     for p in FAMILIES])  # the fast tier: GPT
+@pytest.mark.variants
 def test_tiled_loss_matches_untiled(preset, mesh):
   value, sums, grads, evaluated = loss_and_grads(preset, mesh, 0)
   t_value, t_sums, t_grads, t_evaluated = loss_and_grads(preset, mesh, 12)

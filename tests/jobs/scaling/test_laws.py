@@ -34,6 +34,7 @@ def test_chinchilla_without_noise_returns_every_parameter():
 
 
 @pytest.mark.parametrize('seed', range(10))
+@pytest.mark.variants
 def test_chinchilla_with_noise_is_within_the_published_recovery(seed):
   fit = laws.fit_chinchilla(grid_points(0.005, seed))
   p = fit['params']

@@ -36,6 +36,7 @@ def rel_err(a, b):
 @pytest.mark.parametrize('causal', [False, True])
 @pytest.mark.parametrize('with_segments', [False, True])
 @pytest.mark.parametrize('with_bias', [False, True])
+@pytest.mark.variants
 def test_xla_attention_matches_float64(causal, with_segments, with_bias):
   rng = np.random.default_rng(hash((causal, with_segments, with_bias)) % 2**32)
   b, s, h, d = 2, 19, 3, 8
@@ -67,6 +68,7 @@ def test_unknown_impl_is_refused():
 
 @pytest.mark.parametrize('impl', ['xla', 'flash'])
 @pytest.mark.parametrize('kv_heads', [1, 2])
+@pytest.mark.variants
 def test_grouped_key_value_heads_match_float64(impl, kv_heads):
   """4 query heads over 1 (multi-query) or 2 key/value heads, causal with segments."""
   rng = np.random.default_rng(kv_heads)
@@ -79,6 +81,7 @@ def test_grouped_key_value_heads_match_float64(impl, kv_heads):
 
 
 @pytest.mark.parametrize('length, blocks', [(64, 2), (96, 2), (256, 4)])
+@pytest.mark.variants
 def test_blocked_causal_path_matches_float64_forward_and_gradients(length, blocks, monkeypatch):
   """Causal self-attention of 64+ tokens (every default CPU run) takes the blocked path: packed segments with
   padding and a bias, against the float64 reference, values and gradients."""
@@ -107,6 +110,7 @@ def test_blocked_causal_path_matches_float64_forward_and_gradients(length, block
 
 
 @pytest.mark.parametrize('platform, expected', [('tpu', 'flash'), ('gpu', 'cudnn'), ('cpu', 'xla')])
+@pytest.mark.variants
 def test_auto_picks_the_platforms_kernel(platform, expected, monkeypatch):
   """`auto` on a TPU runs our flash kernel, on a GPU cuDNN, elsewhere XLA; a mask or attention dropout (which
   the kernels lack) sends every platform to XLA. The platform is given, the kernels are spied on, not run."""

@@ -68,6 +68,7 @@ CASES = [  # (seed, causal, segments, bias, dtype, query heads per key/value hea
 
 
 @pytest.mark.parametrize('seed, causal, segments, with_bias, dtype, group', CASES)
+@pytest.mark.variants
 def test_forward_and_gradients_match_float64(seed, causal, segments, with_bias, dtype, group):
   check(seed, causal, segments, with_bias, dtype, group)
 
@@ -80,6 +81,7 @@ WINDOWED = [(20, False, 'float32', 1, 37, 0.0), (21, True, 'float32', 2, 130, 0.
 
 
 @pytest.mark.parametrize('seed, with_bias, dtype, group, window, softcap', WINDOWED)
+@pytest.mark.variants
 def test_window_and_softcap_match_float64(seed, with_bias, dtype, group, window, softcap):
   check(seed, True, True, with_bias, dtype, group, window, softcap, length=(200, 300))
 
@@ -130,6 +132,7 @@ HEAD_BLOCKS = [((6, 6, 64), 2), ((8, 4, 64), 4), ((4, 4, 128), 1), ((8, 2, 128),
 
 
 @pytest.mark.parametrize('shape, per_block', HEAD_BLOCKS)
+@pytest.mark.variants
 def test_blocks_of_heads_read_the_model_layout(shape, per_block):
   """The kernels read [B, L, heads * head_dim] in blocks of `per_block` heads: the blocking rule, and each layout
   against the float64 reference (causal, segments, a per-head bias), forward and gradients."""
@@ -176,6 +179,7 @@ def test_dispatch_runs_flash_and_refuses_masks():
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 @pytest.mark.parametrize('h, kv_heads, d', [(4, 4, 64), (8, 2, 128), (8, 4, 64)])  # head blocks of 2, 1 and 4
+@pytest.mark.variants
 def test_compiles_ahead_of_time_for_tpu_v5e(h, kv_heads, d):
   """Forward and backward (bias, causal, segments, bf16; grouped-query heads) lower through Mosaic and compile for
   v5e:2x2 in each kind of head block."""

@@ -83,6 +83,7 @@ def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512, window=0, soft
 @pytest.mark.parametrize('segments', [False, True])
 @pytest.mark.parametrize('bias_batch', [None, 1, 2])
 @pytest.mark.parametrize('chunk', [512, 4])  # each shard's 16 queries at once, or 4 chunks of 4 rows
+@pytest.mark.variants
 def test_ring_attention_matches_float64(causal, segments, bias_batch, chunk):
   q, k, v, do, seg, bias = inputs([causal, segments, bias_batch or 0], segments, bias_batch)
   length = q.shape[1]
@@ -122,6 +123,7 @@ def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
 # Every pair of (causal, segments, bias) values, in 6 of the 12 combinations: the interpreted kernel is slow.
 @pytest.mark.parametrize('causal, segments, bias_batch', [
   (True, True, None), (True, False, 1), (True, True, 2), (False, False, None), (False, True, 1), (False, False, 2)])
+@pytest.mark.variants
 def test_ring_attention_with_flash_blocks_matches_float64(causal, segments, bias_batch):
   """Each hop's sub-blocks through the flash kernel: causal on a shard's own chunks, full where the zig-zag
   layout makes a chunk see all of another, skipped where it sees none; packed documents, padding and a bias."""
@@ -162,6 +164,7 @@ def test_a_sequence_that_does_not_split_into_chunks_is_refused():
 
 
 @pytest.mark.parametrize('window, softcap, chunk', [(9, 0.0, 4), (9, 2.0, 512), (20, 2.0, 4)])
+@pytest.mark.variants
 def test_ring_attention_with_a_window_and_soft_capping_matches_float64(window, softcap, chunk):
   """A window of keys fewer than `window` positions back (query chunks against blocks wholly outside it skipped) and
   soft-capped logits, over packed segments with a bias: against the flash tests' float64 reference."""

@@ -23,6 +23,7 @@ KERNELS = {
   (0, True, None, False), (1, False, 'packed', False), (2, True, 'packed', True),
   (3, True, 'padded', False), (4, False, 'padded', True),  # trailing segment 0: padding attends to nothing
 ])
+@pytest.mark.variants
 def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
   fn, takes_bias, interpret_ctx = KERNELS[name]
   if with_bias and not takes_bias:

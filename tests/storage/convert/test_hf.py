@@ -160,6 +160,7 @@ def assert_same_tensors(a_dir, b_dir):
 
 
 @pytest.mark.parametrize('kind', list(CONFIGS))
+@pytest.mark.variants
 def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
   hf_model = save_hf_model(kind, tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
@@ -177,6 +178,7 @@ def test_logits_match_transformers_and_export_is_exact(kind, tmp_path):
 
 
 @pytest.mark.parametrize('kind', DECODERS)
+@pytest.mark.variants
 def test_greedy_generation_equals_transformers_generate(kind, tmp_path):
   """20 new tokens after left-padded prompts of two lengths, KV-cached on both sides."""
   hf_model = save_hf_model(kind, tmp_path / 'hf')
