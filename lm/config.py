@@ -58,8 +58,20 @@ class RopeConfig:
   beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
   beta_slow: float = 1.0  # yarn: ... below which they are divided by factor
   attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1
+  fraction: float = 1.0  # the share of each head's features that rotate (GPT-NeoX's rotary_pct); the rest pass
 
-  def check(self, position: str) -> None:
+  def rotated(self, head_dim: int) -> int:
+    """How many of a head's features rotate: the first `fraction` of them (transformers' int(head_dim x it))."""
+    return int(head_dim * self.fraction)
+
+  def check(self, position: str, head_dim: int) -> None:
+    if position == 'rotary' and (not 0 < self.fraction <= 1 or self.rotated(head_dim) % 2
+                                 or not self.rotated(head_dim)):
+      raise ConfigError(f'model.rope.fraction={self.fraction} rotates {self.rotated(head_dim)} of the head dim '
+                        f'{head_dim} features; it needs an even number of them above 0 (Pythia: 0.25)')
+    if position != 'rotary' and self.fraction != 1:
+      raise ConfigError(f'model.rope.fraction={self.fraction} applies to rotary positions, but '
+                        f'model.position={position}; set model.position=rotary or remove it')
     if self.scaling == 'none':
       return
     if position != 'rotary':
@@ -95,7 +107,7 @@ class MupConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3
+  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gpt_neox
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
   num_layers: int = 4  # encoder layers for t5
@@ -128,6 +140,8 @@ class ModelConfig:
   attention_scale_dim: int | None = None  # logits times this^-0.5 instead of head_dim^-0.5 (Gemma 2's
   # query_pre_attn_scalar)
   norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
+  parallel_residual: bool = False  # attention and MLP both read the block's input, their outputs added to it
+  # (GPT-J, GPT-NeoX's use_parallel_residual)
   tie_embeddings: bool = True
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale
@@ -550,7 +564,9 @@ PATH_FIELDS = ('data.data_dir', 'data.paths', 'data.tokenizer', 'train.run_dir',
 # Earlier spellings of grouped fields -> where they live now: presets, overrides and the config.yaml of run dirs
 # written before the grouping load through `upgrade`.
 RENAMED = {
-  **{f'model.rope_{f.name}': f'model.rope.{f.name}' for f in dataclasses.fields(RopeConfig)},
+  **{f'model.rope_{name}': f'model.rope.{name}' for name in (  # the fields of the flat spelling; later ones have none
+    'theta', 'scaling', 'factor', 'original_max_len', 'low_freq_factor', 'high_freq_factor', 'beta_fast', 'beta_slow',
+    'attention_factor')},
   **{f'model.mup_{f.name}': f'model.mup.{f.name}' for f in dataclasses.fields(MupConfig)},
   'train.checkpoint_every': 'train.checkpoint.every', 'train.checkpoint_every_minutes': 'train.checkpoint.every_minutes',
   'train.keep_checkpoints': 'train.checkpoint.keep', 'train.keep_every': 'train.checkpoint.keep_every',
@@ -744,10 +760,13 @@ def _check_model(config: Config) -> None:
   if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} '
                       f'(each key/value head serves a group of query heads)')
-  if m.position == 'rotary' and m.resolved_head_dim % 2:
+  if m.position == 'rotary' and m.rope.fraction == 1 and m.resolved_head_dim % 2:
     raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
                       f'use an even model.head_dim')
-  m.rope.check(m.position)
+  m.rope.check(m.position, m.resolved_head_dim)
+  if m.parallel_residual and m.norm_position != 'pre':
+    raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
+                      f'model.norm_position={m.norm_position}; set model.norm_position=pre')
   m.mup.check(m.parametrization, m.d_model)
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:

@@ -67,11 +67,14 @@ def rope_of(cfg: ModelConfig) -> Rope | None:
 
 
 def rotary(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
-  """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32."""
-  inv_freq = rope.inverse_frequencies(x.shape[-1]).astype(np.float32)
+  """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32: the first
+  `rope.rotated(head_dim)` features rotate (all but for a partial rotation), the others pass unchanged."""
+  rotated = rope.rotated(x.shape[-1])
+  inv_freq = rope.inverse_frequencies(rotated).astype(np.float32)
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, l, half]
   cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
   if rope.magnitude != 1.0:
     cos, sin = cos * rope.magnitude, sin * rope.magnitude
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32[..., :rotated], 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotated:]], axis=-1).astype(x.dtype)

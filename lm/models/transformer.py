@@ -27,7 +27,8 @@ REMAT_POLICIES = {
 class Block(nn.Module):
   """One layer: self-attention, cross-attention (`cross`, decoder of an encoder-decoder), MLP.
 
-  Each is a residual branch with pre-, post- or sandwich (pre and post, Gemma 2) norms. `layer` (traced when
+  Each is a residual branch with pre-, post- or sandwich (pre and post, Gemma 2) norms, in turn or in parallel
+  (`model.parallel_residual`: each reads the block's input, GPT-NeoX). `layer` (traced when
   scanned) picks the global layers among windowed ones (`model.global_every`).
   """
   cfg: ModelConfig
@@ -62,6 +63,9 @@ class Block(nn.Module):
               param_dtype=param_dtype, name='mlp')
     branches.append(('mlp', mlp))
 
+    if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it
+      x = x + sum(drop(branch(norm(f'{name}_norm')(x))) for name, branch in branches)
+      return constrain(x.astype(dtype), ('batch', 'length', 'embed')), None
     for name, branch in branches:
       if cfg.norm_position == 'pre':
         x = x + drop(branch(norm(f'{name}_norm')(x)))

@@ -26,7 +26,9 @@ Shape = tuple[int, ...]
 # linear:     torch.nn.Linear [out, in]; ours [*in, *out] with `n_in` input dims
 # conv1d:     GPT-2 Conv1D [in, out]; ours [*in, *out]
 # transposed: HF [a, b], ours [b, a] (T5 relative bias [buckets, heads] vs [heads, buckets])
-LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed')
+# heads:      GPT-NeoX's fused query_key_value, HF [heads * parts * head_dim(, in)] (each head's query, key and value
+#             in turn), ours [(in,) heads, head_dim] per part
+LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed', 'heads')
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class Tensor:
   n_in: int = 1  # input dims of our kernel (2 for attention out: [heads, head_dim, embed])
 
   def hf_shape(self, shapes: dict[str, Shape]) -> Shape:
+    if self.layout == 'heads':
+      *ins, heads, head_dim = shapes[self.params[0]]
+      return (heads * len(self.params) * head_dim, *ins)
     parts = [_hf_part_shape(self.layout, shapes[p], self.n_in) for p in self.params]
     return parts[0][:-1] + (sum(s[-1] for s in parts),)
 
@@ -127,6 +132,9 @@ def read_params(ckpt: Checkpoint, rules: list[Tensor], shapes: dict[str, Shape])
   flat: dict[str, np.ndarray] = {}
   for rule in rules:
     a = ckpt.require(rule.name, rule.hf_shape(shapes))
+    if rule.layout == 'heads':
+      flat.update(zip(rule.params, _heads_to_ours(a, [shapes[p] for p in rule.params])))
+      continue
     widths = [_hf_part_shape(rule.layout, shapes[p], rule.n_in)[-1] for p in rule.params]
     for path, piece in zip(rule.params, np.split(a, np.cumsum(widths)[:-1], axis=-1)):
       flat[path] = _to_ours(rule.layout, piece, shapes[path])
@@ -140,10 +148,29 @@ def write_tensors(rules: list[Tensor], flat: dict[str, np.ndarray], dtype: Any) 
   """HF name -> contiguous array in `dtype` for each rule, from our flat ('a/b/kernel') params."""
   out = {}
   for rule in rules:
-    parts = [_to_hf(rule.layout, flat[p], rule.n_in) for p in rule.params]
-    a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    if rule.layout == 'heads':
+      a = _heads_to_hf([flat[p] for p in rule.params])
+    else:
+      parts = [_to_hf(rule.layout, flat[p], rule.n_in) for p in rule.params]
+      a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     out[rule.name] = np.ascontiguousarray(a.astype(dtype))
   return out
+
+
+def _heads_to_ours(a: np.ndarray, shapes: list[Shape]) -> list[np.ndarray]:
+  """HF [heads * parts * head_dim, *in] -> one float32 array [*in, heads, head_dim] per part."""
+  *ins, heads, head_dim = shapes[0]
+  grouped = a.reshape(heads, len(shapes), head_dim, *ins)
+  order = (*range(2, 2 + len(ins)), 0, 1)  # [heads, head_dim, *in] -> [*in, heads, head_dim]
+  return [np.ascontiguousarray(grouped[:, i].transpose(order), np.float32) for i in range(len(shapes))]
+
+
+def _heads_to_hf(parts: list[np.ndarray]) -> np.ndarray:
+  """One array [*in, heads, head_dim] per part -> HF [heads * parts * head_dim, *in]."""
+  ins = parts[0].ndim - 2
+  order = (ins, ins + 1, *range(ins))  # [*in, heads, head_dim] -> [heads, head_dim, *in]
+  stacked = np.stack([p.transpose(order) for p in parts], axis=1)
+  return stacked.reshape(-1, *stacked.shape[3:])
 
 
 def dense(hf: str, ours: str, layout: str, n_in: int = 1, bias: bool = True) -> list[Tensor]:

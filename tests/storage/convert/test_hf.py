@@ -77,14 +77,26 @@ CONFIGS = {
                                               head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
                                               max_position_embeddings=64, attn_implementation='eager'),
+  # Pythia: attention and MLP in parallel, a quarter of each head's 16 features rotating (base 1e4), untied output
+  'gpt_neox': lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB + 1, hidden_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, intermediate_size=80,
+                                                 max_position_embeddings=64, rotary_pct=0.25),
+  # GPT-NeoX without the parallel residual (attention, then MLP), half of each head rotating at base 5e4
+  'gpt_neox_serial': lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB + 1, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4, intermediate_size=80,
+                                                        max_position_embeddings=64, use_parallel_residual=False,
+                                                        rope_parameters={'rope_type': 'default', 'rope_theta': 5e4,
+                                                                         'partial_rotary_factor': 0.5}),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
           'llama': transformers.LlamaForCausalLM, 'llama3': transformers.LlamaForCausalLM,
           'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
           'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
-          'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM}
-DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2')
+          'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM,
+          'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM}
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gpt_neox',
+            'gpt_neox_serial')
 
 
 def save_hf_model(kind, directory):
@@ -412,11 +424,31 @@ def test_gemma2_holds_scanned_through_flash_and_each_feature_acts(tmp_path):
   ('qwen3', {'attention_bias': True}, 'config.json attention_bias=True is not supported when converting Qwen3'),
   ('llama', {'layer_types': ['sliding_attention', 'full_attention']}, r"layer_types \['full_attention', "
                                                                       r"'sliding_attention'\] is not supported"),
+  ('gpt_neox', {'attention_bias': False}, 'config.json attention_bias=False is not supported when converting GPTNeoX'),
+  ('gpt_neox', {'rope_parameters': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}},
+   "rope type 'linear' is not supported when converting GPTNeoXForCausalLM"),
 ])
 def test_a_setting_the_model_cannot_honour_is_named(kind, edit, message, tmp_path):
   save_hf_model(kind, tmp_path / 'hf')
   with pytest.raises(ConfigError, match=message):
     load_hf(edited_copy(tmp_path / 'hf', tmp_path / 'edited', edit_config=lambda c: c.update(edit)))
+
+
+def test_a_released_pythia_config_loads_and_exports_in_its_own_layout(tmp_path):
+  """Pythia's files name the rotation `rotary_pct` and `rotary_emb_base` (no `rope_parameters`): the same model
+  loads from them, and an export from them keeps that layout."""
+  hf_model = save_hf_model('gpt_neox', tmp_path / 'hf')
+  def released(config):
+    rope = config.pop('rope_parameters')
+    config.update(rotary_pct=rope['partial_rotary_factor'], rotary_emb_base=rope['rope_theta'], rope_scaling=None)
+  model, params = load_hf(edited_copy(tmp_path / 'hf', tmp_path / 'released', edit_config=released))
+  assert (model.cfg.rope.fraction, model.cfg.rope.theta, model.cfg.parallel_residual) == (0.25, 10000.0, True)
+  assert compare(hf_model, model, params, 'gpt_neox') < 1e-4
+  save_hf(model, params, tmp_path / 'out', json.loads((tmp_path / 'released' / 'config.json').read_text()))
+  written = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert (written['rotary_pct'], written['rotary_emb_base']) == (0.25, 10000.0) and 'rope_parameters' not in written
+  assert compare(transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / 'out').eval(), model, params,
+                 'gpt_neox') < 1e-4
 
 
 def test_bad_open_model_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
