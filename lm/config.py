@@ -65,6 +65,9 @@ class RopeConfig:
     return int(head_dim * self.fraction)
 
   def check(self, position: str, head_dim: int) -> None:
+    if position == 'rotary' and self.fraction == 1 and head_dim % 2:
+      raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {head_dim}; '
+                        f'use an even model.head_dim')
     if position == 'rotary' and (not 0 < self.fraction <= 1 or self.rotated(head_dim) % 2
                                  or not self.rotated(head_dim)):
       raise ConfigError(f'model.rope.fraction={self.fraction} rotates {self.rotated(head_dim)} of the head dim '
@@ -760,9 +763,6 @@ def _check_model(config: Config) -> None:
   if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} '
                       f'(each key/value head serves a group of query heads)')
-  if m.position == 'rotary' and m.rope.fraction == 1 and m.resolved_head_dim % 2:
-    raise ConfigError(f'rotary positions rotate pairs of features, but the head dim is {m.resolved_head_dim}; '
-                      f'use an even model.head_dim')
   m.rope.check(m.position, m.resolved_head_dim)
   if m.parallel_residual and m.norm_position != 'pre':
     raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
