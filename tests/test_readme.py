@@ -64,7 +64,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/planning/test_compile.py::test_each_preset_fits_its_slice_as_written',
-  'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512,1024':
+  'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512':  # to 512 there, 1024 here
     'tests/jobs/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
   'python bench/compile_table.py':
     'tests/bench/test_compile_table.py::test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits',

@@ -1,6 +1,7 @@
-"""lm scaling coord-check: the check can fail. On gpt_tiny at widths 64..1024 (heads fixed, head dims 16..256)
+"""lm scaling coord-check: the check can fail. On gpt_tiny at widths 64..512 (heads fixed, head dims 16..128)
 after 3 AdamW steps at 3x its learning rate, μP keeps every group's mean |x| flat in width (log-log slope within
-+-0.1) while the standard parametrization's logits grow with it (slope above 0.3)."""
++-0.1) while the standard parametrization's logits grow with it (slope above 0.3). The README's commands go on to
+width 1024 (its table); 512 keeps the margins (largest μP slope 0.06, standard's logits 0.65) at 60% of the CPU."""
 import json
 import subprocess
 import sys
@@ -13,13 +14,13 @@ from lm.config import ConfigError, load_config
 from lm.jobs.scaling.coord_check import width_config
 from tests.conftest import one_device_env
 
-ARGS = ['scaling', 'coord-check', '--config', 'gpt_tiny', '--widths', '64,128,256,512,1024', '--lr', '3e-3',
+ARGS = ['scaling', 'coord-check', '--config', 'gpt_tiny', '--widths', '64,128,256,512', '--lr', '3e-3',
         '--steps', '3', '--seeds', '3', 'train.global_batch=4', 'data.seq_len=64']
 
 
-@pytest.mark.long(2.5)
+@pytest.mark.long(1.5)
 def test_mup_is_flat_in_width_and_standard_is_not(tmp_path):
-  # a process of its own at XLA's full optimisation: 30 runs up to width 1024 take 3x longer at the tests' level 0
+  # a process of its own at XLA's full optimisation: 24 runs up to width 512 take 3x longer at the tests' level 0
   slopes, tables = {}, ''
   for parametrization in ('mup', 'standard'):
     out = tmp_path / parametrization
