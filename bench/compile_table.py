@@ -38,7 +38,7 @@ PLAN: dict[str, float | None] = {
   'llama3_8b': 8e9, 'llama3_70b': 70e9, 'llama3_1_405b': 405e9, 'mistral_7b': 7.3e9, 'qwen2_5_7b': 7.61e9,
   'qwen3_8b': 8.2e9, 'gemma2_9b': 9.24e9, 'gemma2_27b': 27.2e9,
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
-  'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'pythia_tiny': None,
+  'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
 REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']

@@ -27,8 +27,11 @@ class ConfigError(ValueError):
 # Families and tokenizers are open sets checked against their registries in `validate`.
 Position = Literal['learned', 'sinusoidal', 'relative', 'rotary', 'none']  # relative: T5 buckets; rotary: RoPE
 RopeScaling = Literal['none', 'linear', 'llama3', 'yarn']
-Norm = Literal['layernorm', 'rmsnorm']
-NormPosition = Literal['pre', 'post', 'sandwich']  # sandwich: a norm before and after each branch (Gemma 2)
+Norm = Literal['layernorm', 'rmsnorm', 'nonparametric_layernorm']  # the last: no scale or bias (OLMo)
+# sandwich: a norm before and after each branch (Gemma 2); post_branch: a norm of each branch's output before it is
+# added (OLMo 2's reordered norm); post: a norm after each addition (BERT)
+NormPosition = Literal['pre', 'post', 'sandwich', 'post_branch']
+QkNormScope = Literal['head', 'all_heads']
 Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu']
 ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
@@ -110,7 +113,8 @@ class MupConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gpt_neox
+  family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gemma2 |
+  # gpt_neox | olmo | olmo2
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
   num_layers: int = 4  # encoder layers for t5
@@ -135,7 +139,9 @@ class ModelConfig:
   activation: Activation = 'gelu'
   use_bias: bool = True
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
-  qk_norm: bool = False  # RMSNorm of each head's queries and keys before the rotation (Qwen3; eps norm_eps)
+  qk_norm: bool = False  # RMSNorm of the queries and keys before the rotation (eps norm_eps)
+  qk_norm_scope: QkNormScope = 'head'  # over each head's features (Qwen3) or all heads' at once (OLMo 2)
+  clip_qkv: float = 0.0  # > 0: query, key and value projections clipped to [-c, c] (OLMo)
   sliding_window: int = 0  # > 0: causal self-attention sees the keys fewer than this many positions back (Mistral)
   global_every: int = 0  # with sliding_window: every n-th layer (the n-th, 2n-th, ...) attends globally (Gemma 2: 2)
   attn_logit_softcap: float = 0.0  # > 0: attention logits through c * tanh(logits / c) (Gemma 2: 50)
@@ -767,6 +773,14 @@ def _check_model(config: Config) -> None:
   if m.parallel_residual and m.norm_position != 'pre':
     raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
                       f'model.norm_position={m.norm_position}; set model.norm_position=pre')
+  if m.qk_norm_scope != 'head' and not m.qk_norm:
+    raise ConfigError(f'model.qk_norm_scope={m.qk_norm_scope} scopes a query/key norm, but model.qk_norm=false; '
+                      f'set model.qk_norm=true or drop model.qk_norm_scope')
+  if m.norm_plus_one and m.norm != 'rmsnorm':
+    raise ConfigError(f'model.norm_plus_one=true scales an RMSNorm by (1 + w), but model.norm={m.norm}; '
+                      f'set model.norm=rmsnorm or drop model.norm_plus_one')
+  if m.clip_qkv < 0:
+    raise ConfigError(f'model.clip_qkv={m.clip_qkv} must be >= 0 (0: no clipping)')
   m.mup.check(m.parametrization, m.d_model)
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:

@@ -90,6 +90,10 @@ def test_parse_overrides_nested():
   (['model.position=rotary', 'model.rope.fraction=0.3'], 'model.rope.fraction=0.3 rotates 19 of the head dim 64'),
   (['model.rope.fraction=0.5'], 'model.rope.fraction=0.5 applies to rotary positions, but model.position=learned'),
   (['model.parallel_residual=true', 'model.norm_position=post'], 'but model.norm_position=post; set'),
+  (['model.qk_norm_scope=all_heads'], 'model.qk_norm_scope=all_heads scopes a query/key norm, but model.qk_norm=false'),
+  (['model.clip_qkv=-1'], 'model.clip_qkv=-1.0 must be >= 0 (0: no clipping)'),
+  (['model.norm_plus_one=true'], 'model.norm_plus_one=true scales an RMSNorm by (1 + w), but model.norm=layernorm'),
+  (['model.norm=nonparametric'], 'choose one of: layernorm, rmsnorm, nonparametric_layernorm'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):
   with pytest.raises(ConfigError, match=None) as info:

@@ -5,6 +5,7 @@ activations are pinned with `constrain(x, (...))`. Mesh axes never appear here.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -131,9 +132,10 @@ class LMHead(nn.Module):
 
 
 class LayerNorm(nn.Module):
-  """LayerNorm in float32 (mean and variance), scale and optional bias."""
+  """LayerNorm in float32 (mean and variance), optional scale and bias (neither: OLMo's non-parametric norm)."""
   eps: float = 1e-5
   use_bias: bool = True
+  use_scale: bool = True
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -144,9 +146,10 @@ class LayerNorm(nn.Module):
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                       (features,), self.param_dtype)
-    y = y * scale.astype(jnp.float32)
+    if self.use_scale:
+      scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                         (features,), self.param_dtype)
+      y = y * scale.astype(jnp.float32)
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
                         (features,), self.param_dtype)
@@ -159,20 +162,24 @@ class RMSNorm(nn.Module):
   eps: float = 1e-6
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  axis: str = 'embed'  # the normalised feature axis's logical name ('kv': per head)
+  # the normalised trailing axes' logical names: ('embed',); ('kv',) per head; ('heads', 'kv') all heads at once
+  axes: tuple[str, ...] = ('embed',)
   plus_one: bool = False  # scale by (1 + w), w starting at 0 (Gemma)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    over = tuple(range(-len(self.axes), 0))
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=over, keepdims=True) + self.eps)
     init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-    scale = self.param('scale', nn.with_logical_partitioning(init, (self.axis,)), (x.shape[-1],), self.param_dtype)
+    scale = self.param('scale', nn.with_logical_partitioning(init, self.axes), x.shape[over[0]:], self.param_dtype)
     scale = scale.astype(jnp.float32)
     return (y * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
-NORMS: dict[str, type[nn.Module]] = {'layernorm': LayerNorm, 'rmsnorm': RMSNorm}  # keys: lm.config.Norm
+NORMS: dict[str, Callable[..., nn.Module]] = {  # keys: lm.config.Norm
+  'layernorm': LayerNorm, 'rmsnorm': RMSNorm,
+  'nonparametric_layernorm': functools.partial(LayerNorm, use_scale=False, use_bias=False)}
 
 
 def make_norm(kind: str, eps: float, dtype: Dtype, param_dtype: Dtype, name: str, plus_one: bool = False
@@ -235,7 +242,9 @@ class Attention(nn.Module):
   rope: Rope | None = None  # None: no rotary positions
   use_bias: bool = True
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias
-  qk_norm_eps: float | None = None  # RMSNorm of each head's queries and keys (before the rotation); None: none
+  qk_norm_eps: float | None = None  # RMSNorm of the queries and keys (before the rotation); None: none
+  qk_norm_all_heads: bool = False  # that norm over all heads' features at once (OLMo 2), not each head's
+  clip: float = 0.0  # > 0: query, key and value projections clipped to [-clip, clip] (OLMo)
   window: int = 0  # > 0: a causal query sees the keys fewer than this many positions back
   softcap: float = 0.0  # > 0: logits soft-capped to (-softcap, softcap)
   impl: str = 'xla'
@@ -263,9 +272,12 @@ class Attention(nn.Module):
     kv_init = self.inits('key_value', kv_axes)
     k = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='key', **projection)(x_kv)
     v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
+    if self.clip:
+      q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
     if self.qk_norm_eps is not None:
-      norm = lambda name: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, axis='kv', name=name)
-      q, k = norm('query_norm')(q), norm('key_norm')(k)
+      norm = lambda name, heads: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, name=name,
+                                         axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',))
+      q, k = norm('query_norm', 'heads')(q), norm('key_norm', 'kv_heads')(k)
     if self.rope is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])

@@ -166,6 +166,12 @@ def fold(params: Any, axes: Any, cfg: ModelConfig, readout_norm: tuple[str, ...]
                       f'{cfg.d_model} or untie its output layer')
   query = (base_head_dim(cfg) / cfg.resolved_head_dim) ** 0.5
   readout = readout_multiplier(cfg)
+  # a query norm undoes a factor folded into the projection; a norm without params has nothing to fold into
+  unfoldable = ('query norm' if cfg.qk_norm and query != 1.0 else 'tied output layer reads a norm without params'
+                if tied and not untied and cfg.norm == 'nonparametric_layernorm' else None)
+  if unfoldable:
+    raise ConfigError(f'cannot fold this μP {cfg.family} model into a standard one: its {unfoldable} would not '
+                      f'carry the multiplier; export it at model.mup.base_width={cfg.d_model}')
   norm = '/'.join(readout_norm or ()) + '/'
 
   def scaled(path: tuple, x: Any, spec: PartitionSpec) -> Any:

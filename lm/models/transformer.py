@@ -27,8 +27,8 @@ REMAT_POLICIES = {
 class Block(nn.Module):
   """One layer: self-attention, cross-attention (`cross`, decoder of an encoder-decoder), MLP.
 
-  Each is a residual branch with pre-, post- or sandwich (pre and post, Gemma 2) norms, in turn or in parallel
-  (`model.parallel_residual`: each reads the block's input, GPT-NeoX). `layer` (traced when
+  Each is a residual branch with pre-, post-, sandwich (pre and post, Gemma 2) or post-branch (OLMo 2) norms, in
+  turn or in parallel (`model.parallel_residual`: each reads the block's input, GPT-NeoX). `layer` (traced when
   scanned) picks the global layers among windowed ones (`model.global_every`).
   """
   cfg: ModelConfig
@@ -48,7 +48,8 @@ class Block(nn.Module):
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
-      qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, softcap=cfg.attn_logit_softcap, impl=cfg.attention_impl,
+      qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_all_heads=cfg.qk_norm_scope == 'all_heads',
+      clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.attention_impl,
       block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, **kw)
@@ -71,6 +72,8 @@ class Block(nn.Module):
         x = x + drop(branch(norm(f'{name}_norm')(x)))
       elif cfg.norm_position == 'sandwich':
         x = x + drop(norm(f'{name}_post_norm')(branch(norm(f'{name}_norm')(x))))
+      elif cfg.norm_position == 'post_branch':
+        x = x + drop(norm(f'{name}_post_norm')(branch(x)))
       else:
         x = norm(f'{name}_norm')(x + drop(branch(x)))
     return constrain(x.astype(dtype), ('batch', 'length', 'embed')), None
@@ -80,7 +83,7 @@ class Stack(nn.Module):
   """`num_layers` blocks, scanned (compile time independent of depth) or unrolled.
 
   Owns what its layers share: the T5 relative position bias (computed once per stack) and, for
-  pre-LN stacks, the final norm.
+  stacks whose residual stream is not normalised after each addition, the final norm.
   """
   cfg: ModelConfig
   causal: bool
@@ -111,7 +114,7 @@ class Stack(nn.Module):
     else:
       for i in range(self.num_layers):
         x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args, i)
-    if cfg.norm_position in ('pre', 'sandwich'):
+    if cfg.norm_position != 'post':  # the residual stream itself is never normalised otherwise
       x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype], 'final_norm',
                     cfg.norm_plus_one)(x)
     return x

@@ -1,6 +1,7 @@
 """Today's open architectures train: a tiny Gemma 2 (sandwich (1 + w) norms, soft-capped attention and output
-logits, a window in every other layer), a tiny Qwen3 (query/key norms) and a tiny Pythia (GPT-NeoX: parallel
-residual, a quarter of each head rotating) learn the embedded corpus for 50 steps, on one device and on a data x
+logits, a window in every other layer), a tiny Qwen3 (query/key norms), a tiny Pythia (GPT-NeoX: parallel
+residual, a quarter of each head rotating) and a tiny OLMo 2 (branch outputs normalised, query/key norms over all
+heads) learn the embedded corpus for 50 steps, on one device and on a data x
 fsdp x tensor mesh, which gives the same losses; Gemma 2 also with its sequence split over the mesh (ring attention
 with the window and soft-capping)."""
 import jax
@@ -12,11 +13,13 @@ from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 PRESETS = {'gemma2_tiny': ['model.sliding_window=8'],  # shorter than the 32-token rows
-           'qwen3_tiny': [], 'pythia_tiny': []}
+           'qwen3_tiny': [], 'pythia_tiny': [], 'olmo2_tiny': []}
 MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
                           ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')],
           'qwen3_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
-          'pythia_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')]}
+          'pythia_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
+          # the query/key norm spans the heads, which the tensor axis splits
+          'olmo2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')]}
 
 
 def losses(preset: str, devices: list, run_dir, *mesh: str) -> list[float]:

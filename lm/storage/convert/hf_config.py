@@ -40,8 +40,13 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
                         f'(only {value!r})')
 
 
+# Settings only some architectures express: every other one refuses them unless its converter names them.
+RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head'}
+
+
 def check_exportable(cfg: ModelConfig, architecture: str, **expected: Any) -> None:
   """ConfigError naming each model setting that the HF architecture cannot express."""
+  expected = {**RARELY_EXPRESSED, **expected}
   wrong = [f'model.{k}={getattr(cfg, k)!r} (needs {v!r})' for k, v in expected.items() if getattr(cfg, k) != v]
   if wrong:
     raise ConfigError(f'cannot export this {cfg.family} model as {architecture}: {", ".join(wrong)}')

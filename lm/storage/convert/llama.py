@@ -1,5 +1,5 @@
 """Llama (`LlamaForCausalLM`) <-> our `llama` family, and the shared converter of the classes in its layout
-(`Architecture`: Mistral, Qwen2, Qwen3).
+(`Architecture`: Mistral, Qwen2, Qwen3, OLMo, OLMo 2).
 
 HF linear weights are [out, in]; queries and keys are stored for the half-split rotary layout our
 `rotary` uses, so they load unpermuted. RoPE settings come as `rope_parameters` (transformers 5)
@@ -75,8 +75,15 @@ class Architecture:
   defaults: dict[str, Any]  # config.json fields absent from a file take these (the transformers class's)
   refused: dict[str, Any]  # config.json fields honoured at this value only
   qkv_bias: bool = False  # query, key and value biases (Qwen2)
-  qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3)
+  qk_norm: bool = False  # RMSNorm of queries and keys (Qwen3, OLMo 2)
+  qk_norm_scope: str = 'head'  # per head (Qwen3) or over all heads, one [heads x head_dim] weight (OLMo 2)
   window: bool = False  # `sliding_window` (None: none) applies to every layer (Mistral)
+  norm: str = 'rmsnorm'  # nonparametric_layernorm: OLMo's, no weights and eps 1e-5 (no config field)
+  norm_position: str = 'pre'  # post_branch: OLMo 2's post_attention_ and post_feedforward_layernorm
+  clip: bool = False  # `clip_qkv` (None: none) clips the query, key and value projections (OLMo)
+
+  def eps(self, h: dict) -> float:
+    return h['rms_norm_eps'] if self.norm == 'rmsnorm' else 1e-5
 
 
 COMMON = {'vocab_size': 32000, 'hidden_size': 4096, 'intermediate_size': 11008, 'num_hidden_layers': 32,
@@ -100,9 +107,11 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
     vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=h['num_hidden_layers'], num_heads=heads,
     num_kv_heads=h['num_key_value_heads'] or heads, head_dim=h['head_dim'] or h['hidden_size'] // heads,
     d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary',
-    **rope_fields(hf, arch.name), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='pre',
+    **rope_fields(hf, arch.name), norm=arch.norm, norm_eps=arch.eps(h), norm_position=arch.norm_position,
     activation=GATED[our_activation(h['hidden_act'], 'hidden_act', arch.name)], use_bias=False,
-    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, tie_embeddings=h['tie_word_embeddings'] if same is None else same,
+    qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, qk_norm_scope=arch.qk_norm_scope,
+    clip_qkv=float(hf.get('clip_qkv') or 0.0) if arch.clip else 0.0,
+    tie_embeddings=h['tie_word_embeddings'] if same is None else same,
     sliding_window=(hf.get('sliding_window') or 0) if arch.window else 0, dropout=0.0,
     attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
   return cfg, rules(cfg)
@@ -110,9 +119,14 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
 
 def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict
             ) -> tuple[dict, list[Tensor]]:
-  check_exportable(cfg, arch.name, position='rotary', norm='rmsnorm', norm_position='pre', use_bias=False,
-                   scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, attn_logit_softcap=0.0,
-                   **({} if arch.window else {'sliding_window': 0}))
+  check_exportable(cfg, arch.name, position='rotary', norm=arch.norm, norm_position=arch.norm_position,
+                   use_bias=False, scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
+                   qk_norm_scope=arch.qk_norm_scope, attn_logit_softcap=0.0,
+                   **({} if arch.window else {'sliding_window': 0}),
+                   **({'clip_qkv': cfg.clip_qkv} if arch.clip else {}))
+  if arch.norm == 'nonparametric_layernorm' and cfg.norm_eps != 1e-5:
+    raise ConfigError(f'cannot export this {cfg.family} model as {arch.name}: model.norm_eps={cfg.norm_eps} '
+                      f'(its LayerNorm has eps 1e-5)')
   plain = {v: k for k, v in GATED.items()}
   if cfg.activation not in plain:
     raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {arch.name}; it supports the gated '
@@ -121,12 +135,15 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
     **base, 'architectures': [arch.name], 'model_type': arch.model_type, 'vocab_size': cfg.vocab_size,
     'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
     'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.resolved_kv_heads,
-    'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len, 'rms_norm_eps': cfg.norm_eps,
+    'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len,
+    **({'rms_norm_eps': cfg.norm_eps} if arch.norm == 'rmsnorm' else {}),
     'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), arch.name),
     **arch.refused, 'tie_word_embeddings': cfg.tie_embeddings,
     'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
   if arch.window:
     hf['sliding_window'] = cfg.sliding_window or None
+  if arch.clip:
+    hf['clip_qkv'] = cfg.clip_qkv or None
   hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)
@@ -141,21 +158,28 @@ load, save = converter(LLAMA)
 
 
 def rules(cfg: ModelConfig) -> list[Tensor]:
+  # OLMo's norms have no weights; OLMo 2 normalises each branch's output (post_attention_ / post_feedforward_)
+  weighted = cfg.norm != 'nonparametric_layernorm'
+  branch_norms = ({'attention_post_norm': 'post_attention_layernorm', 'mlp_post_norm': 'post_feedforward_layernorm'}
+                  if cfg.norm_position == 'post_branch' else
+                  {'attention_norm': 'input_layernorm', 'mlp_norm': 'post_attention_layernorm'})
   out = [Tensor('model.embed_tokens.weight', ('token_embed/embedding',))]
   for i in range(cfg.num_layers):
     h, o = f'model.layers.{i}.', f'decoder/layers_{i}/'
     for x, name in zip('qkv', ('query', 'key', 'value')):
       out += dense(f'{h}self_attn.{x}_proj', f'{o}attention/{name}', 'linear', bias=cfg.qkv_bias)
-    if cfg.qk_norm:
-      out += [*norm(f'{h}self_attn.q_norm', f'{o}attention/query_norm', bias=False),
-              *norm(f'{h}self_attn.k_norm', f'{o}attention/key_norm', bias=False)]
+    if cfg.qk_norm:  # per head: [head_dim] as ours; all heads: HF's [heads x head_dim], ours [heads, head_dim]
+      layout = 'flat' if cfg.qk_norm_scope == 'all_heads' else 'same'
+      out += [Tensor(f'{h}self_attn.{x}_norm.weight', (f'{o}attention/{name}_norm/scale',), layout)
+              for x, name in (('q', 'query'), ('k', 'key'))]
     out += [*dense(f'{h}self_attn.o_proj', f'{o}attention/out', 'linear', n_in=2, bias=False),
-            *norm(f'{h}input_layernorm', f'{o}attention_norm', bias=False),
             *dense(f'{h}mlp.gate_proj', f'{o}mlp/wi_0', 'linear', bias=False),
             *dense(f'{h}mlp.up_proj', f'{o}mlp/wi_1', 'linear', bias=False),
-            *dense(f'{h}mlp.down_proj', f'{o}mlp/wo', 'linear', bias=False),
-            *norm(f'{h}post_attention_layernorm', f'{o}mlp_norm', bias=False)]
-  out += norm('model.norm', 'decoder/final_norm', bias=False)
+            *dense(f'{h}mlp.down_proj', f'{o}mlp/wo', 'linear', bias=False)]
+    if weighted:
+      out += [t for ours, theirs in branch_norms.items() for t in norm(f'{h}{theirs}', f'{o}{ours}', bias=False)]
+  if weighted:
+    out += norm('model.norm', 'decoder/final_norm', bias=False)
   if not cfg.tie_embeddings:
     out.append(Tensor('lm_head.weight', ('lm_head/kernel',), 'linear'))
   return out

@@ -87,6 +87,19 @@ CONFIGS = {
                                                         max_position_embeddings=64, use_parallel_residual=False,
                                                         rope_parameters={'rope_type': 'default', 'rope_theta': 5e4,
                                                                          'partial_rotary_factor': 0.5}),
+  # OLMo 1B: LayerNorms without weights, a tied output layer, query/key/value clipped (at 0.5, inside the
+  # projections' random range, so the clip acts)
+  'olmo': lambda: transformers.OlmoConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, clip_qkv=0.5, tie_word_embeddings=True,
+                                          pad_token_id=1, eos_token_id=2),
+  # OLMo 2: each branch's output normalised, queries and keys normalised over all heads (grouped: 2 key/value
+  # heads), rotary base 5e5, untied
+  'olmo2': lambda: transformers.Olmo2Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, rms_norm_eps=1e-6, pad_token_id=1,
+                                            eos_token_id=2, rope_parameters={'rope_type': 'default',
+                                                                             'rope_theta': 5e5}),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
@@ -94,9 +107,10 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
           'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
           'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM,
-          'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM}
+          'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM,
+          'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM}
 DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gpt_neox',
-            'gpt_neox_serial')
+            'gpt_neox_serial', 'olmo', 'olmo2')
 
 
 def save_hf_model(kind, directory):
@@ -476,6 +490,17 @@ def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
   with pytest.raises(ConfigError, match=r'cannot export this qwen2 model as Qwen2ForCausalLM: model.qkv_bias=False '
                                         r'\(needs True\), model.qk_norm=True \(needs False\)'):
     save_hf(as_qwen2, params, tmp_path / 'out')
+  assert not (tmp_path / 'out').exists()
+  # OLMo 2's norms as Qwen3 (per-head query/key norms, pre-norm blocks); OLMo's clipping as Llama
+  save_hf_model('olmo2', tmp_path / 'olmo2')
+  model, params = load_hf(tmp_path / 'olmo2')
+  with pytest.raises(ConfigError, match=r"as Qwen3ForCausalLM: model.qk_norm_scope='all_heads' \(needs 'head'\), "
+                                        r"model.norm_position='post_branch' \(needs 'pre'\)"):
+    save_hf(dataclasses.replace(model.cfg, family='qwen3'), params, tmp_path / 'out')
+  save_hf_model('llama', tmp_path / 'llama')
+  model, params = load_hf(tmp_path / 'llama')
+  with pytest.raises(ConfigError, match=r'as LlamaForCausalLM: model.clip_qkv=8.0 \(needs 0.0\)$'):
+    save_hf(dataclasses.replace(model.cfg, clip_qkv=8.0), params, tmp_path / 'out')
   assert not (tmp_path / 'out').exists()
 
 
