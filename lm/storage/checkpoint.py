@@ -141,8 +141,8 @@ def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
 class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
-  def __init__(self, directory: str | epath.PathLike, keep: int = 1, async_save: bool = True, create: bool = True,
-               keep_steps: tuple[int, ...] = (), keep_every: int = 0):
+  def __init__(self, directory: str | epath.PathLike, keep: int | None = 1, async_save: bool = True,
+               create: bool = True, keep_steps: tuple[int, ...] = (), keep_every: int = 0):
     """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` and the
     multiples of `keep_every` (> 0) are kept besides the latest `keep`."""
     self.directory = epath.Path(directory)

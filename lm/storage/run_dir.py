@@ -8,11 +8,12 @@
   RUN/tensorboard/          TensorBoard events (training)
   RUN/hf_config.json        the config.json of an imported model, so an export keeps every HF field
   RUN/tokenizer/            an imported model's tokenizer files (data.tokenizer=hf:RUN/tokenizer)
+  RUN/series.json           an imported revision series: each step's revision and the tokens behind it
 
 `lm train` writes it; `lm convert --from-hf` (`lm.storage.convert.runs`) writes the same layout with one
-params-only checkpoint at step 0 and `train.init_from` pointing at itself, so `lm train --config RUN/config.yaml
-train.run_dir=NEW` fine-tunes the imported weights, and `lm generate --run RUN` samples from them. Models are
-opened from it by `lm.storage.source`.
+params-only checkpoint at step 0 (`--from-hf-series`: one per revision's step) and `train.init_from` pointing at
+itself, so `lm train --config RUN/config.yaml train.run_dir=NEW` fine-tunes the imported weights, and
+`lm generate --run RUN` samples from them. Models are opened from it by `lm.storage.source`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ CONFIG = 'config.yaml'
 CHECKPOINTS = 'checkpoints'
 BEST = 'best'
 HF_CONFIG = 'hf_config.json'
+SERIES = 'series.json'
 TOKENIZER = 'tokenizer'
 PROFILE = 'profile'  # train.profile's traces
 HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
