@@ -115,6 +115,8 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
     if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
       raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
                         f'lm scaling fit {args.points} --out FIT.json')
+  if args.lr and args.suite:
+    raise ConfigError('--lr and --suite are two figures; pass one')
   if args.lr:
     from lm.jobs.scaling.plot import plot_learning_rates
     best = plot_learning_rates(args.points, args.out)
@@ -122,6 +124,14 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
     print(f'wrote {args.out}', flush=True)
     return 0
   tasks = task_accuracies(args.points)
+  if args.suite:
+    from lm.jobs.scaling.plot import plot_suite
+    if fit is not None:
+      raise ConfigError('--suite draws each size\'s checkpoints against tokens and compute, with no fit; drop --fit '
+                        '(or plot the fit without --suite)')
+    points = read_points(args.points, args.params)
+    print(f'wrote {plot_suite(points, args.out, tasks, loss_of(args.points))}', flush=True)
+    return 0
   if fit is not None and fit['law'] == 'task':  # the fitted metric, with its sigmoid
     column = f'{fit["task"]}/{fit["metric"]}'
     tasks = {k: v for k, v in tasks.items() if k.split('/')[0] != fit['task']}
@@ -215,6 +225,8 @@ def _plot(scaling: argparse._SubParsersAction) -> None:
   plot.add_argument('--out', required=True, help='the PNG to write')
   plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
   plot.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to plot')
+  plot.add_argument('--suite', action='store_true', help='a checkpoint suite\'s figure: loss and task accuracy '
+                                                         'against tokens and compute, a line per model size')
   plot.add_argument('--lr', action='store_true', help='final loss against learning rate, a curve per width '
                                                       '(a sweep with --lr-grid)')
   plot.set_defaults(fn=cmd_scaling_plot)

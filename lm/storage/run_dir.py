@@ -17,7 +17,9 @@ itself, so `lm train --config RUN/config.yaml train.run_dir=NEW` fine-tunes the 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from etils import epath
 
@@ -49,6 +51,13 @@ def read_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
     raise ConfigError(f'{run_dir} has no {CONFIG}; pass the train.run_dir of a training run or a directory '
                       f'written by lm convert --from-hf')
   return load_config(str(epath.Path(run_dir) / CONFIG), overrides)
+
+
+def read_series(run_dir: str | Path) -> dict[str, Any]:
+  """RUN/series.json of an imported revision series: its source, config and, by step (a string), each revision's
+  name and tokens; {} for any other run."""
+  path = epath.Path(run_dir) / SERIES
+  return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def checkpoints(run_dir: str | Path, keep: int = 1) -> Checkpointer:

@@ -3,7 +3,8 @@
 A run's size comes from its checkpoint's config (the config.yaml when it has no checkpoint yet); its
 held-out losses from the `val_loss` records of metrics.jsonl, or with `evaluate`, from each checkpoint
 restored through orbax onto the devices present and evaluated on the run's validation split (or on
-another, through `data.*` overrides). Tokens are the row tokens trained on (step x batch x length);
+another, through `data.*` overrides), one compiled program per run for all its checkpoints. Tokens are the row
+tokens trained on (step x batch x length; an imported revision series', `lm convert --from-hf-series`, its own);
 `flops` is our accounting's count for them and `flops_6nd` 6ND with N the total parameters. Step 0 is
 no point: an untrained model says nothing of a law. With `tasks`, each point also gets a `<task>/<metric>`
 column per harness metric and `<task>/task_loss`: from the run's in-loop records of that step (`train.harness.tasks`)
@@ -19,7 +20,7 @@ from etils import epath
 from lm.assembly import accounting, assemble
 from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model
-from lm.storage.run_dir import CONFIG
+from lm.storage.run_dir import CONFIG, read_series
 from lm.storage.source import ModelSource
 from lm.jobs.scaling.sweep import sweep_runs
 from lm.train.held_out import HeldOut
@@ -37,8 +38,10 @@ def _sizes(config: Config) -> dict[str, float]:
                                                         config.train.causal_attention_flops)}
 
 
-def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: float) -> dict[str, Any]:
-  tokens = step * config.train.global_batch * config.data.seq_len
+def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: float, tokens: int | None = None
+         ) -> dict[str, Any]:
+  """`tokens`: those behind the step where the run says (an imported series), else step x batch x length."""
+  tokens = step * config.train.global_batch * config.data.seq_len if tokens is None else tokens
   return {'run': run, 'step': step, 'params': sizes['params'], 'non_embedding_params': sizes['non_embedding_params'],
           'tokens': tokens, 'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['params'] * tokens,
           'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate}
@@ -137,6 +140,7 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
                           f'--evaluate{held}, or train it with train.eval_batches > 0{held}')
     sizes = _sizes(config)
     extra = {} if tasks is None else task_columns(run_dir, sorted(losses), tasks)
-    rows += [{**_row(str(run_dir), step, config, sizes, loss), 'loss_of': column, **extra.get(step, {})}
-             for step, loss in sorted(losses.items())]
+    series = read_series(run_dir).get('steps', {})
+    rows += [{**_row(str(run_dir), step, config, sizes, loss, series.get(str(step), {}).get('tokens')),
+              'loss_of': column, **extra.get(step, {})} for step, loss in sorted(losses.items())]
   return rows

@@ -1,6 +1,8 @@
 """`lm scaling plot`: loss against compute with every run's curve, the frontier and the fitted law; IsoFLOP
 curves with their parabolas; N_opt and D_opt against compute with the fitted power laws; each task's accuracy
-against compute, and against its task loss with the task law's sigmoid (matplotlib, Agg)."""
+against compute, and against its task loss with the task law's sigmoid (matplotlib, Agg). `plot_suite`: a
+checkpoint suite's figure (Pythia's): loss and each task's accuracy against tokens and against compute, a line
+per model size."""
 from __future__ import annotations
 
 import csv
@@ -79,6 +81,38 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
       ax.set(xlabel=f'{column.split("/")[0]} task loss (nats/byte)', ylabel=column, title='accuracy against task loss')
       ax.legend(fontsize='small')
 
+  figure.tight_layout()
+  out = Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+  return out
+
+
+def size_label(params: float) -> str:
+  """70.4M, 1.01B: a model size as suites name theirs."""
+  return f'{params / 1e9:.3g}B' if params >= 1e9 else f'{params / 1e6:.3g}M'
+
+
+def plot_suite(points: Points, out: str | Path, tasks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+               loss_of: str = 'val_loss') -> Path:
+  """Loss and each task's accuracy (`tasks` as `plot`'s) against tokens and against compute, a line per run (a
+  model size), coloured from the smallest to the largest."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  rows = sorted(_runs(points), key=lambda r: points.params[r[0]])
+  colours = plt.cm.viridis(np.linspace(0, 0.9, len(rows)))
+  metrics = [(loss_label(loss_of), points.loss)] + [(column, accuracy) for column, (accuracy, _) in
+                                                    (tasks or {}).items()]
+  figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 4.2 * len(metrics)), squeeze=False)
+  for (name, values), row_axes in zip(metrics, axes):
+    for ax, (x, xlabel) in zip(row_axes, ((points.tokens, 'tokens D'), (points.flops, 'compute C (FLOPs)'))):
+      for run, colour in zip(rows, colours):
+        ax.plot(x[run], values[run], '.-', color=colour, lw=1.2, ms=4, label=size_label(points.params[run[0]]))
+      ax.set(xscale='log', xlabel=xlabel, ylabel=name, title=f'{name} against {xlabel.split()[0]}')
+      ax.legend(fontsize='small', title='size')
   figure.tight_layout()
   out = Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)

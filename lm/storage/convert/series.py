@@ -14,7 +14,6 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 from etils import epath
 
@@ -22,7 +21,8 @@ from lm.config import Config, ConfigError, TrainConfig, from_dict
 from lm.parallel.mesh import one_device_mesh
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import INDEX, WEIGHTS, read_hf_config
-from lm.storage.run_dir import CHECKPOINTS, CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, SERIES, TOKENIZER, is_run_dir
+from lm.storage.run_dir import (CHECKPOINTS, CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, SERIES, TOKENIZER, is_run_dir,
+                                read_series)
 from lm.storage.source import ModelSource
 
 # anything before `step` (OLMo 2's `stage1-`), the step, then optionally the tokens seen (OLMo: `-tokens4B`)
@@ -102,12 +102,6 @@ def _unreadable(revision: Revision) -> str | None:
     return ('it holds only pytorch_model.bin (pickle, which lm never loads); save it with '
             'save_pretrained(dir, safe_serialization=True)')
   return None
-
-
-def read_series(run_dir: str | Path) -> dict[str, Any]:
-  """RUN/series.json: the source and, by step (a string), each revision's name and tokens; {} for other runs."""
-  path = epath.Path(run_dir) / SERIES
-  return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def import_hf_series(src: str | Path, run_dir: str | Path, tokens_per_step: int | None = None

@@ -59,6 +59,22 @@ def test_plot_lr_stars_each_widths_lowest_final_loss(tmp_path, capsys):
   assert 'sweep with --lr-grid' in capsys.readouterr().err
 
 
+def test_a_suites_figure_has_a_line_per_size_against_tokens_and_compute(tmp_path, capsys):
+  from lm.jobs.scaling.plot import size_label
+  points = tmp_path / 'suite.csv'
+  rows = [(run, params, step, 3.0 - step / 4000 - params / 1e9) for run, params in (('70m', 70_426_624),
+                                                                                       ('1b', 1_011_781_632))
+          for step in (1000, 2000, 4000)]
+  points.write_text('run,step,params,tokens,flops,loss,piqa/acc,piqa/task_loss\n' + ''.join(
+    f'{run},{step},{n},{step * 2097152},{6 * n * step * 2097152},{loss},{0.5 + step / 1e5},{loss}\n'
+    for run, n, step, loss in rows))
+  assert cli.main(['scaling', 'plot', str(points), '--suite', '--out', str(tmp_path / 'suite.png')]) == 0
+  assert (tmp_path / 'suite.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert (size_label(70_426_624), size_label(1_011_781_632), size_label(11_846_072_320)) == ('70.4M', '1.01B', '11.8B')
+  assert cli.main(['scaling', 'plot', str(points), '--suite', '--lr', '--out', str(tmp_path / 'x.png')]) == 2
+  assert '--lr and --suite are two figures' in capsys.readouterr().err
+
+
 @pytest.mark.long(2)
 def test_sweep_collect_fit_plot(tmp_path, capsys):
   """The ladder trains with a harness task in the loop; `collect --tasks` takes the recorded values, and evaluates

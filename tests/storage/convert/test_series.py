@@ -1,5 +1,6 @@
 """`lm convert --from-hf-series`: three revisions of one random GPT-NeoX, in a folder of revision folders and in a
 hub cache, imported as one run whose checkpoints hold each revision's weights; reruns, damage and bad input."""
+import csv
 import hashlib
 import json
 import shutil
@@ -19,9 +20,9 @@ from lm.parallel.mesh import one_device_mesh
 STEPS = (0, 1000, 2000)
 
 
-def save_revisions(root, names):
+def save_revisions(root, names, vocab=97):
   """The same GPT-NeoX architecture with other weights at each step, as a suite's revisions are."""
-  config = transformers.GPTNeoXConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+  config = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       intermediate_size=48, max_position_embeddings=64, rotary_pct=0.25)
   for step, name in zip(STEPS, names):
     torch.manual_seed(step)
@@ -138,3 +139,27 @@ def test_a_config_lm_cannot_honour_is_named_and_nothing_is_written(tmp_path, cap
   assert capsys.readouterr().err == ('skipped step0: config.json attention_bias=False is not supported '
                                      'when converting GPTNeoXForCausalLM (only True)\n')
   assert not (tmp_path / 'run').exists()
+
+
+def test_collect_evaluates_each_revision_with_the_suites_tokens(tmp_path, capsys):
+  """`lm scaling collect --evaluate` over an imported series: a point per trained step (step 0 is none), its tokens
+  the series', 6ND with the suite's N, and each held-out bits per byte that of the revision imported alone."""
+  from lm.assembly import assemble
+  from lm.config import load_config
+  from lm.train.held_out import HeldOut
+  folders = save_revisions(tmp_path / 'suite', [f'step{s}' for s in STEPS], vocab=264)  # byte-level rows
+  run = tmp_path / 'run'
+  assert cli.main(['convert', '--from-hf-series', str(tmp_path / 'suite'), '--to', str(run),
+                   '--tokens-per-step', '2048']) == 0
+  points = tmp_path / 'points.csv'
+  assert cli.main(['scaling', 'collect', str(run), '--out', str(points), '--metric', 'bpb', '--evaluate',
+                   'train.eval_batches=2', 'data.seq_len=32']) == 0
+  rows = list(csv.DictReader(points.open()))
+  assert [int(r['step']) for r in rows] == [1000, 2000]
+  assembly = assemble(load_config(str(run / 'config.yaml'), ['train.eval_batches=2', 'data.seq_len=32']))
+  held_out = HeldOut(assembly)
+  for row, folder in zip(rows, folders[1:]):
+    tokens, params = int(row['tokens']), int(row['params'])
+    assert tokens == int(row['step']) * 2048 and float(row['flops_6nd']) == 6 * params * tokens
+    alone = load_hf(folder)[1]
+    assert float(row['loss']) == pytest.approx(held_out.evaluate(alone, held_out.validation, 2)['bpb'], rel=1e-6)
