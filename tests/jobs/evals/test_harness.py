@@ -97,31 +97,45 @@ def test_lm_eval_equals_the_harness_hf_backend(setup, num_fewshot, tmp_path):
   assert sorted(t for t in tasks if 'task_loss' not in ours['tasks'][t]) == ['winogrande']
 
 
-@pytest.mark.long(0.5)
-def test_an_imported_gemma2_equals_the_harness_hf_backend(setup, tmp_path):
-  """An open model through `lm convert --from-hf`, then `lm eval`: Gemma 2 (both soft-caps; an 8-token window,
-  shorter than the requests, in layer 0, so its shared contexts are scored from a ring cache) against the
-  harness's HF backend on the same weights and tokenizer."""
-  gpt2, _, data = setup
-  hf, run_dir, out = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
-  transformers.set_seed(0)
-  transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+# Open models through `lm convert --from-hf`: Gemma 2 (both soft-caps; an 8-token window, shorter than the
+# requests, in layer 0, so its shared contexts are scored from a ring cache) on the devices' data axis; GPT-NeoX
+# (Pythia: parallel residual, a quarter of each head rotating) laid over a data x fsdp x tensor mesh.
+OPEN_MODELS = {
+  'gemma2': (lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
     vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, attn_logit_softcapping=2.0,
     final_logit_softcapping=3.0, max_position_embeddings=MAX_LENGTH, bos_token_id=0, eos_token_id=0,
-    pad_token_id=0)).save_pretrained(hf)
+    pad_token_id=0)), {'attn_implementation': 'eager'}, ()),
+  'gpt_neox': (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+    vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    rotary_pct=0.25, max_position_embeddings=MAX_LENGTH, bos_token_id=0, eos_token_id=0, pad_token_id=0)), {},
+    ('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')),
+}
+
+
+@pytest.mark.long(0.5)
+@pytest.mark.parametrize('family', list(OPEN_MODELS))
+@pytest.mark.variants
+def test_an_imported_open_model_equals_the_harness_hf_backend(setup, family, tmp_path):
+  """`lm convert --from-hf`, then `lm eval`, against the harness's HF backend on the same weights and tokenizer."""
+  gpt2, _, data = setup
+  hf, run_dir, out = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
+  build, backend, mesh = OPEN_MODELS[family]
+  transformers.set_seed(0)
+  build().save_pretrained(hf)
   for name in ('vocab.json', 'merges.txt', 'tokenizer_config.json'):
     shutil.copy(gpt2 / name, hf / name)
   assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run_dir)]) == 0
   tasks = ('piqa', 'hellaswag', 'arc_easy')
-  results, _ = run(run_dir, Request(tasks=tasks, data_dir=data, num_fewshot=0, batch_size=4), out=out)
-  reference = harness_reference(hf, data, tasks, 0, tmp_path / 'configs', attn_implementation='eager')
+  results, _ = run(run_dir, Request(tasks=tasks, data_dir=data, num_fewshot=0, batch_size=4), out=out,
+                   overrides=mesh)
+  reference = harness_reference(hf, data, tasks, 0, tmp_path / 'configs', **backend)
   for task in tasks:
     got = json.loads((out / 'results.json').read_text())['tasks'][task]['metrics']
     assert got == {k.split(',')[0]: v for k, v in reference['results'][task].items()
                    if k.endswith(',none') and '_stderr' not in k}, task
     samples = sorted(reference['samples'][task], key=lambda s: s['doc_id'])
-    assert max(len(s['arguments'][0][0]) for s in samples) > 8  # contexts longer than the window
+    assert max(len(s['arguments'][0][0]) for s in samples) > 8  # contexts longer than Gemma 2's window
     records = [json.loads(line) for line in (out / f'{task}.jsonl').read_text().splitlines()]
     for record, sample in zip(records, samples):
       np.testing.assert_allclose(record['loglikelihood'], [float(r[0][0]) for r in sample['resps']], rtol=1e-4)
