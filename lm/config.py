@@ -144,6 +144,7 @@ class ModelConfig:
   clip_qkv: float = 0.0  # > 0: query, key and value projections clipped to [-c, c] (OLMo)
   sliding_window: int = 0  # > 0: causal self-attention sees the keys fewer than this many positions back (Mistral)
   global_every: int = 0  # with sliding_window: every n-th layer (the n-th, 2n-th, ...) attends globally (Gemma 2: 2)
+  global_layers: tuple[int, ...] = ()  # or these layers (0-based) attend globally: any pattern (an HF layer_types)
   attn_logit_softcap: float = 0.0  # > 0: attention logits through c * tanh(logits / c) (Gemma 2: 50)
   final_logit_softcap: float = 0.0  # > 0: output logits soft-capped so, in the loss and in sampling (Gemma 2: 30)
   attention_scale_dim: int | None = None  # logits times this^-0.5 instead of head_dim^-0.5 (Gemma 2's
@@ -189,6 +190,15 @@ class ModelConfig:
   @property
   def resolved_d_ff(self) -> int:
     return self.d_ff or 4 * self.d_model
+
+  @property
+  def global_layer_indices(self) -> tuple[int, ...]:
+    """The layers that attend globally while the others keep `sliding_window` (`global_layers` or every
+    `global_every`-th); () without a window pattern."""
+    if self.global_layers:
+      return tuple(sorted(self.global_layers))
+    every = self.global_every
+    return tuple(i for i in range(self.num_layers) if every and (i + 1) % every == 0)
 
   @property
   def resolved_decoder_layers(self) -> int:
@@ -736,9 +746,14 @@ def _check_window_and_softcap(config: Config) -> None:
   if m.sliding_window > m.max_len:
     raise ConfigError(f'model.sliding_window={m.sliding_window} is larger than the context model.max_len={m.max_len}; '
                       f'lower it, or set it to 0 for full attention')
-  if m.global_every < 0 or (m.global_every and (not m.sliding_window or m.num_layers % m.global_every)):
+  if m.global_every < 0 or (m.global_every and not m.sliding_window):
     raise ConfigError(f'model.global_every={m.global_every} makes every n-th layer global among windowed ones: it '
-                      f'needs model.sliding_window > 0 and must divide model.num_layers={m.num_layers}')
+                      f'must be >= 0 and needs model.sliding_window > 0')
+  if m.global_layers and (m.global_every or not m.sliding_window or len(set(m.global_layers)) < len(m.global_layers)
+                          or not all(0 <= i < m.num_layers for i in m.global_layers)):
+    raise ConfigError(f'model.global_layers={list(m.global_layers)} names the layers that attend globally among '
+                      f'windowed ones: distinct indices in [0, {m.num_layers}), with model.sliding_window > 0 and '
+                      f'without model.global_every')
   if m.final_logit_softcap < 0 or (m.attention_scale_dim is not None and m.attention_scale_dim <= 0):
     raise ConfigError(f'model.final_logit_softcap={m.final_logit_softcap} must be >= 0 and model.attention_scale_dim='
                       f'{m.attention_scale_dim} positive (or null)')

@@ -92,6 +92,9 @@ def test_parse_overrides_nested():
   (['model.parallel_residual=true', 'model.norm_position=post'], 'but model.norm_position=post; set'),
   (['model.qk_norm_scope=all_heads'], 'model.qk_norm_scope=all_heads scopes a query/key norm, but model.qk_norm=false'),
   (['model.clip_qkv=-1'], 'model.clip_qkv=-1.0 must be >= 0 (0: no clipping)'),
+  (['model.sliding_window=8', 'model.global_layers=[0,9]'], 'model.global_layers=[0, 9] names the layers that '
+   'attend globally among windowed ones: distinct indices in [0, 4)'),
+  (['model.global_layers=[1]'], 'with model.sliding_window > 0 and without model.global_every'),
   (['model.norm_plus_one=true'], 'model.norm_plus_one=true scales an RMSNorm by (1 + w), but model.norm=layernorm'),
   (['model.norm=nonparametric'], 'choose one of: layernorm, rmsnorm, nonparametric_layernorm'),
 ])

@@ -56,8 +56,8 @@ def flops_per_sequence(params: Any, cfg: ModelConfig, seq_len: int, causal_atten
   """
   if causal_attention not in ('half', 'full'):
     raise ValueError(f'causal_attention={causal_attention!r}: choose half or full')
-  w, every = cfg.sliding_window, cfg.global_every
-  share = 1 / every if every else 0.0  # of the layers, the global ones among windowed
+  w = cfg.sliding_window
+  share = len(cfg.global_layer_indices) / cfg.num_layers  # of the layers, the global ones among windowed
 
   def half(n: int) -> float:  # the pairs a causal mask allows; in a window, each query sees at most w keys
     windowed = n * n / 2 if not w or w >= n else w * n - w * w / 2

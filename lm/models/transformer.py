@@ -29,7 +29,7 @@ class Block(nn.Module):
 
   Each is a residual branch with pre-, post-, sandwich (pre and post, Gemma 2) or post-branch (OLMo 2) norms, in
   turn or in parallel (`model.parallel_residual`: each reads the block's input, GPT-NeoX). `layer` (traced when
-  scanned) picks the global layers among windowed ones (`model.global_every`).
+  scanned) picks the global layers among windowed ones (`model.global_every` or `model.global_layers`).
   """
   cfg: ModelConfig
   causal: bool
@@ -44,7 +44,9 @@ class Block(nn.Module):
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     inits = Init(cfg, self.num_layers)
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name, cfg.norm_plus_one)
-    global_layer = bool(cfg.global_every) and (layer + 1) % max(cfg.global_every, 1) == 0
+    indices = cfg.global_layer_indices
+    global_layer = (jnp.isin(layer, jnp.asarray(indices, jnp.int32)) if isinstance(layer, jax.Array)
+                    else layer in indices) if indices else False
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,

@@ -1,8 +1,9 @@
 """Gemma 2 (`Gemma2ForCausalLM`) <-> our `gemma2` family: the Llama layout with RMSNorm scaling by (1 + w), a norm
 before and after each branch (`model.norm_position=sandwich`), embeddings times sqrt(d_model), GeGLU (tanh),
 attention logits scaled by `query_pre_attn_scalar`^-0.5 and soft-capped (`attn_logit_softcapping`), output logits
-soft-capped (`final_logit_softcapping`), and sliding-window layers alternating with global ones (`layer_types`),
-the output layer tied to the embedding."""
+soft-capped (`final_logit_softcapping`), and sliding-window layers among global ones as `layer_types` lists them
+(every n-th global: `model.global_every`; any other pattern, any layer count: `model.global_layers`), the output
+layer tied to the embedding."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,14 +25,17 @@ DEFAULTS = {'vocab_size': 256000, 'hidden_size': 2304, 'intermediate_size': 9216
 SLIDING, FULL = 'sliding_attention', 'full_attention'
 
 
-def global_every(layer_types: list[str]) -> int:
-  """n such that exactly the n-th, 2n-th, ... layers are global (0: none is); a ConfigError for another pattern."""
+def global_layers(layer_types: list[str]) -> dict[str, Any]:
+  """`model.global_every` n when exactly the n-th, 2n-th, ... layers are global (n = 1: all; 0: none), else
+  `model.global_layers`; a ConfigError for a layer type other than sliding or full attention."""
+  if set(layer_types) - {SLIDING, FULL}:
+    raise ConfigError(f'config.json layer_types {sorted(set(layer_types) - {SLIDING, FULL})} are not supported when '
+                      f'converting {ARCHITECTURE} (only {SLIDING} and {FULL})')
   n = len(layer_types)
   for every in (0, *range(1, n + 1)):
     if layer_types == [FULL if every and (i + 1) % every == 0 else SLIDING for i in range(n)]:
-      return every
-  raise ConfigError(f'config.json layer_types {layer_types} is not supported when converting {ARCHITECTURE} (only '
-                    f'every n-th layer global among sliding-window ones)')
+      return {'global_every': every}
+  return {'global_layers': tuple(i for i, kind in enumerate(layer_types) if kind == FULL)}
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
@@ -39,8 +43,11 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   h = {**DEFAULTS, **hf}
   n = h['num_hidden_layers']
   types = h.get('layer_types') or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]  # transformers' default
-  every = global_every(list(types))
-  window = h['sliding_window'] or 0 if every != 1 else 0
+  if len(types) != n:
+    raise ConfigError(f'config.json layer_types lists {len(types)} layers, num_hidden_layers={n}; list one type per '
+                      f'layer')
+  pattern = global_layers(list(types))
+  window = h['sliding_window'] or 0 if pattern.get('global_every') != 1 else 0
   embed = ckpt.get('model.embed_tokens.weight')
   if embed is not None and ckpt.same_as('lm_head.weight', embed) is False:
     raise ConfigError(f'{ckpt.path} holds an lm_head.weight apart from the embedding; {ARCHITECTURE} ties them')
@@ -52,7 +59,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     **rope_fields(hf, ARCHITECTURE), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='sandwich',
     norm_plus_one=True, activation=GATED[our_activation(h['hidden_activation'], 'hidden_activation', ARCHITECTURE)],
     use_bias=False, tie_embeddings=True, scale_embeddings=True, sliding_window=window,
-    global_every=every if window else 0, attn_logit_softcap=h['attn_logit_softcapping'] or 0.0,
+    **(pattern if window else {}), attn_logit_softcap=h['attn_logit_softcapping'] or 0.0,
     final_logit_softcap=h['final_logit_softcapping'] or 0.0, attention_scale_dim=h['query_pre_attn_scalar'],
     dropout=0.0, attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
   return cfg, rules(cfg)
@@ -66,7 +73,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict[str, Any]) ->
   if cfg.activation not in plain:
     raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {ARCHITECTURE}; it supports the gated '
                       f'activations: {", ".join(plain)}')
-  every = cfg.global_every if cfg.sliding_window else 1
+  full = set(cfg.global_layer_indices) if cfg.sliding_window else set(range(cfg.num_layers))
   hf: dict[str, Any] = {
     **base, 'architectures': [ARCHITECTURE], 'model_type': 'gemma2', 'vocab_size': cfg.vocab_size,
     'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
@@ -77,7 +84,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict[str, Any]) ->
     'initializer_range': cfg.init_std, 'query_pre_attn_scalar': cfg.attention_scale_dim or cfg.resolved_head_dim,
     'sliding_window': cfg.sliding_window or None, 'attn_logit_softcapping': cfg.attn_logit_softcap or None,
     'final_logit_softcapping': cfg.final_logit_softcap or None,
-    'layer_types': [FULL if every and (i + 1) % every == 0 else SLIDING for i in range(cfg.num_layers)]}
+    'layer_types': [FULL if i in full else SLIDING for i in range(cfg.num_layers)]}
   hf.pop('hidden_act', None)
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)

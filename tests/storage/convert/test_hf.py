@@ -432,6 +432,31 @@ def test_gemma2_holds_scanned_through_flash_and_each_feature_acts(tmp_path):
     assert compare(hf_model, build_model(dataclasses.replace(cfg, **change)), params, 'gemma2') > 1e-3, change
 
 
+@pytest.mark.parametrize('types, pattern', [
+  (['sliding_attention', 'full_attention', 'sliding_attention'], {'global_every': 2, 'global_layers': ()}),
+  (['full_attention', 'sliding_attention', 'sliding_attention'], {'global_every': 0, 'global_layers': (0,)}),
+])
+def test_gemma2_layer_types_are_the_per_layer_truth_at_any_layer_count(types, pattern, tmp_path):
+  """Three layers (no whole number of alternations): every n-th global as global_every, another pattern as
+  global_layers; unrolled and scanned (the traced index picks them) equal transformers, and export writes the
+  types back."""
+  torch.manual_seed(0)
+  config = transformers.Gemma2Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                     layer_types=types, max_position_embeddings=64, attn_implementation='eager')
+  hf_model = transformers.Gemma2ForCausalLM(config).eval()
+  hf_model.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  model, params = load_hf(tmp_path / 'hf')
+  assert {k: getattr(model.cfg, k) for k in pattern} == pattern
+  assert compare(hf_model, model, params, 'gemma2') < 1e-4
+  scanned = build_model(dataclasses.replace(model.cfg, scan_layers=True))
+  assert compare(hf_model, scanned, {**params, 'decoder': stack_layers(params['decoder'])}, 'gemma2') < 1e-4
+  all_windowed = build_model(dataclasses.replace(model.cfg, global_every=0, global_layers=()))
+  assert compare(hf_model, all_windowed, params, 'gemma2') > 1e-3  # the global layer acts
+  save_hf(model, params, tmp_path / 'out')
+  assert json.loads((tmp_path / 'out' / 'config.json').read_text())['layer_types'] == types
+
+
 @pytest.mark.parametrize('kind, edit, message', [
   ('qwen2', {'use_sliding_window': True}, 'config.json use_sliding_window=True is not supported when converting '
                                           'Qwen2ForCausalLM'),
