@@ -114,14 +114,19 @@ def task_folder(data_dir: Path, task: str) -> Path:
 
 
 def release_files(folder: Path, task: str) -> dict[str, Path]:
-  """{split: file} of `task`'s original release found in `folder` (empty when the folder holds none)."""
+  """{split: file} of `task`'s original release found in `folder` (empty when the folder holds none): at its
+  place in the release's tree, or with the tree's top folders left out (`winogrande/dev.jsonl` for
+  `winogrande/winogrande_1.1/dev.jsonl`), as a user may unpack it."""
   if task not in RELEASES:
     return {}
   found = {}
   for split, (pattern, _) in RELEASES[task][1].items():
-    matches = sorted(folder.glob(pattern))
-    if matches:
-      found[split] = matches[-1]  # ARC's tree may be unpacked under a dated name
+    parts = pattern.split('/')
+    for tail in ('/'.join(parts[i:]) for i in range(len(parts))):
+      matches = sorted(folder.glob(tail))
+      if matches:
+        found[split] = matches[-1]  # ARC's tree may be unpacked under a dated name
+        break
   return found
 
 
