@@ -1,12 +1,14 @@
 """Evaluating a checkpoint series: `lm scaling collect` over an imported series (one process, one compiled program
 for every checkpoint) against one `lm eval` process per checkpoint, on the same task; writes JSON.
 
-  python bench/series_eval.py [--checkpoints 8] [--docs 100] [--hidden 256] [--layers 4] [--out FILE]
+  python bench/series_eval.py [--checkpoints 8] [--docs 50] [--eval-batches 1] [--hidden 256] [--layers 4] [--out FILE]
 
 The series is a random GPT-NeoX (Pythia's layout, byte-level vocabulary) saved by transformers at `--checkpoints`
 steps with other weights each, imported with `lm convert --from-hf-series`. The task is eval_throughput.py's
-four-way multiple choice on embedded-corpus text. `collect` also evaluates each checkpoint's held-out loss, work
-the `lm eval` processes do not do; its task accuracies must equal theirs.
+four-way multiple choice on embedded-corpus text. `collect` also evaluates each checkpoint's held-out loss
+(`--eval-batches` batches), work the `lm eval` processes do not do; its task accuracies must equal theirs. The
+ratio grows with the checkpoints and shrinks with the scoring each one takes: a process's start and compiles
+(about a minute here) are what `collect` does once.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def lm(*argv: str) -> float:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--checkpoints', type=int, default=8)
-  parser.add_argument('--docs', type=int, default=100, help='task documents (four requests each)')
+  parser.add_argument('--docs', type=int, default=50, help='task documents (four requests each)')
+  parser.add_argument('--eval-batches', type=int, default=1, help='held-out batches collect evaluates besides')
   parser.add_argument('--hidden', type=int, default=256)
   parser.add_argument('--layers', type=int, default=4)
   parser.add_argument('--out', default=str(Path(__file__).parent / 'results' / 'series_eval.json'))
@@ -61,7 +64,7 @@ def main() -> None:
     lm('convert', '--from-hf-series', str(folder / 'suite'), '--to', str(run), '--tokens-per-step', '2048')
     points = folder / 'points.csv'
     collect = lm('scaling', 'collect', str(run), '--out', str(points), '--tasks', str(task), '--evaluate',
-                 'train.eval_batches=4')
+                 f'train.eval_batches={args.eval_batches}')
     collected = {int(r['step']): float(r['bench_choice/acc']) for r in csv.DictReader(points.open())}
     separate, evaluated = 0.0, {}
     for step in sorted(collected):
@@ -75,7 +78,8 @@ def main() -> None:
         f'{args.docs} documents x 4 choices each')
   print(format_lines([('lm scaling collect (one process)', f'{collect:.1f} s'),
                       (f'lm eval x {len(evaluated)} processes', f'{separate:.1f} s'), ('ratio', f'{ratio:.2f}x')]))
-  out = write_json(args.out, {'checkpoints': args.checkpoints, 'docs': args.docs, 'hidden': args.hidden,
+  out = write_json(args.out, {'checkpoints': args.checkpoints, 'docs': args.docs, 'eval_batches': args.eval_batches,
+                              'hidden': args.hidden,
                               'layers': args.layers, 'collect_seconds': collect, 'separate_seconds': separate,
                               'ratio': ratio, 'accuracy': {str(k): v for k, v in collected.items()}})
   print(f'wrote {out}')

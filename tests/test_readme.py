@@ -26,6 +26,7 @@ from lm.config import load_config
 from tests.jobs.evals import releases
 from tests.jobs.glue.test_data import write_glue_files
 from tests.jobs.glue.test_finetune import save_hf_bert
+from tests.storage.convert.test_series import hub_cache, save_revisions
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint.every=2',
@@ -97,8 +98,8 @@ def as_run(command: str) -> str:
   return command
 
 
-def user_files(cwd: Path) -> None:
-  """What the README's commands expect a user to have in their working directory."""
+def user_files(cwd: Path, home: Path) -> None:
+  """What the README's commands expect a user to have in their working directory and home."""
   for folder in ('launch', 'bench'):
     shutil.copytree(ROOT / folder, cwd / folder, ignore=shutil.ignore_patterns('results', '__pycache__'))
   (cwd / 'docs').mkdir()
@@ -126,6 +127,16 @@ def user_files(cwd: Path) -> None:
   for name in ('json/decoder.py', 'csv.py'):
     shutil.copy(Path(sysconfig.get_paths()['stdlib']) / name, cwd / 'eval' / name.replace('/', '_'))
   write_glue_files(cwd / 'glue_data')
+  # Two checkpoint series of byte-level models: a GPT-NeoX's revisions in the hub cache, an OLMo 2's in folders
+  revisions = save_revisions(home / 'suite', ['step1000', 'step2000'], vocab=264)
+  hub_cache(revisions, home / '.cache/huggingface/hub', 'models--EleutherAI--pythia-160m')
+  shutil.rmtree(home / 'suite')
+  olmo2 = transformers.Olmo2Config(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=256)
+  for step, tokens in ((1000, 4), (2000, 8)):
+    torch.manual_seed(step)
+    transformers.Olmo2ForCausalLM(olmo2).save_pretrained(cwd / f'olmo2_1b_revisions/stage1-step{step}-tokens{tokens}B',
+                                                         safe_serialization=True)
   releases.write_both(cwd / 'eval_data', cwd / 'eval_data_hub_layout')  # the seven tasks' release files
 
 
@@ -153,8 +164,9 @@ GROUPS = {
   't5': (r'lm train --config t5_tiny ', r'lm finetune .*runs/t5_tiny'),
   'tfds': (r'lm data build ', r'lm train .*my_corpus'),
   # `collect --evaluate` reads the built dataset; `collect --eval code` the run with held-out sets
-  'scaling': (r'lm scaling ', r'lm data build ', r'lm train .*runs/sets '),
+  'scaling': (r'lm scaling (?!.*\bsuite\b)', r'lm data build ', r'lm train .*runs/sets '),
   'tokenizer': (r'lm tokenizer train ', r'lm train .*sentencepiece:'),
+  'suite': (r'lm convert --from-hf-series ', r'lm scaling (collect|plot) .*suite'),
 }
 CATCH_ALL = {'trains': r'lm train ', 'others': r''}
 
@@ -180,10 +192,12 @@ def test_every_group_runs_commands():
 
 @pytest.fixture(scope='session')
 def user_template(tmp_path_factory) -> Path:
-  """user_files made once per test process (HF models, tokenizer, corpus: ~6 s) and copied for each group."""
-  template = tmp_path_factory.mktemp('readme_user') / 'work'
-  template.mkdir()
-  user_files(template)
+  """user_files made once per test process (HF models, tokenizer, corpus: ~6 s; work/ and home/) and copied for
+  each group."""
+  template = tmp_path_factory.mktemp('readme_user')
+  (template / 'work').mkdir()
+  (template / 'home').mkdir()
+  user_files(template / 'work', template / 'home')
   return template
 
 
@@ -191,8 +205,8 @@ def user_template(tmp_path_factory) -> Path:
 @pytest.mark.parametrize('group', [*GROUPS, *CATCH_ALL])
 def test_every_readme_command_runs(tmp_path, group, user_template):
   cwd, home = tmp_path / 'work', tmp_path / 'home'
-  shutil.copytree(user_template, cwd, symlinks=True)
-  home.mkdir()
+  shutil.copytree(user_template / 'work', cwd, symlinks=True)
+  shutil.copytree(user_template / 'home', home, symlinks=True)
   venv = str(Path(sys.executable).parent)
   # XLA as the suite runs it (optimisation level 0 compiles ~3x faster; these runs are a few steps), with the
   # suite's compilation cache (conftest.py): most of the commands compile the same few programs.

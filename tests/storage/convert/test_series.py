@@ -30,10 +30,10 @@ def save_revisions(root, names, vocab=97):
   return [root / name for name in names]
 
 
-def hub_cache(folders, root):
+def hub_cache(folders, root, name='models--EleutherAI--pythia-tiny'):
   """`models--ORG--NAME` as snapshot_download leaves it: refs/<revision> holds a commit, snapshots/<commit>/ links
   each file to blobs/<hash>."""
-  cache = root / 'models--EleutherAI--pythia-tiny'
+  cache = root / name
   for folder in folders:
     commit = hashlib.sha1(folder.name.encode()).hexdigest()
     (cache / 'refs').mkdir(parents=True, exist_ok=True)
