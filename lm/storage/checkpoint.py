@@ -80,9 +80,10 @@ def _drop_abandoned_io_reports() -> None:
       previous(unraisable)
   hook.drops_abandoned_reads = True
   sys.unraisablehook = hook
-  # A read task collected before anyone awaited it is logged by asyncio instead (when the timing has it so).
+  # A read task, or a save's gathered writes, collected before anyone awaited them is logged by asyncio instead
+  # (when the timing has it so: 'Task exception ...', '_GatheringFuture exception was never retrieved').
   logging.getLogger('asyncio').addFilter(lambda record: not (
-    record.getMessage().startswith('Task exception was never retrieved') and 'orbax' in record.getMessage()))
+    'exception was never retrieved' in record.getMessage() and 'orbax' in record.getMessage()))
   # the failure a save's background threads met, logged by orbax (with tracebacks) as it reaches the caller
   # (Checkpointer._write), which names it in one line
   logging.getLogger('absl').addFilter(lambda record: not any(
