@@ -81,6 +81,12 @@ def plot(points: Points, out: str | Path, fit: dict[str, Any] | None = None,
       ax.set(xlabel=f'{column.split("/")[0]} task loss (nats/byte)', ylabel=column, title='accuracy against task loss')
       ax.legend(fontsize='small')
 
+  return _save(figure, out)
+
+
+def _save(figure: Any, out: str | Path) -> Path:
+  """Writes `figure` as a PNG at `out` (making its folder) and closes it."""
+  import matplotlib.pyplot as plt
   figure.tight_layout()
   out = Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,12 +119,7 @@ def plot_suite(points: Points, out: str | Path, tasks: dict[str, tuple[np.ndarra
         ax.plot(x[run], values[run], '.-', color=colour, lw=1.2, ms=4, label=size_label(points.params[run[0]]))
       ax.set(xscale='log', xlabel=xlabel, ylabel=name, title=f'{name} against {xlabel.split()[0]}')
       ax.legend(fontsize='small', title='size')
-  figure.tight_layout()
-  out = Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  figure.savefig(out, dpi=110)
-  plt.close(figure)
-  return out
+  return _save(figure, out)
 
 
 def _loss_panel(ax: Any, points: Points, fit: dict[str, Any] | None, loss_of: str) -> None:
