@@ -22,6 +22,7 @@ from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
 from lm.models import abstract_params, build_model
 from lm.storage.run_dir import CONFIG, read_series
 from lm.storage.source import ModelSource
+from lm.jobs.scaling.points import size_label
 from lm.jobs.scaling.sweep import sweep_runs
 from lm.train.held_out import HeldOut
 from lm.train.logging import read_metrics
@@ -42,7 +43,8 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
          ) -> dict[str, Any]:
   """`tokens`: those behind the step where the run says (an imported series), else step x batch x length."""
   tokens = step * config.train.global_batch * config.data.seq_len if tokens is None else tokens
-  return {'run': run, 'step': step, 'params': sizes['params'], 'non_embedding_params': sizes['non_embedding_params'],
+  return {'run': run, 'size': size_label(sizes['params']), 'step': step, 'params': sizes['params'],
+          'non_embedding_params': sizes['non_embedding_params'],
           'tokens': tokens, 'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['params'] * tokens,
           'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate}
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from lm.config import ConfigError
 from lm.jobs.scaling import laws
-from lm.jobs.scaling.points import Points, loss_of
+from lm.jobs.scaling.points import Points, loss_of, size_label
 
 
 def _law_curve(fit: dict[str, Any], flops: np.ndarray) -> np.ndarray | None:
@@ -93,11 +93,6 @@ def _save(figure: Any, out: str | Path) -> Path:
   figure.savefig(out, dpi=110)
   plt.close(figure)
   return out
-
-
-def size_label(params: float) -> str:
-  """70.4M, 1.01B: a model size as suites name theirs."""
-  return f'{params / 1e9:.3g}B' if params >= 1e9 else f'{params / 1e6:.3g}M'
 
 
 def plot_suite(points: Points, out: str | Path, tasks: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,

@@ -1,7 +1,7 @@
 """Scaling points: one row per (run, evaluation) in a CSV that `lm scaling collect` writes and `fit` reads.
 
 The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
-carry `run, step, non_embedding_params, flops_6nd` and `loss_of` (the record the loss is: val_loss, val_bpb,
+carry `run, size` (the params as suites name sizes, 70.4M), `step, non_embedding_params, flops_6nd` and `loss_of` (the record the loss is: val_loss, val_bpb,
 val/NAME/loss or val/NAME/bpb), and with `collect --tasks` a `<task>/<metric>` column per
 harness metric and `<task>/task_loss`.
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from lm.config import ConfigError
 
-COLUMNS = ('run', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width',
+COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width',
            'learning_rate')
 REQUIRED = ('params', 'tokens', 'loss')
 
@@ -45,6 +45,11 @@ class Points:
       if run not in last or step >= self.step[last[run]]:
         last[run] = i
     return self.take(np.array(sorted(last.values()), int))
+
+
+def size_label(params: float) -> str:
+  """70.4M, 1.01B: a model size as suites name theirs."""
+  return f'{params / 1e9:.3g}B' if params >= 1e9 else f'{params / 1e6:.3g}M'
 
 
 def read_points(path: str | Path, params: str = 'total', loss: str = 'loss') -> Points:

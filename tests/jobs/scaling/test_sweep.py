@@ -60,7 +60,7 @@ def test_plot_lr_stars_each_widths_lowest_final_loss(tmp_path, capsys):
 
 
 def test_a_suites_figure_has_a_line_per_size_against_tokens_and_compute(tmp_path, capsys):
-  from lm.jobs.scaling.plot import size_label
+  from lm.jobs.scaling.points import size_label
   points = tmp_path / 'suite.csv'
   rows = [(run, params, step, 3.0 - step / 4000 - params / 1e9) for run, params in (('70m', 70_426_624),
                                                                                        ('1b', 1_011_781_632))

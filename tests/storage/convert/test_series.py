@@ -160,6 +160,7 @@ def test_collect_evaluates_each_revision_with_the_suites_tokens(tmp_path, capsys
   held_out = HeldOut(assembly)
   for row, folder in zip(rows, folders[1:]):
     tokens, params = int(row['tokens']), int(row['params'])
+    assert row['size'] == f'{params / 1e6:.3g}M'  # as suites name their sizes
     assert tokens == int(row['step']) * 2048 and float(row['flops_6nd']) == 6 * params * tokens
     alone = load_hf(folder)[1]
     assert float(row['loss']) == pytest.approx(held_out.evaluate(alone, held_out.validation, 2)['bpb'], rel=1e-6)
