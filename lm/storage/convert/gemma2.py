@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig
-from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
+from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
+                                          our_activation, unsupported, window_pattern)
 from lm.storage.convert.llama import GATED, hf_rope, rope_fields
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -22,20 +23,6 @@ DEFAULTS = {'vocab_size': 256000, 'hidden_size': 2304, 'intermediate_size': 9216
             'initializer_range': 0.02, 'attention_dropout': 0.0,
             'query_pre_attn_scalar': 256, 'sliding_window': 4096, 'final_logit_softcapping': 30.0,
             'attn_logit_softcapping': 50.0, 'tie_word_embeddings': True}
-SLIDING, FULL = 'sliding_attention', 'full_attention'
-
-
-def global_layers(layer_types: list[str]) -> dict[str, Any]:
-  """`model.global_every` n when exactly the n-th, 2n-th, ... layers are global (n = 1: all; 0: none), else
-  `model.global_layers`; a ConfigError for a layer type other than sliding or full attention."""
-  if set(layer_types) - {SLIDING, FULL}:
-    raise ConfigError(f'config.json layer_types {sorted(set(layer_types) - {SLIDING, FULL})} are not supported when '
-                      f'converting {ARCHITECTURE} (only {SLIDING} and {FULL})')
-  n = len(layer_types)
-  for every in (0, *range(1, n + 1)):
-    if layer_types == [FULL if every and (i + 1) % every == 0 else SLIDING for i in range(n)]:
-      return {'global_every': every}
-  return {'global_layers': tuple(i for i, kind in enumerate(layer_types) if kind == FULL)}
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
@@ -46,7 +33,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   if len(types) != n:
     raise ConfigError(f'config.json layer_types lists {len(types)} layers, num_hidden_layers={n}; list one type per '
                       f'layer')
-  pattern = global_layers(list(types))
+  pattern = window_pattern(list(types), ARCHITECTURE)
   window = h['sliding_window'] or 0 if pattern.get('global_every') != 1 else 0
   embed = ckpt.get('model.embed_tokens.weight')
   if embed is not None and ckpt.same_as('lm_head.weight', embed) is False:
@@ -68,12 +55,11 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
 def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict[str, Any]) -> tuple[dict, list[Tensor]]:
   check_exportable(cfg, ARCHITECTURE, position='rotary', norm='rmsnorm', norm_position='sandwich', norm_plus_one=True,
                    use_bias=False, qkv_bias=False, qk_norm=False, tie_embeddings=True, scale_embeddings=True,
-                   scale_attention=True)
+                   scale_attention=True, global_every=cfg.global_every, global_layers=cfg.global_layers)
   plain = {v: k for k, v in GATED.items()}
   if cfg.activation not in plain:
     raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {ARCHITECTURE}; it supports the gated '
                       f'activations: {", ".join(plain)}')
-  full = set(cfg.global_layer_indices) if cfg.sliding_window else set(range(cfg.num_layers))
   hf: dict[str, Any] = {
     **base, 'architectures': [ARCHITECTURE], 'model_type': 'gemma2', 'vocab_size': cfg.vocab_size,
     'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
@@ -84,7 +70,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict[str, Any]) ->
     'initializer_range': cfg.init_std, 'query_pre_attn_scalar': cfg.attention_scale_dim or cfg.resolved_head_dim,
     'sliding_window': cfg.sliding_window or None, 'attn_logit_softcapping': cfg.attn_logit_softcap or None,
     'final_logit_softcapping': cfg.final_logit_softcap or None,
-    'layer_types': [FULL if i in full else SLIDING for i in range(cfg.num_layers)]}
+    'layer_types': hf_layer_types(cfg)}
   hf.pop('hidden_act', None)
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)

@@ -41,7 +41,28 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
 
 
 # Settings only some architectures express: every other one refuses them unless its converter names them.
-RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head'}
+RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': ()}
+
+SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
+
+
+def window_pattern(layer_types: list[str], architecture: str) -> dict[str, Any]:
+  """`model.global_every` n when exactly the n-th, 2n-th, ... layers are global (n = 1: all; 0: none), else
+  `model.global_layers`; a ConfigError for a layer type other than sliding or full attention."""
+  if set(layer_types) - {SLIDING, FULL}:
+    raise ConfigError(f'config.json layer_types {sorted(set(layer_types) - {SLIDING, FULL})} are not supported when '
+                      f'converting {architecture} (only {SLIDING} and {FULL})')
+  n = len(layer_types)
+  for every in (0, *range(1, n + 1)):
+    if layer_types == [FULL if every and (i + 1) % every == 0 else SLIDING for i in range(n)]:
+      return {'global_every': every}
+  return {'global_layers': tuple(i for i, kind in enumerate(layer_types) if kind == FULL)}
+
+
+def hf_layer_types(cfg: ModelConfig) -> list[str]:
+  """config.json `layer_types` of a model: each layer global (full) or windowed (sliding)."""
+  full = set(cfg.global_layer_indices) if cfg.sliding_window else set(range(cfg.num_layers))
+  return [FULL if i in full else SLIDING for i in range(cfg.num_layers)]
 
 
 def check_exportable(cfg: ModelConfig, architecture: str, **expected: Any) -> None:

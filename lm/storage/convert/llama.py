@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig, RopeConfig
-from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
+from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
+                                          our_activation, unsupported, window_pattern)
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'LlamaForCausalLM'
@@ -78,6 +79,8 @@ class Architecture:
   qk_norm: bool = False  # RMSNorm of queries and keys (Qwen3, OLMo 2)
   qk_norm_scope: str = 'head'  # per head (Qwen3) or over all heads, one [heads x head_dim] weight (OLMo 2)
   window: bool = False  # `sliding_window` (None: none) applies to every layer (Mistral)
+  layer_windows: bool = False  # `sliding_window` in the layers `layer_types` names sliding (Qwen2, Qwen3; without
+  # layer_types, transformers 4's: from layer `max_window_layers` on when `use_sliding_window`)
   norm: str = 'rmsnorm'  # nonparametric_layernorm: OLMo's, no weights and eps 1e-5 (no config field)
   norm_position: str = 'pre'  # post_branch: OLMo 2's post_attention_ and post_feedforward_layernorm
   clip: bool = False  # `clip_qkv` (None: none) clips the query, key and value projections (OLMo)
@@ -95,11 +98,12 @@ LLAMA = Architecture(ARCHITECTURE, 'llama', COMMON, {'attention_bias': False, 'm
 
 def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   unsupported(arch.name, hf, **arch.refused)
-  layer_types = set(hf.get('layer_types') or ['full_attention'])
-  if layer_types != {'full_attention'}:
-    raise ConfigError(f'config.json layer_types {sorted(layer_types)} is not supported when converting {arch.name} '
-                      f'(only full_attention layers)')
   h = {**arch.defaults, **hf}
+  pattern = window_pattern(layer_types(arch, h), arch.name)
+  if pattern != {'global_every': 1} and not arch.layer_windows:
+    raise ConfigError(f'config.json layer_types {sorted(set(layer_types(arch, h)))} is not supported when converting '
+                      f'{arch.name} (only {FULL} layers)')
+  window = (h.get('sliding_window') or 0) if arch.window or pattern != {'global_every': 1} else 0
   embed = ckpt.get('model.embed_tokens.weight')
   same = None if embed is None else ckpt.same_as('lm_head.weight', embed)
   heads = h['num_attention_heads']
@@ -112,9 +116,22 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
     qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, qk_norm_scope=arch.qk_norm_scope,
     clip_qkv=float(hf.get('clip_qkv') or 0.0) if arch.clip else 0.0,
     tie_embeddings=h['tie_word_embeddings'] if same is None else same,
-    sliding_window=(hf.get('sliding_window') or 0) if arch.window else 0, dropout=0.0,
+    sliding_window=window, **(pattern if window and arch.layer_windows else {}), dropout=0.0,
     attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
   return cfg, rules(cfg)
+
+
+def layer_types(arch: Architecture, h: dict) -> list[str]:
+  """Each layer's attention, full or sliding, as config.json `h` (defaults filled in) says."""
+  n = h['num_hidden_layers']
+  types = h.get('layer_types')
+  if types is None:
+    windowed = arch.layer_windows and h.get('use_sliding_window') and h.get('sliding_window')
+    types = [SLIDING if windowed and i >= h['max_window_layers'] else FULL for i in range(n)]
+  if len(types) != n:
+    raise ConfigError(f'config.json layer_types lists {len(types)} layers, num_hidden_layers={n}; list one type per '
+                      f'layer')
+  return list(types)
 
 
 def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict
@@ -122,7 +139,9 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
   check_exportable(cfg, arch.name, position='rotary', norm=arch.norm, norm_position=arch.norm_position,
                    use_bias=False, scale_attention=True, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
                    qk_norm_scope=arch.qk_norm_scope, attn_logit_softcap=0.0,
-                   **({} if arch.window else {'sliding_window': 0}),
+                   **({} if arch.window or arch.layer_windows else {'sliding_window': 0}),
+                   **({'global_every': cfg.global_every, 'global_layers': cfg.global_layers} if arch.layer_windows
+                      else {}),
                    **({'clip_qkv': cfg.clip_qkv} if arch.clip else {}))
   if arch.norm == 'nonparametric_layernorm' and cfg.norm_eps != 1e-5:
     raise ConfigError(f'cannot export this {cfg.family} model as {arch.name}: model.norm_eps={cfg.norm_eps} '
@@ -145,6 +164,10 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
   if arch.clip:
     hf['clip_qkv'] = cfg.clip_qkv or None
   hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
+  if arch.layer_windows:
+    types = hf_layer_types(cfg)
+    hf.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
+              max_window_layers=types.index(SLIDING) if SLIDING in types else cfg.num_layers, layer_types=types)
   hf.update(hf_rope(cfg, base))
   return hf, rules(cfg)
 

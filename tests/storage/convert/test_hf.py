@@ -457,9 +457,41 @@ def test_gemma2_layer_types_are_the_per_layer_truth_at_any_layer_count(types, pa
   assert json.loads((tmp_path / 'out' / 'config.json').read_text())['layer_types'] == types
 
 
+@pytest.mark.parametrize('kind, layers, written', [
+  ('qwen2', {'use_sliding_window': True, 'max_window_layers': 1}, True),  # transformers derives layer_types ...
+  ('qwen2', {'use_sliding_window': True, 'max_window_layers': 1}, False),  # ... which transformers 4 did not write
+  ('qwen3', {'use_sliding_window': True, 'layer_types': ['sliding_attention', 'full_attention', 'sliding_attention']},
+   True),
+])
+def test_qwen_sliding_window_layers_are_read_per_layer(kind, layers, written, tmp_path):
+  """Qwen2/Qwen3 with sliding-window layers (4 of the batch's 12 positions): `layer_types`, or without it
+  `use_sliding_window` from layer `max_window_layers` on; logits equal transformers' and export writes the same
+  layer types back, which transformers reads as they were."""
+  torch.manual_seed(0)
+  config = CONFIGS[kind]()
+  config = type(config)(**{**config.to_dict(), 'num_hidden_layers': 3, 'sliding_window': 4, 'layer_types': None,
+                           **layers})
+  hf_model = MODELS[kind](config).eval()
+  hf_model.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  types = hf_model.config.layer_types
+  assert types.count('sliding_attention') == 2
+  source = tmp_path / 'hf' if written else edited_copy(tmp_path / 'hf', tmp_path / 'v4',
+                                                       edit_config=lambda c: c.pop('layer_types'))
+  model, params = load_hf(source)
+  assert model.cfg.sliding_window == 4 and model.cfg.global_layer_indices == tuple(
+    i for i, kind_ in enumerate(types) if kind_ == 'full_attention')
+  assert compare(hf_model, model, params, kind) < 1e-4
+  assert compare(hf_model, build_model(dataclasses.replace(model.cfg, sliding_window=0, global_every=0,
+                                                           global_layers=())), params, kind) > 1e-3  # windows act
+  save_hf(model, params, tmp_path / 'out')
+  written_back = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert written_back['layer_types'] == types and written_back['use_sliding_window'] is True
+  assert compare(MODELS[kind].from_pretrained(tmp_path / 'out').eval(), model, params, kind) < 1e-4
+
+
 @pytest.mark.parametrize('kind, edit, message', [
-  ('qwen2', {'use_sliding_window': True}, 'config.json use_sliding_window=True is not supported when converting '
-                                          'Qwen2ForCausalLM'),
+  ('qwen2', {'layer_types': ['chunked_attention'] * 2}, r"layer_types \['chunked_attention'\] are not supported "
+                                                        'when converting Qwen2ForCausalLM'),
   ('qwen3', {'attention_bias': True}, 'config.json attention_bias=True is not supported when converting Qwen3'),
   ('llama', {'layer_types': ['sliding_attention', 'full_attention']}, r"layer_types \['full_attention', "
                                                                       r"'sliding_attention'\] is not supported"),
@@ -493,11 +525,11 @@ def test_a_released_pythia_config_loads_and_exports_in_its_own_layout(tmp_path):
 def test_bad_open_model_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
   from lm import cli
   save_hf_model('qwen2', tmp_path / 'hf')
-  bad = edited_copy(tmp_path / 'hf', tmp_path / 'bad', edit_config=lambda c: c.update(use_sliding_window=True))
+  bad = edited_copy(tmp_path / 'hf', tmp_path / 'bad', edit_config=lambda c: c.update(layer_types=['full_attention']))
   capsys.readouterr()  # transformers' progress bars
   assert cli.main(['convert', '--from-hf', str(bad), '--to', str(tmp_path / 'run')]) == 2
   err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and 'use_sliding_window=True is not supported' in err
+  assert len(err.splitlines()) == 1 and 'layer_types lists 1 layers, num_hidden_layers=2' in err
   assert not (tmp_path / 'run').exists()
   for overrides, message in ((['model.attention_impl=tpu_splash'], 'model.attention_impl=tpu_splash has no '
                               'model.sliding_window or model.attn_logit_softcap'),
