@@ -558,6 +558,10 @@ def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
   model, params = load_hf(tmp_path / 'llama')
   with pytest.raises(ConfigError, match=r'as LlamaForCausalLM: model.clip_qkv=8.0 \(needs 0.0\)$'):
     save_hf(dataclasses.replace(model.cfg, clip_qkv=8.0), params, tmp_path / 'out')
+  # Mistral windows every layer: a global layer among windowed ones is Gemma 2's or Qwen's
+  with pytest.raises(ConfigError, match=r'as MistralForCausalLM: model.global_layers=\(1,\) \(needs \(\)\)$'):
+    save_hf(dataclasses.replace(model.cfg, family='mistral', sliding_window=4, global_layers=(1,)), params,
+            tmp_path / 'out')
   assert not (tmp_path / 'out').exists()
 
 
