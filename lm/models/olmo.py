@@ -2,7 +2,8 @@
 intermediate checkpoints. OLMo: LayerNorm without scale or bias (`model.norm=nonparametric_layernorm`) before each
 branch, query/key/value projections optionally clipped (`model.clip_qkv`). OLMo 2: RMSNorm of each branch's
 output before it is added (`model.norm_position=post_branch`) and of the queries and keys over all heads at once
-(`model.qk_norm_scope=all_heads`). Both: rotary positions, SwiGLU, no biases. The module is the shared
+(`model.qk_norm_scope=all_heads`). OLMo 3: OLMo 2 with sliding-window attention in three layers of four
+(`model.sliding_window`, `model.global_every=4`). All: rotary positions, SwiGLU, no biases. The module is the shared
 `CausalDecoder`; the shape lives in the config."""
 from __future__ import annotations
 
@@ -19,4 +20,9 @@ class Olmo2Family(LlamaFamily):
   hf_converter = 'lm.storage.convert.olmo2'
 
 
-FAMILY, OLMO2 = OlmoFamily(), Olmo2Family()
+class Olmo3Family(LlamaFamily):
+  name = 'olmo3'
+  hf_converter = 'lm.storage.convert.olmo3'
+
+
+FAMILY, OLMO2, OLMO3 = OlmoFamily(), Olmo2Family(), Olmo3Family()

@@ -37,6 +37,12 @@ def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
   """`model.rope` (as a ModelConfig keyword) from either config layout (`rope_parameters`, transformers 5; `rope_theta` and
   `rope_scaling`, transformers 4); scalings we cannot reproduce (dynamic, longrope, ...) are refused by name."""
   params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+  per_type = [value for value in params.values() if isinstance(value, dict)]  # per layer type (OLMo 3)
+  if per_type:
+    if any(value != per_type[0] for value in per_type):
+      raise ConfigError(f'config.json rope_parameters differ between layer types; {architecture} converts one rotary '
+                        f'setting for every layer')
+    params = per_type[0]
   kind = params.get('rope_type', params.get('type', 'default'))
   if kind not in ROPE_TYPES:
     raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {architecture} '
@@ -55,14 +61,17 @@ def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
   return {'rope': RopeConfig(**fields)}
 
 
-def hf_rope(cfg: ModelConfig, base: dict) -> dict[str, Any]:
-  """The rotary settings of config.json, in the layout of `base` (transformers 4 when it has `rope_theta`)."""
+def hf_rope(cfg: ModelConfig, base: dict, per_layer_type: bool = False) -> dict[str, Any]:
+  """The rotary settings of config.json, in the layout of `base` (transformers 4 when it has `rope_theta`);
+  `per_layer_type`: the same settings for each of `layer_types`' kinds (OLMo 3)."""
   rope = cfg.rope
   scaling = {theirs: getattr(rope, ours) for ours, theirs in ROPE_FIELDS.get(rope.scaling, {}).items()
              if getattr(rope, ours) is not None}
   kind = {v: k for k, v in ROPE_TYPES.items()}[rope.scaling]
   if 'rope_theta' in base:
     return {'rope_theta': rope.theta, 'rope_scaling': {'rope_type': kind, **scaling} if scaling else None}
+  if per_layer_type:
+    return {'rope_parameters': {t: {'rope_theta': rope.theta, 'rope_type': kind, **scaling} for t in (FULL, SLIDING)}}
   return {'rope_parameters': {**(base.get('rope_parameters') or {}), 'rope_theta': rope.theta,
                               'rope_type': kind, **scaling}}
 
@@ -79,8 +88,10 @@ class Architecture:
   qk_norm: bool = False  # RMSNorm of queries and keys (Qwen3, OLMo 2)
   qk_norm_scope: str = 'head'  # per head (Qwen3) or over all heads, one [heads x head_dim] weight (OLMo 2)
   window: bool = False  # `sliding_window` (None: none) applies to every layer (Mistral)
-  layer_windows: bool = False  # `sliding_window` in the layers `layer_types` names sliding (Qwen2, Qwen3; without
-  # layer_types, transformers 4's: from layer `max_window_layers` on when `use_sliding_window`)
+  layer_windows: bool = False  # `sliding_window` in the layers `layer_types` names sliding (Qwen2, Qwen3, OLMo 3;
+  # without layer_types: every `global_every`-th layer global, else from layer `max_window_layers` on when
+  # `use_sliding_window`, as transformers 4 wrote Qwen's)
+  global_every: int = 0  # OLMo 3: 4
   norm: str = 'rmsnorm'  # nonparametric_layernorm: OLMo's, no weights and eps 1e-5 (no config field)
   norm_position: str = 'pre'  # post_branch: OLMo 2's post_attention_ and post_feedforward_layernorm
   clip: bool = False  # `clip_qkv` (None: none) clips the query, key and value projections (OLMo)
@@ -125,7 +136,9 @@ def layer_types(arch: Architecture, h: dict) -> list[str]:
   """Each layer's attention, full or sliding, as config.json `h` (defaults filled in) says."""
   n = h['num_hidden_layers']
   types = h.get('layer_types')
-  if types is None:
+  if types is None and arch.global_every:
+    types = [FULL if (i + 1) % arch.global_every == 0 else SLIDING for i in range(n)]
+  elif types is None:
     windowed = arch.layer_windows and h.get('use_sliding_window') and h.get('sliding_window')
     types = [SLIDING if windowed and i >= h['max_window_layers'] else FULL for i in range(n)]
   if len(types) != n:
@@ -166,9 +179,11 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
   hf.pop('layer_types', None)  # transformers derives it; a stale one from `base` could disagree
   if arch.layer_windows:
     types = hf_layer_types(cfg)
-    hf.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
-              max_window_layers=types.index(SLIDING) if SLIDING in types else cfg.num_layers, layer_types=types)
-  hf.update(hf_rope(cfg, base))
+    hf.update(sliding_window=cfg.sliding_window or None, layer_types=types)
+    if not arch.global_every:  # Qwen's
+      hf.update(use_sliding_window=bool(cfg.sliding_window),
+                max_window_layers=types.index(SLIDING) if SLIDING in types else cfg.num_layers)
+  hf.update(hf_rope(cfg, base, per_layer_type=bool(arch.global_every)))
   return hf, rules(cfg)
 
 

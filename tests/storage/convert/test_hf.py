@@ -100,6 +100,13 @@ CONFIGS = {
                                             max_position_embeddings=64, rms_norm_eps=1e-6, pad_token_id=1,
                                             eos_token_id=2, rope_parameters={'rope_type': 'default',
                                                                              'rope_theta': 5e5}),
+  # OLMo 3: OLMo 2 with a 4-position window in three layers of four (the fourth global), rotary per layer type
+  'olmo3': lambda: transformers.Olmo3Config(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, rms_norm_eps=1e-6, pad_token_id=1,
+                                            eos_token_id=2, sliding_window=4,
+                                            rope_parameters={t: {'rope_type': 'default', 'rope_theta': 5e5}
+                                                             for t in ('full_attention', 'sliding_attention')}),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
@@ -108,9 +115,10 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
           'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM,
           'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM,
-          'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM}
+          'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM,
+          'olmo3': transformers.Olmo3ForCausalLM}
 DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gpt_neox',
-            'gpt_neox_serial', 'olmo', 'olmo2')
+            'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3')
 
 
 def save_hf_model(kind, directory):
@@ -462,11 +470,12 @@ def test_gemma2_layer_types_are_the_per_layer_truth_at_any_layer_count(types, pa
   ('qwen2', {'use_sliding_window': True, 'max_window_layers': 1}, False),  # ... which transformers 4 did not write
   ('qwen3', {'use_sliding_window': True, 'layer_types': ['sliding_attention', 'full_attention', 'sliding_attention']},
    True),
+  ('olmo3', {'layer_types': ['full_attention', 'sliding_attention', 'sliding_attention']}, True),
 ])
 def test_qwen_sliding_window_layers_are_read_per_layer(kind, layers, written, tmp_path):
-  """Qwen2/Qwen3 with sliding-window layers (4 of the batch's 12 positions): `layer_types`, or without it
-  `use_sliding_window` from layer `max_window_layers` on; logits equal transformers' and export writes the same
-  layer types back, which transformers reads as they were."""
+  """Qwen2/Qwen3 and OLMo 3 with sliding-window layers (4 of the batch's 12 positions): `layer_types`, or
+  without it Qwen's `use_sliding_window` from layer `max_window_layers` on; logits equal transformers' and export
+  writes the same layer types back, which transformers reads as they were."""
   torch.manual_seed(0)
   config = CONFIGS[kind]()
   config = type(config)(**{**config.to_dict(), 'num_hidden_layers': 3, 'sliding_window': 4, 'layer_types': None,
@@ -485,7 +494,7 @@ def test_qwen_sliding_window_layers_are_read_per_layer(kind, layers, written, tm
                                                            global_layers=())), params, kind) > 1e-3  # windows act
   save_hf(model, params, tmp_path / 'out')
   written_back = json.loads((tmp_path / 'out' / 'config.json').read_text())
-  assert written_back['layer_types'] == types and written_back['use_sliding_window'] is True
+  assert written_back['layer_types'] == types and written_back.get('use_sliding_window', True) is True  # Qwen's
   assert compare(MODELS[kind].from_pretrained(tmp_path / 'out').eval(), model, params, kind) < 1e-4
 
 
