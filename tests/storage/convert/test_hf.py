@@ -505,6 +505,9 @@ def test_qwen_sliding_window_layers_are_read_per_layer(kind, layers, written, tm
   ('llama', {'layer_types': ['sliding_attention', 'full_attention']}, r"layer_types \['full_attention', "
                                                                       r"'sliding_attention'\] is not supported"),
   ('gpt_neox', {'attention_bias': False}, 'config.json attention_bias=False is not supported when converting GPTNeoX'),
+  ('olmo3', {'rope_parameters': {'full_attention': {'rope_type': 'default', 'rope_theta': 1e4},
+                                 'sliding_attention': {'rope_type': 'default', 'rope_theta': 5e5}}},
+   'rope_parameters differ between layer types; Olmo3ForCausalLM converts one rotary setting for every layer'),
   ('gpt_neox', {'rope_parameters': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}},
    "rope type 'linear' is not supported when converting GPTNeoXForCausalLM"),
 ])
