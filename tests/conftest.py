@@ -5,20 +5,14 @@ import os
 import shutil
 import tempfile
 
-# 8 CPU devices for mesh tests. Tests run tiny models whose compile time dominates their run time: backend
-# optimisation level 0 compiles ~3x faster, and XLA's older loop emitters instead of its MLIR fusion emitters a
-# further ~40% at that level (a train step 6.1 CPU-s against 4.0, a scanned Llama's 5.8 against 1.3; the steps run
-# ~30% slower, and tests of 200 steps still gain: tests/README.md). libtpu aborts on a CPU flag in XLA_FLAGS, and
-# the AOT tests load it in these processes: the emitters are chosen per compile (below) and, by XLA_FLAGS, only in
-# processes that stay on the CPU (`one_device_env`).
+# 8 CPU devices for mesh tests; backend optimisation level 0 compiles ~3x faster, and tests
+# run tiny models whose compile time dominates their run time.
 # Tests run on the CPU even where libtpu is installed (AOT tests build TPU topologies explicitly);
 # other processes may hold libtpu's lock, which AOT compiles do not need.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-LEVEL_0 = '--xla_backend_optimization_level=0'
-LOOP_EMITTERS = '--xla_cpu_use_fusion_emitters=false'
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
-                                    LEVEL_0]).strip()
+                                    '--xla_backend_optimization_level=0']).strip()
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and every `lm` process a test
 # starts (they inherit the environment): many tests compile the same few programs. Its size limit turns on
@@ -38,34 +32,19 @@ OWN_LM_CACHE = 'LM_CACHE_DIR' not in os.environ
 os.environ.setdefault('LM_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'lm-tests-cache-{os.getpid()}'))
 
 import pytest  # noqa: E402
-from jax._src import compiler  # noqa: E402
 
 from lm.config import Config, load_config  # noqa: E402
-
-_compile_options = compiler.get_compile_options
-
-
-def _with_loop_emitters(*args, **kwargs):
-  """jax's compile options, with LOOP_EMITTERS (as `jit(compiler_options=...)` sets it) for a CPU compile."""
-  options = _compile_options(*args, **kwargs)
-  backend = kwargs.get('backend')
-  if backend is not None and backend.platform == 'cpu':
-    options.env_option_overrides = [*options.env_option_overrides, ('xla_cpu_use_fusion_emitters', False)]
-  return options
-
-
-compiler.get_compile_options = _with_loop_emitters
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 
 
 def one_device_env(optimized: bool = False) -> dict[str, str]:
-  """This environment for an `lm` process of its own on the host's one CPU device, compiling as the tests do
-  (no TPU compile: libtpu refuses LOOP_EMITTERS); `optimized` restores XLA's default optimisation instead, for
-  processes whose run time outweighs their compiles."""
+  """This environment for an `lm` process of its own with the host's one CPU device (this XLA otherwise);
+  `optimized` also restores XLA's default optimisation, for processes whose run time outweighs their compiles."""
   flags = os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')
-  flags = flags.replace(LEVEL_0, '') if optimized else f'{flags} {LOOP_EMITTERS}'
-  return {**os.environ, 'XLA_FLAGS': ' '.join(flags.split())}
+  if optimized:
+    flags = flags.replace('--xla_backend_optimization_level=0', '')
+  return {**os.environ, 'XLA_FLAGS': flags.strip()}
 
 
 SMALL = [

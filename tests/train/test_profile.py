@@ -12,13 +12,12 @@ import pytest
 from lm import cli
 from lm.train.logging import read_metrics
 from lm.train.profiler import Profile
-from tests.conftest import LOOP_EMITTERS, SMALL, one_device_env
+from tests.conftest import SMALL, one_device_env
 from tests.jobs.glue import synthetic
 
 
 def lm(*argv: str) -> subprocess.CompletedProcess:
   env = {k: v for k, v in one_device_env().items() if k != 'JAX_PLATFORMS'}
-  env['XLA_FLAGS'] = env['XLA_FLAGS'].replace(LOOP_EMITTERS, '')  # every platform: libtpu loads, and refuses it
   done = subprocess.run([sys.executable, '-m', 'lm.cli', *argv], env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return done
