@@ -1,9 +1,9 @@
 """Scaling points: one row per (run, evaluation) in a CSV that `lm scaling collect` writes and `fit` reads.
 
 The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
-carry `run, size` (the params as suites name sizes, 70.4M), `step, non_embedding_params, flops_6nd` and `loss_of` (the record the loss is: val_loss, val_bpb,
-val/NAME/loss or val/NAME/bpb), and with `collect --tasks` a `<task>/<metric>` column per
-harness metric and `<task>/task_loss`.
+carry `run, size` (the params as suites name sizes, 70.4M), `step, non_embedding_params, flops_6nd` and `loss_of`
+(the record the loss is: val_loss, val_bpb, val/NAME/loss or val/NAME/bpb), and with `collect --tasks` a
+`<task>/<metric>` column per harness metric and `<task>/task_loss`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 
 from lm.config import ConfigError
 
-COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width',
-           'learning_rate')
+COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of',
+           'width', 'learning_rate')
 REQUIRED = ('params', 'tokens', 'loss')
 
 

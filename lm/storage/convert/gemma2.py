@@ -30,10 +30,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   h = {**DEFAULTS, **hf}
   n = h['num_hidden_layers']
   types = h.get('layer_types') or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]  # transformers' default
-  if len(types) != n:
-    raise ConfigError(f'config.json layer_types lists {len(types)} layers, num_hidden_layers={n}; list one type per '
-                      f'layer')
-  pattern = window_pattern(list(types), ARCHITECTURE)
+  pattern = window_pattern(list(types), n, ARCHITECTURE)
   window = h['sliding_window'] or 0 if pattern.get('global_every') != 1 else 0
   embed = ckpt.get('model.embed_tokens.weight')
   if embed is not None and ckpt.same_as('lm_head.weight', embed) is False:

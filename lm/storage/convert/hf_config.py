@@ -46,13 +46,15 @@ RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0,
 SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
 
 
-def window_pattern(layer_types: list[str], architecture: str) -> dict[str, Any]:
-  """`model.global_every` n when exactly the n-th, 2n-th, ... layers are global (n = 1: all; 0: none), else
-  `model.global_layers`; a ConfigError for a layer type other than sliding or full attention."""
+def window_pattern(layer_types: list[str], n: int, architecture: str) -> dict[str, Any]:
+  """`model.global_every` k when exactly the k-th, 2k-th, ... of the `n` layers are global (k = 1: all; 0: none),
+  else `model.global_layers`; a ConfigError for a count other than n or a type other than sliding or full."""
+  if len(layer_types) != n:
+    raise ConfigError(f'config.json layer_types lists {len(layer_types)} layers, num_hidden_layers={n}; list one '
+                      f'type per layer')
   if set(layer_types) - {SLIDING, FULL}:
     raise ConfigError(f'config.json layer_types {sorted(set(layer_types) - {SLIDING, FULL})} are not supported when '
                       f'converting {architecture} (only {SLIDING} and {FULL})')
-  n = len(layer_types)
   for every in (0, *range(1, n + 1)):
     if layer_types == [FULL if every and (i + 1) % every == 0 else SLIDING for i in range(n)]:
       return {'global_every': every}

@@ -110,10 +110,11 @@ LLAMA = Architecture(ARCHITECTURE, 'llama', COMMON, {'attention_bias': False, 'm
 def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   unsupported(arch.name, hf, **arch.refused)
   h = {**arch.defaults, **hf}
-  pattern = window_pattern(layer_types(arch, h), arch.name)
+  types = layer_types(arch, h)
+  pattern = window_pattern(types, h['num_hidden_layers'], arch.name)
   if pattern != {'global_every': 1} and not arch.layer_windows:
-    raise ConfigError(f'config.json layer_types {sorted(set(layer_types(arch, h)))} is not supported when converting '
-                      f'{arch.name} (only {FULL} layers)')
+    raise ConfigError(f'config.json layer_types {sorted(set(types))} is not supported when converting {arch.name} '
+                      f'(only {FULL} layers)')
   window = (h.get('sliding_window') or 0) if arch.window or pattern != {'global_every': 1} else 0
   embed = ckpt.get('model.embed_tokens.weight')
   same = None if embed is None else ckpt.same_as('lm_head.weight', embed)
@@ -141,9 +142,6 @@ def layer_types(arch: Architecture, h: dict) -> list[str]:
   elif types is None:
     windowed = arch.layer_windows and h.get('use_sliding_window') and h.get('sliding_window')
     types = [SLIDING if windowed and i >= h['max_window_layers'] else FULL for i in range(n)]
-  if len(types) != n:
-    raise ConfigError(f'config.json layer_types lists {len(types)} layers, num_hidden_layers={n}; list one type per '
-                      f'layer')
   return list(types)
 
 
