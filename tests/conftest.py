@@ -3,16 +3,21 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 
-# 8 CPU devices for mesh tests; backend optimisation level 0 compiles ~3x faster, and tests
-# run tiny models whose compile time dominates their run time.
+# 8 CPU devices for mesh tests. Tests run tiny models whose compile time dominates their run time: backend
+# optimisation level 0 compiles ~3x faster, and XLA's older loop emitters at that level a further ~40%
+# (startup/sitecustomize.py: every Python process of the suite imports it, this one below, the others through
+# PYTHONPATH).
 # Tests run on the CPU even where libtpu is installed (AOT tests build TPU topologies explicitly);
 # other processes may hold libtpu's lock, which AOT compiles do not need.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8',
                                     '--xla_backend_optimization_level=0']).strip()
+STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'startup')
+os.environ['PYTHONPATH'] = os.pathsep.join(p for p in [STARTUP, os.environ.get('PYTHONPATH')] if p)
 
 # One persistent compilation cache for the whole run, shared by the xdist workers and every `lm` process a test
 # starts (they inherit the environment): many tests compile the same few programs. Its size limit turns on
@@ -35,6 +40,11 @@ import pytest  # noqa: E402
 
 from lm.config import Config, load_config  # noqa: E402
 
+sys.path.insert(0, STARTUP)
+import sitecustomize  # noqa: E402  (installs itself; in xdist's workers it already has, at start-up)
+
+sys.path.remove(STARTUP)
+
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 
 
@@ -53,6 +63,23 @@ SMALL = [
   'train.eval_every=1000', 'optim.warmup_steps=2', 'optim.learning_rate=3e-3', 'train.progress=false',
   'mesh.data=1', 'model.scan_layers=true',
 ]
+
+
+@pytest.fixture(autouse=True)
+def fusion_emitters(request: pytest.FixtureRequest):
+  """A test marked `fusion_emitters` compiles as XLA does by default (its programs compiled afresh: jax's
+  in-memory caches would hand back this worker's earlier executables of the same programs)."""
+  if request.node.get_closest_marker('fusion_emitters') is None:
+    yield
+    return
+  import jax
+  jax.clear_caches()
+  sitecustomize.enabled = False
+  try:
+    yield
+  finally:
+    sitecustomize.enabled = True
+    jax.clear_caches()
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ def trained(small_config, devices, *overrides):
 
 
 @pytest.mark.long(0.3)
+@pytest.mark.fusion_emitters  # bit for bit between the constant-rate program and the WSD one
 @pytest.mark.parametrize('mesh', ['1 device', 'data x fsdp'])
 def test_a_branched_cooldown_is_the_straight_wsd_run_of_its_budget(small_config, tmp_path, mesh, capsys):
   devices = jax.devices()[:1] if mesh == '1 device' else jax.devices()
