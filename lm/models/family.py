@@ -1,16 +1,16 @@
 """What generic code knows of a model family: one record per family, registered in `lm.models.FAMILIES`.
 
-A record says how to build and initialise the module, how a batch maps onto its call, which
-objective pretrains it, which extra heads it trains (with their losses and metrics), its
-forward FLOPs, how `lm.jobs.generate` decodes it, and which Hugging Face converter reads and writes
-it. Step, loss, data pipeline, accounting, generation, conversion and config validation ask
-the record and never the family's name. The three shapes of model share their record code
-here (`DecoderOnly`, `Encoder`, `EncoderDecoder`); a family's own record sits in its model file.
+A record says how to build and initialise the module, how a batch maps onto its call, which objective pretrains
+it, which extra heads it trains (with their losses and metrics), its forward FLOPs, how `lm.jobs.generate` decodes
+it (`Decoding`) and `lm eval` scores it (`Scoring`), and which Hugging Face converter reads and writes it. Step,
+loss, data pipeline, accounting, generation, conversion and config validation ask the record and never the
+family's name. The three shapes of model share their record code here (`DecoderOnly`, `Encoder`,
+`EncoderDecoder`); a family's own record sits in its model file.
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
-from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding, init_cache, take_cache_rows
+from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding
+from lm.models.scoring import CAUSAL, SEQ2SEQ, Scoring
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
 
@@ -66,6 +66,7 @@ class Family:
   module: ClassVar[type[nn.Module]]
   hf_converter: ClassVar[str | None] = None  # module with ARCHITECTURE (the transformers class), load, save
   decoding: ClassVar[Decoding | None] = None  # how `lm.jobs.generate` samples from it; None: it cannot
+  scoring: ClassVar[Scoring | None] = None  # how `lm eval` scores continuations with it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()
   task_head: ClassVar[TaskHead | None] = None  # how it fine-tunes on sequence tasks (GLUE); None: it cannot
   # The norm whose output alone feeds a tied output layer (μP's 1/m readout multiplier folds into it on export);
@@ -93,37 +94,8 @@ class Family:
   def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
     raise NotImplementedError
 
-  def scoring_rows(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], length: int, pad_id: int
-                   ) -> dict[str, np.ndarray]:
-    """A batch that `score` reads: one row per (context, continuation) pair of token ids, `length` positions
-    (the context is cut from the left to fit, as lm-eval-harness does)."""
-    raise ConfigError(f'the {self.name} family is not a generative model: it gives no log-likelihood of a '
-                      f'continuation; score with a decoder-only or encoder-decoder model')
-
-  def scoring_length(self, context: int, continuation: int) -> int:
-    """Positions a row of `scoring_rows` needs for a pair of these token counts (before any cut)."""
-    raise NotImplementedError
-
-  # Whether `score_shared` computes a context once for all its continuations (`shared_scoring_rows`).
-  shares_contexts: ClassVar[bool] = False
-
-  def shared_context_length(self, context: int) -> int:
-    """Positions a context of `context` tokens takes in a context row of `shared_scoring_rows`."""
-    raise NotImplementedError
-
-  def shared_scoring_rows(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-                          owners: Sequence[int], context_length: int, continuation_length: int, pad_id: int
-                          ) -> dict[str, np.ndarray]:
-    """A batch that `score_shared` reads: each context once ('context_*' rows, `context_length` positions) and
-    each continuation in a row of its own (`continuation_length` positions) with its context's row ('owner')."""
-    raise NotImplementedError
-
-  def score_shared(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
-    """`score` of a `shared_scoring_rows` batch, per continuation row."""
-    raise NotImplementedError
-
   def score(self, model: nn.Module, params: Any, batch: Batch) -> dict[str, jax.Array]:
-    """Per example of a `scoring_rows` batch: the continuation's summed log-probability ('logprob'), its token
+    """Per example of a `Scoring.rows` batch: the continuation's summed log-probability ('logprob'), its token
     count ('tokens') and whether greedy decoding would produce it ('greedy')."""
     head = self.apply(model, params, batch, deterministic=True, rngs={})['logits']
     return continuation_scores(head.logits(), batch['targets'], batch['weights'])
@@ -161,6 +133,14 @@ def check_vocabulary(config: Config, tokenizer: Tokenizer) -> None:
                       f'tokenizer\'s {tokenizer.vocab_size} ids; raise model.vocab_size')
 
 
+def scoring_of(family: Family) -> Scoring:
+  """The family's scoring, or one line saying it has none."""
+  if family.scoring is None:
+    raise ConfigError(f'the {family.name} family is not a generative model: it gives no log-likelihood of a '
+                      f'continuation; score with a decoder-only or encoder-decoder model')
+  return family.scoring
+
+
 def _attention_flops(cfg: ModelConfig, pairs: float) -> float:
   """Scores and the weighted sum of values: 2 * 2 * query heads * head_dim per query-key pair."""
   return 4 * cfg.num_heads * cfg.resolved_head_dim * pairs
@@ -170,6 +150,7 @@ class DecoderOnly(Family):
   """Causal LMs (GPT, Llama): `module(tokens, segment_ids, positions, deterministic, decode)` gives logits;
   `module.classify` a classifier's scores from the last real token."""
   decoding = DECODER_ONLY
+  scoring = CAUSAL
   task_head = Classifier(params=('score',))
   readout_norm = ('decoder', 'final_norm')
 
@@ -187,61 +168,6 @@ class DecoderOnly(Family):
     check_vocabulary(config, tokenizer)
     return CausalLM(config.data.seq_len)
 
-  def scoring_rows(self, pairs, length, pad_id):
-    """Context and continuation in one row: inputs are its tokens but the last, targets its tokens but the
-    first, weighted over the continuation."""
-    rows = {k: np.zeros((len(pairs), length), np.int32) for k in ('inputs', 'targets', 'segment_ids', 'weights')}
-    rows['inputs'][:], rows['targets'][:] = pad_id, pad_id
-    for i, (context, continuation) in enumerate(pairs):
-      whole = (list(context) + list(continuation))[-(length + 1):]
-      n = len(whole) - 1
-      rows['inputs'][i, :n], rows['targets'][i, :n] = whole[:-1], whole[1:]
-      rows['segment_ids'][i, :n] = 1
-      rows['weights'][i, max(n - len(continuation), 0):n] = 1
-    rows['positions'] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(pairs), length)).copy()
-    return rows
-
-  def scoring_length(self, context, continuation):
-    return context + continuation - 1
-
-  shares_contexts = True
-
-  def shared_context_length(self, context):
-    return context - 1  # the last token starts the continuation's row
-
-  def shared_scoring_rows(self, contexts, continuations, owners, context_length, continuation_length, pad_id):
-    """Each context but its last token, left-padded as the sampler's prompts are, prefills a KV cache; each
-    continuation row then feeds its context's last token and its own tokens but the last (right-padded, at the
-    positions after its context) and is scored on its own tokens."""
-    rows = {f'context_{k}': np.zeros((len(contexts), context_length), np.int32)
-            for k in ('inputs', 'segment_ids', 'positions')}
-    rows['context_inputs'][:] = pad_id
-    for i, context in enumerate(contexts):
-      n = len(context) - 1
-      if n:
-        rows['context_inputs'][i, -n:], rows['context_segment_ids'][i, -n:] = context[:-1], 1
-        rows['context_positions'][i, -n:] = np.arange(n)
-    for k in ('inputs', 'targets', 'segment_ids', 'weights', 'positions'):
-      rows[k] = np.zeros((len(continuations), continuation_length), np.int32)
-    rows['inputs'][:], rows['targets'][:] = pad_id, pad_id
-    for i, (continuation, owner) in enumerate(zip(continuations, owners)):
-      context, n = contexts[owner], len(continuation)
-      rows['inputs'][i, :n], rows['targets'][i, :n] = [context[-1], *continuation[:-1]], continuation
-      rows['segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
-      rows['positions'][i, :n] = len(context) - 1 + np.arange(n)  # padding at 0: inside any position table
-    rows['owner'] = np.asarray(owners, np.int32)
-    return rows
-
-  def score_shared(self, model, params, batch):
-    contexts = batch['context_inputs']
-    cache = init_cache(model, contexts.shape[0], contexts.shape[1] + batch['inputs'].shape[1])
-    _, filled = model.apply({'params': params, 'cache': cache}, contexts, batch['context_segment_ids'],
-                            batch['context_positions'], decode=True, unembed=False, mutable=['cache'])
-    cache = take_cache_rows(model, filled['cache'], batch['owner'])
-    head, _ = model.apply({'params': params, 'cache': cache}, batch['inputs'], batch['segment_ids'],
-                          batch['positions'], decode=True, unembed=False, mutable=['cache'])
-    return continuation_scores(head.logits(), batch['targets'], batch['weights'])
-
   def forward_flops(self, k, cfg, seq_len, pairs):
     return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))
 
@@ -258,6 +184,7 @@ class EncoderDecoder(Family):
   """Encoder-decoders (T5): `module(inputs, decoder_inputs, segment_ids, decoder_segment_ids, deterministic)`,
   with `encode` and `decode` methods for cached generation; fine-tuned text to text."""
   decoding = ENCODER_DECODER
+  scoring = SEQ2SEQ
   task_head = TextToText()
 
   def num_blocks(self, cfg):
@@ -281,57 +208,6 @@ class EncoderDecoder(Family):
   def target_length(self, seq_len: int) -> int:
     """Decoder tokens of a row whose encoder sees `seq_len` tokens."""
     raise NotImplementedError
-
-  def scoring_rows(self, pairs, length, pad_id):
-    """The context to the encoder, the continuation as the decoder's targets behind the decoder start (the pad
-    id, T5's): `length` positions each."""
-    rows = {k: np.zeros((len(pairs), length), np.int32)
-            for k in ('inputs', 'segment_ids', 'decoder_inputs', 'decoder_segment_ids', 'targets', 'weights')}
-    for k in ('inputs', 'decoder_inputs', 'targets'):
-      rows[k][:] = pad_id
-    for i, (context, continuation) in enumerate(pairs):
-      context, continuation = list(context)[-length:], list(continuation)[:length]
-      rows['inputs'][i, :len(context)], rows['segment_ids'][i, :len(context)] = context, 1
-      n = len(continuation)
-      rows['decoder_inputs'][i, :n] = [pad_id] + continuation[:-1]
-      rows['targets'][i, :n] = continuation
-      rows['decoder_segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
-    return rows
-
-  def scoring_length(self, context, continuation):
-    return max(context, continuation)
-
-  shares_contexts = True
-
-  def shared_context_length(self, context):
-    return context
-
-  def shared_scoring_rows(self, contexts, continuations, owners, context_length, continuation_length, pad_id):
-    """Each context once, as the encoder's input; each continuation as `scoring_rows` has it, with its context's
-    row ('owner')."""
-    rows = {k: np.zeros((len(contexts), context_length), np.int32) for k in ('context_inputs', 'context_segment_ids')}
-    rows['context_inputs'][:] = pad_id
-    for i, context in enumerate(contexts):
-      rows['context_inputs'][i, :len(context)], rows['context_segment_ids'][i, :len(context)] = context, 1
-    for k in ('decoder_inputs', 'decoder_segment_ids', 'targets', 'weights'):
-      rows[k] = np.zeros((len(continuations), continuation_length), np.int32)
-    rows['decoder_inputs'][:], rows['targets'][:] = pad_id, pad_id
-    for i, continuation in enumerate(continuations):
-      n = len(continuation)
-      rows['decoder_inputs'][i, :n], rows['targets'][i, :n] = [pad_id, *continuation[:-1]], continuation
-      rows['decoder_segment_ids'][i, :n], rows['weights'][i, :n] = 1, 1
-    rows['owner'] = np.asarray(owners, np.int32)
-    return rows
-
-  def score_shared(self, model, params, batch):
-    """The contexts encoded once; each continuation's row decoded against its context's encoding."""
-    encoded = model.apply({'params': params}, batch['context_inputs'], batch['context_segment_ids'],
-                          method='encode')
-    owner = batch['owner']
-    head = model.apply({'params': params}, encoded[owner], batch['decoder_inputs'],
-                       batch['context_segment_ids'][owner], batch['decoder_segment_ids'], unembed=False,
-                       method='decode')
-    return continuation_scores(head.logits(), batch['targets'], batch['weights'])
 
   def forward_flops(self, k, cfg, seq_len, pairs):
     enc, dec = seq_len, self.target_length(seq_len)

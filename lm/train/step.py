@@ -202,7 +202,7 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
 def make_score_step(assembly: Assembly, score: Callable[[Any, Any, Batch], Any] | None = None
                     ) -> Callable[[Any, Batch], Any]:
   """jit: per-example outputs of a batch split over the mesh's batch axes, returned whole to every process.
-  `score(model, params, batch)` defaults to the family's continuation scores (`Family.score` of a `scoring_rows`
+  `score(model, params, batch)` defaults to the family's continuation scores (`Family.score` of a `Scoring.rows`
   batch); a fine-tuning head's prediction (`TaskHead.infer`) goes through the same step."""
   model, mesh = assembly.model, assembly.mesh
   score = assembly.family.score if score is None else score

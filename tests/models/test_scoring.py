@@ -1,4 +1,4 @@
-"""The scoring seam (`Family.scoring_rows` + `Family.score`, jitted by `make_score_step`): per example, a
+"""The scoring seam (`Scoring.rows` + `Family.score`, jitted by `make_score_step`): per example, a
 continuation's summed log-probability, token count and greediness, against float64 NumPy from the model's own
 logits on each pair alone (no padding, no batch)."""
 import functools
@@ -11,6 +11,7 @@ import pytest
 from lm.assembly import assemble
 from lm.config import ConfigError, load_config
 from lm.data.pipeline import global_rows
+from lm.models.family import scoring_of
 from lm.train.step import make_score_step
 
 SMALL = ['model.d_model=64', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=128', 'model.dtype=float32',
@@ -77,7 +78,7 @@ def test_scores_equal_a_float64_reference_from_the_models_own_logits(preset, mes
   """Rows of several lengths padded to one, in one batch split over the mesh (the same seed's params)."""
   pairs, log_probs = reference(preset)
   assembly = assemble(config(preset, mesh), jax.devices()[:MESHES[mesh][0]])
-  rows = assembly.family.scoring_rows(pairs, LENGTH, pad_id=0)
+  rows = assembly.family.scoring.rows(pairs, LENGTH, pad_id=0)
   got = jax.device_get(make_score_step(assembly)(assembly.init_state().params, global_rows(assembly.mesh, rows)))
   for i, ((_, continuation), lp) in enumerate(zip(pairs, log_probs)):
     assert got['logprob'][i] == pytest.approx(lp[np.arange(len(continuation)), continuation].sum(), rel=1e-5), i
@@ -97,14 +98,13 @@ def test_shared_contexts_score_as_each_pair_alone(preset, scan, mesh):
   pairs, log_probs = reference(preset, scan)
   assembly = assemble(config(preset, mesh, scan), jax.devices()[:MESHES[mesh][0]])
   family = assembly.family
-  assert family.shares_contexts
   # Two continuations per context: the pair's own and the last pair's (scored after this context too).
   contexts = [context for context, _ in pairs]
   continuations = [c for _, own in pairs for c in (own, pairs[-1][1])]
   owners = [i for i in range(len(pairs)) for _ in range(2)]
-  rows = family.shared_scoring_rows(contexts + [[0]] * 8, continuations + [[0]] * 8, owners + [0] * 8,
+  rows = family.scoring.shared_rows(contexts + [[0]] * 8, continuations + [[0]] * 8, owners + [0] * 8,
                                     context_length=LENGTH, continuation_length=8, pad_id=0)
-  step, params = make_score_step(assembly, family.score_shared), assembly.init_state().params
+  step, params = make_score_step(assembly, family.scoring.score_shared), assembly.init_state().params
   got = jax.device_get(step(params, global_rows(assembly.mesh, rows)))
   for i, ((context, continuation), lp) in enumerate(zip(pairs, log_probs)):
     assert got['logprob'][2 * i] == pytest.approx(lp[np.arange(len(continuation)), continuation].sum(), rel=1e-5), i
@@ -118,7 +118,7 @@ def test_a_context_longer_than_the_row_is_cut_from_the_left():
   assembly = assemble(config('gpt_tiny', '1 device'), jax.devices()[:1])
   params = assembly.init_state().params
   context, continuation = list(range(10, 40)), [7, 8]
-  rows = assembly.family.scoring_rows([(context, continuation)], LENGTH, pad_id=0)
+  rows = assembly.family.scoring.rows([(context, continuation)], LENGTH, pad_id=0)
   kept = (context + continuation)[-(LENGTH + 1):]
   assert rows['inputs'][0].tolist() == kept[:-1] and rows['targets'][0].tolist() == kept[1:]
   got = jax.device_get(make_score_step(assembly)(params, global_rows(assembly.mesh, rows)))
@@ -129,4 +129,4 @@ def test_a_context_longer_than_the_row_is_cut_from_the_left():
 def test_an_encoder_gives_no_continuation_scores():
   assembly = assemble(load_config('bert_tiny', ['mesh.data=1']), jax.devices()[:1])
   with pytest.raises(ConfigError, match='not a generative model'):
-    assembly.family.scoring_rows([([1, 2], [3])], LENGTH, pad_id=0)
+    scoring_of(assembly.family)

@@ -22,6 +22,7 @@ from lm.data.pipeline import global_rows
 from lm.data.tokenizers import Tokenizer
 from lm.jobs.generate import generate
 from lm.models.decode import Sampling
+from lm.models.family import scoring_of
 from lm.parallel.rules import axis_size
 from lm.train.step import make_score_step
 
@@ -46,11 +47,11 @@ class Scorer:
 
   def __init__(self, assembly: Assembly, params: Any, pad_id: int, batch_size: int, max_length: int):
     self.shards = axis_size(assembly.mesh, 'batch')
-    self.family, self.mesh, self.params, self.pad_id = assembly.family, assembly.mesh, params, pad_id
+    self.scoring, self.mesh, self.params, self.pad_id = scoring_of(assembly.family), assembly.mesh, params, pad_id
     self.rows = -(-batch_size // self.shards) * self.shards  # whole rows on every data-parallel shard
     self.max_length = max_length
     self.step = make_score_step(assembly)
-    self.shared_step = make_score_step(assembly, self.family.score_shared) if self.family.shares_contexts else None
+    self.shared_step = make_score_step(assembly, self.scoring.score_shared)
 
   def __call__(self, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
     out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
@@ -58,7 +59,7 @@ class Scorer:
     for i, (context, _) in enumerate(pairs):
       groups.setdefault(tuple(context), []).append(i)
     sharable = lambda members: self.shared_step is not None and len(members) > 1 and all(
-      self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])) <= self.max_length for i in members)
+      self.scoring.length(len(pairs[i][0]), len(pairs[i][1])) <= self.max_length for i in members)
     shared = [m for m in groups.values() if sharable(m)]
     alone = sorted(i for m in groups.values() if not sharable(m) for i in m)
     self._score_alone(pairs, alone, out)
@@ -68,7 +69,7 @@ class Scorer:
 
   def _score_alone(self, pairs: Sequence[Pair], members: list[int], out: list[tuple[float, bool]]) -> None:
     """One row per pair (the context cut from the left to fit `max_length`)."""
-    lengths = {i: bucket_length(self.family.scoring_length(len(pairs[i][0]), len(pairs[i][1])), self.max_length)
+    lengths = {i: bucket_length(self.scoring.length(len(pairs[i][0]), len(pairs[i][1])), self.max_length)
                for i in members}
     order = sorted(members, key=lambda i: -lengths[i])  # longest first: a too-long input fails early
     start = 0
@@ -77,14 +78,14 @@ class Scorer:
       chunk = [i for i in order[start:start + self.rows] if lengths[i] == length]
       start += len(chunk)
       batch = [pairs[i] for i in chunk] + [([self.pad_id], [self.pad_id])] * (self.rows - len(chunk))
-      self._collect(self.step, self.family.scoring_rows(batch, length, self.pad_id), chunk, out)
+      self._collect(self.step, self.scoring.rows(batch, length, self.pad_id), chunk, out)
 
   def _score_shared(self, pairs: Sequence[Pair], groups: list[list[int]], out: list[tuple[float, bool]]) -> None:
     """Calls of `contexts` contexts (the rows over the usual number of continuations per context, a power of
     two) and their continuations, `self.rows` of them, grouped by the contexts' padded length."""
     usual = 1 << (int(np.median([len(m) for m in groups])) - 1).bit_length()
     contexts = max(self.shards, -(-self.rows // usual // self.shards) * self.shards)
-    context_length = lambda m: bucket_length(self.family.shared_context_length(len(pairs[m[0]][0])),
+    context_length = lambda m: bucket_length(self.scoring.shared_context_length(len(pairs[m[0]][0])),
                                                self.max_length)
     groups = sorted(groups, key=lambda m: (-context_length(m), -max(len(pairs[i][1]) for i in m)))
     start = 0
@@ -99,7 +100,7 @@ class Scorer:
       for first in range(0, len(members), self.rows):  # a context with more continuations than rows: several calls
         part, owners = (list(x) for x in zip(*members[first:first + self.rows]))
         continuation = bucket_length(max(len(pairs[i][1]) for i in part), self.max_length, SHORTEST_CONTINUATION)
-        rows_batch = self.family.shared_scoring_rows(
+        rows_batch = self.scoring.shared_rows(
           [pairs[m[0]][0] for m in chunk] + [[self.pad_id]] * (contexts - len(chunk)),
           [pairs[i][1] for i in part] + [[self.pad_id]] * (self.rows - len(part)),
           owners + [0] * (self.rows - len(part)), length, continuation, self.pad_id)
