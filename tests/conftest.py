@@ -48,12 +48,9 @@ sys.path.remove(STARTUP)
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
 
 
-def one_device_env(optimized: bool = False) -> dict[str, str]:
-  """This environment for an `lm` process of its own with the host's one CPU device (this XLA otherwise);
-  `optimized` also restores XLA's default optimisation, for processes whose run time outweighs their compiles."""
+def one_device_env() -> dict[str, str]:
+  """This environment for an `lm` process of its own with the host's one CPU device, compiling as the suite does."""
   flags = os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')
-  if optimized:
-    flags = flags.replace('--xla_backend_optimization_level=0', '')
   return {**os.environ, 'XLA_FLAGS': flags.strip()}
 
 

@@ -115,7 +115,10 @@ def test_a_source_that_runs_out_says_so_once(corpus, capsys):
     assert out.count(line) == 1, out
 
 
+# Resumed under the tests' loop emitters its losses part from the straight run's by 1 ulp from step 5 (with or
+# without the compilation cache; cause not yet found: tests/README.md); XLA's default emitters resume it exactly.
 @pytest.mark.long(0.1)
+@pytest.mark.fusion_emitters
 def test_a_mixture_run_logs_each_sources_tokens_and_resumes_exactly(corpus, small_config, tmp_path):
   mix = [*corpus, 'data.weights=[a=0.5 b=0.3 c=0.2, 3 a=0.2 b=0 c=0.8]', 'train.log_every=1', 'mesh.data=-1']
   straight = small_config(*mix, 'train.steps=6', f'train.run_dir={tmp_path}/straight')
