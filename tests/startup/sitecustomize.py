@@ -64,4 +64,24 @@ def install() -> None:
     sys.meta_path.insert(0, PatchOnImport())
 
 
+def log_at_exit() -> None:
+  """With LM_TEST_PROC_LOG=FILE, this process's command line, CPU seconds (its own, not its children's, which log
+  themselves) and the test that started it, appended to FILE as a JSON line when it exits: where the suite's
+  CPU goes by process (xdist's workers, `lm` runs, TPU compiles)."""
+  log = os.environ.get('LM_TEST_PROC_LOG')
+  if not log:
+    return
+  import atexit
+  import json
+
+  def write():
+    times = os.times()
+    with open(log, 'a') as f:
+      f.write(json.dumps({'argv': sys.argv, 'cpu_s': round(times[0] + times[1], 2),
+                          'test': os.environ.get('PYTEST_CURRENT_TEST')}) + '\n')
+
+  atexit.register(write)
+
+
 install()
+log_at_exit()
