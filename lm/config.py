@@ -39,7 +39,7 @@ AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'aut
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
 Parametrization = Literal['standard', 'mup']  # mup: Yang et al. 2022 (see lm.models.parametrization)
-Source = Literal['embedded', 'text', 'jsonl', 'tfds']
+Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable at the peak, then a decay
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
@@ -221,13 +221,15 @@ MeshConfig.__module__ = __name__
 @dataclass(frozen=True)
 class DataConfig:
   """Where documents come from, how they become tokens, and how the grain pipeline reads them."""
-  source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl (local `paths`) | tfds (`name`)
-  paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each) or JSONL (a document a line)
+  source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl / parquet (local `paths`) |
+  # tfds (`name`)
+  paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each), JSONL (a document a line) or
+  # Parquet (a document a row)
   name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord)
   data_dir: str | None = None  # tfds: a local path or a gs:// URI, passed through untouched
   train_split: str = 'train'  # tfds splits
   val_split: str = 'validation'
-  text_key: str = 'text'  # the feature (tfds) or field (jsonl) holding the text
+  text_key: str = 'text'  # the feature (tfds), field (jsonl) or column (parquet) holding the text
   tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
   seq_len: int = 256
   val_fraction: float = 0.02  # held out by a hash of each document's name (seed-independent); text files too few to
@@ -237,7 +239,8 @@ class DataConfig:
   workers: int = 0  # grain worker processes packing and masking; 0: one background thread
   prefetch: int = 8  # batches buffered ahead of the train step
   # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
-  # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=tfds:DATASET:SPLIT
+  # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=parquet:GLOB[:COLUMN] |
+  # NAME=tfds:DATASET:SPLIT
   evals: tuple[str, ...] = ()
   # Training documents from several sources (as data.evals writes them; text / jsonl / embedded: their training
   # split by data.val_fraction, tfds: the split named), each packed into its own rows, rows drawn by data.weights
@@ -251,11 +254,13 @@ class HeldOutSet:
   """One entry of `data.evals`."""
   name: str
   source: Source
-  location: str = ''  # text / jsonl: a glob; tfds: the dataset with config and version
+  location: str = ''  # text / jsonl / parquet: a glob; tfds: the dataset with config and version
   split: str = ''  # tfds
+  column: str = ''  # parquet: the column holding the text ('': data.text_key)
 
 
-SOURCE_FORMS = 'NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB or NAME=tfds:DATASET:SPLIT'
+SOURCE_FORMS = ('NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB, NAME=parquet:GLOB[:COLUMN] or '
+                'NAME=tfds:DATASET:SPLIT')
 SOURCE_EXAMPLES = {'evals': 'data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]',
                    'mixture': 'data.mixture=[web=tfds:c4/en:3.1.0:train,code=text:src/**/*.py]'}
 
@@ -272,15 +277,17 @@ def named_sources(data: DataConfig, field: str) -> tuple[HeldOutSet, ...]:
   for entry in getattr(data, field):
     name, sep, spec = str(entry).partition('=')
     source, _, location = spec.partition(':')
-    split = ''
+    split = column = ''
     if source == 'tfds':
       location, _, split = location.rpartition(':')
+    if source == 'parquet':
+      location, _, column = location.partition(':')
     if (not sep or not name.replace('_', '').replace('-', '').isalnum() or source not in typing.get_args(Source)
         or (source == 'embedded') != (location == '') or (source == 'tfds' and not split.replace('_', '').isalpha())):
       raise ConfigError(f'data.{field} entry {entry!r}: write {SOURCE_FORMS}, e.g. {SOURCE_EXAMPLES[field]}')
     if any(held.name == name for held in sets):
       raise ConfigError(f'data.{field} names {name!r} twice; give each source its own name')
-    sets.append(HeldOutSet(name, source, location, split))
+    sets.append(HeldOutSet(name, source, location, split, column))
   return tuple(sets)
 
 
@@ -871,9 +878,10 @@ def _check_start_and_schedule(config: Config) -> None:
 def _check_data(config: Config) -> None:
   """The data section: sources, held-out sets, mixtures, the input pipeline."""
   d = config.data
-  if d.source in ('text', 'jsonl') and not d.paths:
+  if d.source in ('text', 'jsonl', 'parquet') and not d.paths:
+    suffix = {'text': 'txt'}.get(d.source, d.source)
     raise ConfigError(f'data.source={d.source} needs data.paths (globs of local files), e.g. '
-                      f'data.paths=[corpus/*.{"txt" if d.source == "text" else "jsonl"}]')
+                      f'data.paths=[corpus/*.{suffix}]')
   if d.source == 'tfds' and not d.name:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
   held_out_sets(d)

@@ -83,7 +83,7 @@ def test_parse_overrides_nested():
   (['mesh.data=-1', 'mesh.fsdp=-1'], 'only one of mesh.data, mesh.fsdp, mesh.sequence, mesh.tensor may be -1'),
   (['data.evals=[c4]'], "data.evals entry 'c4': write NAME=embedded, NAME=text:GLOB"),
   (['data.evals=[c4=tfds:c4/en:3.1.0]'], "data.evals entry 'c4=tfds:c4/en:3.1.0': write"),
-  (['data.evals=[c4=parquet:x]'], "data.evals entry 'c4=parquet:x': write"),
+  (['data.evals=[c4=csv:x]'], "data.evals entry 'c4=csv:x': write"),
   (['data.evals=[a=embedded, a=text:x/*.txt]'], "data.evals names 'a' twice; give each source its own name"),
   (['data.evals=[a=embedded]', 'train.eval_batches=0'], 'data.evals needs train.eval_batches > 0'),
   (['train.eval_batches=-2'], 'train.eval_batches >= -1 (-1: every held-out set whole)'),

@@ -17,6 +17,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -123,6 +125,14 @@ def user_files(cwd: Path, home: Path) -> None:
     (cwd / f'corpus/part{i % 3}/{module.stem}.txt').write_text(text)
     (cwd / f'corpus/{module.stem}.jsonl').write_text(''.join(json.dumps({'text': para}) + '\n'
                                                              for para in text.split('\n\n') if para.strip()))
+  # FineWeb's layout: Parquet files with `text` beside `id` and `url`, in row groups
+  (cwd / 'fineweb/sample/10BT').mkdir(parents=True)
+  paragraphs = [p for module in stdlib for p in module.read_text(encoding='utf-8').split('\n\n') if p.strip()]
+  for i in range(2):
+    part = paragraphs[i::2]
+    pq.write_table(pa.table({'text': part, 'id': [f'<urn:uuid:{i}-{j}>' for j in range(len(part))],
+                             'url': ['https://docs.python.org/'] * len(part)}),
+                   cwd / f'fineweb/sample/10BT/00{i}_00000.parquet', row_group_size=1000)
   (cwd / 'eval').mkdir()  # held-out code
   for name in ('json/decoder.py', 'csv.py'):
     shutil.copy(Path(sysconfig.get_paths()['stdlib']) / name, cwd / 'eval' / name.replace('/', '_'))

@@ -1,7 +1,8 @@
 """Document sources as random-access sequences of text: what grain reads records from.
 
 `data.source` picks one: the embedded corpus (Python's own docs and stdlib, no download), local
-text files (one document each), local JSONL (one document per line, under `data.text_key`), or a
+text files (one document each), local JSONL (one document per line, under `data.text_key`), local
+Parquet files (one document per row, in the `data.text_key` column: `lm.data.parquet`), or a
 TFDS dataset prepared as ArrayRecord (`tfds.data_source`, no TensorFlow at run time). Local files
 are read when a record is asked for, never all at once; the embedded corpus and local files hold
 out a fixed validation set chosen by a hash of each document's name, TFDS uses its own splits.
@@ -26,6 +27,7 @@ from typing import Literal, Protocol, Sequence
 import numpy as np
 
 from lm.config import ConfigError, DataConfig, HeldOutSet, named_sources
+from lm.data.parquet import ParquetDocuments, ParquetRows
 
 Split = Literal['train', 'validation']
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test'}
@@ -245,11 +247,26 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
         return TextFiles(paths if split == 'train' else [], cfg.max_chars)
       return TextFiles(paths, cfg.max_chars).split_tail(cfg.val_fraction, split)
     return TextFiles([p for p, v in zip(paths, held) if v == (split == 'validation')], cfg.max_chars)
+  if cfg.source == 'parquet':
+    return parquet_documents(paths, cfg.text_key, cfg.val_fraction, split)
   lines = jsonl_lines(paths)
   held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]
   if not held.count(split == 'validation'):  # the split asked for: a mixture source may hold none out
     _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
   return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key)
+
+
+def parquet_documents(paths: list[str], column: str, fraction: float, split: Split | None) -> ParquetDocuments:
+  """The rows of Parquet files in one split by `fraction` (by a hash of each row's name, as `jsonl` splits its
+  lines), or every row (`split=None`)."""
+  table = ParquetRows(paths, column)
+  if split is None:
+    return ParquetDocuments(table, np.arange(table.total))
+  held = table.name_hashes() % 10_000 < fraction * 10_000
+  rows = np.flatnonzero(held == (split == 'validation'))
+  if not len(rows):
+    _check_split(int((~held).sum()), int(held.sum()), table.total, fraction)
+  return ParquetDocuments(table, rows)
 
 
 def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
@@ -261,6 +278,8 @@ def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
   paths = _files([held.location], f'data.evals set {held.name}')
   if held.source == 'text':
     return TextFiles(paths, cfg.max_chars)
+  if held.source == 'parquet':
+    return parquet_documents(paths, held.column or cfg.text_key, 0.0, None)
   return JsonLines(paths, [(f, o) for _, f, o in jsonl_lines(paths)], cfg.text_key)
 
 
@@ -272,7 +291,8 @@ def mixture_documents(cfg: DataConfig) -> list[Documents]:
     if source.source == 'tfds':
       documents = TfdsDocuments(dataclasses.replace(cfg, name=source.location), source.split)
     else:
-      documents = open_documents(dataclasses.replace(cfg, source=source.source, paths=(source.location,)), 'train')
+      documents = open_documents(dataclasses.replace(cfg, source=source.source, paths=(source.location,),
+                                                     text_key=source.column or cfg.text_key), 'train')
     if len(documents) == 0:
       raise ConfigError(f'data.mixture source {source.name} holds no training documents; point it at data')
     out.append(documents)
