@@ -223,8 +223,8 @@ class DataConfig:
   """Where documents come from, how they become tokens, and how the grain pipeline reads them."""
   source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl / parquet (local `paths`) |
   # tfds (`name`)
-  paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each), JSONL (a document a line) or
-  # Parquet (a document a row)
+  paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each), JSONL (a document a line;
+  # .gz and .zst too) or Parquet (a document a row)
   name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord)
   data_dir: str | None = None  # tfds: a local path or a gs:// URI, passed through untouched
   train_split: str = 'train'  # tfds splits
@@ -640,6 +640,12 @@ def inference_mesh(mesh: dict, overrides: list[str] | tuple[str, ...] = ()) -> d
   if 'data' not in values and -1 not in (mesh.get('fsdp'), mesh.get('tensor')):
     mesh['data'] = -1
   return mesh
+
+
+def cache_dir() -> Path:
+  """Where lm keeps what it can rebuild (the harness's task index, decompressed corpora): $LM_CACHE_DIR, else
+  ~/.cache/lm."""
+  return Path(os.environ.get('LM_CACHE_DIR') or Path.home() / '.cache' / 'lm')
 
 
 def expand_path(value: str) -> str:

@@ -8,6 +8,7 @@ on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reas
 and checks (a minute of compiling each, not repeated here) is in ELSEWHERE with that test's name; each entry
 must still match a README command, so no list outlives the README.
 """
+import gzip
 import json
 import os
 import re
@@ -133,6 +134,12 @@ def user_files(cwd: Path, home: Path) -> None:
     pq.write_table(pa.table({'text': part, 'id': [f'<urn:uuid:{i}-{j}>' for j in range(len(part))],
                              'url': ['https://docs.python.org/'] * len(part)}),
                    cwd / f'fineweb/sample/10BT/00{i}_00000.parquet', row_group_size=1000)
+  # Dolma's layout: gzip-compressed JSON lines with `id`, `text`, `source` and `metadata`
+  (cwd / 'dolma/v1_7').mkdir(parents=True)
+  for i in range(2):
+    lines = [json.dumps({'id': f'{i}-{j}', 'text': p, 'source': 'stdlib', 'metadata': {}})
+             for j, p in enumerate(paragraphs[i::2])]
+    (cwd / f'dolma/v1_7/stdlib-000{i}.json.gz').write_bytes(gzip.compress('\n'.join(lines).encode() + b'\n'))
   (cwd / 'eval').mkdir()  # held-out code
   for name in ('json/decoder.py', 'csv.py'):
     shutil.copy(Path(sysconfig.get_paths()['stdlib']) / name, cwd / 'eval' / name.replace('/', '_'))

@@ -1,11 +1,11 @@
 """Document sources as random-access sequences of text: what grain reads records from.
 
-`data.source` picks one: the embedded corpus (Python's own docs and stdlib, no download), local
-text files (one document each), local JSONL (one document per line, under `data.text_key`), local
-Parquet files (one document per row, in the `data.text_key` column: `lm.data.parquet`), or a
-TFDS dataset prepared as ArrayRecord (`tfds.data_source`, no TensorFlow at run time). Local files
-are read when a record is asked for, never all at once; the embedded corpus and local files hold
-out a fixed validation set chosen by a hash of each document's name, TFDS uses its own splits.
+`data.source` picks one: the embedded corpus (Python's own docs and stdlib, no download), local text files (one
+document each), local JSONL (one document per line, under `data.text_key`; gzip or zstd compressed:
+`lm.data.compressed`), local Parquet files (one document per row, in the `data.text_key` column:
+`lm.data.parquet`), or a TFDS dataset prepared as ArrayRecord (`tfds.data_source`, no TensorFlow at run time).
+Local files are read when a record is asked for, never all at once; the embedded corpus and local files hold out a
+fixed validation set chosen by a hash of each document's name, TFDS uses its own splits.
 
 The embedded corpus and text files are cut at line breaks into records of at most
 `data.max_chars` characters (a stdlib module would otherwise fill hundreds of consecutive rows and
@@ -27,6 +27,7 @@ from typing import Literal, Protocol, Sequence
 import numpy as np
 
 from lm.config import ConfigError, DataConfig, HeldOutSet, named_sources
+from lm.data.compressed import seekable
 from lm.data.parquet import ParquetDocuments, ParquetRows
 
 Split = Literal['train', 'validation']
@@ -159,13 +160,15 @@ class TextFiles:
 
 
 class JsonLines:
-  """One JSON object per line of local files; the document is its `text_key` field, read when asked for.
+  """One JSON object per line of local files (plain, or gzip / zstd: `lm.data.compressed`); the document is its
+  `text_key` field, read when asked for.
 
   Only the byte offset of each line is kept (8 bytes a document), so memory stays flat as files grow.
   """
 
   def __init__(self, paths: list[str], lines: list[tuple[int, int]], text_key: str):
     self.paths, self.text_key = paths, text_key
+    self.files = [seekable(p) for p in paths]
     self.file = np.array([f for f, _ in lines], np.int32)
     self.offset = np.array([o for _, o in lines], np.int64)
 
@@ -173,26 +176,34 @@ class JsonLines:
     return len(self.offset)
 
   def __getitem__(self, index: int) -> str:
-    path = self.paths[self.file[index]]
-    with open(path, 'rb') as f:
-      f.seek(self.offset[index])
-      line = f.readline()
+    f, offset = self.file[index], self.offset[index]
+    with open(self.files[f], 'rb') as handle:
+      handle.seek(offset)
+      line = handle.readline()
     try:
       record = json.loads(line)
+    except UnicodeDecodeError:
+      raise ConfigError(f'{self._where(f, offset)} is not UTF-8; fix or drop the line') from None
     except json.JSONDecodeError as e:
-      raise ConfigError(f'{path}: a line at byte {self.offset[index]} is not JSON ({e.msg})') from None
+      raise ConfigError(f'{self._where(f, offset)} is not JSON ({e.msg}); fix or drop the line') from None
     if not isinstance(record, dict) or self.text_key not in record:
       keys = ', '.join(record) if isinstance(record, dict) else type(record).__name__
-      raise ConfigError(f'{path}: a record at byte {self.offset[index]} has no {self.text_key!r} field '
-                        f'(it has: {keys}); set data.text_key')
+      raise ConfigError(f'{self._where(f, offset)} has no {self.text_key!r} field (it has: {keys}); '
+                        f'set data.text_key')
     return str(record[self.text_key])
+
+  def _where(self, f: int, offset: int) -> str:
+    """`PATH line N` of the line at `offset` (its decompressed stream's, for a compressed file)."""
+    with open(self.files[f], 'rb') as handle:
+      line = handle.read(offset).count(b'\n') + 1
+    return f'{self.paths[f]} line {line}'
 
 
 def jsonl_lines(paths: list[str]) -> list[tuple[str, int, int]]:
-  """(name, file index, byte offset) of every non-empty line."""
+  """(name, file index, byte offset) of every non-empty line (of the decompressed stream of a compressed file)."""
   out = []
   for f, path in enumerate(paths):
-    with open(path, 'rb') as handle:
+    with open(seekable(path), 'rb') as handle:
       offset = 0
       for n, line in enumerate(handle):
         if line.strip():

@@ -20,16 +20,11 @@ import yaml
 from lm_eval.tasks import TaskManager, manager
 from lm_eval.tasks._index import Entry, Kind, TaskIndex
 
-from lm.config import ConfigError
+from lm.config import ConfigError, cache_dir
 from lm.jobs.evals.releases import RELEASES, convert_release, release_files, task_folder
 from lm.jobs.evals.tfds_tasks import convert_tfds
 
 SPLITS = ('training_split', 'validation_split', 'test_split', 'fewshot_split')
-
-
-def cache_dir() -> Path:
-  """Where lm keeps what it can rebuild: $LM_CACHE_DIR, else ~/.cache/lm."""
-  return Path(os.environ.get('LM_CACHE_DIR') or Path.home() / '.cache' / 'lm')
 
 
 def index_file() -> Path:
