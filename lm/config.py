@@ -39,7 +39,7 @@ AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'aut
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
 Parametrization = Literal['standard', 'mup']  # mup: Yang et al. 2022 (see lm.models.parametrization)
-Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'tfds']
+Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'hf', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable at the peak, then a decay
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
@@ -222,14 +222,15 @@ MeshConfig.__module__ = __name__
 class DataConfig:
   """Where documents come from, how they become tokens, and how the grain pipeline reads them."""
   source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl / parquet (local `paths`) |
-  # tfds (`name`)
+  # tfds (`name`) | hf (`name`: a local folder save_to_disk wrote, or of data files)
   paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each), JSONL (a document a line;
   # .gz and .zst too) or Parquet (a document a row)
-  name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord)
+  name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord); hf:
+  # the dataset's folder
   data_dir: str | None = None  # tfds: a local path or a gs:// URI, passed through untouched
-  train_split: str = 'train'  # tfds splits
+  train_split: str = 'train'  # tfds splits, and an hf DatasetDict's (a single hf Dataset splits by val_fraction)
   val_split: str = 'validation'
-  text_key: str = 'text'  # the feature (tfds), field (jsonl) or column (parquet) holding the text
+  text_key: str = 'text'  # the feature (tfds), field (jsonl) or column (parquet, hf) holding the text
   tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
   seq_len: int = 256
   val_fraction: float = 0.02  # held out by a hash of each document's name (seed-independent); text files too few to
@@ -240,7 +241,7 @@ class DataConfig:
   prefetch: int = 8  # batches buffered ahead of the train step
   # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
   # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=parquet:GLOB[:COLUMN] |
-  # NAME=tfds:DATASET:SPLIT
+  # NAME=hf:PATH[:SPLIT] | NAME=tfds:DATASET:SPLIT
   evals: tuple[str, ...] = ()
   # Training documents from several sources (as data.evals writes them; text / jsonl / embedded: their training
   # split by data.val_fraction, tfds: the split named), each packed into its own rows, rows drawn by data.weights
@@ -254,13 +255,13 @@ class HeldOutSet:
   """One entry of `data.evals`."""
   name: str
   source: Source
-  location: str = ''  # text / jsonl / parquet: a glob; tfds: the dataset with config and version
-  split: str = ''  # tfds
+  location: str = ''  # text / jsonl / parquet: a glob; tfds: the dataset with config and version; hf: its folder
+  split: str = ''  # tfds; hf (optional)
   column: str = ''  # parquet: the column holding the text ('': data.text_key)
 
 
-SOURCE_FORMS = ('NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB, NAME=parquet:GLOB[:COLUMN] or '
-                'NAME=tfds:DATASET:SPLIT')
+SOURCE_FORMS = ('NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB, NAME=parquet:GLOB[:COLUMN], NAME=hf:PATH[:SPLIT] '
+                'or NAME=tfds:DATASET:SPLIT')
 SOURCE_EXAMPLES = {'evals': 'data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]',
                    'mixture': 'data.mixture=[web=tfds:c4/en:3.1.0:train,code=text:src/**/*.py]'}
 
@@ -282,6 +283,8 @@ def named_sources(data: DataConfig, field: str) -> tuple[HeldOutSet, ...]:
       location, _, split = location.rpartition(':')
     if source == 'parquet':
       location, _, column = location.partition(':')
+    if source == 'hf':
+      location, _, split = location.partition(':')
     if (not sep or not name.replace('_', '').replace('-', '').isalnum() or source not in typing.get_args(Source)
         or (source == 'embedded') != (location == '') or (source == 'tfds' and not split.replace('_', '').isalpha())):
       raise ConfigError(f'data.{field} entry {entry!r}: write {SOURCE_FORMS}, e.g. {SOURCE_EXAMPLES[field]}')
@@ -584,7 +587,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
 
 
 # Path-valued fields: `~` and $VARS expand as a shell would (it does not after `key=`); URIs stay as written.
-PATH_FIELDS = ('data.data_dir', 'data.paths', 'data.tokenizer', 'train.run_dir', 'train.init_from',
+PATH_FIELDS = ('data.data_dir', 'data.name', 'data.paths', 'data.tokenizer', 'train.run_dir', 'train.init_from',
                'train.branch_from', 'train.harness.data_dir')
 
 # Earlier spellings of grouped fields -> where they live now: presets, overrides and the config.yaml of run dirs
@@ -890,6 +893,9 @@ def _check_data(config: Config) -> None:
                       f'data.paths=[corpus/*.{suffix}]')
   if d.source == 'tfds' and not d.name:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
+  if d.source == 'hf' and not d.name:
+    raise ConfigError('data.source=hf needs data.name, the dataset\'s folder (save_to_disk\'s, or of data files), '
+                      'e.g. data.name=~/datasets/fineweb_sample')
   held_out_sets(d)
   if bool(d.mixture) != bool(d.weights):
     raise ConfigError('data.mixture and data.weights go together: the sources, then their shares of training '

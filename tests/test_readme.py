@@ -18,6 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -140,6 +141,9 @@ def user_files(cwd: Path, home: Path) -> None:
     lines = [json.dumps({'id': f'{i}-{j}', 'text': p, 'source': 'stdlib', 'metadata': {}})
              for j, p in enumerate(paragraphs[i::2])]
     (cwd / f'dolma/v1_7/stdlib-000{i}.json.gz').write_bytes(gzip.compress('\n'.join(lines).encode() + b'\n'))
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': paragraphs[:-100]}),
+                        'validation': datasets.Dataset.from_dict({'text': paragraphs[-100:]})}
+                       ).save_to_disk(cwd / 'datasets/my_dataset')
   (cwd / 'eval').mkdir()  # held-out code
   for name in ('json/decoder.py', 'csv.py'):
     shutil.copy(Path(sysconfig.get_paths()['stdlib']) / name, cwd / 'eval' / name.replace('/', '_'))

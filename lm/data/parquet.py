@@ -8,7 +8,6 @@ so documents of one group read together cost one decode.
 from __future__ import annotations
 
 import collections
-import zlib
 
 import numpy as np
 
@@ -53,15 +52,6 @@ class ParquetRows:
     self.group_index = np.array(group_index, np.int32)
     self.file_starts = np.array(file_starts + [total], np.int64)
     self.total = total
-
-  def name_hashes(self) -> np.ndarray:
-    """crc32 of each row's name `PATH:ROW` (ROW counted within its file), as `is_validation` hashes a name."""
-    out = np.empty(self.total, np.uint32)
-    for f, path in enumerate(self.paths):
-      prefix = zlib.crc32(f'{path}:'.encode('utf-8'))
-      start, end = self.file_starts[f], self.file_starts[f + 1]
-      out[start:end] = [zlib.crc32(str(i).encode(), prefix) for i in range(int(end - start))]
-    return out
 
 
 class ParquetDocuments:

@@ -28,6 +28,7 @@ import numpy as np
 
 from lm.config import ConfigError, DataConfig, HeldOutSet, named_sources
 from lm.data.compressed import seekable
+from lm.data.hf_datasets import HfDocuments, load, split_of
 from lm.data.parquet import ParquetDocuments, ParquetRows
 
 Split = Literal['train', 'validation']
@@ -76,6 +77,14 @@ def split_documents(docs: list[tuple[str, str]], val_fraction: float
   val = [d for d in docs if is_validation(d[0], val_fraction)]
   _check_split(len(train), len(val), len(docs), val_fraction)
   return train, val
+
+
+def held_by_name(prefix: str, count: int, fraction: float) -> np.ndarray:
+  """`is_validation` of the names PREFIX + '0', PREFIX + '1', ... (rows of a file or dataset), each hash running on
+  from the prefix's."""
+  start = zlib.crc32(prefix.encode('utf-8'))
+  hashes = np.fromiter((zlib.crc32(str(i).encode(), start) for i in range(count)), np.uint32, count)
+  return hashes % 10_000 < fraction * 10_000
 
 
 def _check_split(train: int, val: int, total: int, fraction: float) -> None:
@@ -246,6 +255,8 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
   """The documents of one split of the configured source."""
   if cfg.source == 'tfds':
     return TfdsDocuments(cfg, cfg.train_split if split == 'train' else cfg.val_split)
+  if cfg.source == 'hf':
+    return hf_documents(cfg.name, cfg, split)
   if cfg.source == 'embedded':
     train, val = split_documents(embedded_documents(), cfg.val_fraction)
     return TextList([text[a:b] for _, text in (train if split == 'train' else val)
@@ -273,11 +284,30 @@ def parquet_documents(paths: list[str], column: str, fraction: float, split: Spl
   table = ParquetRows(paths, column)
   if split is None:
     return ParquetDocuments(table, np.arange(table.total))
-  held = table.name_hashes() % 10_000 < fraction * 10_000
+  held = np.concatenate([held_by_name(f'{path}:', int(end - start), fraction)
+                         for path, start, end in zip(paths, table.file_starts, table.file_starts[1:])])
   rows = np.flatnonzero(held == (split == 'validation'))
   if not len(rows):
     _check_split(int((~held).sum()), int(held.sum()), table.total, fraction)
   return ParquetDocuments(table, rows)
+
+
+def hf_documents(path: str, cfg: DataConfig, split: Split | None, named: str = '', where: str = '') -> HfDocuments:
+  """A local Hugging Face dataset's documents (`data.text_key`): its split `named`; else a DatasetDict's
+  data.train_split or data.val_split; else a single Dataset's `split` by data.val_fraction (None: every row)."""
+  where = where or f'data.name={path}'
+  loaded = load(path, where)
+  if named or isinstance(loaded, dict):  # a DatasetDict is a dict of splits
+    dataset = split_of(loaded, named or (cfg.train_split if split == 'train' else cfg.val_split), path, where)
+    return HfDocuments(dataset, cfg.text_key, np.arange(len(dataset)), where)
+  dataset = split_of(loaded, None, path, where)
+  if split is None:
+    return HfDocuments(dataset, cfg.text_key, np.arange(len(dataset)), where)
+  held = held_by_name(f'{path}:', len(dataset), cfg.val_fraction)
+  rows = np.flatnonzero(held == (split == 'validation'))
+  if not len(rows):
+    _check_split(int((~held).sum()), int(held.sum()), len(dataset), cfg.val_fraction)
+  return HfDocuments(dataset, cfg.text_key, rows, where)
 
 
 def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
@@ -286,6 +316,8 @@ def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
     return TfdsDocuments(dataclasses.replace(cfg, name=held.location), held.split)
   if held.source == 'embedded':
     return open_documents(dataclasses.replace(cfg, source='embedded'), 'validation')
+  if held.source == 'hf':
+    return hf_documents(held.location, cfg, None, held.split, f'data.evals set {held.name}')
   paths = _files([held.location], f'data.evals set {held.name}')
   if held.source == 'text':
     return TextFiles(paths, cfg.max_chars)
@@ -301,6 +333,8 @@ def mixture_documents(cfg: DataConfig) -> list[Documents]:
   for source in named_sources(cfg, 'mixture'):
     if source.source == 'tfds':
       documents = TfdsDocuments(dataclasses.replace(cfg, name=source.location), source.split)
+    elif source.source == 'hf':
+      documents = hf_documents(source.location, cfg, 'train', source.split, f'data.mixture source {source.name}')
     else:
       documents = open_documents(dataclasses.replace(cfg, source=source.source, paths=(source.location,),
                                                      text_key=source.column or cfg.text_key), 'train')
