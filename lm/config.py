@@ -231,6 +231,8 @@ class DataConfig:
   train_split: str = 'train'  # tfds splits, and an hf DatasetDict's (a single hf Dataset splits by val_fraction)
   val_split: str = 'validation'
   text_key: str = 'text'  # the feature (tfds), field (jsonl) or column (parquet, hf) holding the text
+  skip_bad_records: bool = False  # jsonl: a line that is not JSON or UTF-8, or lacks text_key, is skipped and logged
+  # (with a count) instead of stopping the run
   tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
   seq_len: int = 256
   val_fraction: float = 0.02  # held out by a hash of each document's name (seed-independent); text files too few to

@@ -8,11 +8,11 @@ from lm.config import Config
 
 
 def data_config(args: argparse.Namespace) -> Config:
-  """The config's data section, or local files named by --from (JSONL when every glob ends in .jsonl)."""
+  """The config's data section, or local files named by --from (JSON lines, Parquet or text by their endings)."""
+  from lm.data.sources import files_source
   extra = []
   if args.source_globs:
-    kind = 'jsonl' if all(g.endswith('.jsonl') for g in args.source_globs) else 'text'
-    extra = [f'data.source={kind}', f'data.paths=[{",".join(args.source_globs)}]']
+    extra = [f'data.source={files_source(args.source_globs)}', f'data.paths=[{",".join(args.source_globs)}]']
   return checked_config(args, extra)
 
 
@@ -22,7 +22,8 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
   documents = open_documents(data_config(args).data, 'train')
   print(f'training a {args.model_type} SentencePiece model of {args.vocab_size:,} pieces on {len(documents):,} '
         f'documents (at most {args.max_lines:,} lines)', flush=True)
-  path = train_sentencepiece((documents[i] for i in range(len(documents))), args.out, vocab_size=args.vocab_size,
+  texts = (text for i in range(len(documents)) if (text := documents[i]) is not None)  # bad records skipped
+  path = train_sentencepiece(texts, args.out, vocab_size=args.vocab_size,
                              model_type=args.model_type, sentinels=args.sentinels, max_lines=args.max_lines,
                              report=lambda message: print(message, flush=True))
   print(f'wrote {path}; use it with data.tokenizer=sentencepiece:{path}', flush=True)
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
   train_tok = tokenizer.add_parser('train', help='train a SentencePiece model on a data source')
   add_config(train_tok)
   train_tok.add_argument('--from', dest='source_globs', nargs='+', metavar='GLOB',
-                         help='local text or JSONL files instead of the config\'s data source')
+                         help='local text, JSON-lines (.gz, .zst) or Parquet files, not the config\'s data source')
   train_tok.add_argument('--vocab-size', type=int, required=True)
   train_tok.add_argument('--model-type', choices=('unigram', 'bpe'), default='unigram')
   train_tok.add_argument('--sentinels', type=int, default=0, help='add T5\'s <extra_id_0> ... <extra_id_{N-1}>')
@@ -52,11 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
   train_tok.set_defaults(fn=cmd_tokenizer_train)
 
   data = sub.add_parser('data', help='datasets').add_subparsers(dest='action', required=True)
-  build = data.add_parser('build', help='local JSONL or text files -> a TFDS dataset (ArrayRecord)')
+  build = data.add_parser('build', help='local JSON-lines, Parquet or text files -> a TFDS dataset (ArrayRecord)')
   build.add_argument('--name', required=True, help='dataset name, lower snake_case')
   build.add_argument('--from', dest='source_globs', nargs='+', required=True, metavar='GLOB')
   build.add_argument('--data-dir', required=True, help='TFDS data directory (a local path or gs:// URI)')
-  build.add_argument('--text-key', default='text', help='JSONL field holding the text')
+  build.add_argument('--text-key', default='text', help='the JSON field or Parquet column holding the text')
   build.add_argument('--val-fraction', type=float, default=0.02)
   build.add_argument('--max-chars', type=int, default=2048, help='text files are cut into records of this size')
   build.set_defaults(fn=cmd_data_build)

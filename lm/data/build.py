@@ -1,4 +1,5 @@
-"""`lm data build`: local JSONL or text files -> a TFDS dataset in ArrayRecord format (train and validation).
+"""`lm data build`: local JSON-lines, Parquet or text files -> a TFDS dataset in ArrayRecord format (train and
+validation).
 
 The result reads like any prepared TFDS dataset (`data.source=tfds data.name=NAME data.data_dir=DIR`),
 so a user's own corpus trains exactly like C4. Records are the documents as the local sources
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from lm.config import ConfigError, DataConfig
-from lm.data.sources import Documents, open_documents
+from lm.data.sources import Documents, files_source, open_documents
 
 
 def build_tfds(name: str, patterns: Sequence[str], data_dir: str, *, text_key: str = 'text',
@@ -22,9 +23,8 @@ def build_tfds(name: str, patterns: Sequence[str], data_dir: str, *, text_key: s
   if not re.fullmatch(r'[a-z][a-z0-9_]*', name):
     raise ConfigError(f'--name {name!r}: a TFDS name is lower snake_case (letters, digits, _), e.g. my_corpus')
   if not patterns:
-    raise ConfigError('lm data build needs --from GLOB (JSONL or text files)')
-  source = 'jsonl' if all(p.endswith(('.jsonl', '.json')) for p in patterns) else 'text'
-  cfg = DataConfig(source=source, paths=tuple(patterns), text_key=text_key, val_fraction=val_fraction,
+    raise ConfigError('lm data build needs --from GLOB (JSON lines, Parquet or text files)')
+  cfg = DataConfig(source=files_source(patterns), paths=tuple(patterns), text_key=text_key, val_fraction=val_fraction,
                    max_chars=max_chars)
   target = Path(data_dir) / name / '1.0.0'
   if '://' not in data_dir and target.exists():
@@ -45,7 +45,8 @@ def build_tfds(name: str, patterns: Sequence[str], data_dir: str, *, text_key: s
 
       def _generate_examples(self, documents: Documents) -> Iterator[tuple[int, dict[str, Any]]]:
         for i in range(len(documents)):
-          yield i, {'text': documents[i]}
+          if (text := documents[i]) is not None:
+            yield i, {'text': text}
 
     builder_class = type(''.join(part.title() for part in name.split('_')), (LocalText,), {'name': name})
   builder_class(data_dir=data_dir, file_format='array_record').download_and_prepare()

@@ -101,6 +101,11 @@ class _Tokenize:
     return out
 
 
+def _readable(record: tuple[int, str | None]) -> bool:
+  """False for a bad record its source skipped (data.skip_bad_records)."""
+  return record[1] is not None
+
+
 def _full_row(row: dict[str, np.ndarray]) -> bool:
   """False only for the padded last row of a finite split."""
   return bool(row['tokens_segment_ids'][-1] != 0)
@@ -227,7 +232,7 @@ def batch_dataset(documents: Documents | Sequence[Documents], tokenizer: Tokeniz
   lengths = {key: objective.row_len for key in ('tokens', 'record', 'offset', *(('bytes',) if evaluation else ()))}
 
   def source_rows(documents: Documents, stream: int, source: int, name: str) -> grain.IterDataset:
-    ds = records(documents, shuffle_seed, stream, total, source, name).map(tokenize)
+    ds = records(documents, shuffle_seed, stream, total, source, name).filter(_readable).map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
     return _PadForever(ds) if evaluation else ds.filter(_full_row)

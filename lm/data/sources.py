@@ -36,11 +36,12 @@ _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 
 
 
 class Documents(Protocol):
-  """grain's RandomAccessDataSource: `len` and the text of record `i`."""
+  """grain's RandomAccessDataSource: `len` and the text of record `i` (None: a bad record skipped, which readers
+  leave out)."""
 
   def __len__(self) -> int: ...
 
-  def __getitem__(self, index: int) -> str: ...
+  def __getitem__(self, index: int) -> str | None: ...
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,6 +65,16 @@ def embedded_documents() -> list[tuple[str, str]]:
   if not docs:
     raise ConfigError(f'no embedded corpus found under {root}; use data.source=text with data.paths')
   return docs
+
+
+JSONL_SUFFIXES = ('.jsonl', '.json', '.jsonl.gz', '.json.gz', '.jsonl.zst', '.json.zst')
+
+
+def files_source(patterns: Sequence[str]) -> str:
+  """The `data.source` of local files by their globs' endings: jsonl (plain or compressed), parquet, else text."""
+  if all(p.endswith(JSONL_SUFFIXES) for p in patterns):
+    return 'jsonl'
+  return 'parquet' if all(p.endswith('.parquet') for p in patterns) else 'text'
 
 
 def is_validation(name: str, fraction: float) -> bool:
@@ -175,8 +186,8 @@ class JsonLines:
   Only the byte offset of each line is kept (8 bytes a document), so memory stays flat as files grow.
   """
 
-  def __init__(self, paths: list[str], lines: list[tuple[int, int]], text_key: str):
-    self.paths, self.text_key = paths, text_key
+  def __init__(self, paths: list[str], lines: list[tuple[int, int]], text_key: str, skip_bad: bool = False):
+    self.paths, self.text_key, self.skip_bad, self.skipped = paths, text_key, skip_bad, 0
     self.files = [seekable(p) for p in paths]
     self.file = np.array([f for f, _ in lines], np.int32)
     self.offset = np.array([o for _, o in lines], np.int64)
@@ -184,7 +195,8 @@ class JsonLines:
   def __len__(self) -> int:
     return len(self.offset)
 
-  def __getitem__(self, index: int) -> str:
+  def __getitem__(self, index: int) -> str | None:
+    """The document; None for a bad line when skipping them (data.skip_bad_records), else a ConfigError."""
     f, offset = self.file[index], self.offset[index]
     with open(self.files[f], 'rb') as handle:
       handle.seek(offset)
@@ -192,14 +204,20 @@ class JsonLines:
     try:
       record = json.loads(line)
     except UnicodeDecodeError:
-      raise ConfigError(f'{self._where(f, offset)} is not UTF-8; fix or drop the line') from None
+      return self._bad(f, offset, 'is not UTF-8', 'fix or drop the line')
     except json.JSONDecodeError as e:
-      raise ConfigError(f'{self._where(f, offset)} is not JSON ({e.msg}); fix or drop the line') from None
+      return self._bad(f, offset, f'is not JSON ({e.msg})', 'fix or drop the line')
     if not isinstance(record, dict) or self.text_key not in record:
       keys = ', '.join(record) if isinstance(record, dict) else type(record).__name__
-      raise ConfigError(f'{self._where(f, offset)} has no {self.text_key!r} field (it has: {keys}); '
-                        f'set data.text_key')
+      return self._bad(f, offset, f'has no {self.text_key!r} field (it has: {keys})', 'set data.text_key')
     return str(record[self.text_key])
+
+  def _bad(self, f: int, offset: int, problem: str, fix: str) -> None:
+    where = self._where(f, offset)
+    if not self.skip_bad:
+      raise ConfigError(f'{where} {problem}; {fix}, or set data.skip_bad_records=true to skip such lines')
+    self.skipped += 1
+    print(f'data: skipped {where}: it {problem} ({self.skipped:,} bad records skipped by this reader)', flush=True)
 
   def _where(self, f: int, offset: int) -> str:
     """`PATH line N` of the line at `offset` (its decompressed stream's, for a compressed file)."""
@@ -275,7 +293,8 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
   held = [is_validation(name, cfg.val_fraction) for name, _, _ in lines]
   if not held.count(split == 'validation'):  # the split asked for: a mixture source may hold none out
     _check_split(held.count(False), held.count(True), len(lines), cfg.val_fraction)
-  return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key)
+  return JsonLines(paths, [(f, o) for (_, f, o), v in zip(lines, held) if v == (split == 'validation')], cfg.text_key,
+                   cfg.skip_bad_records)
 
 
 def parquet_documents(paths: list[str], column: str, fraction: float, split: Split | None) -> ParquetDocuments:
@@ -323,7 +342,7 @@ def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
     return TextFiles(paths, cfg.max_chars)
   if held.source == 'parquet':
     return parquet_documents(paths, held.column or cfg.text_key, 0.0, None)
-  return JsonLines(paths, [(f, o) for _, f, o in jsonl_lines(paths)], cfg.text_key)
+  return JsonLines(paths, [(f, o) for _, f, o in jsonl_lines(paths)], cfg.text_key, cfg.skip_bad_records)
 
 
 def mixture_documents(cfg: DataConfig) -> list[Documents]:

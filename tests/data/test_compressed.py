@@ -2,6 +2,7 @@
 zstandard read back as the documents written, in order, and train on the batches of the same plain `.jsonl`; each
 file is decompressed once; a damaged stream or a bad line is one line naming the file (and line)."""
 import gzip
+import re
 import json
 from functools import partial
 
@@ -12,7 +13,7 @@ import zstandard
 
 from lm.config import ConfigError, load_config
 from lm.data.pipeline import training_batches
-from lm.data.sources import embedded_documents, open_documents
+from lm.data.sources import embedded_documents, files_source, open_documents
 from lm.models import make_objective
 from lm.parallel.mesh import make_mesh
 
@@ -102,3 +103,34 @@ def test_a_bad_line_names_the_file_and_line(tmp_path, line, message):
   assert found[0] == 'a' and found[2] == 'b'
   with pytest.raises(ConfigError, match=rf'bad.jsonl.gz {message}'):
     found[1]
+
+
+def test_skipped_bad_lines_are_counted_and_never_trained_on(tmp_path, capfd):
+  """data.skip_bad_records=true: a line that is not JSON, not UTF-8 or has no text field is logged with a count
+  and left out of the batches; every good line is read."""
+  good = [f'good document number {i} ' * 3 for i in range(40)]
+  bad = [b'{"text": "BAD BAD', b'{"text": "\xff BAD"}', b'{"body": "BAD"}']
+  lines = [json.dumps({'text': g}).encode() for g in good]
+  for i, line in enumerate(bad):
+    lines.insert(10 * i + 5, line)
+  (tmp_path / 'mixed.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(b'\n'.join(lines) + b'\n'))
+  config = load_config('gpt_tiny', TINY + ['data.source=jsonl', f'data.paths=[{tmp_path}/mixed.jsonl.zst]',
+                                           'data.skip_bad_records=true', 'train.global_batch=4', 'data.streams=1'])
+  tokenizer, found = training_batches(config, make_mesh(config.mesh, jax.devices()[:1]),
+                                      partial(make_objective, config))
+  text = ''.join(tokenizer.decode([int(t) for t in row if t < 256]) for _ in range(40)
+                 for row in np.asarray(next(found)['inputs']))
+  assert 'BAD' not in text
+  assert all(f'number {i} ' in text for i in range(len(good)))  # rows cut documents: a whole repeat of each survives
+  out = capfd.readouterr().out
+  assert set(re.findall(r'mixed.jsonl.zst line (\d+): it ', out)) == {'6', '16', '26'}  # each epoch skips them again
+  counts = [int(n) for n in re.findall(r'\((\d+) bad records skipped by this reader\)', out)]
+  assert counts == list(range(1, len(counts) + 1)) and len(counts) == out.count('data: skipped ') >= 3
+  assert re.search(r'mixed.jsonl.zst line 16: it is not UTF-8 \(', out)
+
+
+def test_local_files_are_read_by_their_endings():
+  """`lm data build --from` and `lm tokenizer train --from` pick the source so."""
+  assert files_source(['dolma/*.json.gz', 'dclm/*.jsonl.zst', 'a.jsonl']) == 'jsonl'
+  assert files_source(['fineweb/*.parquet']) == 'parquet'
+  assert files_source(['corpus/**/*.txt']) == files_source(['a.jsonl', 'b.parquet']) == 'text'
