@@ -273,27 +273,58 @@ def held_out_sets(data: DataConfig) -> tuple[HeldOutSet, ...]:
   return named_sources(data, 'evals')
 
 
+def parse_source(spec: str, name: str = '') -> HeldOutSet | None:
+  """`KIND:LOCATION[:PART]` as a named source writes it (SOURCE_FORMS), or None when it is malformed."""
+  source, _, location = spec.partition(':')
+  split = column = ''
+  if source == 'tfds':
+    location, _, split = location.rpartition(':')
+  if source == 'parquet':
+    location, _, column = location.partition(':')
+  if source == 'hf':
+    location, _, split = location.partition(':')
+  if (source not in typing.get_args(Source) or (source == 'embedded') != (location == '')
+          or (source == 'tfds' and not split.replace('_', '').isalpha())):
+    return None
+  return HeldOutSet(name, source, location, split, column)
+
+
 def named_sources(data: DataConfig, field: str) -> tuple[HeldOutSet, ...]:
   """`data.evals` or `data.mixture` parsed; a ConfigError naming the entry when one is malformed or a name
   repeats."""
   sets: list[HeldOutSet] = []
   for entry in getattr(data, field):
     name, sep, spec = str(entry).partition('=')
-    source, _, location = spec.partition(':')
-    split = column = ''
-    if source == 'tfds':
-      location, _, split = location.rpartition(':')
-    if source == 'parquet':
-      location, _, column = location.partition(':')
-    if source == 'hf':
-      location, _, split = location.partition(':')
-    if (not sep or not name.replace('_', '').replace('-', '').isalnum() or source not in typing.get_args(Source)
-        or (source == 'embedded') != (location == '') or (source == 'tfds' and not split.replace('_', '').isalpha())):
+    held = parse_source(spec, name)
+    if not sep or not name.replace('_', '').replace('-', '').isalnum() or held is None:
       raise ConfigError(f'data.{field} entry {entry!r}: write {SOURCE_FORMS}, e.g. {SOURCE_EXAMPLES[field]}')
-    if any(held.name == name for held in sets):
+    if any(other.name == name for other in sets):
       raise ConfigError(f'data.{field} names {name!r} twice; give each source its own name')
-    sets.append(HeldOutSet(name, source, location, split, column))
+    sets.append(held)
   return tuple(sets)
+
+
+def _source_spec(values: dict) -> dict:
+  """`data.source` written as a named source's spec (`parquet:GLOB[:COLUMN]`, `jsonl:GLOB`, `text:GLOB`,
+  `hf:PATH[:SPLIT]`) -> the fields it stands for."""
+  data = values.get('data')
+  spec = data.get('source') if isinstance(data, dict) else None
+  if not isinstance(spec, str) or ':' not in spec:
+    return values
+  held = parse_source(spec)
+  if held is None or held.source == 'tfds':
+    raise ConfigError(f'data.source={spec}: write text:GLOB, jsonl:GLOB, parquet:GLOB[:COLUMN] or hf:PATH[:SPLIT] '
+                      f'(a TFDS dataset: data.source=tfds data.name=DATASET)')
+  field = 'name' if held.source == 'hf' else 'paths'
+  if data.get(field):
+    raise ConfigError(f'data.source={spec} names its data, and data.{field} is set too; keep one')
+  location = held.location if field == 'name' else [held.location]
+  out = {**values, 'data': {**data, 'source': held.source, field: location}}
+  if held.column:
+    out['data']['text_key'] = held.column
+  if held.split:
+    out['data']['train_split'] = held.split
+  return out
 
 
 def mixture_stages(data: DataConfig) -> tuple[tuple[int, tuple[float, ...]], ...]:
@@ -691,7 +722,7 @@ def register_check(check: Callable[[Config], None]) -> None:
 def from_dict(values: dict) -> Config:
   """A Config from nested values (earlier spellings upgraded), validated by every check: this module's and the
   registered ones."""
-  config = _build(Config, _expand_paths(upgrade(values)), '')
+  config = _build(Config, _expand_paths(_source_spec(upgrade(values))), '')
   validate(config)
   for check in _CHECKS:
     check(config)

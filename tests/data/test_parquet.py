@@ -94,6 +94,19 @@ def test_named_sources_read_their_column(corpus, tmp_path):
     == {'web'}
 
 
+def test_data_source_takes_the_named_sources_spelling():
+  """`data.source=parquet:GLOB:COLUMN` (and jsonl:, text:, hf:PATH:SPLIT) stands for its fields."""
+  spelled = load_config('gpt_tiny', ['data.source=parquet:fineweb/*.parquet:body']).data
+  assert (spelled.source, spelled.paths, spelled.text_key) == ('parquet', ('fineweb/*.parquet',), 'body')
+  hf = load_config('gpt_tiny', ['data.source=hf:/data/ds:train2']).data
+  assert (hf.source, hf.name, hf.train_split) == ('hf', '/data/ds', 'train2')
+  with pytest.raises(ConfigError, match=r'data.source=jsonl:a.jsonl names its data, and data.paths is set too'):
+    load_config('gpt_tiny', ['data.source=jsonl:a.jsonl', 'data.paths=[b.jsonl]'])
+  with pytest.raises(ConfigError, match=r'data.source=tfds:c4/en:3.1.0: write text:GLOB, .* data.source=tfds '
+                                        r'data.name=DATASET'):
+    load_config('gpt_tiny', ['data.source=tfds:c4/en:3.1.0'])
+
+
 def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
   root, _ = corpus
   with pytest.raises(ConfigError, match=r"part-0.parquet has no column 'body' \(its columns: id, text, url\); "
