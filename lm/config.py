@@ -39,7 +39,7 @@ AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'aut
 Remat = Literal['none', 'full', 'dots', 'projections']
 Init = Literal['scaled_normal', 'fan_in']
 Parametrization = Literal['standard', 'mup']  # mup: Yang et al. 2022 (see lm.models.parametrization)
-Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'hf', 'tfds']
+Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'hf', 'tokenized', 'tfds']
 Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable at the peak, then a decay
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
@@ -222,7 +222,8 @@ MeshConfig.__module__ = __name__
 class DataConfig:
   """Where documents come from, how they become tokens, and how the grain pipeline reads them."""
   source: Source = 'embedded'  # embedded (Python's docs and stdlib) | text / jsonl / parquet (local `paths`) |
-  # tfds (`name`) | hf (`name`: a local folder save_to_disk wrote, or of data files)
+  # tfds (`name`) | hf (`name`: a local folder save_to_disk wrote, or of data files) | tokenized (`name`: shards
+  # lm data tokenize wrote)
   paths: tuple[str, ...] = ()  # globs of local files: UTF-8 text (a document each), JSONL (a document a line;
   # .gz and .zst too) or Parquet (a document a row)
   name: str | None = None  # tfds: dataset with config and version, e.g. c4/en:3.1.0 (prepared as ArrayRecord); hf:
@@ -243,7 +244,7 @@ class DataConfig:
   prefetch: int = 8  # batches buffered ahead of the train step
   # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
   # val/NAME/loss and val/NAME/bpb: NAME=embedded | NAME=text:GLOB | NAME=jsonl:GLOB | NAME=parquet:GLOB[:COLUMN] |
-  # NAME=hf:PATH[:SPLIT] | NAME=tfds:DATASET:SPLIT
+  # NAME=hf:PATH[:SPLIT] | NAME=tokenized:DIR | NAME=tfds:DATASET:SPLIT
   evals: tuple[str, ...] = ()
   # Training documents from several sources (as data.evals writes them; text / jsonl / embedded: their training
   # split by data.val_fraction, tfds: the split named), each packed into its own rows, rows drawn by data.weights
@@ -257,13 +258,14 @@ class HeldOutSet:
   """One entry of `data.evals`."""
   name: str
   source: Source
-  location: str = ''  # text / jsonl / parquet: a glob; tfds: the dataset with config and version; hf: its folder
+  location: str = ''  # text / jsonl / parquet: a glob; tfds: the dataset with config and version; hf, tokenized:
+  # its folder
   split: str = ''  # tfds; hf (optional)
   column: str = ''  # parquet: the column holding the text ('': data.text_key)
 
 
-SOURCE_FORMS = ('NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB, NAME=parquet:GLOB[:COLUMN], NAME=hf:PATH[:SPLIT] '
-                'or NAME=tfds:DATASET:SPLIT')
+SOURCE_FORMS = ('NAME=embedded, NAME=text:GLOB, NAME=jsonl:GLOB, NAME=parquet:GLOB[:COLUMN], NAME=hf:PATH[:SPLIT], '
+                'NAME=tokenized:DIR or NAME=tfds:DATASET:SPLIT')
 SOURCE_EXAMPLES = {'evals': 'data.evals=[c4=tfds:c4/en:3.1.0:validation,code=text:eval/*.py]',
                    'mixture': 'data.mixture=[web=tfds:c4/en:3.1.0:train,code=text:src/**/*.py]'}
 
@@ -313,9 +315,9 @@ def _source_spec(values: dict) -> dict:
     return values
   held = parse_source(spec)
   if held is None or held.source == 'tfds':
-    raise ConfigError(f'data.source={spec}: write text:GLOB, jsonl:GLOB, parquet:GLOB[:COLUMN] or hf:PATH[:SPLIT] '
-                      f'(a TFDS dataset: data.source=tfds data.name=DATASET)')
-  field = 'name' if held.source == 'hf' else 'paths'
+    raise ConfigError(f'data.source={spec}: write text:GLOB, jsonl:GLOB, parquet:GLOB[:COLUMN], hf:PATH[:SPLIT] or '
+                      f'tokenized:DIR (a TFDS dataset: data.source=tfds data.name=DATASET)')
+  field = 'name' if held.source in ('hf', 'tokenized') else 'paths'
   if data.get(field):
     raise ConfigError(f'data.source={spec} names its data, and data.{field} is set too; keep one')
   location = held.location if field == 'name' else [held.location]
@@ -926,6 +928,9 @@ def _check_data(config: Config) -> None:
                       f'data.paths=[corpus/*.{suffix}]')
   if d.source == 'tfds' and not d.name:
     raise ConfigError('data.source=tfds needs data.name (with config and version, e.g. data.name=c4/en:3.1.0)')
+  if d.source == 'tokenized' and not d.name:
+    raise ConfigError('data.source=tokenized needs data.name, the folder lm data tokenize wrote (or write '
+                      'data.source=tokenized:DIR)')
   if d.source == 'hf' and not d.name:
     raise ConfigError('data.source=hf needs data.name, the dataset\'s folder (save_to_disk\'s, or of data files), '
                       'e.g. data.name=~/datasets/fineweb_sample')

@@ -188,6 +188,7 @@ GROUPS = {
   'scaling': (r'lm scaling (?!.*\bsuite\b)', r'lm data build ', r'lm train .*runs/sets '),
   'tokenizer': (r'lm tokenizer train ', r'lm train .*sentencepiece:'),
   'suite': (r'lm convert --from-hf-series ', r'lm scaling (collect|plot) .*suite'),
+  'shards': (r'lm data tokenize ', r'lm train .*tokenized:shards/'),
 }
 CATCH_ALL = {'trains': r'lm train ', 'others': r''}
 

@@ -1,4 +1,5 @@
-"""`lm tokenizer train` (SentencePiece) and `lm data build` (local files as a TFDS dataset)."""
+"""`lm tokenizer train` (SentencePiece), `lm data build` (local files as a TFDS dataset) and `lm data tokenize`
+(sources as shards of token ids)."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,18 @@ def cmd_data_build(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_data_tokenize(args: argparse.Namespace) -> int:
+  from lm.config import DataConfig
+  from lm.data.tokenize import tokenize_corpus
+  cfg = DataConfig(text_key=args.text_key, max_chars=args.max_chars, skip_bad_records=args.skip_bad_records)
+  manifest = tokenize_corpus(args.sources, args.tokenizer, args.out, workers=args.workers,
+                             shard_documents=args.shard_documents, cfg=cfg, progress=args.progress)
+  tokens = sum(shard['tokens'] for shard in manifest['shards'])
+  print(f'{args.out}: {manifest["documents"]:,} documents, {tokens:,} tokens in {len(manifest["shards"]):,} shards; '
+        f'train on them with data.source=tokenized:{args.out} data.tokenizer={args.tokenizer}', flush=True)
+  return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
   tokenizer = sub.add_parser('tokenizer', help='tokenizers').add_subparsers(dest='action', required=True)
   train_tok = tokenizer.add_parser('train', help='train a SentencePiece model on a data source')
@@ -61,3 +74,16 @@ def register(sub: argparse._SubParsersAction) -> None:
   build.add_argument('--val-fraction', type=float, default=0.02)
   build.add_argument('--max-chars', type=int, default=2048, help='text files are cut into records of this size')
   build.set_defaults(fn=cmd_data_build)
+
+  tokenize = data.add_parser('tokenize', help='sources -> shards of token ids (data.source=tokenized:DIR)')
+  tokenize.add_argument('sources', nargs='+', metavar='SRC',
+                        help='text:GLOB, jsonl:GLOB, parquet:GLOB[:COLUMN], hf:PATH[:SPLIT] or tfds:DATASET:SPLIT')
+  tokenize.add_argument('--tokenizer', required=True, help='as data.tokenizer: byte, sentencepiece:PATH or hf:PATH')
+  tokenize.add_argument('--out', required=True, help='the shards\' folder (a stopped run resumes there)')
+  tokenize.add_argument('--workers', type=int, default=0, help='worker processes tokenizing shards side by side')
+  tokenize.add_argument('--shard-documents', type=int, default=10_000, help='documents per shard')
+  tokenize.add_argument('--text-key', default='text', help='the JSON field or Parquet / HF column holding the text')
+  tokenize.add_argument('--max-chars', type=int, default=2048, help='text files are cut into records of this size')
+  tokenize.add_argument('--skip-bad-records', action='store_true', help='skip JSON lines that are not JSON or UTF-8')
+  tokenize.add_argument('--no-progress', dest='progress', action='store_false')
+  tokenize.set_defaults(fn=cmd_data_tokenize)

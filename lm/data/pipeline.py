@@ -88,10 +88,13 @@ class _Tokenize:
   def __init__(self, tokenizer: Tokenizer, with_bos: bool, with_bytes: bool):
     self.tokenizer, self.with_bos, self.with_bytes = tokenizer, with_bos, with_bytes
 
-  def __call__(self, record: tuple[int, str]) -> dict[str, np.ndarray]:
+  def __call__(self, record: tuple[int, str | tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
     index, text = record
     t = self.tokenizer
-    ids, nbytes = t.encode_with_bytes(text) if self.with_bytes else (t.encode(text), None)
+    if isinstance(text, tuple):  # tokenized ahead (lm.data.shards)
+      ids, nbytes = text
+    else:
+      ids, nbytes = t.encode_with_bytes(text) if self.with_bytes else (t.encode(text), None)
     bos = [t.bos_id] if self.with_bos else []
     tokens = np.concatenate([bos, ids, [t.eos_id]]).astype(np.int32)
     out = {'tokens': tokens, 'record': np.full(len(tokens), index, np.int64),

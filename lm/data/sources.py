@@ -30,18 +30,19 @@ from lm.config import ConfigError, DataConfig, HeldOutSet, named_sources
 from lm.data.compressed import seekable
 from lm.data.hf_datasets import HfDocuments, load, split_of
 from lm.data.parquet import ParquetDocuments, ParquetRows
+from lm.data.shards import TokenizedDocuments, check_tokenizer, corpus_id, read_manifest
 
 Split = Literal['train', 'validation']
 _SKIP_DIRS = {'site-packages', 'dist-packages', '__pycache__', 'test', 'tests', 'idle_test'}
 
 
 class Documents(Protocol):
-  """grain's RandomAccessDataSource: `len` and the text of record `i` (None: a bad record skipped, which readers
-  leave out)."""
+  """grain's RandomAccessDataSource: `len` and the text of record `i`, or its (ids, bytes per token) when the
+  source is tokenized already (None: a bad record skipped, which readers leave out)."""
 
   def __len__(self) -> int: ...
 
-  def __getitem__(self, index: int) -> str | None: ...
+  def __getitem__(self, index: int) -> str | tuple[np.ndarray, np.ndarray] | None: ...
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,7 +105,7 @@ def _check_split(train: int, val: int, total: int, fraction: float) -> None:
                       f'documents of {total}; choose a fraction that leaves both non-empty')
 
 
-def _files(patterns: Sequence[str], where: str = 'data.paths') -> list[str]:
+def local_files(patterns: Sequence[str], where: str = 'data.paths') -> list[str]:
   paths = sorted({p for pattern in patterns for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                   if os.path.isfile(p)})
   if not paths:
@@ -275,11 +276,13 @@ def open_documents(cfg: DataConfig, split: Split) -> Documents:
     return TfdsDocuments(cfg, cfg.train_split if split == 'train' else cfg.val_split)
   if cfg.source == 'hf':
     return hf_documents(cfg.name, cfg, split)
+  if cfg.source == 'tokenized':
+    return tokenized_documents(cfg.name, cfg, split)
   if cfg.source == 'embedded':
     train, val = split_documents(embedded_documents(), cfg.val_fraction)
     return TextList([text[a:b] for _, text in (train if split == 'train' else val)
                      for a, b in chunk_bounds(text, cfg.max_chars)])
-  paths = _files(cfg.paths)
+  paths = local_files(cfg.paths)
   if cfg.source == 'text':
     held = [is_validation(p, cfg.val_fraction) for p in paths]
     if cfg.val_fraction == 0 or all(held) or not any(held):  # too few files to split by file: split pieces
@@ -329,6 +332,22 @@ def hf_documents(path: str, cfg: DataConfig, split: Split | None, named: str = '
   return HfDocuments(dataset, cfg.text_key, rows, where)
 
 
+def tokenized_documents(folder: str, cfg: DataConfig, split: Split | None, where: str = '') -> TokenizedDocuments:
+  """A shard folder's documents: one split by data.val_fraction (by a hash of each document's number under the
+  corpus's id), or every document (`split=None`); the run's tokenizer must be the one the shards were made with."""
+  where = where or f'data.name={folder}'
+  manifest = read_manifest(folder, where)
+  check_tokenizer(manifest, cfg.tokenizer, where)
+  count = manifest['documents']
+  if split is None:
+    return TokenizedDocuments(folder, manifest, np.arange(count))
+  held = held_by_name(f'{corpus_id(manifest)}:', count, cfg.val_fraction)
+  rows = np.flatnonzero(held == (split == 'validation'))
+  if not len(rows):
+    _check_split(int((~held).sum()), int(held.sum()), count, cfg.val_fraction)
+  return TokenizedDocuments(folder, manifest, rows)
+
+
 def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
   """Every document of a `data.evals` set (embedded: its validation split), read with `cfg`'s settings."""
   if held.source == 'tfds':
@@ -337,7 +356,9 @@ def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
     return open_documents(dataclasses.replace(cfg, source='embedded'), 'validation')
   if held.source == 'hf':
     return hf_documents(held.location, cfg, None, held.split, f'data.evals set {held.name}')
-  paths = _files([held.location], f'data.evals set {held.name}')
+  if held.source == 'tokenized':
+    return tokenized_documents(held.location, cfg, None, f'data.evals set {held.name}')
+  paths = local_files([held.location], f'data.evals set {held.name}')
   if held.source == 'text':
     return TextFiles(paths, cfg.max_chars)
   if held.source == 'parquet':
@@ -356,7 +377,8 @@ def mixture_documents(cfg: DataConfig) -> list[Documents]:
       documents = hf_documents(source.location, cfg, 'train', source.split, f'data.mixture source {source.name}')
     else:
       documents = open_documents(dataclasses.replace(cfg, source=source.source, paths=(source.location,),
-                                                     text_key=source.column or cfg.text_key), 'train')
+                                                     name=source.location, text_key=source.column or cfg.text_key),
+                                 'train')
     if len(documents) == 0:
       raise ConfigError(f'data.mixture source {source.name} holds no training documents; point it at data')
     out.append(documents)

@@ -8,6 +8,7 @@ vocab.json + merges.txt (byte-level BPE) or spiece.model. Special ids (pad, BOS/
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Protocol
@@ -211,6 +212,20 @@ def _load_hf(path: Path) -> tuple[Any, Path]:
     return bpe._tokenizer, path  # noqa: SLF001
   raise ConfigError(f'data.tokenizer=hf:{path}: no tokenizer.json, vocab.txt or vocab.json + merges.txt there; '
                     f'pass an HF model directory or a tokenizer.json')
+
+
+# Text whose encoding tells tokenizers apart: cases, digits, whitespace runs, punctuation, accents, CJK, emoji.
+PROBE = ('The quick brown fox jumps over the lazy dog. THE QUICK 0123456789 3.14159 $1,000,000\n\tdef f(x): '
+         'return x ** 2  # comment\n\n  naïve café résumé Übermaß 東京 日本語 🙂 <extra_id_0> [MASK] </s>')
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+  """A hash of how `tokenizer` encodes (its vocabulary size, special ids and the probe's ids and byte counts):
+  equal for the same tokenizer wherever its files lie, different for another."""
+  ids, nbytes = tokenizer.encode_with_bytes(PROBE)
+  facts = [tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.mask_id,
+           np.asarray(tokenizer.special_ids).tolist(), np.asarray(ids).tolist(), np.asarray(nbytes).tolist()]
+  return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=8)
