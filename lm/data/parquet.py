@@ -8,6 +8,7 @@ so documents of one group read together cost one decode.
 from __future__ import annotations
 
 import collections
+import threading
 
 import numpy as np
 
@@ -61,6 +62,8 @@ class ParquetDocuments:
     self.table, self.rows = table, rows
     self._files: dict[int, object] = {}
     self._groups: collections.OrderedDict[int, list] = collections.OrderedDict()
+    # The pipeline's streams read from threads of their own: one file handle must not serve two reads at once.
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return len(self.rows)
@@ -68,7 +71,9 @@ class ParquetDocuments:
   def __getitem__(self, index: int) -> str:
     row = int(self.rows[index])
     group = int(np.searchsorted(self.table.starts, row, side='right')) - 1
-    text = self._group(group)[row - int(self.table.starts[group])]
+    with self._lock:
+      texts = self._group(group)
+    text = texts[row - int(self.table.starts[group])]
     return '' if text is None else str(text)
 
   def _group(self, group: int) -> list:

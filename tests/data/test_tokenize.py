@@ -38,7 +38,7 @@ def corpus(tmp_path_factory):
   pq.write_table(pa.table({'text': docs[100:]}), root / 'b.parquet', row_group_size=16)
   (root / 'all.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
   bpe = tokenizers.ByteLevelBPETokenizer()
-  bpe.train_from_iterator(docs, vocab_size=400, special_tokens=['<pad>', '<s>', '</s>'])
+  bpe.train_from_iterator(docs, vocab_size=400, special_tokens=['<pad>', '<s>', '</s>', '<mask>'])
   bpe.save(str(root / 'bpe.json'))
   return root, docs, f'hf:{root / "bpe.json"}'
 
@@ -133,3 +133,27 @@ def test_bad_input_is_one_line_and_changes_nothing(corpus, tmp_path, capsys):
     read(f'data.tokenizer={spec}', 'model.vocab_size=512')
   with pytest.raises(ConfigError, match=rf'no {MANIFEST} in {tmp_path}; write the shards with lm data tokenize'):
     open_documents(load_config('gpt_tiny', [f'data.source=tokenized:{tmp_path}']).data, 'train')
+
+
+@pytest.mark.parametrize('source', ['parquet', 'jsonl.gz', 'tokenized'])
+def test_the_global_batch_is_the_same_on_two_processes(corpus, tmp_path, source):
+  """Each simulated process reads only its streams' records of the new forms; stacked, they equal one process's."""
+  from lm.data.pipeline import batch_dataset
+  root, _, spec = corpus
+  if source == 'tokenized':
+    tokenize(root, tmp_path / 'shards', spec)
+  data = {'parquet': f'parquet:{root}/b.parquet', 'jsonl.gz': f'jsonl:{root}/a.jsonl.gz',
+          'tokenized': f'tokenized:{tmp_path / "shards"}'}[source]
+  config = load_config('bert_tiny', ['data.seq_len=32', 'model.max_len=32', f'data.source={data}',
+                                     f'data.tokenizer={spec}', 'model.vocab_size=512', 'data.val_fraction=0'])
+  docs, tokenizer = open_documents(config.data, 'train'), get_tokenizer(spec)
+  objective = make_objective(config, tokenizer)
+
+  def batches(processes):
+    parts = [batch_dataset(docs, tokenizer, objective, shuffle_seed=5, key_seed=5, global_batch=8,
+                           process_index=p, process_count=processes) for p in range(processes)]
+    return [{k: np.concatenate([b[k] for b in rows]) for k in rows[0]}
+            for rows in zip(*[[next(it) for _ in range(3)] for it in map(iter, parts)])]
+  for got, want in zip(batches(2), batches(1), strict=True):
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])

@@ -9,6 +9,8 @@ import time
 
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from lm import cli
@@ -18,6 +20,7 @@ from lm.storage.source import ModelSource
 from lm.train.logging import read_metrics
 from lm.jobs.pretraining import Pretraining
 from lm.train.loop import restore_or_start
+from lm.data.sources import embedded_documents
 from lm.train.timing import is_timing
 from tests.conftest import SMALL, one_device_env
 
@@ -25,13 +28,23 @@ def without_timing(records):
   return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]  # wall-clock figures differ
 
 
+def fineweb(root) -> list[str]:
+  """Overrides training from Parquet files in FineWeb's layout, read by row group: the resume seeks in them."""
+  docs = [text[:2000] for _, text in embedded_documents()[::2]]
+  for i in range(2):
+    pq.write_table(pa.table({'id': list(range(len(docs[i::2]))), 'text': docs[i::2]}), root / f'00{i}.parquet',
+                   row_group_size=32)
+  return [f'data.source=parquet:{root}/*.parquet']
+
+
 @pytest.mark.long(1)
 def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(tmp_path):
+  """Trained from Parquet files: the data pipeline resumes at the exact record."""
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
-           'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30']
+           'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30', *fineweb(tmp_path)]
   # One host CPU device at full optimisation, as a user runs it; the suite's compilation cache (conftest.py) spares
   # the restarts the first run's compiling.
-  env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin',
+  env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin', 'LM_CACHE_DIR': os.environ['LM_CACHE_DIR'],
          **{k: v for k, v in os.environ.items() if k.startswith(('JAX_COMPILATION_CACHE', 'JAX_PERSISTENT_CACHE'))}}
   straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True, timeout=600)
   assert straight.returncode == 0, straight.stderr[-2000:]
