@@ -2,11 +2,12 @@
 
   python bench/input_pipeline.py [--batches 200] [--work DIR]
 
-Rows: gpt_tiny's pipeline alone (grain: read, tokenize, pack, batch, global arrays) on the embedded
-corpus (bytes) and on a TFDS corpus tokenized by a SentencePiece model, with a background thread
-(workers 0) and with 1 and 2 worker processes, in tokens/s; the train step's consumption in
-tokens/s; and the peak resident memory of a process reading TFDS corpora of 1x, 10x and 100x the
-records. Each measurement runs in its own process. Prints a table, writes JSON.
+Rows: gpt_tiny's pipeline alone (grain: read, tokenize, pack, batch, global arrays) on the embedded corpus (bytes)
+and, tokenized by a SentencePiece model, on the same documents as a TFDS dataset, Parquet files, zstd JSON lines, a
+Hugging Face dataset saved to disk and shards `lm data tokenize` wrote, with a background thread (workers 0) and 2
+worker processes, in tokens/s; the train step's consumption in tokens/s; the peak resident memory of a process
+reading each form at 1x, 10x and 100x the documents (2k, 20k, 200k); and `lm data tokenize`'s tokens/s with 1 and
+2 workers. Each measurement runs in its own process. Prints tables, writes JSON.
 """
 from __future__ import annotations
 
@@ -60,28 +61,61 @@ def step_rate(steps: int) -> dict:
   return {'tokens_per_sec': steps * config.train.global_batch * config.data.seq_len / (time.perf_counter() - t0)}
 
 
-def prepare(work: Path) -> dict[int, list[str]]:
-  """TFDS corpora of 1x, 10x, 100x BASE_RECORDS embedded-corpus records and a SentencePiece model on them."""
+FORMS = ('tfds', 'parquet', 'jsonl.zst', 'hf', 'tokenized')
+
+
+def prepare(work: Path) -> dict[tuple[str, int], list[str]]:
+  """The overrides reading each form of 1x, 10x and 100x BASE_RECORDS embedded-corpus records (a SentencePiece
+  model trained on them), keyed by (form, scale); built once in `work`."""
+  import datasets
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  import zstandard
+
   from lm import cli
   from lm.data.sources import embedded_documents
   texts = [text[:1500] for _, text in embedded_documents()][:BASE_RECORDS]
   model = work / 'sp.model'
+  tokenizer = [f'data.tokenizer=sentencepiece:{model}', 'model.vocab_size=8192']
   corpora = {}
   for scale in (1, 10, 100):
-    name = f'bench_corpus_{scale}x'
+    name, docs = f'bench_corpus_{scale}x', [texts[i % len(texts)] for i in range(scale * BASE_RECORDS)]
+    lines = ''.join(json.dumps({'text': d}) + '\n' for d in docs)
     if not (work / 'data' / name).exists():
-      with open(work / f'{name}.jsonl', 'w') as f:
-        for i in range(scale * BASE_RECORDS):
-          f.write(json.dumps({'text': texts[i % len(texts)]}) + '\n')
+      (work / f'{name}.jsonl').write_text(lines)
       assert cli.main(['data', 'build', '--name', name, '--from', str(work / f'{name}.jsonl'),
                        '--data-dir', str(work / 'data')]) == 0
       (work / f'{name}.jsonl').unlink()
-    corpora[scale] = ['data.source=tfds', f'data.name={name}', f'data.data_dir={work / "data"}',
-                      f'data.tokenizer=sentencepiece:{model}', 'model.vocab_size=8192']
-  if not model.exists():
-    assert cli.main(['tokenizer', 'train', '--config', 'gpt_tiny', *corpora[1][:3], '--vocab-size', '8000',
-                     '--out', str(work / 'sp')]) == 0
-  return corpora
+    if not model.exists():
+      assert cli.main(['tokenizer', 'train', '--config', 'gpt_tiny', 'data.source=tfds', f'data.name={name}',
+                       f'data.data_dir={work / "data"}', '--vocab-size', '8000', '--out', str(work / 'sp')]) == 0
+    if not (work / f'{name}.parquet').exists():
+      pq.write_table(pa.table({'text': docs}), work / f'{name}.parquet', row_group_size=1000)
+      (work / f'{name}.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+      datasets.Dataset.from_dict({'text': docs}).save_to_disk(work / f'{name}_hf')
+      assert cli.main(['data', 'tokenize', f'parquet:{work / name}.parquet', '--tokenizer', f'sentencepiece:{model}',
+                       '--out', str(work / f'{name}_shards'), '--no-progress']) == 0
+    corpora.update({
+      ('tfds', scale): ['data.source=tfds', f'data.name={name}', f'data.data_dir={work / "data"}'],
+      ('parquet', scale): [f'data.source=parquet:{work / name}.parquet'],
+      ('jsonl.zst', scale): [f'data.source=jsonl:{work / name}.jsonl.zst'],
+      ('hf', scale): [f'data.source=hf:{work / name}_hf'],
+      ('tokenized', scale): [f'data.source=tokenized:{work / name}_shards']})
+  return {key: overrides + tokenizer for key, overrides in corpora.items()}
+
+
+def tokenize_rate(work: Path, workers: int) -> dict:
+  """`lm data tokenize` on the 10x Parquet corpus: tokens/s over its wall time (a process of its own)."""
+  import shutil
+  out = work / f'tokenize_{workers}'
+  shutil.rmtree(out, ignore_errors=True)
+  t0 = time.perf_counter()
+  subprocess.run([sys.executable, '-m', 'lm.cli', 'data', 'tokenize', f'parquet:{work}/bench_corpus_10x.parquet',
+                  '--tokenizer', f'sentencepiece:{work / "sp.model"}', '--out', str(out), '--workers', str(workers),
+                  '--shard-documents', '2000', '--no-progress'], check=True, capture_output=True)
+  seconds = time.perf_counter() - t0
+  manifest = json.loads((out / 'manifest.json').read_text())
+  return {'workers': workers, 'tokens_per_sec': sum(s['tokens'] for s in manifest['shards']) / seconds}
 
 
 def measure(kind: str, overrides: list[str], amount: int) -> dict:
@@ -115,14 +149,16 @@ def main() -> None:
   corpora = prepare(work)
   step = measure('step', [], 20)['tokens_per_sec']
   rows = []
-  for source, overrides in (('embedded, bytes', []), ('tfds, sentencepiece', corpora[1])):
-    for workers in (0, 1, 2):
+  sources = [('embedded, bytes', [])] + [(f'{form}, sentencepiece', corpora[form, 1]) for form in FORMS]
+  for source, overrides in sources:
+    for workers in (0, 2):
       r = measure('pipeline', [*overrides, f'data.workers={workers}'], args.batches)
       rows.append({'source': source, 'workers': workers, 'records': None, **r, 'x_step': r['tokens_per_sec'] / step})
-  for scale, overrides in corpora.items():
+  for (form, scale), overrides in corpora.items():
     r = measure('pipeline', overrides, args.batches)
-    rows.append({'source': 'tfds, sentencepiece', 'workers': 0, 'records': scale * BASE_RECORDS, **r,
+    rows.append({'source': f'{form}, sentencepiece', 'workers': 0, 'records': scale * BASE_RECORDS, **r,
                  'x_step': r['tokens_per_sec'] / step})
+  tokenizing = [tokenize_rate(work, workers) for workers in (1, 2)]
 
   print(f'train step (gpt_tiny) consumes {step:,.0f} tokens/s\n')
   print('| source | workers | records | pipeline tokens/s | x step | peak RSS MiB |\n|---|---|---|---|---|---|')
@@ -130,9 +166,12 @@ def main() -> None:
     records = f'{r["records"]:,}' if r['records'] else '-'
     print(f'| {r["source"]} | {r["workers"]} | {records} | {r["tokens_per_sec"]:,.0f} | {r["x_step"]:.1f} | '
           f'{r["peak_rss_mib"]:,.0f} |')
+  print('\n| lm data tokenize (20k documents, Parquet, SentencePiece) | tokens/s |\n|---|---|')
+  for r in tokenizing:
+    print(f'| {r["workers"]} worker(s) | {r["tokens_per_sec"]:,.0f} |')
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({'step_tokens_per_sec': step, 'rows': rows}, indent=2) + '\n')
+  out.write_text(json.dumps({'step_tokens_per_sec': step, 'rows': rows, 'tokenize': tokenizing}, indent=2) + '\n')
   print(f'\nwrote {out}')
 
 
