@@ -114,6 +114,32 @@ def _full_row(row: dict[str, np.ndarray]) -> bool:
   return bool(row['tokens_segment_ids'][-1] != 0)
 
 
+class _Packed(grain.IterDataset):
+  """grain's concat-then-split packing, its state restored as it was saved. A checkpoint stores the state as JSON,
+  which turns the (-1, -1) slices meaning "no remainder" into lists; grain compares them with the tuple, takes the
+  list for a remainder and, resumed, skips a document (a mixture source not yet read holds none)."""
+
+  def __init__(self, parent: grain.IterDataset, lengths: dict[str, int]):
+    super().__init__(parent)
+    self.packed = grain.experimental.ConcatThenSplitIterDataset(parent, length_struct=lengths)
+
+  def __iter__(self) -> _PackedIterator:
+    return _PackedIterator(self.packed.__iter__())
+
+
+class _PackedIterator(grain.DatasetIterator):
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    slices = {key: tuple(value) for key, value in state['remainder_slices'].items()}
+    self._parent.set_state({**state, 'remainder_slices': slices})
+
+
 class _Mix(grain.IterDataset):
   """Stream `stream`'s rows drawn from its sources' rows by a `Mixture` (each stream giving `rows_per_step` rows
   a step)."""
@@ -237,7 +263,7 @@ def batch_dataset(documents: Documents | Sequence[Documents], tokenizer: Tokeniz
   def source_rows(documents: Documents, stream: int, source: int, name: str) -> grain.IterDataset:
     ds = records(documents, shuffle_seed, stream, total, source, name).filter(_readable).map(tokenize)
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
-    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
+    ds = _Packed(ds, lengths)
     return _PadForever(ds) if evaluation else ds.filter(_full_row)
 
   def stream_rows(stream: int) -> grain.IterDataset:

@@ -1,4 +1,5 @@
 """Faults: kill -9 and resume, damaged checkpoints, non-finite losses, another mesh on restore, x64."""
+import json
 import os
 import re
 import shlex
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from lm import cli
 from lm.storage.checkpoint import Checkpointer
@@ -21,6 +23,7 @@ from lm.train.logging import read_metrics
 from lm.jobs.pretraining import Pretraining
 from lm.train.loop import restore_or_start
 from lm.data.sources import embedded_documents
+from lm.data.tokenize import tokenize_corpus
 from lm.train.timing import is_timing
 from tests.conftest import SMALL, one_device_env
 
@@ -28,20 +31,26 @@ def without_timing(records):
   return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]  # wall-clock figures differ
 
 
-def fineweb(root) -> list[str]:
-  """Overrides training from Parquet files in FineWeb's layout, read by row group: the resume seeks in them."""
-  docs = [text[:2000] for _, text in embedded_documents()[::2]]
-  for i in range(2):
-    pq.write_table(pa.table({'id': list(range(len(docs[i::2]))), 'text': docs[i::2]}), root / f'00{i}.parquet',
-                   row_group_size=32)
-  return [f'data.source=parquet:{root}/*.parquet']
+def corpora(root) -> list[str]:
+  """Overrides training from a mixture of the corpus forms a resume has to seek in: Parquet row groups, zstd JSON
+  lines (decompressed once into lm's cache) and shards tokenized ahead."""
+  docs = [text[:2000] for _, text in embedded_documents()[::4]]
+  pq.write_table(pa.table({'id': list(range(len(docs[0::3]))), 'text': docs[0::3]}), root / 'web.parquet',
+                 row_group_size=32)
+  lines = ''.join(json.dumps({'text': d}) + '\n' for d in docs[1::3]).encode()
+  (root / 'dolma.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(lines))
+  (root / 'books.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs[2::3]))
+  tokenize_corpus([f'jsonl:{root}/books.jsonl'], 'byte', root / 'shards', shard_documents=20, progress=False)
+  return [f'data.mixture=[web=parquet:{root}/web.parquet,dolma=jsonl:{root}/dolma.jsonl.zst,'
+          f'books=tokenized:{root}/shards]', 'data.weights=[web=0.4 dolma=0.3 books=0.3]']
 
 
 @pytest.mark.long(1)
 def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(tmp_path):
-  """Trained from Parquet files: the data pipeline resumes at the exact record."""
+  """Trained from Parquet, zstd JSON lines and tokenized shards at once: the data pipeline resumes at the exact
+  record of each (a source no row has been read from yet included)."""
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
-           'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30', *fineweb(tmp_path)]
+           'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30', *corpora(tmp_path)]
   # One host CPU device at full optimisation, as a user runs it; the suite's compilation cache (conftest.py) spares
   # the restarts the first run's compiling.
   env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin', 'LM_CACHE_DIR': os.environ['LM_CACHE_DIR'],
