@@ -99,6 +99,14 @@ def held_by_name(prefix: str, count: int, fraction: float) -> np.ndarray:
   return hashes % 10_000 < fraction * 10_000
 
 
+def split_rows(held: np.ndarray, split: Split, fraction: float) -> np.ndarray:
+  """The rows of `split` given which rows are held out; a ConfigError when that split is empty."""
+  rows = np.flatnonzero(held == (split == 'validation'))
+  if not len(rows):
+    _check_split(int((~held).sum()), int(held.sum()), len(held), fraction)
+  return rows
+
+
 def _check_split(train: int, val: int, total: int, fraction: float) -> None:
   if not val or not train:
     raise ConfigError(f'data.val_fraction={fraction} leaves {train} training and {val} validation '
@@ -308,10 +316,7 @@ def parquet_documents(paths: list[str], column: str, fraction: float, split: Spl
     return ParquetDocuments(table, np.arange(table.total))
   held = np.concatenate([held_by_name(f'{path}:', int(end - start), fraction)
                          for path, start, end in zip(paths, table.file_starts, table.file_starts[1:])])
-  rows = np.flatnonzero(held == (split == 'validation'))
-  if not len(rows):
-    _check_split(int((~held).sum()), int(held.sum()), table.total, fraction)
-  return ParquetDocuments(table, rows)
+  return ParquetDocuments(table, split_rows(held, split, fraction))
 
 
 def hf_documents(path: str, cfg: DataConfig, split: Split | None, named: str = '', where: str = '') -> HfDocuments:
@@ -326,10 +331,7 @@ def hf_documents(path: str, cfg: DataConfig, split: Split | None, named: str = '
   if split is None:
     return HfDocuments(dataset, cfg.text_key, np.arange(len(dataset)), where)
   held = held_by_name(f'{path}:', len(dataset), cfg.val_fraction)
-  rows = np.flatnonzero(held == (split == 'validation'))
-  if not len(rows):
-    _check_split(int((~held).sum()), int(held.sum()), len(dataset), cfg.val_fraction)
-  return HfDocuments(dataset, cfg.text_key, rows, where)
+  return HfDocuments(dataset, cfg.text_key, split_rows(held, split, cfg.val_fraction), where)
 
 
 def tokenized_documents(folder: str, cfg: DataConfig, split: Split | None, where: str = '') -> TokenizedDocuments:
@@ -342,10 +344,7 @@ def tokenized_documents(folder: str, cfg: DataConfig, split: Split | None, where
   if split is None:
     return TokenizedDocuments(folder, manifest, np.arange(count))
   held = held_by_name(f'{corpus_id(manifest)}:', count, cfg.val_fraction)
-  rows = np.flatnonzero(held == (split == 'validation'))
-  if not len(rows):
-    _check_split(int((~held).sum()), int(held.sum()), count, cfg.val_fraction)
-  return TokenizedDocuments(folder, manifest, rows)
+  return TokenizedDocuments(folder, manifest, split_rows(held, split, cfg.val_fraction))
 
 
 def held_out_documents(held: HeldOutSet, cfg: DataConfig) -> Documents:
