@@ -129,7 +129,7 @@ def main() -> None:
     if policy in saved.get('remat', {}):
       remat[policy] = saved['remat'][policy]
       continue
-    config = load_config(REMAT_PRESET, REMAT_OVERRIDES + [f'model.remat={policy}'])
+    config = load_config(REMAT_PRESET, REMAT_OVERRIDES + [f'model.execution.remat={policy}'])
     remat[policy] = compile_report(config, REMAT_TOPOLOGY, MFU)
     keep()
     print(f'{REMAT_PRESET} remat={policy:12s} temp {gib(remat[policy]["memory_per_device"]["temp"])} GiB', flush=True)

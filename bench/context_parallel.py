@@ -8,7 +8,7 @@ per group of `mesh.sequence` chips (data x fsdp = chips / sequence rows, fsdp fi
 length / sequence tokens of the step. Memory is XLA's per-device `memory_analysis()`; the step time is model FLOPs
 over the slice's peak at the assumed MFU, as `lm compile` prints it. The first row, without context parallelism,
 is the baseline (its attention is the flash kernel); each split row is compiled with the ring's blocks through XLA
-(`model.attention_impl=xla`) and through our flash kernel (`flash`).
+(`model.execution.attention_impl=xla`) and through our flash kernel (`flash`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from lm.config import load_config
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.report import format_bytes
 
-# model.attention_impl -> what runs: without a split sequence `auto` is the flash kernel on TPU; with one, the ring
+# model.execution.attention_impl -> what runs: without a split sequence `auto` is the flash kernel on TPU; with one,
+# the ring
 ATTENTION = {'auto': 'flash kernel (no ring)', 'xla': 'ring, XLA blocks', 'flash': 'ring, flash-kernel blocks'}
 
 
@@ -44,7 +45,7 @@ def main() -> None:
   runs = [(n, impl) for n in args.sequence for impl in (['auto'] if n == 1 else args.ring_blocks)]
   for n, impl in runs:
     overrides = [f'data.seq_len={args.length}', f'model.max_len={args.length}', 'mesh.data=1', 'mesh.fsdp=-1',
-                 f'mesh.sequence={n}', f'train.global_batch={chips // n}', f'model.attention_impl={impl}']
+                 f'mesh.sequence={n}', f'train.global_batch={chips // n}', f'model.execution.attention_impl={impl}']
     t0 = time.perf_counter()
     report = compile_report(load_config(args.config, overrides), args.topology, assumed_mfu=args.mfu)
     memory = report['memory_per_device']

@@ -58,10 +58,10 @@ def main() -> None:
   m = config.model
   result = {'config': config.name, 'overrides': args.overrides, 'backend': jax.default_backend(),
             'devices': jax.device_count(), 'layers': m.num_layers, 'd_model': m.d_model, 'batch': batch_size,
-            'seq_len': length, 'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
+            'seq_len': length, 'dtype': m.execution.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
             'min_step_s': min(times), 'examples_per_sec': batch_size / step_s}
   print(format_lines([('config', config.name), ('layers x d_model', f'{m.num_layers} x {m.d_model}'),
-                      ('batch x length', f'{batch_size} x {length}'), ('dtype', m.dtype),
+                      ('batch x length', f'{batch_size} x {length}'), ('dtype', m.execution.dtype),
                       ('devices', f'{jax.device_count()} {jax.default_backend()}'),
                       ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.3f}'),
                       ('examples/s', f'{result["examples_per_sec"]:.2f}')]))

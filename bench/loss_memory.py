@@ -1,5 +1,5 @@
 """The tiled output layer's effect on memory: per-device temp of the train step compiled for each preset's own
-TPU slice, `model.loss_chunk=0` (untiled) against tiles; prints a table, writes JSON.
+TPU slice, `model.execution.loss_chunk=0` (untiled) against tiles; prints a table, writes JSON.
 
   python bench/loss_memory.py [--presets gpt2_xl gpt3_175b] [--chunks 256 512] [--out FILE]
 
@@ -26,7 +26,7 @@ def main() -> None:
   for preset in args.presets:
     topology, temps = preset_slice(preset), {}
     for chunk in [0] + args.chunks:
-      report = compile_report(load_config(preset, [f'model.loss_chunk={chunk}']), topology)
+      report = compile_report(load_config(preset, [f'model.execution.loss_chunk={chunk}']), topology)
       temps[chunk] = report['memory_per_device']['temp']
       results.append({'preset': preset, 'topology': topology, 'loss_chunk': chunk,
                       'memory_per_device': report['memory_per_device'], 'fits': report['fits']})

@@ -4,7 +4,7 @@
 
 Each contender is one long-lived worker process, built and warmed up (compiled) once; each round asks every
 worker in turn to time `--steps` synchronised steps while the others wait, so they never share the cores and
-drift on the machine hits them alike. Contenders: lm fp32 and bf16 (`model.dtype=bfloat16`), and Hugging Face
+drift on the machine hits them alike. Contenders: lm fp32 and bf16 (`model.execution.dtype=bfloat16`), and Hugging Face
 GPT-2 of the same shape (`peer_gpt2_config`: same width, depth, heads, vocabulary, tied embeddings, tanh GELU,
 dropout, AdamW settings and gradient clipping) in PyTorch eager fp32, `torch.compile` fp32 and eager bf16
 autocast; HF Flax GPT-2 too with `--flax-python`, a Python whose environment has `transformers<5` (the
@@ -136,7 +136,7 @@ def main() -> None:
   parser.add_argument('--worker', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
-    serve(lm_worker(args.config, ['model.dtype=bfloat16'] if args.worker == 'lm bf16' else [])
+    serve(lm_worker(args.config, ['model.execution.dtype=bfloat16'] if args.worker == 'lm bf16' else [])
           if args.worker.startswith('lm') else torch_worker(args.config, args.worker))
     return
 

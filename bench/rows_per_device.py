@@ -30,7 +30,7 @@ def main() -> None:
   parser.add_argument('--rows', nargs='*', type=int, default=[1, 4, 12], help='rows per device to report')
   parser.add_argument('--max-from', type=int, default=0, help='search the most rows that fit upward from here')
   parser.add_argument('--out', default=str(Path(__file__).parent / 'results' / 'rows_per_device.json'))
-  parser.add_argument('overrides', nargs='*', help='config overrides (key=value), e.g. model.loss_chunk=0')
+  parser.add_argument('overrides', nargs='*', help='config overrides (key=value), e.g. model.execution.loss_chunk=0')
   args = parser.parse_args()
 
   topology = args.topology or preset_slice(args.config)

@@ -39,13 +39,13 @@ def main() -> None:
     'config': config.name, 'overrides': args.overrides, 'backend': jax.default_backend(),
     'devices': jax.device_count(), 'layers': m.num_layers, 'd_model': m.d_model, 'heads': m.num_heads,
     'vocab': m.vocab_size, 'seq_len': config.data.seq_len, 'batch': config.train.global_batch,
-    'dtype': m.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
+    'dtype': m.execution.dtype, 'first_step_s': compile_s, 'median_step_s': step_s,
     'min_step_s': min(times), 'tokens_per_sec': tokens / step_s,
     'model_tflops_per_sec': trainer.assembly.flops_per_token() * tokens / step_s / 1e12,
   }
   rows = [('config', config.name), ('layers x d_model x heads', f'{m.num_layers} x {m.d_model} x {m.num_heads}'),
           ('vocab / seq / batch', f'{m.vocab_size} / {config.data.seq_len} / {config.train.global_batch}'),
-          ('dtype', m.dtype), ('devices', f'{jax.device_count()} {jax.default_backend()}'),
+          ('dtype', m.execution.dtype), ('devices', f'{jax.device_count()} {jax.default_backend()}'),
           ('first step (compile) s', f'{compile_s:.2f}'), ('median step s', f'{step_s:.4f}'),
           ('tokens/s', f'{result["tokens_per_sec"]:,.0f}'),
           ('model TFLOP/s', f'{result["model_tflops_per_sec"]:.3f}')]

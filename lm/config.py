@@ -112,6 +112,27 @@ class MupConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+  """How the step computes, not which params it trains: a resume may change any of these (another slice, a memory
+  fix), while every other model field must match the checkpoint's."""
+  dtype: ComputeDtype = 'float32'  # compute dtype; params stay in model.param_dtype
+  attention_impl: AttentionImpl = 'xla'  # tpu_flash / tpu_splash: JAX's kernels; auto: best for the platform
+  attention_block_q: int = 128  # flash block sizes
+  attention_block_k: int = 128
+  scan_layers: bool = True  # the layers as one scanned layer (one trace and compile of a layer)
+  remat: Remat = 'none'
+  loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
+  # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
+
+  def check(self) -> None:
+    if self.loss_chunk < 0:
+      raise ConfigError(f'model.execution.loss_chunk={self.loss_chunk} must be >= 0 (0: the output layer untiled)')
+    if self.attention_block_q <= 0 or self.attention_block_k <= 0:
+      raise ConfigError(f'model.execution.attention_block_q={self.attention_block_q} and attention_block_k='
+                        f'{self.attention_block_k} must be positive (the flash kernels\' block sizes)')
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gemma2 |
   # gpt_neox | olmo | olmo2 | olmo3
@@ -158,17 +179,14 @@ class ModelConfig:
   dropout: float = 0.0
   attention_dropout: float = 0.0
   init_std: float = 0.02
-  dtype: ComputeDtype = 'float32'  # compute dtype; params stay in param_dtype
-  param_dtype: ParamDtype = 'float32'
-  attention_impl: AttentionImpl = 'xla'  # tpu_flash / tpu_splash: JAX's kernels; auto: best for the platform
-  attention_block_q: int = 128  # flash block sizes
-  attention_block_k: int = 128
-  scan_layers: bool = True
-  remat: Remat = 'none'
-  loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
-  # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
+  param_dtype: ParamDtype = 'float32'  # the params' (and their optimizer state's); compute in execution.dtype
+  execution: ExecutionConfig = field(default_factory=ExecutionConfig)  # how the step computes
   parametrization: Parametrization = 'standard'
   mup: MupConfig = field(default_factory=MupConfig)  # parametrization=mup: its base shapes
+
+  def with_execution(self, **changes: Any) -> ModelConfig:
+    """This model computed otherwise (`ExecutionConfig`'s fields), its params unchanged."""
+    return dataclasses.replace(self, execution=dataclasses.replace(self.execution, **changes))
 
   @property
   def base_width(self) -> int:
@@ -203,12 +221,6 @@ class ModelConfig:
   @property
   def resolved_decoder_layers(self) -> int:
     return self.num_decoder_layers or self.num_layers
-
-
-# Model fields that say how the step computes, not which params it trains: a resume may change them (another
-# slice, a memory fix); every other model field must match the checkpoint's.
-EXECUTION_FIELDS = ('dtype', 'attention_impl', 'attention_block_q', 'attention_block_k', 'scan_layers', 'remat',
-                    'loss_chunk')
 
 
 # Device mesh sizes, a field per axis of lm/mesh_axes.py (`slices`: TPU slices joined over the data-center
@@ -632,6 +644,7 @@ RENAMED = {
     'theta', 'scaling', 'factor', 'original_max_len', 'low_freq_factor', 'high_freq_factor', 'beta_fast', 'beta_slow',
     'attention_factor')},
   **{f'model.mup_{f.name}': f'model.mup.{f.name}' for f in dataclasses.fields(MupConfig)},
+  **{f'model.{f.name}': f'model.execution.{f.name}' for f in dataclasses.fields(ExecutionConfig)},
   'train.checkpoint_every': 'train.checkpoint.every', 'train.checkpoint_every_minutes': 'train.checkpoint.every_minutes',
   'train.keep_checkpoints': 'train.checkpoint.keep', 'train.keep_every': 'train.checkpoint.keep_every',
   'train.checkpoint_at': 'train.checkpoint.at',
@@ -855,8 +868,7 @@ def _check_model(config: Config) -> None:
       f'raise model.max_len or lower data.seq_len')
   if m.num_labels < 0:
     raise ConfigError(f'model.num_labels={m.num_labels} must be >= 0 (0: no classifier head)')
-  if m.loss_chunk < 0:
-    raise ConfigError(f'model.loss_chunk={m.loss_chunk} must be >= 0 (0: the output layer untiled)')
+  m.execution.check()
   for key in ('model.dropout', 'model.attention_dropout', 'data.val_fraction'):
     if not 0.0 <= _get(config, key) < 1.0:
       raise ConfigError(f'{key}={_get(config, key)} must lie in [0, 1)')

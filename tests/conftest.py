@@ -58,7 +58,7 @@ SMALL = [
   'model.d_model=64', 'model.num_layers=2', 'model.num_heads=8', 'model.d_ff=256', 'model.max_len=64',
   'data.seq_len=32', 'train.global_batch=16', 'train.steps=20', 'train.eval_batches=1', 'train.log_every=1',
   'train.eval_every=1000', 'optim.warmup_steps=2', 'optim.learning_rate=3e-3', 'train.progress=false',
-  'mesh.data=1', 'model.scan_layers=true',
+  'mesh.data=1', 'model.execution.scan_layers=true',
 ]
 
 

@@ -38,6 +38,8 @@ EARLIER = {'model.rope_theta': 5e5, 'model.rope_scaling': 'linear', 'model.rope_
            'model.rope_original_max_len': 64, 'model.rope_low_freq_factor': 1.5, 'model.rope_high_freq_factor': 3.0,
            'model.rope_beta_fast': 16.0, 'model.rope_beta_slow': 2.0, 'model.rope_attention_factor': 1.1,
            'model.mup_base_width': 64, 'model.mup_base_head_dim': 16, 'model.mup_zero_init': True,
+           'model.dtype': 'bfloat16', 'model.attention_impl': 'flash', 'model.attention_block_q': 64,
+           'model.attention_block_k': 32, 'model.scan_layers': True, 'model.remat': 'full', 'model.loss_chunk': 16,
            'train.checkpoint_every': 7, 'train.checkpoint_every_minutes': 5.0, 'train.keep_checkpoints': 3,
            'train.keep_every': 4, 'train.checkpoint_at': [3, 9], 'train.evals': ['piqa'], 'train.evals_every': 5,
            'train.evals_limit': 10, 'train.evals_num_fewshot': 2, 'train.evals_data_dir': '/tmp/tasks'}

@@ -95,7 +95,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -
   output (2 h dh + 2 kv_heads dh), the MLP hidden before and after the activation (2 or 3 d_ff) and
   the float32 attention probabilities (heads * seq). Remat keeps less but recomputes one layer at a time.
   """
-  width = 4 if cfg.dtype == 'float32' else 2
+  width = 4 if cfg.execution.dtype == 'float32' else 2
   hd = cfg.num_heads * cfg.resolved_head_dim
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
   d_ff = cfg.resolved_d_ff * (3 if cfg.activation in GATED else 2)
@@ -105,11 +105,11 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -
     'full': cfg.d_model * width,
     'dots': (2 * cfg.d_model + (hd + 2 * kv + cfg.resolved_d_ff) / tensor) * width,
     'projections': (2 * cfg.d_model + (hd + 2 * kv) / tensor) * width,
-  }[cfg.remat]
-  per_token = kept * cfg.num_layers + (0 if cfg.remat == 'none' else full_layer)
+  }[cfg.execution.remat]
+  per_token = kept * cfg.num_layers + (0 if cfg.execution.remat == 'none' else full_layer)
   logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient, per token
-  if cfg.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
-    output = tokens * (min(cfg.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4)
+  if cfg.execution.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
+    output = tokens * (min(cfg.execution.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4)
   else:
     output = tokens * logits
   return int(tokens * per_token + output)

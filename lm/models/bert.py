@@ -23,7 +23,7 @@ class BERT(nn.Module):
 
   def setup(self) -> None:
     cfg = self.cfg
-    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    dtype, param_dtype = DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype]
     common = dict(dtype=dtype, param_dtype=param_dtype)
     inits = Init(cfg)
     head = lambda features, axes, **kw: DenseGeneral(features, axes, use_bias=True,
@@ -70,7 +70,7 @@ class BERT(nn.Module):
 
   def mlm_head(self, encoded: jax.Array) -> Unembedding:
     h = readout_input(self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(encoded))), self.cfg)
-    return self.token_embed.unembed(h, bias=self.mlm_bias, chunk=self.cfg.loss_chunk)
+    return self.token_embed.unembed(h, bias=self.mlm_bias, chunk=self.cfg.execution.loss_chunk)
 
   def pretrain(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                token_types: jax.Array | None = None, deterministic: bool = True

@@ -45,7 +45,7 @@ class CausalDecoder(nn.Module):
               deterministic: bool, decode: bool, head: Callable[[jax.Array, Embed], Any]) -> Any:
     """`head(last hidden states, token embedding)`, called here so the layers it makes are this module's."""
     cfg = self.cfg
-    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.execution.dtype], param_dtype=DTYPES[cfg.param_dtype],
                   inits=Init(cfg), scale=cfg.embedding_scale, name='token_embed')
     x = embed(tokens)
     positions = default_positions(tokens) if positions is None else positions
@@ -62,21 +62,21 @@ class CausalDecoder(nn.Module):
 def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
   """Absolute position encodings for `positions` [batch, length]; None for rotary (inside attention) or none."""
   if cfg.position == 'learned':
-    return LearnedPositions(cfg.max_len, cfg.d_model, inits=Init(cfg), dtype=DTYPES[cfg.dtype],
+    return LearnedPositions(cfg.max_len, cfg.d_model, inits=Init(cfg), dtype=DTYPES[cfg.execution.dtype],
                             param_dtype=DTYPES[cfg.param_dtype], name='position_embed')(positions)
   if cfg.position == 'sinusoidal':
-    return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.dtype])
+    return sinusoidal_positions(positions, cfg.d_model).astype(DTYPES[cfg.execution.dtype])
   return None
 
 
 def output_layer(cfg: ModelConfig, embed: Embed, x: jax.Array) -> Unembedding:
   """The output layer on the last hidden states `x`: the embedding table when tied, else an `lm_head` layer;
-  `.logits()` applies it, the token loss tiles it (`model.loss_chunk`). Call from a compact method."""
+  `.logits()` applies it, the token loss tiles it (`model.execution.loss_chunk`). Call from a compact method."""
   x = readout_input(x, cfg)
   if cfg.tie_embeddings:
-    return embed.unembed(x, chunk=cfg.loss_chunk, softcap=cfg.final_logit_softcap)
-  return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-                inits=Init(cfg), chunk=cfg.loss_chunk,
+    return embed.unembed(x, chunk=cfg.execution.loss_chunk, softcap=cfg.final_logit_softcap)
+  return LMHead(cfg.vocab_size, dtype=DTYPES[cfg.execution.dtype], param_dtype=DTYPES[cfg.param_dtype],
+                inits=Init(cfg), chunk=cfg.execution.loss_chunk,
                 softcap=cfg.final_logit_softcap, name='lm_head')(x)
 
 
@@ -91,5 +91,6 @@ def last_token_scores(cfg: ModelConfig, x: jax.Array, segment_ids: jax.Array | N
   else:
     last = jnp.max(jnp.where(segment_ids > 0, jnp.arange(x.shape[1])[None], 0), axis=1)
   hidden = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-  return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+  return DenseGeneral(cfg.num_labels, ('embed', None), dtype=DTYPES[cfg.execution.dtype],
+                      param_dtype=DTYPES[cfg.param_dtype],
                       kernel_init=Init(cfg)('head', ('embed', None)), name='score')(hidden)

@@ -26,7 +26,7 @@ class T5(nn.Module):
 
   def setup(self) -> None:
     cfg = self.cfg
-    common = dict(dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+    common = dict(dtype=DTYPES[cfg.execution.dtype], param_dtype=DTYPES[cfg.param_dtype])
     self.token_embed = Embed(cfg.vocab_size, cfg.d_model, inits=Init(cfg), scale=cfg.embedding_scale, **common)
     self.encoder = Stack(cfg, causal=False, num_layers=cfg.num_layers)
     self.decoder = Stack(cfg, causal=True, num_layers=cfg.resolved_decoder_layers, cross=True)
@@ -35,7 +35,7 @@ class T5(nn.Module):
       self.position_embed = LearnedPositions(cfg.max_len, cfg.d_model, inits=Init(cfg), **common)
     if not cfg.tie_embeddings:
       self.lm_head = LMHead(cfg.vocab_size, inits=Init(cfg),
-                            chunk=cfg.loss_chunk, **common)
+                            chunk=cfg.execution.loss_chunk, **common)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     x = self.token_embed(tokens)
@@ -64,7 +64,7 @@ class T5(nn.Module):
     y = readout_input(self.dropout(y, deterministic=deterministic), self.cfg)
     if self.cfg.tie_embeddings:
       head = self.token_embed.unembed(y if self.cfg.scale_embeddings else y * self.cfg.base_width ** -0.5,
-                                      chunk=self.cfg.loss_chunk)
+                                      chunk=self.cfg.execution.loss_chunk)
     else:
       head = self.lm_head(y)
     return head.logits() if unembed else head

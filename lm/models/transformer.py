@@ -41,7 +41,7 @@ class Block(nn.Module):
                bias: jax.Array | None, encoded: jax.Array | None, encoded_segment_ids: jax.Array | None,
                deterministic: bool, decode: bool, layer: int | jax.Array = 0) -> tuple[jax.Array, None]:
     cfg = self.cfg
-    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    dtype, param_dtype = DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype]
     inits = Init(cfg, self.num_layers)
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name, cfg.norm_plus_one)
     indices = cfg.global_layer_indices
@@ -51,8 +51,8 @@ class Block(nn.Module):
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
       qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_all_heads=cfg.qk_norm_scope == 'all_heads',
-      clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.attention_impl,
-      block_q=cfg.attention_block_q, block_k=cfg.attention_block_k,
+      clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.execution.attention_impl,
+      block_q=cfg.execution.attention_block_q, block_k=cfg.execution.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, **kw)
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
@@ -100,14 +100,14 @@ class Stack(nn.Module):
     cfg = self.cfg
     bias = self._relative_bias(x.shape[1], decode) if cfg.position == 'relative' else None
     block = Block
-    if cfg.remat != 'none':
+    if cfg.execution.remat != 'none':
       # static_argnums counts self: (self, x, segment_ids, positions, bias, encoded, encoded_segment_ids,
       # deterministic, decode).
       # an unrolled layer's index is static too: its window is then known when it is traced
-      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
-                       static_argnums=(7, 8) if cfg.scan_layers else (7, 8, 9))
+      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=not cfg.execution.scan_layers,
+                       static_argnums=(7, 8) if cfg.execution.scan_layers else (7, 8, 9))
     args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
-    if cfg.scan_layers:
+    if cfg.execution.scan_layers:
       scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
                         split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
                         length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -117,7 +117,7 @@ class Stack(nn.Module):
       for i in range(self.num_layers):
         x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args, i)
     if cfg.norm_position != 'post':  # the residual stream itself is never normalised otherwise
-      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.dtype], DTYPES[cfg.param_dtype], 'final_norm',
+      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype], 'final_norm',
                     cfg.norm_plus_one)(x)
     return x
 
@@ -125,7 +125,7 @@ class Stack(nn.Module):
     """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""
     cfg = self.cfg
     relpos = RelativePositionBias(cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
-                                  bidirectional=not self.causal, inits=Init(cfg), dtype=DTYPES[cfg.dtype],
+                                  bidirectional=not self.causal, inits=Init(cfg), dtype=DTYPES[cfg.execution.dtype],
                                   param_dtype=DTYPES[cfg.param_dtype], name='relpos')
     if not decode:
       return relpos(length, length)

@@ -148,7 +148,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def token_loss(head: Unembedding, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0
                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """(sum of weighted NLL + z-loss, the NLL sum, the z-loss sum, sum of weights) of the output layer `head`
-  against `targets`: untiled, or in tiles when `head.chunk` > 0 (`model.loss_chunk`). Only the first is
+  against `targets`: untiled, or in tiles when `head.chunk` > 0 (`model.execution.loss_chunk`). Only the first is
   differentiated; the sums are metrics."""
   weights = weights.astype(jnp.float32)
   if head.chunk:

@@ -64,7 +64,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   compile_s = time.perf_counter() - t0
   memory = _unfitted_memory(assembly, error) if compiled is None else compiled_memory(compiled)
   cost = None if compiled is None else compiled_cost(compiled)
-  t, m = config.train, config.model
+  t, e = config.train, config.model.execution
   tokens = t.global_batch * config.data.seq_len
   flops_per_token = assembly.flops_per_token()
   flops = flops_per_token * tokens
@@ -72,8 +72,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   report = {
     'config': config.name, 'topology': topology, 'physical_topology': physical, 'num_slices': num_slices,
     'chips': len(devices), 'device_kind': devices[0].device_kind,
-    'mesh': {**sizes, 'strategy': strategy_name(sizes)}, 'remat': m.remat, 'scan_layers': m.scan_layers,
-    'attention_impl': m.attention_impl, 'dtype': m.dtype, 'global_batch': t.global_batch,
+    'mesh': {**sizes, 'strategy': strategy_name(sizes)}, 'remat': e.remat, 'scan_layers': e.scan_layers,
+    'attention_impl': e.attention_impl, 'dtype': e.dtype, 'global_batch': t.global_batch,
     'microbatches': t.microbatches, 'seq_len': config.data.seq_len,
     'params': count_params(assembly.abstract_params),
     'memory_per_device': memory, 'hbm_per_device': hbm, 'fits': error is None and memory['total'] <= hbm,
@@ -179,7 +179,7 @@ def does_not_fit_message(r: dict[str, Any]) -> str:
   return (f'{r["config"]} does not fit {r["topology"]}: the step needs {format_bytes(mem["total"])} per device '
           f'(temp {format_bytes(mem["temp"])}, arguments {format_bytes(mem["arguments"])}) of '
           f'{format_bytes(r["hbm_per_device"])} HBM; '
-          f'try model.remat=full, a larger mesh.fsdp, more train.microbatches or a bigger slice')
+          f'try model.execution.remat=full, a larger mesh.fsdp, more train.microbatches or a bigger slice')
 
 
 def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:

@@ -51,12 +51,12 @@ class Candidate:
   def apply(self, config: Config) -> Config:
     return dataclasses.replace(
       config, mesh=dataclasses.replace(config.mesh, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
-      model=dataclasses.replace(config.model, remat=self.remat),
+      model=config.model.with_execution(remat=self.remat),
       train=dataclasses.replace(config.train, microbatches=self.microbatches))
 
   @property
   def overrides(self) -> str:
-    return (f'mesh.data={self.data} mesh.fsdp={self.fsdp} mesh.tensor={self.tensor} model.remat={self.remat} '
+    return (f'mesh.data={self.data} mesh.fsdp={self.fsdp} mesh.tensor={self.tensor} model.execution.remat={self.remat} '
             f'train.microbatches={self.microbatches}')
 
 
@@ -91,7 +91,7 @@ def predict_seconds(assembly: Assembly, chip: Chip, num_slices: int = 1) -> dict
   chips = math.prod(sizes.values())
   data, fsdp, tensor = sizes['data'] * sizes['slice'], sizes['fsdp'], sizes['tensor']
   tokens = t.global_batch * config.data.seq_len
-  flops = assembly.flops_per_token() * tokens * (1 + RECOMPUTE[m.remat])
+  flops = assembly.flops_per_token() * tokens * (1 + RECOMPUTE[m.execution.remat])
   compute = flops / (chip.peak_flops * chips)
   params = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(assembly.abstract_params))
   column = params / tensor  # the weights one tensor-parallel rank holds, gathered over fsdp
@@ -101,11 +101,11 @@ def predict_seconds(assembly: Assembly, chip: Chip, num_slices: int = 1) -> dict
   dp_bytes = 2 * grads * (sizes['data'] - 1) / sizes['data'] if ici_dp else 0.0  # ring all-reduce in the slice
   dcn_bytes = 2 * grads * (num_slices - 1) / num_slices
   layers = assembly.family.num_blocks(m)
-  act_bytes = 2 if m.dtype == 'bfloat16' else 4
+  act_bytes = 2 if m.execution.dtype == 'bfloat16' else 4
   tokens_per_rank = tokens / t.microbatches / data / fsdp
   # Two all-reduces per layer forward (attention and MLP outputs), two backward, two more when full remat runs
   # the forward again (projections keeps the reduced outputs).
-  reductions = 4 + (2 if m.remat == 'full' else 0)
+  reductions = 4 + (2 if m.execution.remat == 'full' else 0)
   tp_bytes = t.microbatches * layers * reductions * 2 * (tensor - 1) / tensor * tokens_per_rank * m.d_model * act_bytes
   # Ring steps: per layer and microbatch three FSDP collectives and `reductions` tensor all-reduces; one gradient
   # all-reduce per step.
@@ -124,7 +124,7 @@ def candidates(config: Config, devices: list[jax.Device], chip: Chip, num_slices
   remats = typing.get_args(Remat)
   out = []
   for data, fsdp, tensor in meshes(chips):
-    base = Candidate(data, fsdp, tensor, config.model.remat, 1)
+    base = Candidate(data, fsdp, tensor, config.model.execution.remat, 1)
     try:
       assembly = assemble(base.apply(config), devices)
     except ConfigError:  # the rules table cannot split some parameter over this mesh
@@ -198,7 +198,7 @@ def best_preset(result: dict[str, Any], config_name: str, overrides: dict[str, A
   """A preset YAML of the best candidate: based on the config, with the overrides given and the plan's choice."""
   c = result['plan'][0]['candidate']
   values = merge(overrides, {'mesh': {'data': c.data, 'fsdp': c.fsdp, 'tensor': c.tensor},
-                             'model': {'remat': c.remat}, 'train': {'microbatches': c.microbatches}})
+                             'model': {'execution': {'remat': c.remat}}, 'train': {'microbatches': c.microbatches}})
   header = (f'# Written by `lm compile --plan` for {result["topology"]}: predicted step '
             f'{result["plan"][0]["predicted"]["step"]:.3f} s, {format_bytes(result["plan"][0]["memory"])} per device.\n'
             f'# Slice: {result["topology"]}\n')

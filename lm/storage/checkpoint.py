@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lm.assembly.state import TrainState, shardings_of
-from lm.config import EXECUTION_FIELDS, Config, ConfigError, merge, upgrade
+from lm.config import Config, ConfigError, merge, upgrade
 from lm.distributed import all_processes, barrier
 from lm.models.transformer import relayout
 
@@ -131,8 +131,8 @@ def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
                               ('train', ('seed', 'ema_decay'), 'seed or moving average'),
                               ('optim', ('name', 'lr_multipliers'), 'optimizer')):
     theirs, ours = _flat(saved[section]), _flat(config[section])
-    free = _ORDER_FREE | (set(EXECUTION_FIELDS) if section == 'model' else set())
-    keys = keys or sorted((set(theirs) | set(ours)) - free)
+    free = lambda k: k in _ORDER_FREE or k.startswith('execution.')  # how the step computes may change
+    keys = keys or sorted(k for k in set(theirs) | set(ours) if not free(k))
     diff = [f'{section}.{k}' for k in keys if theirs.get(k) != ours.get(k)]
     if diff:
       return what, diff
@@ -218,8 +218,8 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: TrainState, config: dict, data: Any) -> TrainState:
     """State placed on `abstract_state`'s shardings, after checking the model matches; `data` is moved to the
-    saved position in place. Execution fields (`EXECUTION_FIELDS`) may differ: the params are converted to this
-    run's layer layout when `model.scan_layers` changed, and one line on stdout says what changed."""
+    saved position in place. `model.execution` may differ: the params are converted to this
+    run's layer layout when `model.execution.scan_layers` changed, and one line on stdout says what changed."""
     saved = with_defaults(self.saved_config(step))
     mismatch = config_mismatch(saved, config)
     if mismatch:
@@ -229,8 +229,8 @@ class Checkpointer:
     if not self.has_optimizer(step):
       raise ConfigError(f'checkpoint {self.directory}/{step} holds params only (an imported model), nothing to '
                         f'resume; start a new run from it with train.init_from={self.directory.parent}')
-    scanned = config['model']['scan_layers']
-    saved_scanned = saved['model']['scan_layers']
+    scanned = config['model']['execution']['scan_layers']
+    saved_scanned = saved['model']['execution']['scan_layers']
     a = abstract_state if saved_scanned == scanned else relayout(abstract_state, saved_scanned)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -249,8 +249,8 @@ class Checkpointer:
     if saved_scanned != scanned:
       state = jax.jit(lambda s: relayout(s, scanned), out_shardings=shardings_of(abstract_state))(state)
     show = lambda v: str(v).lower() if isinstance(v, bool) else v  # as written on the command line
-    changed = [f'model.{k}={show(saved["model"][k])} -> {show(config["model"][k])}' for k in EXECUTION_FIELDS
-               if saved['model'][k] != config['model'][k]]
+    theirs, ours = saved['model']['execution'], config['model']['execution']
+    changed = [f'model.execution.{k}={show(theirs[k])} -> {show(ours[k])}' for k in ours if theirs[k] != ours[k]]
     if changed and jax.process_index() == 0:
       print(f'checkpoint {self.directory}/{step} was written with other execution settings: {", ".join(changed)}',
             flush=True)

@@ -41,7 +41,7 @@ def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initial
   """Step-0 state whose params come from `source` (`ema`: its params' moving average; fresh heads where it has
   none), sharded on the mesh."""
   params = ModelSource(source, view='ema' if ema else 'model', flag='train.init_from=').params(assembly.mesh)
-  params = relayout(params, assembly.config.model.scan_layers)
+  params = relayout(params, assembly.config.model.execution.scan_layers)
   have, want = _flat(params), _flat(assembly.abstract_params)
   heads = assembly.family.per_sequence_params()
   task_head = frozenset(assembly.family.task_head.params if assembly.family.task_head else ())

@@ -18,7 +18,7 @@ def test_flops_agree_with_xla_cost_analysis(name):
   """Unscanned layers: XLA's cost analysis counts a while loop's body once, not per iteration."""
   config = load_config(name, ['model.num_layers=2', 'model.num_decoder_layers=2', f'data.seq_len={SEQ}',
                               f'model.max_len={SEQ}', f'train.global_batch={BATCH}', 'mesh.data=1',
-                              'model.scan_layers=false', 'model.remat=none'])
+                              'model.execution.scan_layers=false', 'model.execution.remat=none'])
   assembly = assemble(config, jax.devices()[:1])
   cost = compile_train_step(assembly).cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)['flops']

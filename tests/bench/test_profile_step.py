@@ -25,7 +25,7 @@ def result(tmp_path_factory):
   out = root / 'profile.json'
   env = {**os.environ, 'XLA_FLAGS': ''}  # one CPU device
   done = subprocess.run([sys.executable, str(ROOT / 'bench/profile_step.py'), '--config', 'gpt_tiny', '--steps', '2',
-                         '--out', str(out), *SMALL, 'model.loss_chunk=8', f'train.run_dir={root}/run'],
+                         '--out', str(out), *SMALL, 'model.execution.loss_chunk=8', f'train.run_dir={root}/run'],
                         env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(out.read_text())

@@ -31,7 +31,7 @@ PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]
 @functools.cache
 def tiny(preset, scan=True):
   base, overrides = VARIANTS.get(preset, (preset, OVERRIDES.get(preset)))
-  cfg = load_config(base, overrides + [f'model.scan_layers={str(scan).lower()}']).model
+  cfg = load_config(base, overrides + [f'model.execution.scan_layers={str(scan).lower()}']).model
   model = build_model(cfg)
   return model, nn.unbox(jax.jit(lambda r: init_params(model, r, 16))(jax.random.key(1)))
 

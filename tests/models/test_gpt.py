@@ -10,7 +10,7 @@ from lm.config import load_config
 from lm.models import abstract_params, build_model
 
 SMALL = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.max_len=24', 'data.seq_len=24',
-         'model.scan_layers=true']
+         'model.execution.scan_layers=true']
 
 
 def make(*overrides):
@@ -79,7 +79,7 @@ def unstack(params, num_layers):
 
 def test_scanned_and_unrolled_layers_agree():
   cfg, model, params = make()
-  _, unrolled, _ = make('model.scan_layers=false')
+  _, unrolled, _ = make('model.execution.scan_layers=false')
   x = tokens(3)
   np.testing.assert_allclose(logits_fn(unrolled)(unstack(params, cfg.num_layers), x),
                              logits_fn(model)(params, x), rtol=1e-5, atol=1e-6)
@@ -89,7 +89,7 @@ def test_scanned_and_unrolled_layers_agree():
 @pytest.mark.variants
 def test_remat_keeps_gradients(policy):
   _, model, params = make()
-  _, remat_model, _ = make(f'model.remat={policy}')
+  _, remat_model, _ = make(f'model.execution.remat={policy}')
   x = tokens(4)
   loss = lambda m: lambda p: jnp.mean(jax.nn.log_softmax(m.apply({'params': p}, x))[..., 5])
   g0 = jax.jit(jax.grad(loss(model)))(params)
@@ -100,7 +100,7 @@ def test_remat_keeps_gradients(policy):
 
 def test_bfloat16_compute_keeps_float32_params():
   cfg32, model32, params = make()
-  _, model16, params16 = make('model.dtype=bfloat16')
+  _, model16, params16 = make('model.execution.dtype=bfloat16')
   assert jax.tree.structure(params16) == jax.tree.structure(params)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params16))
   grads = jax.grad(lambda p: logits_fn(model16)(p, tokens(5)).astype(jnp.float32).sum())(params16)
@@ -127,7 +127,7 @@ def test_hidden_dropout_drops_at_its_rate_and_rescales_the_rest():
   """Every nn.Dropout in the model, intercepted: about a fraction p of its nonzero inputs become 0 (binomial,
   5 sigma over all of them) and every kept value is its input / (1 - p)."""
   p = 0.25
-  _, model, params = make(f'model.dropout={p}', 'model.scan_layers=false')  # unrolled: concrete values
+  _, model, params = make(f'model.dropout={p}', 'model.execution.scan_layers=false')  # unrolled: concrete values
   seen = []
 
   def record(next_fun, args, kwargs, context):

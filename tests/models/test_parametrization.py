@@ -26,7 +26,7 @@ def five_steps(config):
 @pytest.mark.parametrize('preset, scanned', [('gpt_tiny', True), ('bert_tiny', False), ('t5_tiny', True),
                                              ('llama_tiny', False)])
 def test_mup_at_the_base_width_trains_as_standard(preset, scanned, tmp_path):
-  overrides = SMALL + [f'model.scan_layers={str(scanned).lower()}', f'train.run_dir={tmp_path}']
+  overrides = SMALL + [f'model.execution.scan_layers={str(scanned).lower()}', f'train.run_dir={tmp_path}']
   losses, params = five_steps(load_config(preset, overrides))
   mup_losses, mup_params = five_steps(load_config(preset, overrides + ['model.parametrization=mup',
                                                                        'model.mup.base_width=64']))

@@ -14,8 +14,8 @@ from lm.data.pipeline import global_rows
 from lm.models.family import scoring_of
 from lm.train.step import make_score_step
 
-SMALL = ['model.d_model=64', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=128', 'model.dtype=float32',
-         'train.global_batch=8']
+SMALL = ['model.d_model=64', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=128',
+         'model.execution.dtype=float32', 'train.global_batch=8']
 MESHES = {'1 device': (1, ['mesh.data=1']), 'data x fsdp': (8, ['mesh.data=2', 'mesh.fsdp=4'])}
 LENGTH = 16
 # Gemma 2 with a 4-token window (shorter than contexts and continuations): layer 0 windowed (its cache a ring of 4
@@ -50,7 +50,7 @@ def reference_logits(assembly, params, context, continuation) -> np.ndarray:
 
 def config(preset, mesh, scan=False):
   preset, overrides = VARIANTS.get(preset, (preset, []))
-  return load_config(preset, SMALL + overrides + MESHES[mesh][1] + [f'model.scan_layers={str(scan).lower()}'])
+  return load_config(preset, SMALL + overrides + MESHES[mesh][1] + [f'model.execution.scan_layers={str(scan).lower()}'])
 
 
 @functools.cache

@@ -85,7 +85,7 @@ def test_encoder_padding_is_ignored():
 
 
 def test_relative_bias_is_one_table_per_stack():
-  _, params = make('model.scan_layers=true')
+  _, params = make('model.execution.scan_layers=true')
   assert params['encoder']['relpos']['rel_embedding'].shape == (4, 32)
   assert params['decoder']['relpos']['rel_embedding'].shape == (4, 32)
   assert 'relpos' not in params['encoder']['layers']

@@ -47,7 +47,7 @@ def test_decoder_classifier_reads_the_last_real_token_whatever_the_padding(famil
   """Scores of a row are the same padded to 20 or 24 (GPT-2 pads with EOS, so the mask decides, not the ids),
   and equal those of the unpadded row without a mask (its last position)."""
   cfg = load_config(f'{family}_tiny', ['model.num_labels=3', 'model.d_model=64', 'model.num_layers=2',
-                                       'model.num_heads=4', 'model.max_len=32', 'model.scan_layers=false',
+                                       'model.num_heads=4', 'model.max_len=32', 'model.execution.scan_layers=false',
                                        'data.seq_len=32']).model
   head = get_family(family).task_head
   model = build_model(cfg)

@@ -10,8 +10,8 @@ from lm.models import build_model, init_params
 
 torch = pytest.importorskip('torch')
 TINY = ['model.vocab_size=384', 'data.tokenizer=byte', 'model.d_model=32', 'model.num_heads=4', 'model.d_ff=64',
-        'model.num_layers=2', 'model.num_decoder_layers=2', 'model.scan_layers=false', 'model.max_len=32',
-        'data.seq_len=32', 'model.dtype=float32', 'model.attention_impl=xla']
+        'model.num_layers=2', 'model.num_decoder_layers=2', 'model.execution.scan_layers=false', 'model.max_len=32',
+        'data.seq_len=32', 'model.execution.dtype=float32', 'model.execution.attention_impl=xla']
 
 
 def timing_signal(length, d):

@@ -71,7 +71,7 @@ def dots(hlo: str) -> list[str]:
 @pytest.mark.variants
 def test_every_dot_of_a_bf16_training_step_multiplies_bf16_into_float32(preset, tmp_path):
   """The whole step (forward, backward, for each family): no dot runs at the float32 rate."""
-  config = load_config(preset, SMALL + ['model.dtype=bfloat16', f'train.run_dir={tmp_path}'])
+  config = load_config(preset, SMALL + ['model.execution.dtype=bfloat16', f'train.run_dir={tmp_path}'])
   trainer = Pretraining(config, jax.devices()[:1])
   state = trainer.init_state()
   hlo = trainer.train_step.lower(state, next(trainer.train_batches)).as_text()

@@ -91,7 +91,8 @@ def test_a_split_sequence_trains_as_one_device(family, mesh, tmp_path, documents
 
 @pytest.mark.long(0.2)
 def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_device):
-  config = configured('gpt', tmp_path, documents, *MESHES['dp+cp'], 'train.microbatches=2', 'model.remat=full')
+  config = configured('gpt', tmp_path, documents, *MESHES['dp+cp'], 'train.microbatches=2',
+                      'model.execution.remat=full')
   grads, losses, _ = train(config, jax.devices(), 3)
   want_grads, want_losses, _ = one_device('gpt')
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -102,9 +103,9 @@ def test_accumulation_and_remat_split_the_sequence_too(tmp_path, documents, one_
 @pytest.mark.long(1)
 @pytest.mark.parametrize('family', ['gpt', 'bert'])
 def test_flash_blocks_in_the_ring_train_as_one_device(family, tmp_path, documents, one_device):
-  """`model.attention_impl=flash` on a split sequence: each hop's blocks through our kernel (interpreted here),
-  causal sub-blocks by the zig-zag layout (GPT) or whole blocks (BERT), against one device's XLA attention."""
-  config = configured(family, tmp_path, documents, *MESHES['dp+cp'], 'model.attention_impl=flash')
+  """`model.execution.attention_impl=flash` on a split sequence: each hop's blocks through our kernel (interpreted
+  here), causal sub-blocks by the zig-zag layout (GPT) or whole blocks (BERT), against one device's XLA attention."""
+  config = configured(family, tmp_path, documents, *MESHES['dp+cp'], 'model.execution.attention_impl=flash')
   grads, losses, _ = train(config, jax.devices(), 3)
   want_grads, want_losses, _ = one_device(family)
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -131,7 +132,7 @@ def test_key_value_blocks_go_round_the_ring_and_no_device_gathers_the_sequence(s
 
 @pytest.mark.parametrize('overrides, message', [
   (['mesh.sequence=2'], 't5 does not split its sequences over a mesh axis'),
-  (['mesh.sequence=2', 'model.attention_impl=tpu_flash'], 'auto, xla or flash (not tpu_flash)'),
+  (['mesh.sequence=2', 'model.execution.attention_impl=tpu_flash'], 'auto, xla or flash (not tpu_flash)'),
   (['mesh.sequence=2', 'model.attention_dropout=0.1'],
    'ring attention with XLA blocks (mesh.sequence > 1) has no model.attention_dropout'),
   (['mesh.sequence=4', 'data.seq_len=36'], 'data.seq_len=36 does not split into 2 x mesh.sequence = 8 equal'),
@@ -163,7 +164,7 @@ def test_glue_fine_tuning_takes_a_split_source_sequence_as_data_devices(tmp_path
 def test_auto_attention_on_a_tpu_slice_takes_the_ring_for_a_split_sequence(small_config):
   """`auto` means the flash kernel on TPU, but the ring where the sequence is split (lowered for v5e, not run)."""
   from lm.parallel.chips import topology_devices
-  a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.attention_impl=auto'),
+  a = assemble(small_config('mesh.sequence=2', 'mesh.data=2', 'model.execution.attention_impl=auto'),
                topology_devices('v5e:2x2'))
   text = lower_train_step(a).as_text()
   assert 'collective_permute' in text and 'tpu_custom_call' not in text
@@ -175,7 +176,8 @@ def test_flash_blocks_in_the_ring_compile_for_a_tpu_slice(small_config):
   """The flash ring through Mosaic: the kernel inside the ring's loop and its branches compiles for v5e, and the
   permutes overlap the kernels (each hop sends the next block while computing this one)."""
   from lm.parallel.chips import topology_devices
-  a = assemble(small_config('mesh.sequence=4', 'model.attention_impl=flash', 'data.seq_len=1024', 'model.max_len=1024'),
+  a = assemble(small_config('mesh.sequence=4', 'model.execution.attention_impl=flash', 'data.seq_len=1024',
+                            'model.max_len=1024'),
                topology_devices('v5e:2x2'))
   lowered = lower_train_step(a)
   text = lowered.as_text()

@@ -17,8 +17,8 @@ from tests.conftest import needs_libtpu
 
 # gpt_tiny at width 64 on 64-token rows, scanned layers, bf16: the real step's program at a TPU compile of ~3 s
 # (gpt_tiny as it is compiles in ~8 s; the unrolled layers would take longer still).
-TPU_TINY = ['model.dtype=bfloat16', 'model.scan_layers=true', 'model.d_model=64', 'model.num_heads=4',
-            'model.d_ff=256', 'data.seq_len=64', 'model.max_len=64']
+TPU_TINY = ['model.execution.dtype=bfloat16', 'model.execution.scan_layers=true', 'model.d_model=64',
+            'model.num_heads=4', 'model.d_ff=256', 'data.seq_len=64', 'model.max_len=64']
 
 
 @pytest.mark.parametrize('name, physical', [
@@ -67,9 +67,9 @@ def test_a_step_too_large_for_the_chip_exits_nonzero_with_the_figures(capsys):
 
 
 def _dots_in_lowered_step(layers: int, scan: bool) -> int:
-  config = load_config('gpt_tiny', [f'model.num_layers={layers}', f'model.scan_layers={str(scan).lower()}',
-                                    'model.remat=full', 'model.d_model=64', 'model.num_heads=2', 'data.seq_len=32',
-                                    'model.max_len=32', 'train.global_batch=8'])
+  config = load_config('gpt_tiny', [f'model.num_layers={layers}', f'model.execution.scan_layers={str(scan).lower()}',
+                                    'model.execution.remat=full', 'model.d_model=64', 'model.num_heads=2',
+                                    'data.seq_len=32', 'model.max_len=32', 'train.global_batch=8'])
   assembly = assemble(config)
   text = lower_train_step(assembly).as_text()
   return text.count('stablehlo.dot_general')
@@ -109,7 +109,8 @@ def test_a_llama2_7b_step_compiles_for_v5p_at_four_rows_per_device():
   chips, rows = 4, 4
   run = subprocess.run(
     [sys.executable, '-m', 'lm.cli', 'compile', '--config', 'llama2_7b', '--topology', 'v5p-8', '--json',
-     'model.num_layers=1', 'model.remat=full', 'mesh.data=1', 'mesh.fsdp=-1', f'train.global_batch={rows * chips}'],
+     'model.num_layers=1', 'model.execution.remat=full', 'mesh.data=1', 'mesh.fsdp=-1',
+     f'train.global_batch={rows * chips}'],
     capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads(run.stdout)

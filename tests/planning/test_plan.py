@@ -14,7 +14,8 @@ from lm.planning.plan import Candidate, Chip, candidates, meshes, predict_second
 from tests.conftest import needs_libtpu
 
 TINY = ['model.d_model=64', 'model.num_heads=4', 'model.d_ff=256', 'model.num_layers=2', 'data.seq_len=64',
-        'model.max_len=64', 'train.global_batch=16', 'model.dtype=bfloat16', 'model.scan_layers=true']
+        'model.max_len=64', 'train.global_batch=16', 'model.execution.dtype=bfloat16',
+        'model.execution.scan_layers=true']
 
 
 def test_meshes_are_every_power_of_two_split_of_the_chips():
@@ -27,7 +28,7 @@ def test_meshes_are_every_power_of_two_split_of_the_chips():
 def test_the_roofline_adds_each_collective_as_the_docstring_says():
   """fsdp 2 x tensor 2 x data 2 on 8 devices, 2 microbatches, full remat: each term by hand."""
   config = load_config('gpt_tiny', TINY + ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'train.microbatches=2',
-                                           'model.remat=full'])
+                                           'model.execution.remat=full'])
   assembly = assemble(config)
   chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30, hop_seconds=1e-3)
   got = predict_seconds(assembly, chip)
@@ -79,7 +80,8 @@ def test_plan_lists_compiled_candidates_that_fit_ranked_by_prediction(tmp_path, 
   assert best['cost_per_device']['flops'] > 0  # the executable's own count, kept for reference
   config = load_config(str(preset))
   c = best['candidate']
-  assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.model.remat, config.train.microbatches) == \
+  assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor, config.model.execution.remat,
+          config.train.microbatches) == \
       (c['data'], c['fsdp'], c['tensor'], c['remat'], c['microbatches'])
   assert config.model.d_model == 64 and config.train.global_batch == 16  # the overrides given ride along
   assert cli.main(['compile', '--config', str(preset), '--json']) == 0  # its header names v5e-4

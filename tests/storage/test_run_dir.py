@@ -65,7 +65,7 @@ def test_a_training_checkpoint_exports_to_transformers(preset, extra, tmp_path):
   from tests.conftest import SMALL
   from tests.storage.convert.test_hf import compare
   config = load_config(preset, SMALL + extra + [f'train.run_dir={tmp_path}/run'])
-  assert config.model.scan_layers
+  assert config.model.execution.scan_layers
   assembly = assemble(config, jax.devices()[:1])
   rng = np.random.default_rng(0)
   state = jax.tree.map(lambda a: (0.2 * rng.normal(size=a.shape)).astype(a.dtype), assembly.abstract_state)

@@ -31,7 +31,7 @@ def losses(preset, overrides, devices, steps=10):
 @pytest.mark.parametrize('preset, mesh', CASES)
 def test_flash_training_matches_xla(preset, mesh):
   devices = jax.devices()[:1] if mesh == '1 device' else jax.devices()
-  xla = losses(preset, MESHES[mesh] + ['model.attention_impl=xla'], devices)
-  flash = losses(preset, MESHES[mesh] + ['model.attention_impl=flash'], devices)
+  xla = losses(preset, MESHES[mesh] + ['model.execution.attention_impl=xla'], devices)
+  flash = losses(preset, MESHES[mesh] + ['model.execution.attention_impl=flash'], devices)
   assert xla[-1] < xla[0] - 0.5
   np.testing.assert_allclose(flash, xla, rtol=2e-5)

@@ -70,8 +70,8 @@ def test_refuses_to_overwrite_or_mismatch_checkpoints(small_config, tmp_path):
   pytest.param('t5_tiny', ['model.d_ff=128'], 5.0, 3.8, marks=pytest.mark.long(0.5)),
   # Vaswani et al.'s encoder-decoder (sinusoidal positions, post-LN, ReLU, dropout 0.1 / 0.3) at tiny width
   *[pytest.param(name, ['model.vocab_size=384', 'data.tokenizer=byte', 'model.max_len=32', 'model.num_heads=4',
-                        'model.d_ff=128', 'model.num_decoder_layers=2', 'model.dtype=float32',
-                        'model.attention_impl=xla'], 5.9, 5.4, marks=pytest.mark.long(0.5))
+                        'model.d_ff=128', 'model.num_decoder_layers=2', 'model.execution.dtype=float32',
+                        'model.execution.attention_impl=xla'], 5.9, 5.4, marks=pytest.mark.long(0.5))
     for name in ('transformer_base', 'transformer_big')],
 ])
 def test_training_lowers_validation_loss(preset, extra, start, end, tmp_path):

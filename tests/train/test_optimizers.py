@@ -20,7 +20,7 @@ LR, WD, B1, B2, EPS = 3e-3, 0.1, 0.9, 0.95, 1e-8
 def first_update(small_config, name, *overrides):
   """(params, grads, decay mask, our optimizer's first update, the assembly) for random gradients."""
   config = small_config(f'optim.name={name}', 'optim.grad_clip=0', 'optim.warmup_steps=0', 'optim.schedule=constant',
-                        f'optim.learning_rate={LR}', f'optim.weight_decay={WD}', 'model.scan_layers=true',
+                        f'optim.learning_rate={LR}', f'optim.weight_decay={WD}', 'model.execution.scan_layers=true',
                         *overrides)
   assembly = assemble(config, jax.devices()[:1])
   state = assembly.init_state()
@@ -142,7 +142,8 @@ def test_each_optimizer_trains_200_steps_below_a_stated_loss_and_resumes_exactly
 def test_the_state_is_made_sharded_like_the_params(small_config, name):
   """On data 2 x fsdp 4: every moment shaped like its param is sharded like it (Adafactor's factored rows and
   columns are replicated vectors), and the state is made on those shardings."""
-  assembly = assemble(small_config('mesh.data=2', 'mesh.fsdp=4', 'model.scan_layers=true', f'optim.name={name}',
+  assembly = assemble(small_config('mesh.data=2', 'mesh.fsdp=4', 'model.execution.scan_layers=true',
+                                   f'optim.name={name}',
                                    'optim.factored_min_dim=16'))
   by_path = {path: p for path, p in jax.tree_util.tree_flatten_with_path(assembly.abstract_params)[0]}
   sharded = 0

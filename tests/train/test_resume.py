@@ -22,12 +22,13 @@ def losses(run_dir):
 
 
 @pytest.mark.parametrize('before, after, rtol, mesh', [
-  ('model.scan_layers=true', 'model.scan_layers=false', 1e-5, 'mesh.fsdp=1'),
-  ('model.scan_layers=false', 'model.scan_layers=true', 1e-5, 'mesh.fsdp=1'),
-  ('model.scan_layers=true', 'model.scan_layers=false', 1e-5, 'mesh.fsdp=2'),  # sharded params and moments
-  ('model.remat=none', 'model.remat=full', 1e-5, 'mesh.fsdp=1'),
-  ('model.attention_block_q=128', 'model.attention_block_q=16', 1e-5, 'mesh.fsdp=1'),
-  ('model.dtype=float32', 'model.dtype=bfloat16', 2e-2, 'mesh.fsdp=1'),
+  ('model.execution.scan_layers=true', 'model.execution.scan_layers=false', 1e-5, 'mesh.fsdp=1'),
+  ('model.execution.scan_layers=false', 'model.execution.scan_layers=true', 1e-5, 'mesh.fsdp=1'),
+  # sharded params and moments
+  ('model.execution.scan_layers=true', 'model.execution.scan_layers=false', 1e-5, 'mesh.fsdp=2'),
+  ('model.execution.remat=none', 'model.execution.remat=full', 1e-5, 'mesh.fsdp=1'),
+  ('model.execution.attention_block_q=128', 'model.execution.attention_block_q=16', 1e-5, 'mesh.fsdp=1'),
+  ('model.execution.dtype=float32', 'model.execution.dtype=bfloat16', 2e-2, 'mesh.fsdp=1'),
 ])
 @pytest.mark.long(1)
 def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys, before, after, rtol, mesh):
@@ -44,7 +45,7 @@ def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys,
   assert sorted(b) == [1, 2, 3, 4] and b[4] != b[2]
   np.testing.assert_allclose([b[s] for s in (3, 4)], [a[s] for s in (3, 4)], rtol=rtol)
   assert int(resumed.final_state.step) == 4
-  expected = relayout(straight.final_state.params, resumed.config.model.scan_layers)
+  expected = relayout(straight.final_state.params, resumed.config.model.execution.scan_layers)
   flat_a, tree_a = jax.tree.flatten(expected)
   flat_b, tree_b = jax.tree.flatten(resumed.final_state.params)
   assert tree_a == tree_b
@@ -56,7 +57,8 @@ def test_resume_still_refuses_a_change_of_parameters(small_config, tmp_path):
   from lm.config import ConfigError
   Pretraining(small_config('train.steps=1'), jax.devices()[:1]).run()
   with pytest.raises(ConfigError, match=r'different model \(differs in model.num_kv_heads\)'):
-    Pretraining(small_config('train.steps=2', 'train.resume=true', 'model.num_kv_heads=4', 'model.dtype=bfloat16'),
+    Pretraining(small_config('train.steps=2', 'train.resume=true', 'model.num_kv_heads=4',
+                             'model.execution.dtype=bfloat16'),
             jax.devices()[:1]).run()
 
 

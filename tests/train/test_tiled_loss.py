@@ -1,4 +1,4 @@
-"""`model.loss_chunk`: the tiled output layer and token loss give the untiled loss and gradients, for every
+"""`model.execution.loss_chunk`: the tiled output layer and token loss give the untiled loss and gradients, for every
 family's objective (causal LM, MLM with its output bias and NSP, span corruption; tied and untied output
 layers), on 1 device and on a data x fsdp x tensor mesh (vocabulary sharded), with z-loss and a tile that does
 not divide the length."""
@@ -19,7 +19,8 @@ MESHES = {'1 device': [], '2x2x2': ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2
 
 
 def loss_and_grads(preset: str, mesh: str, loss_chunk: int):
-  overrides = SMALL + FAMILIES[preset] + MESHES[mesh] + [f'model.loss_chunk={loss_chunk}', 'train.z_loss=1e-3',
+  overrides = SMALL + FAMILIES[preset] + MESHES[mesh] + [f'model.execution.loss_chunk={loss_chunk}',
+                                                         'train.z_loss=1e-3',
                                                          'train.run_dir=/tmp/unused']
   trainer = Pretraining(load_config(preset, overrides), jax.devices()[:1] if mesh == '1 device' else jax.devices())
   state, batch = trainer.init_state(), next(trainer.train_batches)

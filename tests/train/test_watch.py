@@ -35,7 +35,7 @@ def numpy_groups(tree, scanned: bool) -> dict[str, float]:
 
 @pytest.mark.parametrize('scan', [True, pytest.param(False, marks=pytest.mark.long(0.2))], ids=['scanned', 'unrolled'])
 def test_watched_norms_equal_numpy_from_the_steps_tensors(small_config, scan):
-  trainer = Pretraining(small_config('train.watch_every=2', f'model.scan_layers={str(scan).lower()}'),
+  trainer = Pretraining(small_config('train.watch_every=2', f'model.execution.scan_layers={str(scan).lower()}'),
                         jax.devices()[:1])
   state = trainer.init_state()
   state, first = trainer.train_step(state, next(trainer.train_batches))

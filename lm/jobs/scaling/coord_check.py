@@ -40,8 +40,8 @@ def width_config(base: Config, width: int, parametrization: str, learning_rate: 
   scale = lambda x: None if x is None else x * width // m.d_model
   model = standard(m) if parametrization == 'standard' else \
     dataclasses.replace(m, parametrization='mup', mup=dataclasses.replace(m.mup, base_width=m.mup.base_width or m.d_model))
-  model = dataclasses.replace(model, d_model=width, d_ff=scale(m.d_ff), head_dim=scale(m.head_dim), scan_layers=False,
-                              remat='none', dropout=0.0, attention_dropout=0.0)
+  model = dataclasses.replace(model.with_execution(scan_layers=False, remat='none'), d_model=width, d_ff=scale(m.d_ff),
+                              head_dim=scale(m.head_dim), dropout=0.0, attention_dropout=0.0)
   optim = dataclasses.replace(base.optim, name='adamw', learning_rate=learning_rate, warmup_steps=0,
                               schedule='constant', grad_clip=0.0, weight_decay=0.0, lr_multipliers=())
   mesh = dataclasses.replace(base.mesh, **{f.name: 1 for f in dataclasses.fields(base.mesh)})

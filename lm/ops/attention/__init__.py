@@ -124,7 +124,8 @@ def _check(name: str, needs: set[str]) -> None:
 def _check_platform(name: str, platform: str) -> None:
   if platform not in capabilities.TABLE[name].platforms:
     raise ValueError(f'{capabilities.NAMES.get(name, f"attention impl {name}")} runs on '
-                     f'{" or ".join(capabilities.TABLE[name].platforms)}, not {platform}: use model.attention_impl=xla')
+                     f'{" or ".join(capabilities.TABLE[name].platforms)}, not {platform}: use '
+                     f'model.execution.attention_impl=xla')
 
 
 KERNELS: dict[str, Callable[..., jax.Array]] = {

@@ -54,9 +54,9 @@ def refusal(name: str, lacks: list[str]) -> str:
   choices = [choice for choice, row in rows.items() if not missing(row, set(lacks))]
   if not ring and 'xla' in choices:  # auto falls back to the XLA path
     choices.append('auto')
-  fix = f'use model.attention_impl={", ".join(choices[:-1])} or {choices[-1]}' if len(choices) > 1 else \
+  fix = f'use model.execution.attention_impl={", ".join(choices[:-1])} or {choices[-1]}' if len(choices) > 1 else \
     f'drop {what}'
-  return f'{NAMES.get(name, f"model.attention_impl={name}")} has no {what}; {fix}' + \
+  return f'{NAMES.get(name, f"model.execution.attention_impl={name}")} has no {what}; {fix}' + \
     (', or set mesh.sequence=1' if ring else '')
 
 
@@ -75,11 +75,11 @@ def config_needs(m: ModelConfig) -> frozenset[str]:
 def check_attention(config: Config) -> None:
   """The config's attention implementation (on a split sequence: its ring) serves every feature the model asks."""
   m, n = config.model, config.mesh.sequence
-  name = m.attention_impl
+  name = m.execution.attention_impl
   if n != 1:
     if name not in RING:
       raise ConfigError(f'mesh.sequence={n} runs ring attention, whose blocks use the XLA path or our flash kernel: '
-                        f'set model.attention_impl=auto, xla or flash (not {name}), or mesh.sequence=1')
+                        f'set model.execution.attention_impl=auto, xla or flash (not {name}), or mesh.sequence=1')
     name = RING[name]
   elif name == 'auto':
     return  # resolved per call, to an implementation that serves it

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig
 from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -40,7 +40,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     norm_eps=h['layer_norm_eps'], norm_position='post',
     activation=our_activation(h['hidden_act'], 'hidden_act', ARCHITECTURE), use_bias=True, tie_embeddings=True,
     dropout=h['hidden_dropout_prob'], attention_dropout=h['attention_probs_dropout_prob'],
-    init_std=h['initializer_range'], scan_layers=False)
+    init_std=h['initializer_range'], execution=ExecutionConfig(scan_layers=False))
   return cfg, rules(cfg)
 
 

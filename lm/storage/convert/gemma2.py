@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig
 from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
                                           our_activation, unsupported, window_pattern)
 from lm.storage.convert.llama import GATED, hf_rope, rope_fields
@@ -45,7 +45,8 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     use_bias=False, tie_embeddings=True, scale_embeddings=True, sliding_window=window,
     **(pattern if window else {}), attn_logit_softcap=h['attn_logit_softcapping'] or 0.0,
     final_logit_softcap=h['final_logit_softcapping'] or 0.0, attention_scale_dim=h['query_pre_attn_scalar'],
-    dropout=0.0, attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
+    dropout=0.0, attention_dropout=h['attention_dropout'], init_std=h['initializer_range'],
+    execution=ExecutionConfig(scan_layers=False))
   return cfg, rules(cfg)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ModelConfig
+from lm.config import ExecutionConfig, ModelConfig
 from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -34,7 +34,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     activation=our_activation(h['activation_function'], 'activation_function', ARCHITECTURE), use_bias=True,
     tie_embeddings=h['tie_word_embeddings'] if same is None else same, scale_attention=h['scale_attn_weights'],
     dropout=h['resid_pdrop'], attention_dropout=h['attn_pdrop'], init_std=h['initializer_range'],
-    scan_layers=False)
+    execution=ExecutionConfig(scan_layers=False))
   return cfg, rules(cfg, prefix)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig, RopeConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig, RopeConfig
 from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -48,7 +48,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     activation=our_activation(h['hidden_act'], 'hidden_act', ARCHITECTURE), use_bias=True,
     parallel_residual=h['use_parallel_residual'], tie_embeddings=h['tie_word_embeddings'] if same is None else same,
     dropout=h['hidden_dropout'], attention_dropout=h['attention_dropout'], init_std=h['initializer_range'],
-    scan_layers=False)
+    execution=ExecutionConfig(scan_layers=False))
   return cfg, rules(cfg)
 
 

@@ -125,8 +125,8 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   """
   cfg = model.cfg if isinstance(model, nn.Module) else model
   params = jax.device_get(nn.unbox(params))
-  if cfg.scan_layers:
-    params, cfg = unstack_layers(params), dataclasses.replace(cfg, scan_layers=False)
+  if cfg.execution.scan_layers:
+    params, cfg = unstack_layers(params), cfg.with_execution(scan_layers=False)
   if cfg.parametrization != 'standard':  # HF models know no μP multipliers: fold them into the weights
     params = fold(params, logical_axes(build_model(cfg)), cfg, get_family(cfg.family).readout_norm)
     cfg = standard(cfg)

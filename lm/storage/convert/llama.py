@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig, RopeConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig, RopeConfig
 from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
                                           our_activation, unsupported, window_pattern)
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
@@ -129,7 +129,8 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
     clip_qkv=float(hf.get('clip_qkv') or 0.0) if arch.clip else 0.0,
     tie_embeddings=h['tie_word_embeddings'] if same is None else same,
     sliding_window=window, **(pattern if window and arch.layer_windows else {}), dropout=0.0,
-    attention_dropout=h['attention_dropout'], init_std=h['initializer_range'], scan_layers=False)
+    attention_dropout=h['attention_dropout'], init_std=h['initializer_range'],
+    execution=ExecutionConfig(scan_layers=False))
   return cfg, rules(cfg)
 
 

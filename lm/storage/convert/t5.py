@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig
 from lm.storage.convert.hf_config import HF_ACTIVATIONS, check_exportable, hf_activation, our_activation
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -63,7 +63,7 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
     norm_position='pre', activation=activation(h['feed_forward_proj']), use_bias=False, scale_attention=False,
     init='fan_in',
     tie_embeddings=scale, dropout=h['dropout_rate'], attention_dropout=h['dropout_rate'],
-    init_std=h['initializer_factor'], scan_layers=False)
+    init_std=h['initializer_factor'], execution=ExecutionConfig(scan_layers=False))
   out = rules(cfg)
   if not scale:
     out.append(Tensor('lm_head.weight' if separate else 'shared.weight', ('lm_head/kernel',), 'linear'))

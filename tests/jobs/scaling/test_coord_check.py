@@ -53,7 +53,7 @@ def test_each_width_keeps_the_heads_and_trains_plain_adamw_steps():
   base = load_config('gpt_tiny', ['model.d_ff=512', 'optim.lr_multipliers=[embed=2]'])
   mup = width_config(base, 1024, 'mup', 1e-2)
   assert (mup.model.d_model, mup.model.num_heads, mup.model.d_ff, mup.model.resolved_head_dim) == (1024, 4, 2048, 256)
-  assert (mup.model.parametrization, mup.model.mup.base_width, mup.model.scan_layers) == ('mup', 256, False)
+  assert (mup.model.parametrization, mup.model.mup.base_width, mup.model.execution.scan_layers) == ('mup', 256, False)
   o = mup.optim
   assert (o.name, o.learning_rate, o.warmup_steps, o.schedule, o.grad_clip, o.weight_decay, o.lr_multipliers) == \
     ('adamw', 1e-2, 0, 'constant', 0.0, 0.0, ())

@@ -26,8 +26,8 @@ KERNELS = [name for name in TABLE if name not in RING.values()]
 def config(impl: str, sequence: int, *overrides: str):
   return load_config('llama_tiny', ['model.num_layers=2', 'model.d_model=32', 'model.num_heads=2',
                                     'model.num_kv_heads=1', 'model.d_ff=64', 'model.max_len=32', 'data.seq_len=32',
-                                    'mesh.data=1', f'mesh.sequence={sequence}', f'model.attention_impl={impl}',
-                                    *overrides])
+                                    'mesh.data=1', f'mesh.sequence={sequence}',
+                                    f'model.execution.attention_impl={impl}', *overrides])
 
 
 @pytest.mark.parametrize('choice, sequence', [(k, 1) for k in KERNELS] + [(c, 2) for c in RING])

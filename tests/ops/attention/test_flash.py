@@ -173,7 +173,7 @@ def test_dispatch_runs_flash_and_refuses_masks():
   q, k, v = (jnp.asarray(rng.normal(size=(2, 70, 2, 16)), jnp.float32) for _ in range(3))
   np.testing.assert_allclose(attention(q, k, v, causal=True, impl='flash'), attention(q, k, v, causal=True),
                              rtol=2e-5, atol=2e-6)
-  with pytest.raises(ValueError, match='model.attention_impl=flash has no arbitrary masks'):
+  with pytest.raises(ValueError, match='model.execution.attention_impl=flash has no arbitrary masks'):
     attention(q, k, v, mask=jnp.ones((1, 1, 70, 70), bool), impl='flash')
 
 
@@ -220,6 +220,6 @@ def test_the_xla_path_windows_and_soft_caps_as_the_reference(length):
   assert rel(out, want[0]) < 1e-5
   for got, expected in zip(grads, want[1:4], strict=True):
     assert rel(got, expected) < 1e-5
-  with pytest.raises(ValueError, match='model.attention_impl=tpu_splash has no model.sliding_window; use '
-                                       'model.attention_impl=xla, flash or auto'):
+  with pytest.raises(ValueError, match='model.execution.attention_impl=tpu_splash has no model.sliding_window; use '
+                                       'model.execution.attention_impl=xla, flash or auto'):
     attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, window=window, impl='tpu_splash')

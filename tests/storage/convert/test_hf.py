@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from lm.config import ConfigError, ModelConfig, MupConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig, MupConfig
 from lm.storage.convert.hf import load_hf, read_hf_config, save_hf
 from lm.jobs.generate import generate
 from lm.models import abstract_params, build_model
@@ -344,7 +344,7 @@ def test_unsupported_setting_is_named(gpt2_dir, tmp_path):
 
 def test_export_names_what_the_architecture_cannot_express(tmp_path):
   cfg = ModelConfig(family='gpt', vocab_size=16, d_model=8, num_layers=1, num_heads=2, max_len=8, norm='rmsnorm',
-                    scan_layers=False)
+                    execution=ExecutionConfig(scan_layers=False))
   params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(build_model(cfg)))
   with pytest.raises(ConfigError, match=r"as GPT2LMHeadModel: model.norm='rmsnorm' \(needs 'layernorm'\)"):
     save_hf(cfg, params, tmp_path)
@@ -375,7 +375,8 @@ def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_
   model, params = load_hf(tmp_path / 'hf')
   cfg = model.cfg
   rope = cfg.rope
-  assert (rope.scaling, rope.factor, rope.original_max_len, rope.low_freq_factor, rope.high_freq_factor) == ('llama3', 8.0, 8, 1.0, 4.0)
+  assert (rope.scaling, rope.factor, rope.original_max_len, rope.low_freq_factor, rope.high_freq_factor) == \
+    ('llama3', 8.0, 8, 1.0, 4.0)
   unscaled = build_model(dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, scaling='none')))
   assert compare(hf_model, unscaled, params, 'llama3') > 1e-2  # the parity test would see a scaling ignored
   # a transformers 4 config (rope_theta, rope_scaling) reads the same and exports in its own layout
@@ -416,7 +417,7 @@ def test_mistral_window_holds_on_every_attention_path(tmp_path):
   hf_model = save_hf_model('mistral_window', tmp_path / 'hf')
   model, params = load_hf(tmp_path / 'hf')
   assert model.cfg.sliding_window == 4
-  flash = build_model(dataclasses.replace(model.cfg, attention_impl='flash'))
+  flash = build_model(model.cfg.with_execution(attention_impl='flash'))
   assert compare(hf_model, flash, params, 'mistral_window') < 1e-4
   assert compare(hf_model, build_model(dataclasses.replace(model.cfg, sliding_window=0)), params,
                  'mistral_window') > 1e-3
@@ -433,7 +434,7 @@ def test_gemma2_holds_scanned_through_flash_and_each_feature_acts(tmp_path):
           cfg.attention_scale_dim, cfg.norm_position, cfg.norm_plus_one) == (4, 2, 1.0, 2.0, 24, 'sandwich', True)
   stacked = {**params, 'decoder': stack_layers(params['decoder'])}
   for impl in ('xla', 'flash'):
-    scanned = build_model(dataclasses.replace(cfg, scan_layers=True, attention_impl=impl))
+    scanned = build_model(cfg.with_execution(scan_layers=True, attention_impl=impl))
     assert compare(hf_model, scanned, stacked, 'gemma2') < 1e-4, impl
   for change in ({'global_every': 0}, {'sliding_window': 0, 'global_every': 0}, {'attn_logit_softcap': 0.0},
                  {'final_logit_softcap': 0.0}, {'attention_scale_dim': None}):
@@ -457,7 +458,7 @@ def test_gemma2_layer_types_are_the_per_layer_truth_at_any_layer_count(types, pa
   model, params = load_hf(tmp_path / 'hf')
   assert {k: getattr(model.cfg, k) for k in pattern} == pattern
   assert compare(hf_model, model, params, 'gemma2') < 1e-4
-  scanned = build_model(dataclasses.replace(model.cfg, scan_layers=True))
+  scanned = build_model(model.cfg.with_execution(scan_layers=True))
   assert compare(hf_model, scanned, {**params, 'decoder': stack_layers(params['decoder'])}, 'gemma2') < 1e-4
   all_windowed = build_model(dataclasses.replace(model.cfg, global_every=0, global_layers=()))
   assert compare(hf_model, all_windowed, params, 'gemma2') > 1e-3  # the global layer acts
@@ -543,7 +544,8 @@ def test_bad_open_model_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ca
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and 'layer_types lists 1 layers, num_hidden_layers=2' in err
   assert not (tmp_path / 'run').exists()
-  for overrides, message in ((['model.attention_impl=tpu_splash'], 'model.attention_impl=tpu_splash has no '
+  for overrides, message in ((['model.execution.attention_impl=tpu_splash'],
+                              'model.execution.attention_impl=tpu_splash has no '
                               'model.sliding_window or model.attn_logit_softcap'),
                              (['model.sliding_window=512'], 'model.sliding_window=512 is larger than the context')):
     assert cli.main(['train', '--config', 'gemma2_tiny', f'train.run_dir={tmp_path / "train"}', *overrides]) == 2
