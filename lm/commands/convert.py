@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                               'models--ORG--NAME) as one run, a checkpoint per step; a rerun adds the new ones')
   direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
   convert.add_argument('--to', metavar='RUN_DIR', help='run directory to write (with --from-hf)')
-  convert.add_argument('--from', dest='source', metavar='RUN_DIR', help='run directory to export (with --to-hf)')
+  convert.add_argument('--from', dest='source', metavar='RUN_DIR',
+                       help='run directory to export (with --to-hf): its latest params, or RUN/checkpoints/STEP\'s')
   convert.add_argument('--tokens-per-step', type=int, metavar='N',
                        help='with --from-hf-series: tokens per step (else read from names like step1000-tokens4B)')
   convert.add_argument('--ema', action='store_true', help='export the params\' moving average (a run trained with '

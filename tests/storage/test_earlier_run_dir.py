@@ -67,10 +67,13 @@ def test_eval_generate_convert_and_collect_read_it(run, tmp_path, capsys):
                    '--seed', '0']) == 0
   assert capsys.readouterr().out == "--- 'def '\n" + REFERENCE['generate_def_16_temperature_1_seed_0']
 
-  assert cli.main(['convert', '--from', str(run), '--to-hf', str(tmp_path / 'hf')]) == 0
-  exported = load_hf(tmp_path / 'hf')[1]
-  params = ModelSource(run).params(one_device_mesh())
-  jax.tree.map(np.testing.assert_array_equal, exported, jax.device_get(params))
+  for step, source in ((4, run), (2, run / 'checkpoints' / '2')):  # the latest, or one checkpoint
+    assert cli.main(['convert', '--from', str(source), '--to-hf', str(tmp_path / f'hf{step}')]) == 0
+    exported = load_hf(tmp_path / f'hf{step}')[1]
+    params = ModelSource(run, step=step).params(one_device_mesh())
+    jax.tree.map(np.testing.assert_array_equal, exported, jax.device_get(params))
+  assert any(jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b), load_hf(tmp_path / 'hf2')[1],
+                                          load_hf(tmp_path / 'hf4')[1])))
 
   points = tmp_path / 'points.csv'
   assert cli.main(['scaling', 'collect', str(run), '--evaluate', 'mesh.data=4', 'mesh.tensor=2', '--out',

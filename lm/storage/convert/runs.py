@@ -49,11 +49,14 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
 
 
 def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Path:
-  """Writes the run's latest params (trained or imported; `ema`: their moving average) as HF directory `hf_dir`."""
-  run_dir = epath.Path(run_dir)
-  if not is_run_dir(run_dir):
-    raise ConfigError(f'{run_dir}/{CONFIG} not found; pass a run directory written by lm train or lm convert')
-  source = ModelSource(run_dir, view='ema' if ema else 'model')
+  """Writes the params of a run (its latest, trained or imported) or of one of its checkpoints (RUN/checkpoints/STEP)
+  as HF directory `hf_dir`; `ema`: their moving average."""
+  path = epath.Path(run_dir)
+  if not is_run_dir(path.parent.parent if path.parent.name == CHECKPOINTS else path):
+    raise ConfigError(f'{path}/{CONFIG} not found; pass a run directory written by lm train or lm convert, or a '
+                      f'checkpoint of one (RUN/{CHECKPOINTS}/STEP)')
+  source = ModelSource(path, view='ema' if ema else 'model', flag='--from')
+  run_dir = source.path
   params = source.params(one_device_mesh())
   if (run_dir / HF_CONFIG).is_file():  # an import: its config.json's token ids, dtype, ...
     hf_config = json.loads((run_dir / HF_CONFIG).read_text())
