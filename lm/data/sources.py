@@ -239,12 +239,15 @@ def jsonl_lines(paths: list[str]) -> list[tuple[str, int, int]]:
   """(name, file index, byte offset) of every non-empty line (of the decompressed stream of a compressed file)."""
   out = []
   for f, path in enumerate(paths):
+    before = len(out)
     with open(seekable(path), 'rb') as handle:
       offset = 0
       for n, line in enumerate(handle):
         if line.strip():
           out.append((f'{path}:{n}', f, offset))
         offset += len(line)
+    if len(out) == before:  # most often a download or a write that failed
+      raise ConfigError(f'{path} holds no lines; remove it or narrow the glob')
   return out
 
 

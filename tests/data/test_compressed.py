@@ -92,6 +92,23 @@ def test_a_truncated_stream_is_one_line_and_leaves_nothing(corpus, tmp_path, mon
   assert list((tmp_path / 'cache/decompressed').iterdir()) == []
 
 
+def test_an_empty_file_among_others_is_named_and_the_run_writes_nothing(corpus, tmp_path, monkeypatch, capsys):
+  """A file with no lines (a failed download; empty, or a compressed stream of nothing) stops the run in one line
+  naming it, exit 2, before anything is written."""
+  from lm import cli
+  root, _ = corpus
+  monkeypatch.setenv('LM_CACHE_DIR', str(tmp_path / 'cache'))
+  for name, data in (('e.jsonl', b''), ('e.jsonl.gz', gzip.compress(b'\n')),
+                     ('e.jsonl.zst', zstandard.ZstdCompressor().compress(b''))):
+    (tmp_path / name).write_bytes(data)
+    capsys.readouterr()
+    assert cli.main(['train', '--config', 'gpt_tiny', *TINY, 'data.source=jsonl',
+                     f'data.paths=[{root}/plain.jsonl,{tmp_path / name}]', f'train.run_dir={tmp_path}/run']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and f'{tmp_path / name} holds no lines; remove it or narrow the glob' in err, err
+  assert not (tmp_path / 'run').exists()
+
+
 @pytest.mark.parametrize('line, message', [
   (b'{"text": "one", ', r'line 3 is not JSON \(.*\); fix or drop the line'),
   (b'{"text": "\xff\xfe"}', r'line 3 is not UTF-8; fix or drop the line'),
