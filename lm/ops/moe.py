@@ -1,0 +1,139 @@
+"""Mixture-of-experts routing and expert compute, as functions of arrays (the routed layer wraps them).
+
+Routing and the combine are float32 or wider whatever the compute dtype (`_wide`): ties at the top-k boundary in
+bf16 would pick other experts.
+A token's k choices come with combine weights; three paths compute sum_k weight_k * expert_{e_k}(x):
+- `dense`: every expert on every token (the reference the tests hold the others to);
+- `dropless`: token copies sorted by expert, then one grouped matmul per projection (`jax.lax.ragged_dot`);
+- `capacity`: GShard's dispatch and combine with `capacity` slots per expert; choices past an expert's slots are
+  dropped, in this order: every token's first choice (by token index) before any second choice, and so on.
+
+Expert weights: `up` [E, D, F], `down` [E, F, D] and, for a gated MLP (act(x Wg) * (x Wu)), `gate` [E, D, F].
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Activation = Callable[[jax.Array], jax.Array]
+
+
+def _wide(dtype) -> jnp.dtype:
+  """float32, or float64 for float64 (the tests' references)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+class Routing(NamedTuple):
+  weights: jax.Array  # [T, k] float32 combine weights
+  experts: jax.Array  # [T, k] int32 chosen experts, best first
+  probs: jax.Array  # [T, E] float32 router scores (softmax or sigmoid) before any selection bias
+
+
+def route(logits: jax.Array, k: int, score: str = 'softmax', normalize: bool = True, scale: float = 1.0,
+          bias: jax.Array | None = None, groups: int = 1, top_groups: int = 1) -> Routing:
+  """Top-k routing of router `logits` [T, E]. `score`: softmax over all experts (Mixtral, Qwen) or a sigmoid
+  per expert (DeepSeek-V3). `normalize`: the chosen scores divided by their sum (Mixtral's top-k-then-softmax;
+  Qwen2-MoE's norm_topk_prob=False keeps them as they are). `scale`: the routed scaling factor. `bias` [E]
+  (aux-loss-free balancing) shifts the scores only to choose experts, never in the weights. `groups` > 1: experts
+  in equal groups, only the `top_groups` groups whose two best scores sum highest may be chosen (DeepSeek-V3)."""
+  logits = logits.astype(_wide(logits.dtype))
+  probs = jax.nn.softmax(logits, axis=-1) if score == 'softmax' else jax.nn.sigmoid(logits)
+  choice = probs if bias is None else probs + bias.astype(logits.dtype)
+  if groups > 1:
+    t, e = choice.shape
+    grouped = choice.reshape(t, groups, e // groups)
+    group_score = jax.lax.top_k(grouped, min(2, e // groups))[0].sum(-1)  # [T, groups]
+    allowed = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], jax.lax.top_k(group_score, top_groups)[1]].set(
+      True)
+    choice = jnp.where(jnp.repeat(allowed, e // groups, axis=1), choice, -jnp.inf)
+  experts = jax.lax.top_k(choice, k)[1]
+  weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if normalize:
+    weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if score == 'sigmoid' else 0.0))
+  return Routing(weights * scale, experts.astype(jnp.int32), probs)
+
+
+def _expert_mlp(x: jax.Array, up: jax.Array, down: jax.Array, gate: jax.Array | None, act: Activation,
+                matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+  """down(act(x gate) * (x up)) or down(act(x up)) with `matmul` doing each projection."""
+  h = matmul(x, up)
+  h = act(matmul(x, gate)) * h if gate is not None else act(h)
+  return matmul(h, down)
+
+
+def _per_expert(a: jax.Array, w: jax.Array) -> jax.Array:
+  """Each expert's rows [E, N, D] times its weight [E, D, F]."""
+  return jnp.einsum('end,edf->enf', a, w)
+
+
+def dense(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
+          act: Activation) -> jax.Array:
+  """Every expert on every token [T, D], combined by the routing's weights (zero for experts not chosen)."""
+  num_experts = up.shape[0]
+  combine = jnp.zeros((x.shape[0], num_experts), _wide(x.dtype)).at[
+    jnp.arange(x.shape[0])[:, None], routing.experts].add(routing.weights)
+  outputs = _expert_mlp(jnp.broadcast_to(x, (num_experts, *x.shape)), up, down, gate, act, _per_expert)  # [E, T, D]
+  return jnp.einsum('te,etd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
+
+
+def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
+             act: Activation) -> jax.Array:
+  """Each token's k copies sorted by expert, the projections as grouped matmuls over the experts' contiguous
+  groups (empty groups included), the outputs weighted and summed back per token."""
+  t, k = routing.experts.shape
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  sizes = jnp.bincount(flat, length=up.shape[0]).astype(jnp.int32)
+  grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=_wide(x.dtype)).astype(x.dtype)
+  out = _expert_mlp(x[token], up, down, gate, act, grouped)  # [T k, D] in expert order
+  weighted = out.astype(_wide(x.dtype)) * routing.weights.reshape(-1)[order][:, None]
+  return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
+
+
+def capacity_slots(tokens: int, k: int, num_experts: int, factor: float) -> int:
+  """Slots per expert: `factor` times an even share of the T k choices, rounded up."""
+  return max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def capacity(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
+             act: Activation, factor: float) -> tuple[jax.Array, jax.Array]:
+  """GShard's dispatch and combine with `capacity_slots` per expert: (outputs [T, D], the share of the T k
+  choices dropped). A dropped choice adds nothing; the kept weights are not renormalised."""
+  t, k = routing.experts.shape
+  num_experts = up.shape[0]
+  slots = capacity_slots(t, k, num_experts, factor)
+  onehot = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.int32)  # [T, k, E]
+  by_rank = onehot.transpose(1, 0, 2).reshape(k * t, num_experts)  # first choices of all tokens, then seconds, ...
+  position = (jnp.cumsum(by_rank, axis=0) - 1).reshape(k, t, num_experts).transpose(1, 0, 2)
+  slot = (position * onehot).sum(-1)  # [T, k]: the choice's place in its expert's queue
+  kept = slot < slots
+  dispatch = (onehot * kept[..., None]).astype(x.dtype)[..., None] * jax.nn.one_hot(slot, slots, dtype=x.dtype)[
+    :, :, None, :]  # [T, k, E, C]
+  inputs = jnp.einsum('tkec,td->ecd', dispatch, x)
+  outputs = _expert_mlp(inputs, up, down, gate, act, _per_expert)
+  combine = dispatch.astype(_wide(x.dtype)) * routing.weights[..., None, None]
+  y = jnp.einsum('tkec,ecd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
+  return y, 1.0 - kept.mean()
+
+
+def load_balance_loss(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """Switch-style balance loss, as transformers' `load_balancing_loss_func` for one layer:
+  E * sum_e f_e p_e, where f_e is the share of tokens with e among their k choices (so sum_e f_e = k) and p_e the
+  mean router score of e, both over the tokens `mask` [T] keeps (padding excluded). Balanced routing gives k."""
+  num_experts = probs.shape[-1]
+  w = jnp.ones(probs.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(1)  # [T, E]
+  f = (chosen * w[:, None]).sum(0) / w.sum()
+  p = (probs * w[:, None]).sum(0) / w.sum()
+  return num_experts * jnp.sum(f * p)
+
+
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """ST-MoE's router z-loss: the mean over kept tokens of logsumexp(logits)^2."""
+  z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
+  w = jnp.ones_like(z) if mask is None else mask.astype(jnp.float32)
+  return (z * w).sum() / w.sum()

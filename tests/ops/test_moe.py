@@ -1,0 +1,196 @@
+"""`lm.ops.moe`: routing against NumPy, and the dense, dropless and capacity paths against a float64 loop over
+experts (forward and gradients, skewed and empty experts included); the balance loss against transformers'."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from lm.ops import moe
+
+T, D, F, E, K = 13, 6, 5, 4, 2
+
+
+def weights(rng, gated, dtype=np.float64):
+  scale = lambda *shape: rng.normal(size=shape).astype(dtype) / np.sqrt(shape[-2])
+  return scale(E, D, F), scale(E, F, D), (scale(E, D, F) if gated else None)
+
+
+def loop_over_experts(x, experts, w, up, down, gate, act):
+  """For each token and each of its choices, that expert's MLP times the choice's weight: a Python loop."""
+  y = jnp.zeros_like(x)
+  for t in range(x.shape[0]):
+    for j in range(experts.shape[1]):
+      e = int(experts[t, j])
+      h = x[t] @ up[e]
+      h = act(x[t] @ gate[e]) * h if gate is not None else act(h)
+      y = y.at[t].add(w[t, j] * (h @ down[e]))
+  return y
+
+
+def skewed_logits(rng, skew):
+  logits = rng.normal(size=(T, E))
+  if skew:  # expert 0 takes nearly every token, expert 3 none
+    logits[:, 0] += 4.0
+    logits[:, 3] -= 8.0
+  return logits
+
+
+@pytest.mark.parametrize('gated', [True, False])
+@pytest.mark.parametrize('skew', [False, True])
+def test_every_path_equals_a_float64_loop_over_experts(gated, skew):
+  """Outputs and gradients (inputs, expert weights, router logits through the combine weights) of every path equal
+  the loop's, in float64; with skew, one expert gets almost every token and another none."""
+  rng = np.random.default_rng(0)
+  act = jax.nn.silu if gated else jax.nn.gelu
+  with jax.enable_x64(True):
+    x, logits = jnp.asarray(rng.normal(size=(T, D))), jnp.asarray(skewed_logits(rng, skew))
+    up, down, gate = map(lambda a: None if a is None else jnp.asarray(a), weights(rng, gated))
+    routing = moe.route(logits, K)
+    if skew:
+      counts = np.bincount(np.asarray(routing.experts).ravel(), minlength=E)
+      assert counts[0] == T and counts[3] == 0
+    paths = {'dense': lambda *a: moe.dense(*a, act=act), 'dropless': lambda *a: moe.dropless(*a, act=act),
+             'capacity': lambda *a: moe.capacity(*a, act=act, factor=E)[0]}
+    cotangent = jnp.asarray(rng.normal(size=(T, D)))
+
+    def loss(path, x, up, down, gate, logits):
+      r = moe.route(logits, K)
+      r = r._replace(weights=r.weights.astype(x.dtype))
+      out = path(x, r, up, down, gate) if path else loop_over_experts(x, r.experts, r.weights, up, down, gate, act)
+      return jnp.sum(out * cotangent)
+
+    args = (x, up, down, gate, logits)
+    argnums = (0, 1, 2, 4) + ((3,) if gated else ())
+    want = jax.grad(lambda *a: loss(None, *a), argnums)(*args)
+    want_y = loop_over_experts(x, routing.experts, routing.weights, up, down, gate, act)
+    for name, path in paths.items():
+      np.testing.assert_allclose(path(x, routing, up, down, gate), want_y, rtol=1e-10, atol=1e-12, err_msg=name)
+      got = jax.grad(lambda *a: loss(path, *a), argnums)(*args)
+      for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def numpy_route(logits, k, score, normalize, scale, bias, groups, top_groups):
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs = probs / probs.sum(-1, keepdims=True) if score == 'softmax' else 1 / (1 + np.exp(-logits))
+  choice = probs + (0 if bias is None else bias)
+  if groups > 1:
+    g = choice.reshape(len(choice), groups, -1)
+    group_score = np.sort(g, -1)[..., -2:].sum(-1)
+    keep = np.argsort(-group_score, -1, kind='stable')[:, :top_groups]
+    mask = np.zeros_like(group_score, bool)
+    np.put_along_axis(mask, keep, True, -1)
+    choice = np.where(np.repeat(mask, g.shape[-1], 1), choice, -np.inf)
+  experts = np.argsort(-choice, -1, kind='stable')[:, :k]
+  w = np.take_along_axis(probs, experts, -1)
+  if normalize:
+    w = w / w.sum(-1, keepdims=True)
+  return w * scale, experts
+
+
+@pytest.mark.parametrize('score, normalize, scale, with_bias, groups, top_groups', [
+  ('softmax', True, 1.0, False, 1, 1),  # Mixtral
+  ('softmax', False, 1.0, False, 1, 1),  # Qwen2-MoE's norm_topk_prob=False
+  ('sigmoid', True, 2.5, True, 4, 2),  # DeepSeek-V3: sigmoid, a selection bias, groups, a routed scaling factor
+])
+def test_routing_equals_numpy(score, normalize, scale, with_bias, groups, top_groups):
+  rng = np.random.default_rng(1)
+  e = 8
+  logits = rng.normal(size=(32, e)).astype(np.float32)
+  bias = rng.normal(size=e).astype(np.float32) if with_bias else None
+  r = moe.route(jnp.asarray(logits), 2, score, normalize, scale, None if bias is None else jnp.asarray(bias),
+                groups, top_groups)
+  w, experts = numpy_route(logits.astype(np.float64), 2, score, normalize, scale, bias, groups, top_groups)
+  np.testing.assert_array_equal(r.experts, experts)
+  np.testing.assert_allclose(r.weights, w, rtol=1e-6)
+
+
+def test_a_selection_bias_changes_the_choice_and_not_the_weights():
+  """Aux-loss-free balancing: a bias toward expert 3 puts it among every token's choices, and each chosen expert's
+  weight is still its unbiased score (renormalised over the choice)."""
+  rng = np.random.default_rng(2)
+  logits = jnp.asarray(rng.normal(size=(16, E)).astype(np.float32))
+  plain = moe.route(logits, K, 'sigmoid', normalize=False)
+  biased = moe.route(logits, K, 'sigmoid', normalize=False, bias=jnp.array([0, 0, 0, 10.0]))
+  assert (np.asarray(biased.experts) == 3).any(1).all() and not (np.asarray(plain.experts) == 3).any(1).all()
+  np.testing.assert_array_equal(biased.weights, jnp.take_along_axis(plain.probs, biased.experts, -1))
+
+
+def test_a_small_capacity_drops_exactly_the_predicted_choices():
+  """With one slot in 4 needed, each expert keeps its first choices in the stated order (every token's first
+  choice by token index, then the second choices); the output is the loop over the kept choices only."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+  up, down, gate = map(jnp.asarray, weights(rng, True, np.float32))
+  routing = moe.route(jnp.asarray(skewed_logits(rng, True).astype(np.float32)), K)
+  factor = 0.5
+  slots = moe.capacity_slots(T, K, E, factor)
+  taken, kept = np.zeros(E, int), np.zeros((T, K), bool)
+  for j in range(K):
+    for t in range(T):
+      e = int(routing.experts[t, j])
+      kept[t, j], taken[e] = taken[e] < slots, taken[e] + 1
+  y, dropped = moe.capacity(x, routing, up, down, gate, jax.nn.silu, factor)
+  want = loop_over_experts(x, routing.experts, routing.weights * kept, up, down, gate, jax.nn.silu)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  assert 0 < float(dropped) == pytest.approx(1 - kept.mean())
+
+
+def test_one_expert_with_k_1_is_the_dense_mlp():
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+  up, down, gate = (jnp.asarray(a[:1]) for a in weights(rng, True, np.float32))
+  routing = moe.route(jnp.asarray(rng.normal(size=(T, 1)).astype(np.float32)), 1)
+  mlp = (jax.nn.silu(x @ gate[0]) * (x @ up[0])) @ down[0]
+  for path in (moe.dense, moe.dropless):
+    np.testing.assert_allclose(path(x, routing, up, down, gate, jax.nn.silu), mlp, rtol=1e-5, atol=1e-6)
+
+
+def test_permuting_the_experts_with_the_router_rows_changes_nothing():
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+  up, down, gate = map(jnp.asarray, weights(rng, True, np.float32))
+  router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
+  perm = np.array([2, 0, 3, 1])
+  run = lambda r, u, d, g: moe.dropless(x, moe.route(x @ r, K), u, d, g, jax.nn.silu)
+  np.testing.assert_allclose(run(router[:, perm], up[perm], down[perm], gate[perm]), run(router, up, down, gate),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_under_dropless_a_tokens_output_ignores_the_other_tokens():
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(T, D)).astype(np.float32)
+  up, down, gate = map(jnp.asarray, weights(rng, True, np.float32))
+  router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
+  run = lambda x: moe.dropless(x, moe.route(x @ router, K), up, down, gate, jax.nn.silu)
+  other = x.copy()
+  other[1:] = rng.normal(size=(T - 1, D)) * 3
+  np.testing.assert_array_equal(run(jnp.asarray(x))[0], run(jnp.asarray(other))[0])
+
+
+def test_the_balance_loss_equals_transformers_with_padding():
+  """One layer's loss against transformers' load_balancing_loss_func (Mixtral's) with an attention mask; balanced
+  routing gives k."""
+  import torch
+  from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+  rng = np.random.default_rng(7)
+  batch, length = 3, 5
+  logits = rng.normal(size=(batch * length, E)).astype(np.float32)
+  mask = np.ones((batch, length), np.int64)
+  mask[0, 3:] = mask[2, 1:] = 0
+  r = moe.route(jnp.asarray(logits), K)
+  ours = moe.load_balance_loss(r.probs, r.experts, jnp.asarray(mask.reshape(-1)))
+  theirs = load_balancing_loss_func((torch.from_numpy(logits),), E, K, torch.from_numpy(mask))
+  np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+  balanced = jnp.stack([jnp.arange(E), (jnp.arange(E) + 1) % E], 1)  # each expert chosen by 2 of 4 tokens
+  assert float(moe.load_balance_loss(jnp.full((E, E), 1 / E), balanced)) == pytest.approx(K)
+
+
+def test_the_router_z_loss_is_the_masked_mean_of_squared_logsumexp():
+  rng = np.random.default_rng(8)
+  logits = rng.normal(size=(10, E)) * 3
+  mask = (np.arange(10) % 3 != 0).astype(np.float32)
+  lse = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(float(moe.router_z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(mask))),
+                             (lse ** 2 * mask).sum() / mask.sum(), rtol=1e-5)
