@@ -4,7 +4,8 @@ Routing and the combine are float32 or wider whatever the compute dtype (`_wide`
 bf16 would pick other experts.
 A token's k choices come with combine weights; three paths compute sum_k weight_k * expert_{e_k}(x):
 - `dense`: every expert on every token (the reference the tests hold the others to);
-- `dropless`: token copies sorted by expert, then one grouped matmul per projection (`jax.lax.ragged_dot`);
+- `dropless`: token copies sorted by expert, then one grouped matmul per projection (`grouped_matmul`: XLA's
+  `jax.lax.ragged_dot` on every platform, or JAX's Pallas megablox `gmm`, the TPU default);
 - `capacity`: GShard's dispatch and combine with `capacity` slots per expert; choices past an expert's slots are
   dropped, in this order: every token's first choice (by token index) before any second choice, and so on.
 
@@ -17,6 +18,8 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from lm.parallel.rules import target_platform
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -79,16 +82,33 @@ def dense(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: 
   return jnp.einsum('te,etd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
 
 
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: jnp.dtype,
+                   kernel: str | None = None) -> jax.Array:
+  """Rows of `lhs` [M, K] in consecutive groups of `sizes` [G], each group times its `rhs` [G, K, N], accumulated
+  in float32 or wider. `kernel`: 'ragged_dot' (XLA) or 'gmm' (the megablox kernel, compiled on TPU and interpreted
+  elsewhere); default gmm when the code is traced for TPU (the compile target, not the host's backend)."""
+  kernel = kernel or ('gmm' if target_platform() == 'tpu' else 'ragged_dot')
+  if kernel == 'ragged_dot':
+    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=_wide(lhs.dtype)).astype(out_dtype)
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+  m, k = lhs.shape
+  tile = lambda size: 128 if size % 128 == 0 else size  # the kernel's blocks: 128 or the whole dimension
+  rows = -m % 128  # padded to whole 128-row tiles; rows past the groups come out zero
+  out = megablox.gmm(jnp.pad(lhs, ((0, rows), (0, 0))), rhs.astype(lhs.dtype), sizes, jnp.float32,
+                     (128, tile(k), tile(rhs.shape[2])), None, None, False, target_platform() != 'tpu')
+  return out[:m].astype(out_dtype)
+
+
 def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-             act: Activation) -> jax.Array:
+             act: Activation, kernel: str | None = None) -> jax.Array:
   """Each token's k copies sorted by expert, the projections as grouped matmuls over the experts' contiguous
-  groups (empty groups included), the outputs weighted and summed back per token."""
+  groups (empty groups included; `grouped_matmul`'s `kernel`), the outputs weighted and summed back per token."""
   t, k = routing.experts.shape
   flat = routing.experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   token = order // k
   sizes = jnp.bincount(flat, length=up.shape[0]).astype(jnp.int32)
-  grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=_wide(x.dtype)).astype(x.dtype)
+  grouped = lambda a, w: grouped_matmul(a, w, sizes, x.dtype, kernel)
   out = _expert_mlp(x[token], up, down, gate, act, grouped)  # [T k, D] in expert order
   weighted = out.astype(_wide(x.dtype)) * routing.weights.reshape(-1)[order][:, None]
   return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
