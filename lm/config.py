@@ -45,6 +45,8 @@ DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (HÃ
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
 OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_adamw']
+RouterScore = Literal['softmax', 'sigmoid']  # sigmoid: DeepSeek-V3
+MoeCompute = Literal['dropless', 'capacity', 'dense']  # dense: every expert on every token (a reference)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,61 @@ class MupConfig:
       raise ConfigError(f'model.parametrization=mup needs model.mup.base_width > 0 (the width the hyperparameters '
                         f'were tuned at, e.g. model.mup.base_width={d_model}) and a positive '
                         f'model.mup.base_head_dim if set')
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+  """Routed MLP layers (`lm.ops.moe`): `num_experts` > 0 replaces the MLP of the chosen layers by experts of which
+  each token uses `experts_per_token` (HF names in the comments)."""
+  num_experts: int = 0  # num_local_experts / num_experts; 0: every layer's MLP is dense
+  experts_per_token: int = 2  # num_experts_per_tok (top-k)
+  expert_d_ff: int | None = None  # each expert's hidden width (moe_intermediate_size); default model.d_ff
+  router: RouterScore = 'softmax'
+  normalize: bool = True  # the chosen weights divided by their sum (norm_topk_prob)
+  routed_scale: float = 1.0  # the chosen weights times this (routed_scaling_factor)
+  groups: int = 1  # > 1: experts in equal groups, tokens choose within the best top_groups (n_group, topk_group)
+  top_groups: int = 1
+  shared_experts: int = 0  # experts every token uses besides its chosen ones (n_shared_experts)
+  shared_d_ff: int | None = None  # their hidden width together (shared_expert_intermediate_size); default
+  # shared_experts x expert_d_ff
+  shared_gate: bool = False  # the shared experts' output times a sigmoid gate of the token (Qwen2-MoE)
+  first_dense: int = 0  # the first n layers keep a dense MLP (first_k_dense_replace)
+  every: int = 1  # layers i with (i + 1) % every == 0 are routed (decoder_sparse_step)
+  dense_layers: tuple[int, ...] = ()  # and these stay dense (mlp_only_layers)
+  compute: MoeCompute = 'dropless'
+  capacity_factor: float = 1.25  # compute=capacity: slots per expert, times an even share of the choices
+  balance_loss: float = 0.01  # the load-balance loss's weight in the training loss (router_aux_loss_coef)
+  z_loss: float = 0.0  # the router z-loss's weight
+  bias_rate: float = 0.0  # > 0: aux-loss-free balancing, a selection bias per expert moved this much per step
+
+  def routed(self, layer: int) -> bool:
+    """Whether `layer` (0-based) has experts."""
+    return (self.num_experts > 0 and layer >= self.first_dense and (layer + 1) % self.every == 0
+            and layer not in self.dense_layers)
+
+  def check(self, num_layers: int) -> None:
+    if self.num_experts == 0:
+      if self != MoeConfig():
+        raise ConfigError('model.moe fields are set but model.moe.num_experts=0 (no experts); set '
+                          'model.moe.num_experts or drop them')
+      return
+    if self.num_experts < 0 or not 0 < self.experts_per_token <= self.num_experts:
+      raise ConfigError(f'model.moe.experts_per_token={self.experts_per_token} must lie in [1, model.moe.num_experts='
+                        f'{self.num_experts}]')
+    if self.compute == 'capacity' and self.capacity_factor <= 0:
+      raise ConfigError(f'model.moe.capacity_factor={self.capacity_factor} must be > 0 (1.25: a quarter more slots '
+                        f'than an even share)')
+    if self.groups < 1 or self.num_experts % self.groups or not 1 <= self.top_groups <= self.groups or (
+        self.groups > 1 and self.experts_per_token > self.top_groups * self.num_experts // self.groups):
+      raise ConfigError(f'model.moe.groups={self.groups} must divide model.moe.num_experts={self.num_experts}, and '
+                        f'model.moe.top_groups={self.top_groups} groups must hold the '
+                        f'{self.experts_per_token} experts each token chooses')
+    if min(self.every, self.first_dense + 1) < 1 or self.shared_experts < 0 or not any(
+        self.routed(i) for i in range(num_layers)):
+      raise ConfigError(f'model.moe.every={self.every}, first_dense={self.first_dense} and dense_layers='
+                        f'{list(self.dense_layers)} leave no routed layer among {num_layers}; route at least one')
+    if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale) < 0:
+      raise ConfigError('model.moe.balance_loss, z_loss, bias_rate and routed_scale must be >= 0')
 
 
 @dataclass(frozen=True)
@@ -183,6 +240,7 @@ class ModelConfig:
   execution: ExecutionConfig = field(default_factory=ExecutionConfig)  # how the step computes
   parametrization: Parametrization = 'standard'
   mup: MupConfig = field(default_factory=MupConfig)  # parametrization=mup: its base shapes
+  moe: MoeConfig = field(default_factory=MoeConfig)  # routed experts in place of some layers' MLP
 
   def with_execution(self, **changes: Any) -> ModelConfig:
     """This model computed otherwise (`ExecutionConfig`'s fields), its params unchanged."""
@@ -861,6 +919,7 @@ def _check_model(config: Config) -> None:
   if m.clip_qkv < 0:
     raise ConfigError(f'model.clip_qkv={m.clip_qkv} must be >= 0 (0: no clipping)')
   m.mup.check(m.parametrization, m.d_model)
+  m.moe.check(m.num_layers)
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(

@@ -98,6 +98,16 @@ def test_parse_overrides_nested():
    'attend globally among windowed ones: distinct indices in [0, 4)'),
   (['model.global_layers=[1]'], 'with model.sliding_window > 0 and without model.global_every'),
   (['model.norm_plus_one=true'], 'model.norm_plus_one=true scales an RMSNorm by (1 + w), but model.norm=layernorm'),
+  (['model.moe.num_experts=4', 'model.moe.experts_per_token=5'],
+   'model.moe.experts_per_token=5 must lie in [1, model.moe.num_experts=4]'),
+  (['model.moe.num_experts=4', 'model.moe.router=relu'], "model.moe.router='relu' is not supported; choose one of"),
+  (['model.moe.num_experts=4', 'model.moe.compute=capacity', 'model.moe.capacity_factor=0'],
+   'model.moe.capacity_factor=0.0 must be > 0'),
+  (['model.moe.num_experts=6', 'model.moe.groups=4'], 'model.moe.groups=4 must divide model.moe.num_experts=6'),
+  (['model.moe.num_experts=4', 'model.moe.every=2', 'model.moe.dense_layers=[1,3]'],
+   'leave no routed layer among 4; route at least one'),
+  (['model.moe.experts_per_token=1'], 'model.moe fields are set but model.moe.num_experts=0'),
+  (['model.moe.num_experts=4'], 'model.moe.num_experts=4: the gpt family builds no routed experts'),
   (['model.norm=nonparametric'], 'choose one of: layernorm, rmsnorm, nonparametric_layernorm'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):

@@ -38,7 +38,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def check_config(config: Config) -> Config:
   """The checks beyond `lm.config.validate` (which knows no family or attention implementation): the family's
   own, then whether the attention implementation serves what the model asks; `config` when they pass."""
-  get_family(config.model.family).validate(config)
+  family = get_family(config.model.family)
+  if config.model.moe.num_experts and not family.routed_mlp:
+    routed = ', '.join(n for n, f in FAMILIES.items() if f.routed_mlp) or 'none yet'
+    raise ConfigError(f'model.moe.num_experts={config.model.moe.num_experts}: the {family.name} family builds no '
+                      f'routed experts (families that do: {routed}); set model.moe.num_experts=0')
+  family.validate(config)
   check_attention(config)
   return config
 

@@ -72,6 +72,7 @@ class Family:
   # The norm whose output alone feeds a tied output layer (μP's 1/m readout multiplier folds into it on export);
   # None: no such norm
   readout_norm: ClassVar[tuple[str, ...] | None] = None
+  routed_mlp: ClassVar[bool] = False  # whether its blocks build routed experts (model.moe)
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
