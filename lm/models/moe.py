@@ -1,0 +1,75 @@
+"""The routed MLP: a layer's experts in place of its dense MLP (`model.moe`), on the routing and expert compute
+of `lm.ops.moe`.
+
+Params: `router` [embed, experts] (float32 logits whatever the compute dtype), expert kernels `wi_0` (gated MLPs),
+`wi_1` / `wi` and `wo` with a leading 'experts' axis, and the shared experts as a dense `Mlp` (`shared`, with
+`shared_gate` for Qwen2-MoE). The balance and router z-losses are sown into 'intermediates' (`BALANCE`, `Z_LOSS`)
+for the training loss to weight and log apart; the drop rate of the capacity path likewise (`DROPPED`).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.config import ModelConfig
+from lm.models.layers import ACTIVATIONS, GATED, DenseGeneral, Dtype, Mlp
+from lm.models.parametrization import Init
+from lm.ops import moe
+
+BALANCE, Z_LOSS, DROPPED = 'moe_balance_loss', 'moe_z_loss', 'moe_dropped'
+
+
+class RoutedMlp(nn.Module):
+  """[batch, length, embed] -> the same: each token through its chosen experts (and the shared ones). `mask`
+  [batch, length] (padding 0) keeps padding out of the balance statistics."""
+  cfg: ModelConfig
+  inits: Init
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    m = self.cfg.moe
+    batch, length, d = x.shape
+    tokens = x.reshape(-1, d)
+    router = self.param('router', nn.with_logical_partitioning(self.inits('mlp_in', ('embed', 'experts')),
+                                                               ('embed', 'experts')), (d, m.num_experts), jnp.float32)
+    logits = tokens.astype(jnp.float32) @ router
+    routing = moe.route(logits, m.experts_per_token, m.router, m.normalize, m.routed_scale, groups=m.groups,
+                        top_groups=m.top_groups)
+    flat_mask = None if mask is None else mask.reshape(-1)
+    self.sow('intermediates', BALANCE, moe.load_balance_loss(routing.probs, routing.experts, flat_mask))
+    self.sow('intermediates', Z_LOSS, moe.router_z_loss(logits, flat_mask))
+    y = self._experts(tokens.astype(self.dtype), routing).reshape(batch, length, d)
+    return y + self._shared(x) if m.shared_experts else y
+
+  def _kernel(self, name: str, kind: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> jax.Array:
+    init = nn.with_logical_partitioning(self.inits(kind, axes), axes)
+    return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+
+  def _experts(self, tokens: jax.Array, routing: moe.Routing) -> jax.Array:
+    cfg, m = self.cfg, self.cfg.moe
+    e, d, f = m.num_experts, tokens.shape[-1], m.expert_d_ff or cfg.resolved_d_ff
+    gated = cfg.activation in GATED
+    act = ACTIVATIONS[GATED.get(cfg.activation, cfg.activation)]
+    up_axes, down_axes = ('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed')
+    gate = self._kernel('wi_0', 'mlp_in', up_axes, (e, d, f)) if gated else None
+    up = self._kernel('wi_1' if gated else 'wi', 'mlp_in', up_axes, (e, d, f))
+    down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
+    if m.compute == 'capacity':
+      y, dropped = moe.capacity(tokens, routing, up, down, gate, act, m.capacity_factor)
+      self.sow('intermediates', DROPPED, dropped)
+      return y
+    return (moe.dropless if m.compute == 'dropless' else moe.dense)(tokens, routing, up, down, gate, act)
+
+  def _shared(self, x: jax.Array) -> jax.Array:
+    cfg, m = self.cfg, self.cfg.moe
+    width = m.shared_d_ff or m.shared_experts * (m.expert_d_ff or cfg.resolved_d_ff)
+    y = Mlp(width, cfg.activation, use_bias=False, inits=self.inits, dtype=self.dtype, param_dtype=self.param_dtype,
+            name='shared')(x)
+    if not m.shared_gate:
+      return y
+    gate = DenseGeneral(1, ('embed', None), use_bias=False, kernel_init=self.inits('mlp_in', ('embed', None)),
+                        dtype=self.dtype, param_dtype=self.param_dtype, name='shared_gate')(x)
+    return jax.nn.sigmoid(gate) * y
