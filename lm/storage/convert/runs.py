@@ -51,11 +51,10 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Config:
 def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Path:
   """Writes the params of a run (its latest, trained or imported) or of one of its checkpoints (RUN/checkpoints/STEP)
   as HF directory `hf_dir`; `ema`: their moving average."""
-  path = epath.Path(run_dir)
-  if not is_run_dir(path.parent.parent if path.parent.name == CHECKPOINTS else path):
-    raise ConfigError(f'{path}/{CONFIG} not found; pass a run directory written by lm train or lm convert, or a '
-                      f'checkpoint of one (RUN/{CHECKPOINTS}/STEP)')
-  source = ModelSource(path, view='ema' if ema else 'model', flag='--from')
+  source = ModelSource(run_dir, view='ema' if ema else 'model', flag='--from')  # resolves RUN/checkpoints/STEP
+  if source.hf:
+    raise ConfigError(f'--from {run_dir} is a Hugging Face directory already; pass a run directory written by lm '
+                      f'train or lm convert, or a checkpoint of one (RUN/{CHECKPOINTS}/STEP)')
   run_dir = source.path
   params = source.params(one_device_mesh())
   if (run_dir / HF_CONFIG).is_file():  # an import: its config.json's token ids, dtype, ...
