@@ -42,6 +42,7 @@ PLAN: dict[str, float | None] = {
   'olmo2_1b': 1.48e9, 'olmo2_7b': 7.30e9, 'olmo2_13b': 13.7e9,
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
   'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
+  'moe_tiny': None,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
 REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']

@@ -11,29 +11,42 @@ from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
 from lm.models.layers import GATED
+from lm.models.moe import EXPERT_PARAMS, ROUTER, active_share
 from lm.parallel.rules import axis_size, check_batch, path_names
 
 
-def count_params(params: Any) -> dict[str, int]:
-  """Total parameters and non-embedding ones (Kaplan et al.: token and position tables excluded)."""
-  total, embedding = 0, 0
+def count_params(params: Any, cfg: ModelConfig | None = None) -> dict[str, int]:
+  """Total parameters and non-embedding ones (Kaplan et al.: token and position tables excluded); for a model
+  with routed experts (`cfg.moe`), also those one token runs ('active', 'active_non_embedding': k of E experts)."""
+  routed = cfg is not None and cfg.moe.num_experts > 0
+  total, embedding, inactive = 0, 0, 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = path_names(path)
     size = int(np.prod(leaf.shape))
     total += size
-    if 'embedding' in path_names(path):
+    if 'embedding' in names:
       embedding += size
-  return {'total': total, 'non_embedding': total - embedding}
+    if routed:
+      inactive += size - round(size * active_share(names[-1], cfg.moe))
+  counts = {'total': total, 'non_embedding': total - embedding}
+  if routed:
+    counts.update(active=total - inactive, active_non_embedding=total - embedding - inactive)
+  return counts
 
 
 def kernel_sizes(params: Any, cfg: ModelConfig) -> KernelSizes:
-  """Sizes of the dense kernels by the tokens they see (see `KernelSizes`); heads per the family record."""
+  """Sizes of the dense kernels by the tokens they see (see `KernelSizes`); heads per the family record. Routed
+  experts count the share a token runs (k of E), their router whole."""
   per_sequence_modules = get_family(cfg.family).per_sequence_params()
   sizes = dict(encoder=0, other=0, cross_kv=0, per_sequence=0)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     names = path_names(path)
+    size = int(np.prod(leaf.shape))
+    if names[-1] in EXPERT_PARAMS or names[-1] == ROUTER:
+      sizes['other'] += round(size * active_share(names[-1], cfg.moe))
+      continue
     if names[-1] != 'kernel':
       continue
-    size = int(np.prod(leaf.shape))
     if names[0] in per_sequence_modules:
       sizes['per_sequence'] += size
     elif 'cross_attention' in names and names[-2] in ('key', 'value'):

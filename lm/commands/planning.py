@@ -34,7 +34,9 @@ def cmd_info(args: argparse.Namespace) -> int:
   p, mesh, mem = report['params'], report['mesh'], report['memory_per_device']
   lines = [
     ('config', report['name']),
-    ('parameters', f'{p["total"]:,} total, {p["non_embedding"]:,} non-embedding'),
+    ('parameters', f'{p["total"]:,} total, {p["non_embedding"]:,} non-embedding'
+                   + (f'; {p["active"]:,} active per token, {p["active_non_embedding"]:,} non-embedding'
+                      if 'active' in p else '')),
     ('training FLOPs/token', f'{report["flops_per_token"]:.4g}'),
     ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]}, '
              f'{mesh["devices"]} {mesh["platform"]} devices)'),

@@ -9,6 +9,7 @@ family's name. The three shapes of model share their record code here (`DecoderO
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
 from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding
+from lm.models.moe import aux_losses
 from lm.models.scoring import CAUSAL, SEQ2SEQ, Scoring
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
 
 Batch = dict[str, jax.Array]
+AUX_LOSS, AUX_TERMS = 'aux_loss', 'aux_terms'  # `Family.apply`'s outputs beside the logits
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,9 @@ class Family:
   def apply(self, model: nn.Module, params: Any, batch: Batch, *, deterministic: bool,
             rngs: dict[str, jax.Array]) -> dict[str, Any]:
     """Outputs for a batch: 'logits', the output layer unapplied (an `Unembedding`: the token loss applies it,
-    whole or in tiles), scored against batch['targets'] with batch['weights'], and the logits of each active
-    head under its name."""
+    whole or in tiles), scored against batch['targets'] with batch['weights'], the logits of each active
+    head under its name, and for a model with auxiliary losses (routed experts) their weighted sum per row
+    (`AUX_LOSS`) and each term by its metric name (`AUX_TERMS`)."""
     raise NotImplementedError
 
   def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
@@ -161,9 +165,13 @@ class DecoderOnly(Family):
     return model.init({'params': rng, 'dropout': rng}, *self.init_inputs(length), method=method)['params']
 
   def apply(self, model, params, batch, *, deterministic, rngs):
-    return {'logits': model.apply({'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
-                                  positions=batch.get('positions'), deterministic=deterministic, rngs=rngs,
-                                  unembed=False)}
+    call = functools.partial(model.apply, {'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
+                             positions=batch.get('positions'), deterministic=deterministic, rngs=rngs, unembed=False)
+    if not model.cfg.moe.num_experts:
+      return {'logits': call()}
+    logits, sown = call(mutable=['intermediates'])
+    aux, terms = aux_losses(sown['intermediates'], model.cfg.moe)
+    return {'logits': logits, AUX_LOSS: aux, AUX_TERMS: terms}
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)

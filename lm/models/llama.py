@@ -12,6 +12,7 @@ class LlamaFamily(DecoderOnly):
   name = 'llama'
   module = CausalDecoder
   hf_converter = 'lm.storage.convert.llama'
+  routed_mlp = True
 
   def validate(self, config: Config) -> None:
     if config.model.position not in ('rotary', 'none'):

@@ -3,21 +3,32 @@ of `lm.ops.moe`.
 
 Params: `router` [embed, experts] (float32 logits whatever the compute dtype), expert kernels `wi_0` (gated MLPs),
 `wi_1` / `wi` and `wo` with a leading 'experts' axis, and the shared experts as a dense `Mlp` (`shared`, with
-`shared_gate` for Qwen2-MoE). The balance and router z-losses are sown into 'intermediates' (`BALANCE`, `Z_LOSS`)
-for the training loss to weight and log apart; the drop rate of the capacity path likewise (`DROPPED`).
+`shared_gate` for Qwen2-MoE). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
+the capacity path's drop rate (`DROPPED`) into 'intermediates'; `aux_losses` makes the model's auxiliary losses of
+them, which the training loss weights and logs apart from the token loss.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 
-from lm.config import ModelConfig
+from lm.config import ModelConfig, MoeConfig
 from lm.models.layers import ACTIVATIONS, GATED, DenseGeneral, Dtype, Mlp
 from lm.models.parametrization import Init
 from lm.ops import moe
 
-BALANCE, Z_LOSS, DROPPED = 'moe_balance_loss', 'moe_z_loss', 'moe_dropped'
+LOAD, PROB, Z_LOSS, DROPPED = 'moe_load', 'moe_prob', 'moe_z_loss', 'moe_dropped'
+EXPERT_PARAMS = ('wi_0', 'wi_1', 'wi', 'wo')  # the expert kernels' param names (a dense MLP's end in 'kernel')
+ROUTER = 'router'
+
+
+def active_share(name: str, m: MoeConfig) -> float:
+  """The share of a param (by its leaf name) that one token runs: k / E of the expert kernels, all of the rest."""
+  return m.experts_per_token / m.num_experts if name in EXPERT_PARAMS else 1.0
 
 
 class RoutedMlp(nn.Module):
@@ -33,13 +44,15 @@ class RoutedMlp(nn.Module):
     m = self.cfg.moe
     batch, length, d = x.shape
     tokens = x.reshape(-1, d)
-    router = self.param('router', nn.with_logical_partitioning(self.inits('mlp_in', ('embed', 'experts')),
+    router = self.param(ROUTER, nn.with_logical_partitioning(self.inits('mlp_in', ('embed', 'experts')),
                                                                ('embed', 'experts')), (d, m.num_experts), jnp.float32)
     logits = tokens.astype(jnp.float32) @ router
     routing = moe.route(logits, m.experts_per_token, m.router, m.normalize, m.routed_scale, groups=m.groups,
                         top_groups=m.top_groups)
     flat_mask = None if mask is None else mask.reshape(-1)
-    self.sow('intermediates', BALANCE, moe.load_balance_loss(routing.probs, routing.experts, flat_mask))
+    load, prob = moe.expert_load(routing.probs, routing.experts, flat_mask)
+    self.sow('intermediates', LOAD, load)
+    self.sow('intermediates', PROB, prob)
     self.sow('intermediates', Z_LOSS, moe.router_z_loss(logits, flat_mask))
     y = self._experts(tokens.astype(self.dtype), routing).reshape(batch, length, d)
     return y + self._shared(x) if m.shared_experts else y
@@ -73,3 +86,19 @@ class RoutedMlp(nn.Module):
     gate = DenseGeneral(1, ('embed', None), use_bias=False, kernel_init=self.inits('mlp_in', ('embed', None)),
                         dtype=self.dtype, param_dtype=self.param_dtype, name='shared_gate')(x)
     return jax.nn.sigmoid(gate) * y
+
+
+def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(the weighted sum for the training loss, each term by name: 'moe/balance_loss', 'moe/z_loss' and, under
+  capacity, 'moe/dropped') from what the routed layers sowed, scanned (a leading layer axis) or not."""
+  sown: dict[str, list[jax.Array]] = {LOAD: [], PROB: [], Z_LOSS: [], DROPPED: []}
+  for path, values in flatten_dict(intermediates).items():
+    if path[-1] in sown:
+      sown[path[-1]].extend(values)
+  per_layer = lambda name, *shape: jnp.concatenate([v.reshape(-1, *shape) for v in sown[name]])
+  experts = m.num_experts
+  terms = {'moe/balance_loss': moe.balance_loss(per_layer(LOAD, experts), per_layer(PROB, experts), m.balance_over),
+           'moe/z_loss': per_layer(Z_LOSS).mean()}
+  if sown[DROPPED]:
+    terms['moe/dropped'] = per_layer(DROPPED).mean()
+  return m.balance_loss * terms['moe/balance_loss'] + m.z_loss * terms['moe/z_loss'], terms

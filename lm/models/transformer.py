@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
+from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.rules import constrain
@@ -29,12 +30,14 @@ class Block(nn.Module):
 
   Each is a residual branch with pre-, post-, sandwich (pre and post, Gemma 2) or post-branch (OLMo 2) norms, in
   turn or in parallel (`model.parallel_residual`: each reads the block's input, GPT-NeoX). `layer` (traced when
-  scanned) picks the global layers among windowed ones (`model.global_every` or `model.global_layers`).
+  scanned) picks the global layers among windowed ones (`model.global_every` or `model.global_layers`). `routed`:
+  its MLP is `model.moe`'s experts.
   """
   cfg: ModelConfig
   causal: bool
   num_layers: int
   cross: bool = False
+  routed: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
@@ -62,9 +65,13 @@ class Block(nn.Module):
       branches.append(('cross_attention', lambda h: make_attention('cross_attention')(
         h, encoded, causal=False, segment_ids=segment_ids, kv_segment_ids=encoded_segment_ids,
         deterministic=deterministic)))
-    mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
-              param_dtype=param_dtype, name='mlp')
-    branches.append(('mlp', mlp))
+    if self.routed:  # padding (segment 0) stays out of the balance statistics
+      mask = None if segment_ids is None else segment_ids > 0
+      experts = RoutedMlp(cfg, inits, dtype=dtype, param_dtype=param_dtype, name='mlp')
+      branches.append(('mlp', lambda h: experts(h, mask)))
+    else:
+      branches.append(('mlp', Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
+                                  param_dtype=param_dtype, name='mlp')))
 
     if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it
       x = x + sum(drop(branch(norm(f'{name}_norm')(x))) for name, branch in branches)
@@ -85,7 +92,8 @@ class Stack(nn.Module):
   """`num_layers` blocks, scanned (compile time independent of depth) or unrolled.
 
   Owns what its layers share: the T5 relative position bias (computed once per stack) and, for
-  stacks whose residual stream is not normalised after each addition, the final norm.
+  stacks whose residual stream is not normalised after each addition, the final norm. A scanned stack's layers
+  are of one kind, all routed (`model.moe`) or all dense (`MoeConfig.check`).
   """
   cfg: ModelConfig
   causal: bool
@@ -107,15 +115,16 @@ class Stack(nn.Module):
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=not cfg.execution.scan_layers,
                        static_argnums=(7, 8) if cfg.execution.scan_layers else (7, 8, 9))
     args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
+    routed = [cfg.moe.routed(i) for i in range(self.num_layers)]
     if cfg.execution.scan_layers:
-      scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
+      scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
                         split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
                         length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, name='layers')(
+      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, routed[0], name='layers')(
         x, *args, jnp.arange(self.num_layers, dtype=jnp.int32))
     else:
       for i in range(self.num_layers):
-        x, _ = block(cfg, self.causal, self.num_layers, self.cross, name=f'layers_{i}')(x, *args, i)
+        x, _ = block(cfg, self.causal, self.num_layers, self.cross, routed[i], name=f'layers_{i}')(x, *args, i)
     if cfg.norm_position != 'post':  # the residual stream itself is never normalised otherwise
       x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype], 'final_norm',
                     cfg.norm_plus_one)(x)

@@ -5,9 +5,11 @@ bf16 would pick other experts.
 A token's k choices come with combine weights; three paths compute sum_k weight_k * expert_{e_k}(x):
 - `dense`: every expert on every token (the reference the tests hold the others to);
 - `dropless`: token copies sorted by expert, then one grouped matmul per projection (`grouped_matmul`: XLA's
-  `jax.lax.ragged_dot` on every platform, or JAX's Pallas megablox `gmm`, the TPU default);
-- `capacity`: GShard's dispatch and combine with `capacity` slots per expert; choices past an expert's slots are
-  dropped, in this order: every token's first choice (by token index) before any second choice, and so on.
+  `jax.lax.ragged_dot` on every platform, JAX's Pallas megablox `gmm`, the TPU default, or `tiled_matmul`, the
+  CPU default);
+- `capacity`: GShard's dispatch and combine with `capacity` slots per expert (as a scatter into the experts'
+  slots and a gather back, not one-hot einsums); choices past an expert's slots are dropped, in this order: every
+  token's first choice (by token index) before any second choice, and so on.
 
 Expert weights: `up` [E, D, F], `down` [E, F, D] and, for a gated MLP (act(x Wg) * (x Wu)), `gate` [E, D, F].
 """
@@ -82,21 +84,48 @@ def dense(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: 
   return jnp.einsum('te,etd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
 
 
+GROUPED_KERNELS = ('ragged_dot', 'gmm', 'tiles')
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: jnp.dtype,
                    kernel: str | None = None) -> jax.Array:
   """Rows of `lhs` [M, K] in consecutive groups of `sizes` [G], each group times its `rhs` [G, K, N], accumulated
-  in float32 or wider. `kernel`: 'ragged_dot' (XLA) or 'gmm' (the megablox kernel, compiled on TPU and interpreted
-  elsewhere); default gmm when the code is traced for TPU (the compile target, not the host's backend)."""
-  kernel = kernel or ('gmm' if target_platform() == 'tpu' else 'ragged_dot')
+  in float32 or wider. `kernel`: 'ragged_dot' (XLA), 'gmm' (the megablox kernel, compiled on TPU and interpreted
+  elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile target, not the host's backend: gmm for
+  TPU; tiles for CPU, where XLA computes a ragged_dot as G whole matmuls; ragged_dot elsewhere (GPU)."""
+  kernel = kernel or {'tpu': 'gmm', 'cpu': 'tiles'}.get(target_platform(), 'ragged_dot')
   if kernel == 'ragged_dot':
     return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=_wide(lhs.dtype)).astype(out_dtype)
+  if kernel == 'tiles':
+    return tiled_matmul(lhs, rhs, sizes).astype(out_dtype)
   from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-  m, k = lhs.shape
-  tile = lambda size: 128 if size % 128 == 0 else size  # the kernel's blocks: 128 or the whole dimension
-  rows = -m % 128  # padded to whole 128-row tiles; rows past the groups come out zero
-  out = megablox.gmm(jnp.pad(lhs, ((0, rows), (0, 0))), rhs.astype(lhs.dtype), sizes, jnp.float32,
-                     (128, tile(k), tile(rhs.shape[2])), None, None, False, target_platform() != 'tpu')
-  return out[:m].astype(out_dtype)
+  (m, k), n = lhs.shape, rhs.shape[2]
+  # Every dimension padded with zeros to whole 128-blocks (rows past the groups come out zero): the kernel's
+  # blocks must divide them, and its backward swaps the roles of K and N
+  lhs = jnp.pad(lhs, ((0, -m % 128), (0, -k % 128)))
+  rhs = jnp.pad(rhs.astype(lhs.dtype), ((0, 0), (0, -k % 128), (0, -n % 128)))
+  out = megablox.gmm(lhs, rhs, sizes, jnp.float32, (128, 128, 128), None, None, False, target_platform() != 'tpu')
+  return out[:m, :n].astype(out_dtype)
+
+
+def tiled_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile: int = 128) -> jax.Array:
+  """`grouped_matmul` as one batched matmul over row tiles: each group padded to whole tiles of `tile` rows, each
+  tile times its group's weight (gathered per tile). At most G (tile - 1) padding rows, so the FLOPs stay near the
+  useful ones; the gathered weights take tiles x K x N, fine for the small models that run on a CPU."""
+  m, groups = lhs.shape[0], sizes.shape[0]
+  tile = min(tile, max(m, 1))
+  tiles = -(-(m + groups * (tile - 1)) // tile)  # a static bound on the padded groups' tiles
+  padded = -(-sizes // tile) * tile
+  start = jnp.cumsum(sizes) - sizes  # each group's first row in lhs
+  padded_start = jnp.cumsum(padded) - padded
+  group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=m)  # each row's group
+  dest = padded_start[group] + jnp.arange(m) - start[group]  # each row's place among the padded groups
+  x = jnp.zeros((tiles * tile, lhs.shape[1]), lhs.dtype).at[dest].set(lhs)
+  tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * tile, side='right'),
+                           groups - 1)  # tiles past the last group hold zeros: any weight will do
+  out = jnp.einsum('tmk,tkn->tmn', x.reshape(tiles, tile, -1), rhs.astype(lhs.dtype)[tile_group],
+                   preferred_element_type=_wide(lhs.dtype))
+  return out.reshape(tiles * tile, -1)[dest]
 
 
 def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
@@ -131,25 +160,41 @@ def capacity(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gat
   position = (jnp.cumsum(by_rank, axis=0) - 1).reshape(k, t, num_experts).transpose(1, 0, 2)
   slot = (position * onehot).sum(-1)  # [T, k]: the choice's place in its expert's queue
   kept = slot < slots
-  dispatch = (onehot * kept[..., None]).astype(x.dtype)[..., None] * jax.nn.one_hot(slot, slots, dtype=x.dtype)[
-    :, :, None, :]  # [T, k, E, C]
-  inputs = jnp.einsum('tkec,td->ecd', dispatch, x)
-  outputs = _expert_mlp(inputs, up, down, gate, act, _per_expert)
-  combine = dispatch.astype(_wide(x.dtype)) * routing.weights[..., None, None]
-  y = jnp.einsum('tkec,ecd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
+  # each kept choice's row in the [E C] expert inputs; dropped ones all go to one spare row, read back as nothing
+  row = jnp.where(kept, routing.experts * slots + slot, num_experts * slots).reshape(-1)
+  inputs = jnp.zeros((num_experts * slots + 1, x.shape[1]), x.dtype).at[row].set(jnp.repeat(x, k, axis=0))
+  outputs = _expert_mlp(inputs[:-1].reshape(num_experts, slots, -1), up, down, gate, act, _per_expert)
+  outputs = jnp.concatenate([outputs.reshape(num_experts * slots, -1), jnp.zeros((1, x.shape[1]), outputs.dtype)])
+  weights = jnp.where(kept, routing.weights, 0).astype(_wide(x.dtype))
+  y = jnp.einsum('tk,tkd->td', weights, outputs[row].reshape(t, k, -1).astype(weights.dtype)).astype(x.dtype)
   return y, 1.0 - kept.mean()
 
 
-def load_balance_loss(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-  """Switch-style balance loss, as transformers' `load_balancing_loss_func` for one layer:
-  E * sum_e f_e p_e, where f_e is the share of tokens with e among their k choices (so sum_e f_e = k) and p_e the
-  mean router score of e, both over the tokens `mask` [T] keeps (padding excluded). Balanced routing gives k."""
+def expert_load(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """One layer's balance statistics over the tokens `mask` [T] keeps (padding excluded): (f [E], p [E]), f_e the
+  share of tokens with e among their k choices (so sum_e f_e = k), p_e the mean router score of e."""
   num_experts = probs.shape[-1]
   w = jnp.ones(probs.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
   chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(1)  # [T, E]
-  f = (chosen * w[:, None]).sum(0) / w.sum()
-  p = (probs * w[:, None]).sum(0) / w.sum()
-  return num_experts * jnp.sum(f * p)
+  return (chosen * w[:, None]).sum(0) / w.sum(), (probs * w[:, None]).sum(0) / w.sum()
+
+
+def balance_loss(f: jax.Array, p: jax.Array, over: str = 'layer') -> jax.Array:
+  """Switch-style balance loss E * sum_e f_e p_e from `expert_load`'s statistics of L layers (f, p [L, E]).
+  `over='layer'`: the mean of each layer's loss (Switch, MaxText, Megatron); `'model'`: f and p averaged over the
+  layers first, as transformers' `load_balancing_loss_func` concatenates every layer's tokens. Balanced routing
+  gives k either way."""
+  num_experts = f.shape[-1]
+  if over == 'model':
+    return num_experts * jnp.sum(f.mean(0) * p.mean(0))
+  return num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def load_balance_loss(probs: jax.Array, experts: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """One layer's balance loss, as transformers' `load_balancing_loss_func` for one layer."""
+  f, p = expert_load(probs, experts, mask)
+  return balance_loss(f[None], p[None])
 
 
 def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:

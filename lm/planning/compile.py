@@ -75,7 +75,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'mesh': {**sizes, 'strategy': strategy_name(sizes)}, 'remat': e.remat, 'scan_layers': e.scan_layers,
     'attention_impl': e.attention_impl, 'dtype': e.dtype, 'global_batch': t.global_batch,
     'microbatches': t.microbatches, 'seq_len': config.data.seq_len,
-    'params': count_params(assembly.abstract_params),
+    'params': count_params(assembly.abstract_params, config.model),
     'memory_per_device': memory, 'hbm_per_device': hbm, 'fits': error is None and memory['total'] <= hbm,
     'flops_per_step': flops, 'flops_per_token': flops_per_token, 'peak_flops_per_device': peak,
     'step_seconds_at_peak': at_peak, 'assumed_mfu': assumed_mfu, 'step_seconds': at_peak / assumed_mfu,
@@ -188,7 +188,7 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   sizes = dict(assembly.mesh.shape)
   report = {
     'name': config.name,
-    'params': count_params(assembly.abstract_params),
+    'params': count_params(assembly.abstract_params, config.model),
     'flops_per_token': assembly.flops_per_token(),
     'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
              'platform': jax.default_backend()},

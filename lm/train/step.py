@@ -14,7 +14,7 @@ from lm.assembly import Assembly
 from lm.assembly.state import TrainState
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
-from lm.models.family import Head
+from lm.models.family import AUX_LOSS, AUX_TERMS, Head
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
@@ -23,6 +23,7 @@ from lm.train.watch import watch_metrics
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
+AUX_SUM = 'aux:'  # the sums of auxiliary terms, logged under the rest of their name
 
 
 def abstract_batch(assembly: Assembly) -> Batch:
@@ -62,12 +63,18 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Token loss per target token, plus each active head's loss per sequence (BERT's NSP).
 
-  Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly.
-  Returns (loss, sums of the pieces for metrics: 'nll', 'z', and '{head}_nll', '{head}_correct').
+  Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly; auxiliary losses
+  (routed experts) are added weighted, and kept out of the logged token loss.
+  Returns (loss, sums of the pieces for metrics: 'nll', 'z', '{head}_nll', '{head}_correct', and each auxiliary
+  term as 'aux:{metric name}', times the rows it averages).
   """
   token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = token_sum / total_weight
   sums = {'nll': nll, 'z': z}
+  if AUX_LOSS in outputs:  # a mean over this (micro)batch's tokens: weighted by its share of the batch's rows
+    rows = jnp.asarray(batch['targets'].shape[0], jnp.float32)
+    loss = loss + outputs[AUX_LOSS] * rows / total_sequences
+    sums.update({AUX_SUM + name: value * rows for name, value in outputs[AUX_TERMS].items()})
   for head in heads:
     sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(
       outputs[head.name], batch[head.labels])
@@ -106,6 +113,8 @@ class PretrainingLoss:
   def metrics(self, sums, totals):
     metrics = {'loss': sums['nll'] / totals['weight'], 'z_loss': sums['z'] / totals['weight'],
                'target_tokens': totals['weight']}
+    metrics.update({name.removeprefix(AUX_SUM): value / totals['sequences'] for name, value in sums.items()
+                    if name.startswith(AUX_SUM)})
     for head in self.assembly.family.active_heads(self.assembly.config.model):
       metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals['sequences']
       metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals['sequences']

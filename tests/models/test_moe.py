@@ -3,13 +3,14 @@ output, with shared experts and their gate; the balance and z-losses it sows lea
 import dataclasses
 
 import flax.linen as nn
+from flax.traverse_util import flatten_dict
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.config import Config, ConfigError, ModelConfig, MoeConfig, from_dict
-from lm.models.moe import BALANCE, DROPPED, Z_LOSS, RoutedMlp
+from lm.config import Config, ConfigError, ExecutionConfig, ModelConfig, MoeConfig, from_dict
+from lm.models.moe import DROPPED, LOAD, PROB, Z_LOSS, RoutedMlp
 from lm.models.parametrization import Init
 from lm.ops import moe
 from tests.ops.test_moe import loop_over_experts
@@ -57,7 +58,7 @@ def test_the_layer_is_the_loop_over_its_own_params(activation, fields):
   assert params['wo'].shape == (4, 12, D) and params['router'].shape == (D, 4)
 
 
-def test_the_sown_losses_leave_padding_out_and_capacity_sows_its_drop_rate():
+def test_the_sown_statistics_leave_padding_out_and_capacity_sows_its_drop_rate():
   x = jax.random.normal(jax.random.key(2), (BATCH, LENGTH, D))
   mask = jnp.ones((BATCH, LENGTH)).at[1, 3:].set(0)
   module = layer(compute='capacity', capacity_factor=0.5)
@@ -67,14 +68,85 @@ def test_the_sown_losses_leave_padding_out_and_capacity_sows_its_drop_rate():
   kept = np.asarray(mask).reshape(-1) > 0
   logits = np.asarray(x).reshape(-1, D)[kept] @ np.asarray(nn.unbox(params)['router'])
   r = moe.route(jnp.asarray(logits), 2)
-  np.testing.assert_allclose(sown[BALANCE][0], moe.load_balance_loss(r.probs, r.experts), rtol=1e-5)
+  for got, want in zip((sown[LOAD][0], sown[PROB][0]), moe.expert_load(r.probs, r.experts), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5)
   np.testing.assert_allclose(sown[Z_LOSS][0], moe.router_z_loss(jnp.asarray(logits)), rtol=1e-5)
   assert 0 < float(sown[DROPPED][0]) < 1
 
 
 def test_a_moe_config_round_trips_through_its_dict():
-  cfg = dataclasses.replace(ModelConfig(), moe=MoeConfig(num_experts=8, dense_layers=(0, 2)))
+  cfg = dataclasses.replace(ModelConfig(), family='llama', position='rotary', moe=MoeConfig(num_experts=8, every=2),
+                            execution=ExecutionConfig(scan_layers=False))
   values = Config(model=cfg).to_dict()
-  assert values['model']['moe']['dense_layers'] == [0, 2]
-  with pytest.raises(ConfigError, match='builds no routed experts'):  # no family builds them yet
-    from_dict(values)
+  assert values['model']['moe']['every'] == 2
+  assert from_dict(values).model == cfg
+  with pytest.raises(ConfigError, match='the gpt family builds no routed experts'):
+    from_dict({**values, 'model': {**values['model'], 'family': 'gpt', 'position': 'learned'}})
+  with pytest.raises(ConfigError, match=r'leaves layers \[0, 2\] dense .* set model.execution.scan_layers=false'):
+    from_dict({**values, 'model': {**values['model'], 'execution': {'scan_layers': True}}})
+
+
+MOE = ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'model.activation=swiglu',
+       'model.use_bias=false', 'model.moe.num_experts=4', 'model.moe.experts_per_token=2', 'model.moe.expert_d_ff=48']
+
+
+def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config):
+  """Logits and each auxiliary term of a scanned stack of routed layers equal the unrolled stack's on its params
+  (relaid out), with padding in the batch; the balance loss is the float64 mean of each layer's from what it sowed."""
+  from lm.models import build_model, get_family, init_params
+  from lm.models.moe import aux_losses
+  from lm.models.transformer import relayout
+  config = small_config(*MOE, 'model.moe.z_loss=0.001')
+  family = get_family('llama')
+  tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 200)
+  batch = {'inputs': tokens, 'segment_ids': jnp.ones((2, 32), jnp.int32).at[1, 20:].set(0)}
+  outputs = {}
+  for scanned in (True, False):
+    model = build_model(config.model.with_execution(scan_layers=scanned))
+    params = nn.unbox(init_params(build_model(config.model), jax.random.key(1), 32))
+    params = relayout(params, scanned)
+    out = family.apply(model, params, batch, deterministic=True, rngs={})
+    outputs[scanned] = out['logits'].logits(), out['aux_terms'], out['aux_loss']
+    _, sown = model.apply({'params': params}, tokens, segment_ids=batch['segment_ids'], mutable=['intermediates'])
+    flat = {'/'.join(k): np.asarray(v[0], np.float64) for k, v in
+            flatten_dict(sown['intermediates']).items()}
+    load = [v for k, v in sorted(flat.items()) if k.endswith('moe_load')]
+    prob = [v for k, v in sorted(flat.items()) if k.endswith('moe_prob')]
+    f, p = np.concatenate(load).reshape(-1, 4), np.concatenate(prob).reshape(-1, 4)
+    np.testing.assert_allclose(out['aux_terms']['moe/balance_loss'], 4 * np.mean((f * p).sum(-1)), rtol=1e-6)
+    assert aux_losses(sown['intermediates'], config.model.moe)[0] == pytest.approx(float(out['aux_loss']))
+  for got, want in zip(jax.tree.leaves(outputs[True]), jax.tree.leaves(outputs[False]), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_logged_loss_leaves_the_auxiliary_losses_out_and_microbatches_add_up(small_config):
+  """One step: the logged token loss is the same with and without a balance weight (the aux term changes the
+  gradients only), the terms are logged apart; with the aux weights at 0, two microbatches give one batch's update."""
+  from lm.jobs.pretraining import Pretraining
+  from tests.train.test_step import assert_same_update, one_update
+  first = lambda *o: Pretraining(small_config(*MOE, *o), jax.devices()[:1])
+  weighted, plain = first('model.moe.balance_loss=0.5'), first('model.moe.balance_loss=0')
+  metrics = [t.train_step(t.init_state(), next(t.train_batches))[1] for t in (weighted, plain)]
+  assert float(metrics[0]['loss']) == pytest.approx(float(metrics[1]['loss']), rel=1e-6)
+  assert float(metrics[0]['grad_norm']) != pytest.approx(float(metrics[1]['grad_norm']), rel=1e-3)
+  assert 1.5 < float(metrics[0]['moe/balance_loss']) < 4 and float(metrics[0]['moe/z_loss']) > 0
+  assert_same_update(one_update(first('model.moe.balance_loss=0', 'train.microbatches=2')),
+                     one_update(first('model.moe.balance_loss=0')))
+
+
+def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_router():
+  """moe_tiny's k = 2 experts of width 176 run what a dense MLP of width 352 runs: its active params and FLOPs per
+  token are the dense twin's plus the routers' (d_model x E per layer)."""
+  from lm.assembly.accounting import count_params, flops_per_token
+  from lm.config import load_config
+  from lm.models import abstract_params, build_model
+  moe_cfg = load_config('moe_tiny').model
+  dense_cfg = dataclasses.replace(moe_cfg, moe=MoeConfig(), d_ff=2 * moe_cfg.moe.expert_d_ff)
+  sized = lambda cfg: (count_params(p := abstract_params(build_model(cfg)), cfg), flops_per_token(p, cfg, 128))
+  (moe_counts, moe_flops), (dense_counts, dense_flops) = sized(moe_cfg), sized(dense_cfg)
+  router = moe_cfg.num_layers * moe_cfg.d_model * moe_cfg.moe.num_experts
+  assert moe_counts['active'] == dense_counts['total'] + router
+  assert moe_counts['active_non_embedding'] == dense_counts['non_embedding'] + router
+  assert moe_counts['total'] - moe_counts['active'] == 6 * 4 * 3 * 128 * 176  # 6 of 8 experts idle, 3 kernels each
+  assert moe_flops == pytest.approx(dense_flops + 6 * router, rel=1e-12)
+  assert 'active' not in dense_counts

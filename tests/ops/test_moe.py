@@ -50,7 +50,8 @@ def test_every_path_equals_a_float64_loop_over_experts(gated, skew):
     if skew:
       counts = np.bincount(np.asarray(routing.experts).ravel(), minlength=E)
       assert counts[0] == T and counts[3] == 0
-    paths = {'dense': lambda *a: moe.dense(*a, act=act), 'dropless': lambda *a: moe.dropless(*a, act=act),
+    paths = {'dense': lambda *a: moe.dense(*a, act=act),
+             **{f'dropless {k}': lambda *a, k=k: moe.dropless(*a, act=act, kernel=k) for k in ('ragged_dot', 'tiles')},
              'capacity': lambda *a: moe.capacity(*a, act=act, factor=E)[0]}
     cotangent = jnp.asarray(rng.normal(size=(T, D)))
 
@@ -93,6 +94,23 @@ def test_the_megablox_kernel_equals_the_loop(skew):
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1], strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('tile', [1, 3, 64])
+def test_tiled_matmul_equals_ragged_dot(tile):
+  """The CPU grouped matmul against XLA's ragged_dot, values and gradients, with empty groups, a group spanning
+  several tiles and one smaller than a tile."""
+  rng = np.random.default_rng(4)
+  with jax.enable_x64(True):
+    sizes = jnp.array([0, 7, 1, 0, 9], jnp.int32)
+    lhs, rhs = jnp.asarray(rng.normal(size=(17, 6))), jnp.asarray(rng.normal(size=(5, 6, 4)))
+    cotangent = jnp.asarray(rng.normal(size=(17, 4)))
+    ours = lambda a, b: jnp.sum(moe.tiled_matmul(a, b, sizes, tile) * cotangent)
+    xla = lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes) * cotangent)
+    np.testing.assert_allclose(moe.tiled_matmul(lhs, rhs, sizes, tile), jax.lax.ragged_dot(lhs, rhs, sizes),
+                               rtol=1e-12)
+    for g, w in zip(jax.grad(ours, (0, 1))(lhs, rhs), jax.grad(xla, (0, 1))(lhs, rhs), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
 
 def numpy_route(logits, k, score, normalize, scale, bias, groups, top_groups):
@@ -194,27 +212,23 @@ def test_under_dropless_a_tokens_output_ignores_the_other_tokens():
 
 
 def test_the_balance_loss_equals_transformers_with_padding():
-  """One layer's loss against transformers' load_balancing_loss_func (Mixtral's) with an attention mask; balanced
-  routing gives k."""
+  """Against transformers' load_balancing_loss_func (Mixtral's) with an attention mask: one layer, and two layers
+  with their statistics pooled (`over='model'`, as transformers concatenates them) or their losses averaged
+  (`over='layer'`, each layer alone through transformers); balanced routing gives k."""
   import torch
   from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
   rng = np.random.default_rng(7)
   batch, length = 3, 5
-  logits = rng.normal(size=(batch * length, E)).astype(np.float32)
+  layers = [rng.normal(size=(batch * length, E)).astype(np.float32) for _ in range(2)]
   mask = np.ones((batch, length), np.int64)
   mask[0, 3:] = mask[2, 1:] = 0
-  r = moe.route(jnp.asarray(logits), K)
-  ours = moe.load_balance_loss(r.probs, r.experts, jnp.asarray(mask.reshape(-1)))
-  theirs = load_balancing_loss_func((torch.from_numpy(logits),), E, K, torch.from_numpy(mask))
-  np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+  theirs = lambda *logits: float(load_balancing_loss_func(tuple(map(torch.from_numpy, logits)), E, K,
+                                                          torch.from_numpy(mask)))
+  loads = [moe.expert_load(r.probs, r.experts, jnp.asarray(mask.reshape(-1)))
+           for r in (moe.route(jnp.asarray(logits), K) for logits in layers)]
+  f, p = (jnp.stack(a) for a in zip(*loads))
+  np.testing.assert_allclose(float(moe.balance_loss(f[:1], p[:1])), theirs(layers[0]), rtol=1e-6)
+  np.testing.assert_allclose(float(moe.balance_loss(f, p, 'model')), theirs(*layers), rtol=1e-6)
+  np.testing.assert_allclose(float(moe.balance_loss(f, p, 'layer')), np.mean([theirs(x) for x in layers]), rtol=1e-6)
   balanced = jnp.stack([jnp.arange(E), (jnp.arange(E) + 1) % E], 1)  # each expert chosen by 2 of 4 tokens
   assert float(moe.load_balance_loss(jnp.full((E, E), 1 / E), balanced)) == pytest.approx(K)
-
-
-def test_the_router_z_loss_is_the_masked_mean_of_squared_logsumexp():
-  rng = np.random.default_rng(8)
-  logits = rng.normal(size=(10, E)) * 3
-  mask = (np.arange(10) % 3 != 0).astype(np.float32)
-  lse = np.log(np.exp(logits).sum(-1))
-  np.testing.assert_allclose(float(moe.router_z_loss(jnp.asarray(logits, jnp.float32), jnp.asarray(mask))),
-                             (lse ** 2 * mask).sum() / mask.sum(), rtol=1e-5)
