@@ -40,6 +40,7 @@ PLAN: dict[str, float | None] = {
   'pythia_70m': 70.4e6, 'pythia_160m': 162.3e6, 'pythia_410m': 405.3e6, 'pythia_1b': 1.01e9, 'pythia_1_4b': 1.41e9,
   'pythia_2_8b': 2.78e9, 'pythia_6_9b': 6.86e9, 'pythia_12b': 11.85e9,
   'olmo2_1b': 1.48e9, 'olmo2_7b': 7.30e9, 'olmo2_13b': 13.7e9,
+  'mixtral_8x7b': 46.7e9, 'qwen3_30b_a3b': 30.5e9, 'olmoe_1b_7b': 6.92e9,
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
   'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
   'moe_tiny': None,

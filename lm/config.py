@@ -198,7 +198,7 @@ class ExecutionConfig:
 @dataclass(frozen=True)
 class ModelConfig:
   family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gemma2 |
-  # gpt_neox | olmo | olmo2 | olmo3
+  # gpt_neox | olmo | olmo2 | olmo3 | mixtral | qwen2_moe | qwen3_moe | olmoe
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
   d_model: int = 256
   num_layers: int = 4  # encoder layers for t5

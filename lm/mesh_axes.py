@@ -31,6 +31,7 @@ MESH_AXES: tuple[MeshAxis, ...] = (
   MeshAxis('slice', 'multislice', field='slices', across_slices=True),  # the batch, across TPU slices
   MeshAxis('data', 'dp', default=-1),  # the batch
   MeshAxis('fsdp', 'fsdp'),  # the batch, parameters and optimizer state
+  MeshAxis('expert', 'ep'),  # the routed experts; outside them the batch, parameters and optimizer state as fsdp
   MeshAxis('sequence', 'cp'),  # the tokens of each sequence (context parallelism: ring attention)
   MeshAxis('tensor', 'tp'),  # heads, MLP units and the vocabulary
 )

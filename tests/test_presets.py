@@ -152,7 +152,18 @@ RELEASED = {
   'gemma2_27b': ([], 'Gemma2ForCausalLM', dict(vocab_size=256000, hidden_size=4608, intermediate_size=36864,
                                                num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
                                                head_dim=128), 27_227_128_320, 'gemma-2-27b (tied output)'),
+  # Mixture-of-experts releases: every expert counted
+  'mixtral_8x7b': ([], 'MixtralForCausalLM', {}, 46_702_792_704, 'Mixtral-8x7B-v0.1'),
+  'qwen3_30b_a3b': ([], 'Qwen3MoeForCausalLM', dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                                    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                                    head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                                    moe_intermediate_size=768), 30_532_122_624, 'Qwen3-30B-A3B-Base'),
+  'olmoe_1b_7b': ([], 'OlmoeForCausalLM', dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                                               num_hidden_layers=16, num_attention_heads=16, num_experts=64,
+                                               num_experts_per_tok=8), 6_919_161_856, 'OLMoE-1B-7B-0924'),
 }
+# Their active parameters (k of E experts), as the releases state them; OLMoE's "1B active" is 1.28B
+ACTIVE = {'mixtral_8x7b': 12_879_925_248, 'qwen3_30b_a3b': 3_353_032_704, 'olmoe_1b_7b': 1_282_017_280}
 
 
 @pytest.mark.parametrize('name', sorted(RELEASED))
@@ -168,3 +179,9 @@ def test_parameter_count_equals_the_released_checkpoint_exactly(name):
     theirs = getattr(transformers, cls)(config_cls(**kwargs)).num_parameters()
   ours = count_params(abstract_params(build_model(load_config(name, overrides).model)))['total']
   assert ours == theirs == released, (ours, theirs, released)
+
+
+@pytest.mark.parametrize('name', sorted(ACTIVE))
+def test_active_parameters_of_the_moe_releases(name):
+  config = load_config(name).model
+  assert count_params(abstract_params(build_model(config)), config)['active'] == ACTIVE[name]

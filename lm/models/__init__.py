@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY, llama.MISTRAL,
                                                            llama.QWEN2, llama.QWEN3, llama.GEMMA2, gpt_neox.FAMILY,
-                                                           olmo.FAMILY, olmo.OLMO2, olmo.OLMO3)}
+                                                           olmo.FAMILY, olmo.OLMO2, olmo.OLMO3, llama.MIXTRAL,
+                                                           llama.QWEN2_MOE, llama.QWEN3_MOE, olmo.OLMOE)}
 
 
 def get_family(name: str) -> Family:

@@ -244,7 +244,7 @@ class Attention(nn.Module):
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias
   qk_norm_eps: float | None = None  # RMSNorm of the queries and keys (before the rotation); None: none
   qk_norm_all_heads: bool = False  # that norm over all heads' features at once (OLMo 2), not each head's
-  clip: float = 0.0  # > 0: query, key and value projections clipped to [-clip, clip] (OLMo)
+  clip: float = 0.0  # > 0: query, key and value projections clipped to [-clip, clip] (OLMo), after any qk norm
   window: int = 0  # > 0: a causal query sees the keys fewer than this many positions back
   softcap: float = 0.0  # > 0: logits soft-capped to (-softcap, softcap)
   impl: str = 'xla'
@@ -272,12 +272,12 @@ class Attention(nn.Module):
     kv_init = self.inits('key_value', kv_axes)
     k = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='key', **projection)(x_kv)
     v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
-    if self.clip:
-      q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
     if self.qk_norm_eps is not None:
       norm = lambda name, heads: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, name=name,
                                          axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',))
       q, k = norm('query_norm', 'heads')(q), norm('key_norm', 'kv_heads')(k)
+    if self.clip:  # after the norms (OLMoE, the one released model with both)
+      q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
     if self.rope is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])

@@ -45,5 +45,24 @@ class Gemma2Family(LlamaFamily):
   hf_converter = 'lm.storage.convert.gemma2'
 
 
+class MixtralFamily(LlamaFamily):
+  """Mixtral: Mistral's layout with routed experts in every layer (model.moe)."""
+  name = 'mixtral'
+  hf_converter = 'lm.storage.convert.mixtral'
+
+
+class Qwen2MoeFamily(LlamaFamily):
+  """Qwen2-MoE: Qwen2's layout with routed experts and a gated shared expert (model.moe)."""
+  name = 'qwen2_moe'
+  hf_converter = 'lm.storage.convert.qwen2_moe'
+
+
+class Qwen3MoeFamily(LlamaFamily):
+  """Qwen3-MoE: Qwen3's layout with routed experts (model.moe)."""
+  name = 'qwen3_moe'
+  hf_converter = 'lm.storage.convert.qwen3_moe'
+
+
 FAMILY = LlamaFamily()
 MISTRAL, QWEN2, QWEN3, GEMMA2 = MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma2Family()
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = MixtralFamily(), Qwen2MoeFamily(), Qwen3MoeFamily()

@@ -54,27 +54,31 @@ class RoutedMlp(nn.Module):
     self.sow('intermediates', LOAD, load)
     self.sow('intermediates', PROB, prob)
     self.sow('intermediates', Z_LOSS, moe.router_z_loss(logits, flat_mask))
-    y = self._experts(tokens.astype(self.dtype), routing).reshape(batch, length, d)
+    y = self._experts(x.astype(self.dtype), routing)
     return y + self._shared(x) if m.shared_experts else y
 
   def _kernel(self, name: str, kind: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> jax.Array:
     init = nn.with_logical_partitioning(self.inits(kind, axes), axes)
     return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
 
-  def _experts(self, tokens: jax.Array, routing: moe.Routing) -> jax.Array:
+  def _experts(self, x: jax.Array, routing: moe.Routing) -> jax.Array:
+    """[batch, length, embed] -> the same, each token through its chosen experts."""
     cfg, m = self.cfg, self.cfg.moe
-    e, d, f = m.num_experts, tokens.shape[-1], m.expert_d_ff or cfg.resolved_d_ff
+    e, d, f = m.num_experts, x.shape[-1], m.expert_d_ff or cfg.resolved_d_ff
     gated = cfg.activation in GATED
     act = ACTIVATIONS[GATED.get(cfg.activation, cfg.activation)]
     up_axes, down_axes = ('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed')
     gate = self._kernel('wi_0', 'mlp_in', up_axes, (e, d, f)) if gated else None
     up = self._kernel('wi_1' if gated else 'wi', 'mlp_in', up_axes, (e, d, f))
     down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
+    if m.compute == 'dropless':
+      return moe.dropless_on_mesh(x, routing, up, down, gate, act)
+    tokens = x.reshape(-1, d)
     if m.compute == 'capacity':
       y, dropped = moe.capacity(tokens, routing, up, down, gate, act, m.capacity_factor)
       self.sow('intermediates', DROPPED, dropped)
-      return y
-    return (moe.dropless if m.compute == 'dropless' else moe.dense)(tokens, routing, up, down, gate, act)
+      return y.reshape(x.shape)
+    return moe.dense(tokens, routing, up, down, gate, act).reshape(x.shape)
 
   def _shared(self, x: jax.Array) -> jax.Array:
     cfg, m = self.cfg, self.cfg.moe

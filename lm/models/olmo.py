@@ -25,4 +25,10 @@ class Olmo3Family(LlamaFamily):
   hf_converter = 'lm.storage.convert.olmo3'
 
 
-FAMILY, OLMO2, OLMO3 = OlmoFamily(), Olmo2Family(), Olmo3Family()
+class OlmoeFamily(LlamaFamily):
+  """OLMoE: OLMo 2's query/key norms over all heads, pre-norm branches, routed experts in every layer (model.moe)."""
+  name = 'olmoe'
+  hf_converter = 'lm.storage.convert.olmoe'
+
+
+FAMILY, OLMO2, OLMO3, OLMOE = OlmoFamily(), Olmo2Family(), Olmo3Family(), OlmoeFamily()

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lm.parallel.rules import target_platform
+from lm.parallel.rules import active_sharding, spec_for, target_platform
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -87,13 +87,18 @@ def dense(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: 
 GROUPED_KERNELS = ('ragged_dot', 'gmm', 'tiles')
 
 
+def default_kernel() -> str:
+  """The grouped matmul for the compile target: gmm on TPU, tiles on CPU, ragged_dot elsewhere (GPU)."""
+  return {'tpu': 'gmm', 'cpu': 'tiles'}.get(target_platform(), 'ragged_dot')
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: jnp.dtype,
                    kernel: str | None = None) -> jax.Array:
   """Rows of `lhs` [M, K] in consecutive groups of `sizes` [G], each group times its `rhs` [G, K, N], accumulated
   in float32 or wider. `kernel`: 'ragged_dot' (XLA), 'gmm' (the megablox kernel, compiled on TPU and interpreted
   elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile target, not the host's backend: gmm for
   TPU; tiles for CPU, where XLA computes a ragged_dot as G whole matmuls; ragged_dot elsewhere (GPU)."""
-  kernel = kernel or {'tpu': 'gmm', 'cpu': 'tiles'}.get(target_platform(), 'ragged_dot')
+  kernel = kernel or default_kernel()
   if kernel == 'ragged_dot':
     return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=_wide(lhs.dtype)).astype(out_dtype)
   if kernel == 'tiles':
@@ -141,6 +146,41 @@ def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gat
   out = _expert_mlp(x[token], up, down, gate, act, grouped)  # [T k, D] in expert order
   weighted = out.astype(_wide(x.dtype)) * routing.weights.reshape(-1)[order][:, None]
   return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
+
+
+def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
+                     act: Activation, kernel: str | None = None) -> jax.Array:
+  """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. XLA partitions ragged_dot and the
+  tiles itself; a Pallas kernel (gmm) cannot be partitioned automatically, so it runs per shard: each shard's
+  tokens through every expert, the expert weights all-gathered in (their gradients reduce-scattered back, as
+  FSDP's). Off a mesh, or with the other kernels, `dropless` as it is."""
+  batch, length, d = x.shape
+  kernel = kernel or default_kernel()
+  active = active_sharding()
+  flat = lambda x: dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
+  if active is None or kernel != 'gmm':
+    return flat(x)
+  mesh, rules = active
+  k = routing.experts.shape[-1]
+  token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
+  weights = [w for w in (up, down, gate) if w is not None]
+  axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
+  weight_specs = [spec_for(a, w.shape, mesh, rules) for a, w in zip(axes, weights)]
+
+  def per_shard(x, experts, combine, *weights):
+    whole = []
+    for w, spec in zip(weights, weight_specs, strict=True):
+      for dim, entry in enumerate(spec):
+        if entry is not None:
+          w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
+      whole.append(w)
+    up, down, *rest = whole
+    local = Routing(combine.reshape(-1, k), experts.reshape(-1, k), None)
+    return dropless(x.reshape(-1, d), local, up, down, rest[0] if rest else None, act, kernel).reshape(x.shape)
+  shaped = lambda a: a.reshape(batch, length, k)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *weight_specs),
+                       out_specs=token_spec, check_vma=False)(x, shaped(routing.experts), shaped(routing.weights),
+                                                              *weights)
 
 
 def capacity_slots(tokens: int, k: int, num_experts: int, factor: float) -> int:

@@ -30,12 +30,15 @@ from lm.mesh_axes import MESH_AXES
 LogicalRules = tuple[tuple[str, Any], ...]
 
 RULES: LogicalRules = (
-  ('batch', ('slice', 'data', 'fsdp')),
+  ('batch', ('slice', 'data', 'fsdp', 'expert')),
   ('vocab', 'tensor'),
   ('heads', 'tensor'),
   ('kv_heads', 'tensor'),
   ('mlp', 'tensor'),
-  ('embed', ('fsdp', 'sequence')),  # parameters shard over the sequence devices too (they hold the same batch)
+  ('experts', 'expert'),  # a routed layer's experts; claimed before 'embed', which falls back below
+  ('embed', ('fsdp', 'sequence', 'expert')),  # parameters shard over the sequence devices too (they hold the same
+  # batch), and over the expert devices outside the routed layers
+  ('embed', ('fsdp', 'sequence')),  # an expert kernel's, whose experts took the expert axis
   ('kv', None),
   ('length', 'sequence'),
   ('position', None),  # a table indexed by position (learned positions): a parameter, never split by sequence
@@ -48,7 +51,7 @@ REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads'})
 # The config field that sets each logical dimension, so an uneven split names what to change.
 AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
                'kv_heads': 'model.num_kv_heads', 'mlp': 'model.d_ff', 'embed': 'model.d_model',
-               'length': 'data.seq_len', 'position': 'model.max_len'}
+               'length': 'data.seq_len', 'position': 'model.max_len', 'experts': 'model.moe.num_experts'}
 
 MESH_FIELDS = {a.name: a.key for a in MESH_AXES}  # the config field that sizes each mesh axis
 

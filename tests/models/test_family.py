@@ -31,7 +31,9 @@ def test_every_family_declares_what_generic_code_needs():
                            'qwen3': ('qwen3_tiny',), 'gemma2': ('gemma2_tiny',), 'gpt_neox': ('pythia_tiny',),
                            'olmo': ('olmo_tiny',), 'olmo2': ('olmo2_tiny',),
                            'olmo3': ('olmo2_tiny', ['model.family=olmo3', 'model.sliding_window=64',
-                                                    'model.global_every=4'])}[name])
+                                                    'model.global_every=4']),
+                           'mixtral': ('mixtral_8x7b',), 'qwen3_moe': ('qwen3_30b_a3b',), 'olmoe': ('olmoe_1b_7b',),
+                           'qwen2_moe': ('moe_tiny', ['model.family=qwen2_moe', 'model.qkv_bias=true'])}[name])
     assert config.model.family == name
 
 

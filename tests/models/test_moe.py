@@ -90,6 +90,7 @@ MOE = ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'mod
        'model.use_bias=false', 'model.moe.num_experts=4', 'model.moe.experts_per_token=2', 'model.moe.expert_d_ff=48']
 
 
+@pytest.mark.long(0.5)
 def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config):
   """Logits and each auxiliary term of a scanned stack of routed layers equal the unrolled stack's on its params
   (relaid out), with padding in the batch; the balance loss is the float64 mean of each layer's from what it sowed."""
@@ -119,6 +120,7 @@ def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long(0.6)
 def test_the_logged_loss_leaves_the_auxiliary_losses_out_and_microbatches_add_up(small_config):
   """One step: the logged token loss is the same with and without a balance weight (the aux term changes the
   gradients only), the terms are logged apart; with the aux weights at 0, two microbatches give one batch's update."""
@@ -150,3 +152,30 @@ def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_
   assert moe_counts['total'] - moe_counts['active'] == 6 * 4 * 3 * 128 * 176  # 6 of 8 experts idle, 3 kernels each
   assert moe_flops == pytest.approx(dense_flops + 6 * router, rel=1e-12)
   assert 'active' not in dense_counts
+
+
+@pytest.mark.parametrize('mesh', [['mesh.expert=8', 'mesh.data=1'],
+                                  ['mesh.expert=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'mesh.data=1'],
+                                  ['mesh.data=2', 'mesh.expert=4']])
+@pytest.mark.variants
+def test_an_expert_mesh_gives_one_devices_update(small_config, mesh):
+  """With the experts split over the `expert` axis (and the batch and the other params over it and the rest), one
+  step's loss, gradient norm and update equal one device's; expert kernels lead with the expert axis, the
+  non-expert params shard over it as over fsdp."""
+  from lm.jobs.pretraining import Pretraining
+  from tests.train.test_step import assert_same_update, one_update
+  moe = [*MOE, 'model.moe.z_loss=0.001', 'model.moe.num_experts=8']
+  one = one_update(Pretraining(small_config(*moe), jax.devices()[:1]))
+  sharded = Pretraining(small_config(*moe, *mesh), jax.devices())
+  specs = {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf.sharding.spec
+           for path, leaf in jax.tree_util.tree_flatten_with_path(sharded.init_state().params)[0]}
+  expert = int(mesh[0].split('=')[1]) if 'expert' in mesh[0] else 4
+  assert specs['decoder/layers/mlp/wi_0'][1] == 'expert'  # [layers, experts, embed, mlp]
+  assert 'expert' in str(specs['decoder/layers/attention/query/kernel'][1]) and expert > 1
+  assert_same_update(one_update(sharded), one)
+
+
+def test_an_expert_count_the_axis_cannot_divide_names_the_field(small_config):
+  from lm.jobs.pretraining import Pretraining
+  with pytest.raises(ConfigError, match=r'model.moe.num_experts=4 is not divisible by mesh.expert=8'):
+    Pretraining(small_config(*MOE, 'mesh.expert=8', 'mesh.data=1'), jax.devices()).init_state()

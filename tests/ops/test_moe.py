@@ -36,8 +36,8 @@ def skewed_logits(rng, skew):
   return logits
 
 
-@pytest.mark.parametrize('gated', [True, False])
-@pytest.mark.parametrize('skew', [False, True])
+@pytest.mark.parametrize('gated, skew', [(True, True), (True, False), (False, False), (False, True)])
+@pytest.mark.variants
 def test_every_path_equals_a_float64_loop_over_experts(gated, skew):
   """Outputs and gradients (inputs, expert weights, router logits through the combine weights) of every path equal
   the loop's, in float64; with skew, one expert gets almost every token and another none."""
@@ -232,3 +232,30 @@ def test_the_balance_loss_equals_transformers_with_padding():
   np.testing.assert_allclose(float(moe.balance_loss(f, p, 'layer')), np.mean([theirs(x) for x in layers]), rtol=1e-6)
   balanced = jnp.stack([jnp.arange(E), (jnp.arange(E) + 1) % E], 1)  # each expert chosen by 2 of 4 tokens
   assert float(moe.load_balance_loss(jnp.full((E, E), 1 / E), balanced)) == pytest.approx(K)
+
+
+def test_the_megablox_kernel_runs_per_shard_on_a_mesh():
+  """gmm cannot be partitioned by XLA: on an {expert 2, fsdp 2, tensor 2} mesh it runs per shard with the expert
+  weights gathered in; outputs and gradients (tokens, each weight) equal one device's dropless."""
+  from lm.config import MeshConfig
+  from lm.parallel.mesh import make_mesh
+  from lm.parallel.rules import sharding_context, sharding_for
+  rng = np.random.default_rng(11)
+  batch, length, e, d, f = 4, 6, 4, 8, 6
+  x = jnp.asarray(rng.normal(size=(batch, length, d)).astype(np.float32))
+  up, down, gate = (jnp.asarray(rng.normal(size=s).astype(np.float32) / 3) for s in ((e, d, f), (e, f, d), (e, d, f)))
+  routing = moe.route(jnp.asarray(rng.normal(size=(batch * length, e)).astype(np.float32)), K)
+  cotangent = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
+  loss = lambda path: lambda x, up, down, gate: jnp.sum(path(x, routing, up, down, gate, jax.nn.silu) * cotangent)
+  one = lambda x, r, up, down, gate, act: moe.dropless(x.reshape(-1, d), r, up, down, gate, act).reshape(x.shape)
+  want = jax.value_and_grad(loss(one), (0, 1, 2, 3))(x, up, down, gate)
+  mesh = make_mesh(MeshConfig(data=1, expert=2, fsdp=2, tensor=2))
+  with sharding_context(mesh):
+    place = lambda a, axes: jax.device_put(a, sharding_for(axes, a.shape, mesh))
+    args = (place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
+            place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')))
+    sharded = lambda x, r, up, down, gate, act: moe.dropless_on_mesh(x, r, up, down, gate, act, kernel='gmm')
+    got = jax.jit(jax.value_and_grad(loss(sharded), (0, 1, 2, 3)))(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1], strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)

@@ -6,7 +6,9 @@ converter (`Family.hf_converter`): GPT2LMHeadModel (our `gpt`), BertForMaskedLM 
 T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the transformers 5 and 4 layouts), LlamaForCausalLM
 (`llama`: 2, 3, 3.1, 3.2), MistralForCausalLM (`mistral`), Qwen2ForCausalLM (`qwen2`: 2, 2.5),
 Qwen3ForCausalLM (`qwen3`), Gemma2ForCausalLM (`gemma2`), GPTNeoXForCausalLM (`gpt_neox`: Pythia),
-OlmoForCausalLM (`olmo`), Olmo2ForCausalLM (`olmo2`) and Olmo3ForCausalLM (`olmo3`). Loaded
+OlmoForCausalLM (`olmo`), Olmo2ForCausalLM (`olmo2`), Olmo3ForCausalLM (`olmo3`), and the mixtures of experts
+MixtralForCausalLM (`mixtral`), Qwen2MoeForCausalLM (`qwen2_moe`), Qwen3MoeForCausalLM (`qwen3_moe`) and
+OlmoeForCausalLM (`olmoe`). Loaded
 models are float32 with unrolled layers (`layers_0`, ...); `save_hf` of a loaded model reproduces every tensor of
 a transformers-5 checkpoint exactly and writes tied weights once, as `save_pretrained` does. Reads with NumPy only;
 torch is not needed.

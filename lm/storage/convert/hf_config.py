@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ModelConfig, MoeConfig
 
 # transformers ACT2FN names -> ours, and back (the first HF name of each is the canonical one).
 ACTIVATIONS = {'gelu': 'gelu', 'gelu_python': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh',
@@ -41,7 +41,8 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
 
 
 # Settings only some architectures express: every other one refuses them unless its converter names them.
-RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': ()}
+RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': (),
+                    'moe': MoeConfig()}
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
 

@@ -8,6 +8,7 @@ and yarn scaling.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ExecutionConfig, ModelConfig, RopeConfig
+from lm.config import ConfigError, ExecutionConfig, ModelConfig, MoeConfig, RopeConfig
 from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
                                           our_activation, unsupported, window_pattern)
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
@@ -77,6 +78,91 @@ def hf_rope(cfg: ModelConfig, base: dict, per_layer_type: bool = False) -> dict[
 
 
 @dataclass(frozen=True)
+class MoeNames:
+  """How a transformers mixture-of-experts class names its routed layers, in its files and its config.json."""
+  block: str  # the routed MLP's module in the files: 'block_sparse_moe' (Mixtral) or 'mlp'
+  experts: tuple[str, str, str]  # each expert's gate, up and down projections
+  count: str  # config.json key of the expert count
+  width: str  # config.json key of each expert's hidden width
+  normalize: bool | None = None  # fixed renormalisation of the chosen weights; None: `norm_topk_prob`
+  layer_pattern: bool = False  # `decoder_sparse_step` and `mlp_only_layers` choose the routed layers (Qwen)
+  shared: bool = False  # a shared expert with a sigmoid gate (`shared_expert_intermediate_size`, Qwen2-MoE)
+
+  def count_key(self, hf: dict) -> str:
+    """The key config.json `hf` spells the expert count with (transformers 5 writes Qwen3-MoE's as
+    `num_local_experts`, its constructor takes `num_experts`); the architecture's own when it has neither."""
+    return next((k for k in (self.count, 'num_local_experts', 'num_experts') if k in hf), self.count)
+
+  def config(self, h: dict) -> MoeConfig:
+    """`model.moe` of config.json `h` (defaults filled in): the architecture's routing; the aux loss weighted as
+    its `router_aux_loss_coef` and pooled over layers as transformers' `aux_loss`."""
+    shared = self.shared and h.get('shared_expert_intermediate_size')
+    moe = MoeConfig(
+      num_experts=h[self.count],
+      experts_per_token=h['num_experts_per_tok'], expert_d_ff=h[self.width],
+      normalize=self.normalize if self.normalize is not None else bool(h.get('norm_topk_prob', False)),
+      shared_experts=1 if shared else 0, shared_d_ff=shared or None, shared_gate=bool(shared),
+      every=h.get('decoder_sparse_step', 1) if self.layer_pattern else 1,
+      dense_layers=tuple(h.get('mlp_only_layers') or ()) if self.layer_pattern else (),
+      balance_loss=float(h.get('router_aux_loss_coef', 0.01)), balance_over='model')
+    moe.check(h['num_hidden_layers'], scanned=False)
+    return moe
+
+  def hf_config(self, m: MoeConfig, num_layers: int, architecture: str, base: dict) -> dict[str, Any]:
+    """config.json's routing fields for `m` (the count spelt as in `base`); a ConfigError naming what the
+    architecture cannot express."""
+    expressed = self.config({'num_hidden_layers': num_layers, self.count: m.num_experts,
+                             'num_experts_per_tok': m.experts_per_token, self.width: m.expert_d_ff,
+                             'norm_topk_prob': m.normalize,
+                             'shared_expert_intermediate_size': m.shared_d_ff if m.shared_experts else 0,
+                             'decoder_sparse_step': m.every, 'mlp_only_layers': list(m.dense_layers)})
+    training = ('balance_loss', 'balance_over', 'z_loss', 'compute', 'capacity_factor')  # not architecture
+    wrong = [f'model.moe.{f.name}={getattr(m, f.name)!r} (needs {getattr(expressed, f.name)!r})'
+             for f in dataclasses.fields(MoeConfig)
+             if f.name not in training and getattr(m, f.name) != getattr(expressed, f.name)]
+    if wrong:
+      raise ConfigError(f'cannot export this model as {architecture}: {", ".join(wrong)}')
+    hf = {self.count_key(base): m.num_experts, 'num_experts_per_tok': m.experts_per_token, self.width: m.expert_d_ff,
+          'router_aux_loss_coef': m.balance_loss}
+    if self.normalize is None:
+      hf['norm_topk_prob'] = m.normalize
+    if self.layer_pattern:
+      hf.update(decoder_sparse_step=m.every, mlp_only_layers=list(m.dense_layers))
+    if self.shared:
+      hf['shared_expert_intermediate_size'] = m.shared_d_ff if m.shared_experts else 0
+    return hf
+
+  def rules(self, cfg: ModelConfig, h: str, o: str) -> list[Tensor]:
+    """A routed layer's tensors: HF prefix `h` ('model.layers.{i}.'), ours `o` ('decoder/layers_{i}/')."""
+    b = f'{h}{self.block}.'
+    out = [Tensor(f'{b}gate.weight', (f'{o}mlp/router',), 'linear')]
+    for j in range(cfg.moe.num_experts):
+      out += [Tensor(f'{b}experts.{j}.{theirs}.weight', (f'{o}mlp/{ours}',), 'linear', index=j)
+              for theirs, ours in zip(self.experts, ('wi_0', 'wi_1', 'wo'))]
+    if cfg.moe.shared_experts:
+      out += [t for theirs, ours in zip(('gate_proj', 'up_proj', 'down_proj'), ('wi_0', 'wi_1', 'wo'))
+              for t in dense(f'{b}shared_expert.{theirs}', f'{o}mlp/shared/{ours}', 'linear', bias=False)]
+      out += dense(f'{b}shared_expert_gate', f'{o}mlp/shared_gate', 'linear', bias=False)
+    return out
+
+  def accept_fused(self, ckpt: Checkpoint, cfg: ModelConfig) -> None:
+    """Let `ckpt` hold the experts as transformers 5 keeps them in memory (`mlp.experts.gate_up_proj` [E, 2F, D],
+    `mlp.experts.down_proj` [E, D, F], `mlp.gate.weight`) instead of one tensor per expert."""
+    for i in range(cfg.num_layers):
+      if not cfg.moe.routed(i):
+        continue
+      fused, b = f'model.layers.{i}.mlp.', f'model.layers.{i}.{self.block}.'
+      ckpt.derive(f'{b}gate.weight', f'{fused}gate.weight', lambda a: a)
+      gate, up, down = self.experts
+      for j in range(cfg.moe.num_experts):
+        ckpt.derive(f'{b}experts.{j}.{gate}.weight', f'{fused}experts.gate_up_proj',
+                    lambda a, j=j: a[j, :a.shape[1] // 2])
+        ckpt.derive(f'{b}experts.{j}.{up}.weight', f'{fused}experts.gate_up_proj',
+                    lambda a, j=j: a[j, a.shape[1] // 2:])
+        ckpt.derive(f'{b}experts.{j}.{down}.weight', f'{fused}experts.down_proj', lambda a, j=j: a[j])
+
+
+@dataclass(frozen=True)
 class Architecture:
   """One transformers class of the Llama layout (pre-RMSNorm, rotary, gated MLP, no MLP biases): what its
   config.json holds and which of our fields it fixes."""
@@ -95,6 +181,7 @@ class Architecture:
   norm: str = 'rmsnorm'  # nonparametric_layernorm: OLMo's, no weights and eps 1e-5 (no config field)
   norm_position: str = 'pre'  # post_branch: OLMo 2's post_attention_ and post_feedforward_layernorm
   clip: bool = False  # `clip_qkv` (None: none) clips the query, key and value projections (OLMo)
+  moe: MoeNames | None = None  # routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
 
   def eps(self, h: dict) -> float:
     return h['rms_norm_eps'] if self.norm == 'rmsnorm' else 1e-5
@@ -110,6 +197,8 @@ LLAMA = Architecture(ARCHITECTURE, 'llama', COMMON, {'attention_bias': False, 'm
 def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   unsupported(arch.name, hf, **arch.refused)
   h = {**arch.defaults, **hf}
+  if arch.moe:
+    h[arch.moe.count] = h[arch.moe.count_key(hf)]
   types = layer_types(arch, h)
   pattern = window_pattern(types, h['num_hidden_layers'], arch.name)
   if pattern != {'global_every': 1} and not arch.layer_windows:
@@ -130,8 +219,10 @@ def load_as(arch: Architecture, hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig
     tie_embeddings=h['tie_word_embeddings'] if same is None else same,
     sliding_window=window, **(pattern if window and arch.layer_windows else {}), dropout=0.0,
     attention_dropout=h['attention_dropout'], init_std=h['initializer_range'],
-    execution=ExecutionConfig(scan_layers=False))
-  return cfg, rules(cfg)
+    moe=arch.moe.config(h) if arch.moe else MoeConfig(), execution=ExecutionConfig(scan_layers=False))
+  if arch.moe:
+    arch.moe.accept_fused(ckpt, cfg)
+  return cfg, rules(cfg, arch.moe)
 
 
 def layer_types(arch: Architecture, h: dict) -> list[str]:
@@ -154,7 +245,7 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
                    **({} if arch.window or arch.layer_windows else {'sliding_window': 0}),
                    **({'global_every': cfg.global_every, 'global_layers': cfg.global_layers} if arch.layer_windows
                       else {}),
-                   **({'clip_qkv': cfg.clip_qkv} if arch.clip else {}))
+                   **({'clip_qkv': cfg.clip_qkv} if arch.clip else {}), **({'moe': cfg.moe} if arch.moe else {}))
   if arch.norm == 'nonparametric_layernorm' and cfg.norm_eps != 1e-5:
     raise ConfigError(f'cannot export this {cfg.family} model as {arch.name}: model.norm_eps={cfg.norm_eps} '
                       f'(its LayerNorm has eps 1e-5)')
@@ -183,7 +274,10 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
       hf.update(use_sliding_window=bool(cfg.sliding_window),
                 max_window_layers=types.index(SLIDING) if SLIDING in types else cfg.num_layers)
   hf.update(hf_rope(cfg, base, per_layer_type=bool(arch.global_every)))
-  return hf, rules(cfg)
+  if arch.moe:
+    hf.update(arch.moe.hf_config(dataclasses.replace(cfg.moe, expert_d_ff=cfg.moe.expert_d_ff or cfg.resolved_d_ff),
+                                 cfg.num_layers, arch.name, base))
+  return hf, rules(cfg, arch.moe)
 
 
 def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -194,7 +288,7 @@ def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any
 load, save = converter(LLAMA)
 
 
-def rules(cfg: ModelConfig) -> list[Tensor]:
+def rules(cfg: ModelConfig, moe: MoeNames | None = None) -> list[Tensor]:
   # OLMo's norms have no weights; OLMo 2 normalises each branch's output (post_attention_ / post_feedforward_)
   weighted = cfg.norm != 'nonparametric_layernorm'
   branch_norms = ({'attention_post_norm': 'post_attention_layernorm', 'mlp_post_norm': 'post_feedforward_layernorm'}
@@ -209,10 +303,13 @@ def rules(cfg: ModelConfig) -> list[Tensor]:
       layout = 'flat' if cfg.qk_norm_scope == 'all_heads' else 'same'
       out += [Tensor(f'{h}self_attn.{x}_norm.weight', (f'{o}attention/{name}_norm/scale',), layout)
               for x, name in (('q', 'query'), ('k', 'key'))]
-    out += [*dense(f'{h}self_attn.o_proj', f'{o}attention/out', 'linear', n_in=2, bias=False),
-            *dense(f'{h}mlp.gate_proj', f'{o}mlp/wi_0', 'linear', bias=False),
-            *dense(f'{h}mlp.up_proj', f'{o}mlp/wi_1', 'linear', bias=False),
-            *dense(f'{h}mlp.down_proj', f'{o}mlp/wo', 'linear', bias=False)]
+    out += dense(f'{h}self_attn.o_proj', f'{o}attention/out', 'linear', n_in=2, bias=False)
+    if moe and cfg.moe.routed(i):
+      out += moe.rules(cfg, h, o)
+    else:
+      out += [*dense(f'{h}mlp.gate_proj', f'{o}mlp/wi_0', 'linear', bias=False),
+              *dense(f'{h}mlp.up_proj', f'{o}mlp/wi_1', 'linear', bias=False),
+              *dense(f'{h}mlp.down_proj', f'{o}mlp/wo', 'linear', bias=False)]
     if weighted:
       out += [t for ours, theirs in branch_norms.items() for t in norm(f'{h}{theirs}', f'{o}{ours}', bias=False)]
   if weighted:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,16 @@ LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed', 'heads')
 
 @dataclass(frozen=True)
 class Tensor:
-  """HF tensor `name` holding params `params` ('a/b/kernel' paths) concatenated on its last axis."""
+  """HF tensor `name` holding params `params` ('a/b/kernel' paths) concatenated on its last axis; with `index`,
+  it holds entry `index` of the params' leading axis (one expert of a routed layer's stacked kernels)."""
   name: str
   params: tuple[str, ...]
   layout: str = 'same'
   n_in: int = 1  # input dims of our kernel (2 for attention out: [heads, head_dim, embed])
+  index: int | None = None
 
   def hf_shape(self, shapes: dict[str, Shape]) -> Shape:
+    shapes = shapes if self.index is None else {p: shapes[p][1:] for p in self.params}
     if self.layout == 'heads':
       *ins, heads, head_dim = shapes[self.params[0]]
       return (heads * len(self.params) * head_dim, *ins)
@@ -92,10 +96,21 @@ class Checkpoint:
                         f'belong together')
     self.names = set(self._where)
     self.used: set[str] = set()
+    self._derived: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {}
+
+  def derive(self, name: str, source: str, part: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Make tensor `name` readable as `part` of tensor `source` (another layout of the same weights: the fused
+    experts transformers 5 keeps in memory); a name the file holds itself is read as it is."""
+    if name not in self.names and source in self.names:
+      self._derived[name] = source, part
+      self.names.add(name)
 
   def get(self, name: str) -> np.ndarray | None:
     if name not in self.names:
       return None
+    if name in self._derived:
+      source, part = self._derived[name]
+      return part(self.get(source))
     self.used.add(name)
     return self._where[name].get_tensor(name)
 
@@ -115,7 +130,7 @@ class Checkpoint:
     return None if a is None else a.shape == reference.shape and bool(np.array_equal(a, reference))
 
   def warn_unused(self) -> None:
-    unused = sorted(self.names - self.used)
+    unused = sorted(set(self._where) - self.used)
     if unused:
       warnings.warn(f'{self.path}: ignored {len(unused)} tensor(s) a {self.architecture} does not use: '
                     f'{", ".join(unused[:8])}{" ..." if len(unused) > 8 else ""}', stacklevel=3)
@@ -132,6 +147,11 @@ def read_params(ckpt: Checkpoint, rules: list[Tensor], shapes: dict[str, Shape])
   flat: dict[str, np.ndarray] = {}
   for rule in rules:
     a = ckpt.require(rule.name, rule.hf_shape(shapes))
+    if rule.index is not None:  # one expert's slice of a stacked param
+      (path,) = rule.params
+      flat.setdefault(path, np.zeros(shapes[path], np.float32))[rule.index] = _to_ours(rule.layout, a,
+                                                                                      shapes[path][1:])
+      continue
     if rule.layout == 'heads':
       flat.update(zip(rule.params, _heads_to_ours(a, [shapes[p] for p in rule.params])))
       continue
@@ -148,7 +168,9 @@ def write_tensors(rules: list[Tensor], flat: dict[str, np.ndarray], dtype: Any) 
   """HF name -> contiguous array in `dtype` for each rule, from our flat ('a/b/kernel') params."""
   out = {}
   for rule in rules:
-    if rule.layout == 'heads':
+    if rule.index is not None:
+      a = _to_hf(rule.layout, flat[rule.params[0]][rule.index], rule.n_in)
+    elif rule.layout == 'heads':
       a = _heads_to_hf([flat[p] for p in rule.params])
     else:
       parts = [_to_hf(rule.layout, flat[p], rule.n_in) for p in rule.params]

@@ -107,6 +107,28 @@ CONFIGS = {
                                             eos_token_id=2, sliding_window=4,
                                             rope_parameters={t: {'rope_type': 'default', 'rope_theta': 5e5}
                                                              for t in ('full_attention', 'sliding_attention')}),
+  # Mixtral: 5 experts, 2 per token, of an odd width
+  'mixtral': lambda: transformers.MixtralConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=24,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=64, num_local_experts=5, num_experts_per_tok=2),
+  # Qwen2-MoE: experts in every second layer but the last (decoder_sparse_step 2, mlp_only_layers [3]: layer 1
+  # alone routed), dense MLPs elsewhere, 3 of 5 experts per token without renormalising, a gated shared expert
+  'qwen2_moe': lambda: transformers.Qwen2MoeConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=40,
+                                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                   max_position_embeddings=64, num_experts=5, num_experts_per_tok=3,
+                                                   moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                                                   decoder_sparse_step=2, mlp_only_layers=[3]),
+  # Qwen3-MoE: per-head query/key norms, 2 of 6 experts per token renormalised (norm_topk_prob, as released)
+  'qwen3_moe': lambda: transformers.Qwen3MoeConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=40,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=16, max_position_embeddings=64, num_experts=6,
+                                                   num_experts_per_tok=2, moe_intermediate_size=20,
+                                                   norm_topk_prob=True),
+  # OLMoE: query/key norms over all heads, clipped projections, 2 of 4 experts without renormalising
+  'olmoe': lambda: transformers.OlmoeConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=24,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, clip_qkv=0.5, num_experts=4,
+                                            num_experts_per_tok=2, pad_token_id=1, eos_token_id=2),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
@@ -116,9 +138,11 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM,
           'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM,
           'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM,
-          'olmo3': transformers.Olmo3ForCausalLM}
+          'olmo3': transformers.Olmo3ForCausalLM, 'mixtral': transformers.MixtralForCausalLM,
+          'qwen2_moe': transformers.Qwen2MoeForCausalLM, 'qwen3_moe': transformers.Qwen3MoeForCausalLM,
+          'olmoe': transformers.OlmoeForCausalLM}
 DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gpt_neox',
-            'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3')
+            'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe')
 
 
 def save_hf_model(kind, directory):
@@ -511,6 +535,8 @@ def test_qwen_sliding_window_layers_are_read_per_layer(kind, layers, written, tm
    'rope_parameters differ between layer types; Olmo3ForCausalLM converts one rotary setting for every layer'),
   ('gpt_neox', {'rope_parameters': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}},
    "rope type 'linear' is not supported when converting GPTNeoXForCausalLM"),
+  ('mixtral', {'router_jitter_noise': 0.1}, 'router_jitter_noise=0.1 is not supported when converting Mixtral'),
+  ('mixtral', {'num_experts_per_tok': 6}, r'model.moe.experts_per_token=6 must lie in \[1, model.moe.num_experts=5\]'),
 ])
 def test_a_setting_the_model_cannot_honour_is_named(kind, edit, message, tmp_path):
   save_hf_model(kind, tmp_path / 'hf')
@@ -577,6 +603,42 @@ def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
     save_hf(dataclasses.replace(model.cfg, family='mistral', sliding_window=4, global_layers=(1,)), params,
             tmp_path / 'out')
   assert not (tmp_path / 'out').exists()
+
+
+def test_routed_experts_load_from_transformers_fused_layout_and_their_aux_loss_is_transformers(tmp_path):
+  """A Mixtral file holding the experts fused as transformers 5 keeps them in memory (`mlp.experts.gate_up_proj`,
+  `down_proj`, `mlp.gate`) loads to the same params as the per-expert file save_pretrained writes; the imported
+  model's balance loss (pooled over layers, padding left out) equals transformers' `aux_loss`."""
+  hf_model = save_hf_model('mixtral', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  fused = {name: tensor.numpy() for name, tensor in hf_model.state_dict().items()}
+  assert 'model.layers.1.mlp.experts.gate_up_proj' in fused
+  shutil.copytree(tmp_path / 'hf', tmp_path / 'fused')
+  save_file(fused, str(tmp_path / 'fused' / 'model.safetensors'))
+  _, fused_params = load_hf(tmp_path / 'fused')
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused_params), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  from lm.models import get_family
+  ids, mask = batch()
+  with torch.no_grad():
+    theirs = hf_model(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                      output_router_logits=True).aux_loss
+  ours = get_family('mixtral').apply(model, params, {'inputs': ids, 'segment_ids': mask}, deterministic=True, rngs={})
+  assert model.cfg.moe.balance_over == 'model' and model.cfg.moe.balance_loss == 0.001
+  np.testing.assert_allclose(float(ours['aux_terms']['moe/balance_loss']), float(theirs), rtol=1e-5)
+
+
+def test_routed_experts_export_only_as_an_architecture_that_expresses_them(tmp_path):
+  save_hf_model('qwen2_moe', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  with pytest.raises(ConfigError, match=r"as Qwen2MoeForCausalLM: model.moe.router='sigmoid' \(needs 'softmax'\), "
+                                        r'model.moe.routed_scale=2.0 \(needs 1.0\)$'):
+    save_hf(dataclasses.replace(model.cfg, moe=dataclasses.replace(model.cfg.moe, routed_scale=2.0, router='sigmoid')),
+            params, tmp_path / 'o')
+  with pytest.raises(ConfigError, match=r'as Qwen2ForCausalLM: model.moe=MoeConfig\(num_experts=5'):
+    save_hf(dataclasses.replace(model.cfg, family='qwen2'), params, tmp_path / 'o')
+  assert not (tmp_path / 'o').exists()
 
 
 @pytest.mark.parametrize('kind', ['gpt2', 'llama'])
