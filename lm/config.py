@@ -168,6 +168,9 @@ class MoeConfig:
                         f'{list(self.dense_layers)} leave no routed layer among {num_layers}; route at least one')
     if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale) < 0:
       raise ConfigError('model.moe.balance_loss, z_loss, bias_rate and routed_scale must be >= 0')
+    if self.bias_rate:
+      raise ConfigError(f'model.moe.bias_rate={self.bias_rate}: aux-loss-free balancing is not built yet; set '
+                        f'model.moe.bias_rate=0 and balance with model.moe.balance_loss')
     dense = [i for i in range(num_layers) if not self.routed(i)]
     if scanned and dense:
       raise ConfigError(f'model.moe leaves layers {dense} dense among routed ones, and a scanned stack holds one kind '

@@ -84,6 +84,13 @@ def test_a_moe_config_round_trips_through_its_dict():
     from_dict({**values, 'model': {**values['model'], 'family': 'gpt', 'position': 'learned'}})
   with pytest.raises(ConfigError, match=r'leaves layers \[0, 2\] dense .* set model.execution.scan_layers=false'):
     from_dict({**values, 'model': {**values['model'], 'execution': {'scan_layers': True}}})
+  bad = {'experts_per_token': (9, r'experts_per_token=9 must lie in \[1, model.moe.num_experts=8\]'),
+         'router': ('softplus', 'model.moe.router'), 'bias_rate': (0.001, 'not built yet'),
+         'compute': ('capacity', r'capacity_factor=0.0 must be > 0')}
+  for field, (value, message) in bad.items():
+    extra = {'capacity_factor': 0} if field == 'compute' else {}
+    with pytest.raises(ConfigError, match=message):
+      from_dict({**values, 'model': {**values['model'], 'moe': {**values['model']['moe'], field: value, **extra}}})
 
 
 MOE = ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'model.activation=swiglu',
