@@ -138,7 +138,8 @@ class MoeConfig:
   balance_loss: float = 0.01  # the load-balance loss's weight in the training loss (router_aux_loss_coef)
   balance_over: BalanceOver = 'layer'  # model: transformers' aux_loss (every layer's tokens pooled)
   z_loss: float = 0.0  # the router z-loss's weight
-  bias_rate: float = 0.0  # > 0: aux-loss-free balancing, a selection bias per expert moved this much per step
+  bias_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3): each layer's selection bias per expert,
+  # outside the optimizer, moves this much after each step toward an even load
 
   def routed(self, layer: int) -> bool:
     """Whether `layer` (0-based) has experts."""
@@ -168,9 +169,6 @@ class MoeConfig:
                         f'{list(self.dense_layers)} leave no routed layer among {num_layers}; route at least one')
     if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale) < 0:
       raise ConfigError('model.moe.balance_loss, z_loss, bias_rate and routed_scale must be >= 0')
-    if self.bias_rate:
-      raise ConfigError(f'model.moe.bias_rate={self.bias_rate}: aux-loss-free balancing is not built yet; set '
-                        f'model.moe.bias_rate=0 and balance with model.moe.balance_loss')
     dense = [i for i in range(num_layers) if not self.routed(i)]
     if scanned and dense:
       raise ConfigError(f'model.moe leaves layers {dense} dense among routed ones, and a scanned stack holds one kind '

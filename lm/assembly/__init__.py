@@ -22,6 +22,7 @@ from lm.assembly.state import TrainState, abstract_state, make_init_fn, sharding
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
+from lm.models.moe import fixed_params
 from lm.models.parametrization import optimizer_multipliers
 from lm.parallel.mesh import make_mesh
 
@@ -71,8 +72,9 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
   model = family.build(config.model)
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
+  params = abstract_params(model, mesh)
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
-                                optimizer_multipliers(axes, config.model, config.optim))
-  state = abstract_state(abstract_params(model, mesh), tx, mesh)
+                                optimizer_multipliers(axes, config.model, config.optim), fixed_params(params))
+  state = abstract_state(params, tx, mesh)
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state, views=params_views(config.optim, config.train.ema_decay))

@@ -106,7 +106,9 @@ def schedule_free_params(opt_state: Any, params: Any) -> Any:
   gradients were taken at), from the state of an optimizer made with `name=schedule_free_adamw`."""
   (state,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ScheduleFreeState))
               if isinstance(s, ScheduleFreeState)]
-  return jax.tree.map(lambda y, x: x.astype(y.dtype), params, optax.contrib.schedule_free_eval_params(state, params))
+  held = jax.tree.map(lambda p, z: z if isinstance(z, optax.MaskedNode) else p, params, state.z)  # its params
+  evaluated = optax.contrib.schedule_free_eval_params(state, held)
+  return jax.tree.map(lambda y, x: y if isinstance(x, optax.MaskedNode) else x.astype(y.dtype), params, evaluated)
 
 
 def base_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = None) -> optax.GradientTransformation:
@@ -160,16 +162,30 @@ def check_param_groups(optim: OptimConfig, model: ModelConfig) -> None:
                       f'{", ".join(GROUPED_RATES[:-1])} or {GROUPED_RATES[-1]}')
 
 
+OPTIMIZED, FIXED = 'optimized', 'fixed'  # make_optimizer's labels
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None,
-                   multipliers: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   multipliers: Any = None, fixed: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """`optim.name` on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept
   in the optimizer state (sharded like the params, checkpointed with it). `axes`: the params' logical axes
-  (Muon's hidden matrices); `multipliers`: per-param (lr, eps, weight decay) factors (`grouped_optimizer`)."""
+  (Muon's hidden matrices); `multipliers`: per-param (lr, eps, weight decay) factors (`grouped_optimizer`);
+  `fixed`: True for params the optimizer leaves alone and keeps no state of (the step moves them)."""
   schedule = learning_rate_schedule(cfg, total_steps)
   base = grouped_optimizer(cfg, schedule, axes, multipliers)
   parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [base] + \
     ([params_ema(ema_decay)] if ema_decay else [])
-  return (optax.chain(*parts) if len(parts) > 1 else base), schedule
+  tx = optax.chain(*parts) if len(parts) > 1 else base
+  if any(jax.tree.leaves(fixed)):
+    tx = optax.multi_transform({OPTIMIZED: tx, FIXED: optax.set_to_zero()},
+                               jax.tree.map(lambda f: FIXED if f else OPTIMIZED, fixed))
+  return tx, schedule
+
+
+def _with_fixed(view: Any, params: Any) -> Any:
+  """A view made of optimizer state, with the params the optimizer keeps no state of (optax.MaskedNode in it)
+  as they are."""
+  return jax.tree.map(lambda p, v: p if isinstance(v, optax.MaskedNode) else v, params, view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,5 +204,5 @@ def params_views(cfg: OptimConfig, ema_decay: float = 0.0) -> dict[str, ParamsVi
   else:
     views = {'model': ParamsView(lambda params, _: params, False)}
   if ema_decay:
-    views['ema'] = ParamsView(lambda _, opt_state: ema_params(opt_state, ema_decay), True)
+    views['ema'] = ParamsView(lambda params, opt_state: _with_fixed(ema_params(opt_state, ema_decay), params), True)
   return views

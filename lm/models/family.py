@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from lm.config import Config, ConfigError, ModelConfig
 from lm.data.objectives import CausalLM, Objective
 from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding
-from lm.models.moe import aux_losses
+from lm.models.moe import aux_losses, expert_counts
 from lm.models.scoring import CAUSAL, SEQ2SEQ, Scoring
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
 
 Batch = dict[str, jax.Array]
-AUX_LOSS, AUX_TERMS = 'aux_loss', 'aux_terms'  # `Family.apply`'s outputs beside the logits
+# `Family.apply`'s outputs beside the logits
+AUX_LOSS, AUX_TERMS, EXPERT_COUNTS = 'aux_loss', 'aux_terms', 'expert_counts'
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Family:
     """Outputs for a batch: 'logits', the output layer unapplied (an `Unembedding`: the token loss applies it,
     whole or in tiles), scored against batch['targets'] with batch['weights'], the logits of each active
     head under its name, and for a model with auxiliary losses (routed experts) their weighted sum per row
-    (`AUX_LOSS`) and each term by its metric name (`AUX_TERMS`)."""
+    (`AUX_LOSS`) and each term by its metric name (`AUX_TERMS`); with aux-loss-free balancing each routed layer's
+    token counts per expert (`EXPERT_COUNTS`: `lm.models.moe.expert_counts`)."""
     raise NotImplementedError
 
   def objective(self, config: Config, tokenizer: Tokenizer) -> Objective:
@@ -171,7 +173,10 @@ class DecoderOnly(Family):
       return {'logits': call()}
     logits, sown = call(mutable=['intermediates'])
     aux, terms = aux_losses(sown['intermediates'], model.cfg.moe)
-    return {'logits': logits, AUX_LOSS: aux, AUX_TERMS: terms}
+    outputs = {'logits': logits, AUX_LOSS: aux, AUX_TERMS: terms}
+    if model.cfg.moe.bias_rate:
+      outputs[EXPERT_COUNTS] = expert_counts(sown['intermediates'])
+    return outputs
 
   def objective(self, config, tokenizer):
     check_vocabulary(config, tokenizer)

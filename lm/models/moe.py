@@ -6,6 +6,11 @@ Params: `router` [embed, experts] (float32 logits whatever the compute dtype), e
 `shared_gate` for Qwen2-MoE). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
 the capacity path's drop rate (`DROPPED`) into 'intermediates'; `aux_losses` makes the model's auxiliary losses of
 them, which the training loss weights and logs apart from the token loss.
+
+Aux-loss-free balancing (`model.moe.bias_rate`, DeepSeek-V3): each layer's `router_bias` [experts] shifts the
+scores only to choose experts. It is a param so that checkpoints, shardings and views carry it, but no optimizer
+moves it (`fixed_params`): the train step does (`update_bias`), from the token counts each layer sows (`COUNTS`),
+summed over the step's microbatches and data shards.
 """
 from __future__ import annotations
 
@@ -14,16 +19,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.traverse_util import flatten_dict
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from lm.config import ModelConfig, MoeConfig
 from lm.models.layers import ACTIVATIONS, GATED, DenseGeneral, Dtype, Mlp
 from lm.models.parametrization import Init
 from lm.ops import moe
 
-LOAD, PROB, Z_LOSS, DROPPED = 'moe_load', 'moe_prob', 'moe_z_loss', 'moe_dropped'
+LOAD, PROB, Z_LOSS, DROPPED, COUNTS = 'moe_load', 'moe_prob', 'moe_z_loss', 'moe_dropped', 'moe_counts'
 EXPERT_PARAMS = ('wi_0', 'wi_1', 'wi', 'wo')  # the expert kernels' param names (a dense MLP's end in 'kernel')
-ROUTER = 'router'
+ROUTER, BIAS = 'router', 'router_bias'
 
 
 def active_share(name: str, m: MoeConfig) -> float:
@@ -47,12 +52,17 @@ class RoutedMlp(nn.Module):
     router = self.param(ROUTER, nn.with_logical_partitioning(self.inits('mlp_in', ('embed', 'experts')),
                                                                ('embed', 'experts')), (d, m.num_experts), jnp.float32)
     logits = tokens.astype(jnp.float32) @ router
-    routing = moe.route(logits, m.experts_per_token, m.router, m.normalize, m.routed_scale, groups=m.groups,
-                        top_groups=m.top_groups)
+    bias = self.param(BIAS, nn.with_logical_partitioning(nn.initializers.zeros, ('experts',)), (m.num_experts,),
+                      jnp.float32) if m.bias_rate else None
+    routing = moe.route(logits, m.experts_per_token, m.router, m.normalize, m.routed_scale, bias=bias,
+                        groups=m.groups, top_groups=m.top_groups)
     flat_mask = None if mask is None else mask.reshape(-1)
     load, prob = moe.expert_load(routing.probs, routing.experts, flat_mask)
     self.sow('intermediates', LOAD, load)
     self.sow('intermediates', PROB, prob)
+    if m.bias_rate:
+      kept = tokens.shape[0] if flat_mask is None else flat_mask.astype(jnp.float32).sum()
+      self.sow('intermediates', COUNTS, load * kept)
     self.sow('intermediates', Z_LOSS, moe.router_z_loss(logits, flat_mask))
     y = self._experts(x.astype(self.dtype), routing)
     return y + self._shared(x) if m.shared_experts else y
@@ -93,16 +103,41 @@ class RoutedMlp(nn.Module):
 
 
 def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(the weighted sum for the training loss, each term by name: 'moe/balance_loss', 'moe/z_loss' and, under
-  capacity, 'moe/dropped') from what the routed layers sowed, scanned (a leading layer axis) or not."""
+  """(the weighted sum for the training loss, each term by name: 'moe/balance_loss', 'moe/z_loss',
+  'moe/max_load' (the busiest expert's share of the choices over an even share, averaged over layers: 1 when
+  balanced, E / k at worst) and, under capacity, 'moe/dropped') from what the routed layers sowed, scanned (a
+  leading layer axis) or not."""
   sown: dict[str, list[jax.Array]] = {LOAD: [], PROB: [], Z_LOSS: [], DROPPED: []}
   for path, values in flatten_dict(intermediates).items():
     if path[-1] in sown:
       sown[path[-1]].extend(values)
   per_layer = lambda name, *shape: jnp.concatenate([v.reshape(-1, *shape) for v in sown[name]])
   experts = m.num_experts
-  terms = {'moe/balance_loss': moe.balance_loss(per_layer(LOAD, experts), per_layer(PROB, experts), m.balance_over),
-           'moe/z_loss': per_layer(Z_LOSS).mean()}
+  load = per_layer(LOAD, experts)
+  terms = {'moe/balance_loss': moe.balance_loss(load, per_layer(PROB, experts), m.balance_over),
+           'moe/z_loss': per_layer(Z_LOSS).mean(),
+           'moe/max_load': (load.max(-1) * experts / m.experts_per_token).mean()}
   if sown[DROPPED]:
     terms['moe/dropped'] = per_layer(DROPPED).mean()
   return m.balance_loss * terms['moe/balance_loss'] + m.z_loss * terms['moe/z_loss'], terms
+
+
+def expert_counts(intermediates: Any) -> dict[str, Any]:
+  """Each routed layer's token counts per expert (padding left out), in a tree shaped as the `router_bias` params
+  they update (a scanned stack's as [layers, experts])."""
+  return unflatten_dict({(*path[:-1], BIAS): values[0] for path, values in flatten_dict(intermediates).items()
+                         if path[-1] == COUNTS})
+
+
+def update_bias(params: Any, counts: Any, rate: float) -> Any:
+  """`params` with each layer's `router_bias` moved by `rate` toward an even load (DeepSeek-V3):
+  b_e + rate * sign(mean_e' c_e' - c_e), from its `counts` (`expert_counts`, summed over the whole step)."""
+  flat = flatten_dict(params)
+  for path, c in flatten_dict(counts).items():
+    flat[path] = flat[path] + rate * jnp.sign(c.mean(-1, keepdims=True) - c)
+  return unflatten_dict(flat)
+
+
+def fixed_params(params: Any) -> Any:
+  """True for the params no optimizer moves (the selection biases `update_bias` moves), False for the rest."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], 'key', None) == BIAS, params)

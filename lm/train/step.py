@@ -14,7 +14,8 @@ from lm.assembly import Assembly
 from lm.assembly.state import TrainState
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
-from lm.models.family import AUX_LOSS, AUX_TERMS, Head
+from lm.models.family import AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
+from lm.models.moe import update_bias
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
@@ -66,7 +67,8 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
   Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly; auxiliary losses
   (routed experts) are added weighted, and kept out of the logged token loss.
   Returns (loss, sums of the pieces for metrics: 'nll', 'z', '{head}_nll', '{head}_correct', and each auxiliary
-  term as 'aux:{metric name}', times the rows it averages).
+  term as 'aux:{metric name}', times the rows it averages; and the routed layers' `EXPERT_COUNTS`, which the step
+  takes out to move their selection biases).
   """
   token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = token_sum / total_weight
@@ -75,6 +77,8 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
     rows = jnp.asarray(batch['targets'].shape[0], jnp.float32)
     loss = loss + outputs[AUX_LOSS] * rows / total_sequences
     sums.update({AUX_SUM + name: value * rows for name, value in outputs[AUX_TERMS].items()})
+  if EXPERT_COUNTS in outputs:
+    sums[EXPERT_COUNTS] = outputs[EXPERT_COUNTS]
   for head in heads:
     sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(
       outputs[head.name], batch[head.labels])
@@ -123,7 +127,8 @@ class PretrainingLoss:
 
 def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """jit(step): gradients of `loss` (the family's pretraining objective: `PretrainingLoss`; a task's) over
-  `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`."""
+  `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
+  selection biases (`model.moe.bias_rate`) move after the update, from the step's token counts."""
   config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
   k, seed = config.train.microbatches, config.train.seed
   stop_at_nonfinite = config.train.on_nonfinite == 'stop'
@@ -132,6 +137,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   grad_fn = jax.value_and_grad(loss, has_aux=True)
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
+  bias_rate = config.model.moe.bias_rate
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
@@ -149,10 +155,13 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
         shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng, totals)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+      counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
       with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if counts is not None:
+          params = update_bias(params, counts, bias_rate)
         # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
         finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
         apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite

@@ -85,7 +85,7 @@ def test_a_moe_config_round_trips_through_its_dict():
   with pytest.raises(ConfigError, match=r'leaves layers \[0, 2\] dense .* set model.execution.scan_layers=false'):
     from_dict({**values, 'model': {**values['model'], 'execution': {'scan_layers': True}}})
   bad = {'experts_per_token': (9, r'experts_per_token=9 must lie in \[1, model.moe.num_experts=8\]'),
-         'router': ('softplus', 'model.moe.router'), 'bias_rate': (0.001, 'not built yet'),
+         'router': ('softplus', 'model.moe.router'), 'bias_rate': (-0.001, 'bias_rate and routed_scale must be >= 0'),
          'compute': ('capacity', r'capacity_factor=0.0 must be > 0')}
   for field, (value, message) in bad.items():
     extra = {'capacity_factor': 0} if field == 'compute' else {}
@@ -139,8 +139,9 @@ def test_the_logged_loss_leaves_the_auxiliary_losses_out_and_microbatches_add_up
   assert float(metrics[0]['loss']) == pytest.approx(float(metrics[1]['loss']), rel=1e-6)
   assert float(metrics[0]['grad_norm']) != pytest.approx(float(metrics[1]['grad_norm']), rel=1e-3)
   assert 1.5 < float(metrics[0]['moe/balance_loss']) < 4 and float(metrics[0]['moe/z_loss']) > 0
-  assert_same_update(one_update(first('model.moe.balance_loss=0', 'train.microbatches=2')),
-                     one_update(first('model.moe.balance_loss=0')))
+  # with the selection biases moved by the counts of both microbatches together
+  aux_free = ('model.moe.balance_loss=0', 'model.moe.bias_rate=0.01')
+  assert_same_update(one_update(first(*aux_free, 'train.microbatches=2')), one_update(first(*aux_free)))
 
 
 def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_router():
@@ -167,11 +168,11 @@ def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_
 @pytest.mark.variants
 def test_an_expert_mesh_gives_one_devices_update(small_config, mesh):
   """With the experts split over the `expert` axis (and the batch and the other params over it and the rest), one
-  step's loss, gradient norm and update equal one device's; expert kernels lead with the expert axis, the
-  non-expert params shard over it as over fsdp."""
+  step's loss, gradient norm and update (the selection biases' too: counts over every data shard) equal one
+  device's; expert kernels lead with the expert axis, the non-expert params shard over it as over fsdp."""
   from lm.jobs.pretraining import Pretraining
   from tests.train.test_step import assert_same_update, one_update
-  moe = [*MOE, 'model.moe.z_loss=0.001', 'model.moe.num_experts=8']
+  moe = [*MOE, 'model.moe.z_loss=0.001', 'model.moe.num_experts=8', 'model.moe.bias_rate=0.01']
   one = one_update(Pretraining(small_config(*moe), jax.devices()[:1]))
   sharded = Pretraining(small_config(*moe, *mesh), jax.devices())
   specs = {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf.sharding.spec
@@ -186,3 +187,36 @@ def test_an_expert_count_the_axis_cannot_divide_names_the_field(small_config):
   from lm.jobs.pretraining import Pretraining
   with pytest.raises(ConfigError, match=r'model.moe.num_experts=4 is not divisible by mesh.expert=8'):
     Pretraining(small_config(*MOE, 'mesh.expert=8', 'mesh.data=1'), jax.devices()).init_state()
+
+
+@pytest.mark.long(0.5)
+def test_the_selection_bias_moves_against_the_load_outside_the_optimizer_and_is_checkpointed(small_config, tmp_path):
+  """Aux-loss-free balancing: after a step each layer's `router_bias` moved by rate * sign(mean - count) of the
+  expert counts the step's batch routed (float64 NumPy on the counts the forward pass sows; padding left out); no
+  optimizer state holds it, the EMA view carries it as it is, and a checkpoint restores it."""
+  from lm.jobs.pretraining import Pretraining
+  from lm.models.family import EXPERT_COUNTS
+  from lm.storage.checkpoint import Checkpointer
+  rate = 0.01
+  trainer = Pretraining(small_config(*MOE, f'model.moe.bias_rate={rate}', 'train.ema_decay=0.9',
+                                     'train.steps=2'), jax.devices()[:1])
+  a, state = trainer.assembly, trainer.init_state()
+  batch = next(trainer.train_batches)
+  counts = a.family.apply(a.model, state.params, batch, deterministic=True, rngs={})[EXPERT_COUNTS]
+  counts = np.asarray(counts['decoder']['layers']['mlp']['router_bias'], np.float64)  # [layers, experts]
+  assert counts.shape == (2, 4) and np.allclose(counts.sum(-1), 2 * np.asarray(batch['weights']).size, rtol=0.1)
+  bias = lambda params: np.asarray(params['decoder']['layers']['mlp']['router_bias'])
+  assert not bias(state.params).any()
+  state, metrics = trainer.train_step(state, batch)
+  np.testing.assert_array_equal(bias(state.params), (rate * np.sign(counts.mean(-1, keepdims=True) - counts)
+                                                     ).astype(np.float32))
+  assert float(metrics['moe/max_load']) == pytest.approx((counts.max(-1) * 4 / counts.sum(-1)).mean(), rel=1e-5)
+  held = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+  assert held and not [path for path in held if 'router_bias' in path]
+  np.testing.assert_array_equal(bias(a.params_of(state, 'ema')), bias(state.params))
+  state, _ = trainer.train_step(state, next(trainer.train_batches))
+  checkpoints = Checkpointer(tmp_path, async_save=False)
+  checkpoints.save(2, state, trainer.train_batches.iterator, a.config.to_dict())
+  restored = checkpoints.restore(2, a.abstract_state, a.config.to_dict(), trainer.train_batches.iterator)
+  assert np.abs(bias(state.params)).max() > rate
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
