@@ -220,3 +220,21 @@ def test_the_selection_bias_moves_against_the_load_outside_the_optimizer_and_is_
   restored = checkpoints.restore(2, a.abstract_state, a.config.to_dict(), trainer.train_batches.iterator)
   assert np.abs(bias(state.params)).max() > rate
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+
+
+@pytest.mark.long(0.5)
+def test_the_selection_bias_evens_out_the_load_while_the_loss_falls(small_config, tmp_path):
+  """60 steps of a 2-layer MoE (8 experts, k = 2) on the embedded corpus without a balance loss: its load grows
+  lopsided early (the busiest expert gets ~3.5x an even share); with bias_rate 0.01 the imbalance of the last 20
+  steps falls well below the first 20's and below the unbalanced run's, while the loss falls as much."""
+  from lm.jobs.pretraining import Pretraining
+  curves = {}
+  for rate in (0.0, 0.01):
+    config = small_config(*MOE, 'model.moe.num_experts=8', 'model.moe.balance_loss=0', f'model.moe.bias_rate={rate}',
+                          'train.steps=60', f'train.run_dir={tmp_path}/{rate}')
+    records = [r for r in Pretraining(config, jax.devices()[:1]).run() if 'loss' in r]
+    curves[rate] = [np.mean([r[name] for r in part]) for name in ('loss', 'moe/max_load')
+                    for part in (records[:20], records[-20:])]
+  (loss_start, loss_end, load_start, load_end), (_, plain_loss_end, _, plain_load_end) = curves[0.01], curves[0.0]
+  assert loss_end < loss_start - 1 and loss_end < plain_loss_end + 0.1
+  assert load_end < load_start - 0.4 and load_end < plain_load_end - 0.4
