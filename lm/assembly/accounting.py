@@ -11,7 +11,7 @@ from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
 from lm.models.layers import GATED
-from lm.models.moe import EXPERT_PARAMS, ROUTER, active_share
+from lm.models.moe import BIAS, EXPERT_PARAMS, ROUTER, active_share
 from lm.parallel.rules import axis_size, check_batch, path_names
 
 
@@ -22,6 +22,8 @@ def count_params(params: Any, cfg: ModelConfig | None = None) -> dict[str, int]:
   total, embedding, inactive = 0, 0, 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     names = path_names(path)
+    if names[-1] == BIAS:
+      continue  # a routed layer's selection bias is a statistic the step keeps, no weight (DeepSeek's buffer)
     size = int(np.prod(leaf.shape))
     total += size
     if 'embedding' in names:

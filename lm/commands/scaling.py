@@ -7,19 +7,21 @@ from pathlib import Path
 
 from lm.commands.common import checked_config
 from lm.config import ConfigError
+from lm.jobs.scaling.points import PARAM_COLUMNS
 
 
 def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   from lm.report import format_lines
-  from lm.jobs.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_numbers, parse_sizes, plan, sweep,
-                                 tokens_trained)
+  from lm.jobs.scaling.sweep import (DEFAULT_SIZES, DEFAULT_TOKENS, parse_experts, parse_numbers, parse_sizes, plan,
+                                     size_of, sweep, tokens_trained)
   base = checked_config(args)
   sizes = parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES
   budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
   tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
   rates = parse_numbers(args.lr_grid, '--lr-grid') if args.lr_grid else ()
-  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates)
-  print(format_lines([(p.label, f'N {p.params:,}  D {p.tokens:,}  C {6 * p.params * p.tokens:.3g}  {p.steps} steps'
+  experts = parse_experts(args.experts) if args.experts else ()
+  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates, experts)
+  print(format_lines([(p.label, f'N {size_of(p)}  D {p.tokens:,}  C {6 * p.active * p.tokens:.3g}  {p.steps} steps'
                        + (f' (the decay from step {p.branch_at})' if p.branch_at else '')) for p in points]),
         flush=True)
   trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
@@ -152,6 +154,10 @@ def _sweep(scaling: argparse._SubParsersAction) -> None:
   design.add_argument('--tokens', default=None, metavar='D1,D2', help='token budgets (default 1e5,3e5,1e6)')
   design.add_argument('--budgets', default=None, metavar='C1,C2', help='IsoFLOP: compute budgets in FLOPs, '
                                                                        'each size at D = C/6N')
+  sweep.add_argument('--experts', default=None, metavar='EXk[gG],...',
+                     help='routed experts (a base whose family routes, e.g. moe_tiny): every size at each layout, '
+                          'E x G experts of width d_ff/G, k x G per token (granularity G, default 1); IsoFLOP '
+                          'budgets count active params')
   sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
   sweep.add_argument('--lr-grid', default=None, metavar='LR1,LR2',
                      help='peak learning rates: every point at each (learning-rate transfer; see plot --lr)')
@@ -209,7 +215,8 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
   fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
                    help='--law task: models (params, tokens) to predict task loss and accuracy for')
-  fit.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to fit')
+  fit.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total',
+                   help='which N to fit (active: the params a token runs, for routed experts)')
   fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
                    help='chinchilla, task: N resamples for 95%% intervals')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
@@ -224,7 +231,7 @@ def _plot(scaling: argparse._SubParsersAction) -> None:
   plot.add_argument('points', help='points CSV')
   plot.add_argument('--out', required=True, help='the PNG to write')
   plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
-  plot.add_argument('--params', choices=('total', 'non_embedding'), default='total', help='which N to plot')
+  plot.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total', help='which N to plot')
   plot.add_argument('--suite', action='store_true', help='a checkpoint suite\'s figure: loss and task accuracy '
                                                          'against tokens and compute, a line per model size')
   plot.add_argument('--lr', action='store_true', help='final loss against learning rate, a curve per width '

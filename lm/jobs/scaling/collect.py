@@ -5,7 +5,8 @@ held-out losses from the `val_loss` records of metrics.jsonl, or with `evaluate`
 restored through orbax onto the devices present and evaluated on the run's validation split (or on
 another, through `data.*` overrides), one compiled program per run for all its checkpoints. Tokens are the row
 tokens trained on (step x batch x length; an imported revision series', `lm convert --from-hf-series`, its own);
-`flops` is our accounting's count for them and `flops_6nd` 6ND with N the total parameters. Step 0 is
+`flops` is our accounting's count for them and `flops_6nd` 6ND with N the params a token runs (the total
+for a dense model, the active for routed experts). Step 0 is
 no point: an untrained model says nothing of a law. With `tasks`, each point also gets a `<task>/<metric>`
 column per harness metric and `<task>/task_loss`: from the run's in-loop records of that step (`train.harness.tasks`)
 where they exist, else by evaluating that step's checkpoint (`lm.jobs.evals.run`).
@@ -31,10 +32,17 @@ DEFAULT_EVAL_BATCHES = 20  # --evaluate on a run that trained without evaluation
 
 
 def _sizes(config: Config) -> dict[str, float]:
-  """Total and non-embedding params, and training FLOPs per row token, from abstract params."""
+  """Total, non-embedding and active params, the expert layout, and training FLOPs per row token, from abstract
+  params."""
   params = abstract_params(build_model(config.model))
-  counts = accounting.count_params(params)
+  counts = accounting.count_params(params, config.model)
+  m = config.model.moe
   return {'params': counts['total'], 'non_embedding_params': counts['non_embedding'],
+          'active_params': counts.get('active', counts['total']),
+          'active_non_embedding_params': counts.get('active_non_embedding', counts['non_embedding']),
+          'experts': m.num_experts, 'experts_per_token': m.experts_per_token if m.num_experts else 0,
+          'granularity': config.model.resolved_d_ff / (m.expert_d_ff or config.model.resolved_d_ff)
+          if m.num_experts else 0,
           'flops_per_token': accounting.flops_per_token(params, config.model, config.data.seq_len,
                                                         config.train.causal_attention_flops)}
 
@@ -43,9 +51,9 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
          ) -> dict[str, Any]:
   """`tokens`: those behind the step where the run says (an imported series), else step x batch x length."""
   tokens = step * config.train.global_batch * config.data.seq_len if tokens is None else tokens
-  return {'run': run, 'size': size_label(sizes['params']), 'step': step, 'params': sizes['params'],
-          'non_embedding_params': sizes['non_embedding_params'],
-          'tokens': tokens, 'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['params'] * tokens,
+  return {'run': run, 'size': size_label(sizes['params']), 'step': step,
+          **{k: v for k, v in sizes.items() if k != 'flops_per_token'}, 'tokens': tokens,
+          'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['active_params'] * tokens,
           'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate}
 
 

@@ -2,7 +2,9 @@
 
 The minimal CSV has `params,tokens,loss`; `flops` is taken as 6ND when absent. Collected files also
 carry `run, size` (the params as suites name sizes, 70.4M), `step, non_embedding_params, flops_6nd` and `loss_of`
-(the record the loss is: val_loss, val_bpb, val/NAME/loss or val/NAME/bpb), and with `collect --tasks` a
+(the record the loss is: val_loss, val_bpb, val/NAME/loss or val/NAME/bpb), the params one token runs
+(`active_params`, `active_non_embedding_params`: the totals for a dense model) and the expert layout (`experts`,
+`experts_per_token`, `granularity` = d_ff / expert width; 0 for a dense model), and with `collect --tasks` a
 `<task>/<metric>` column per harness metric and `<task>/task_loss`.
 """
 from __future__ import annotations
@@ -15,8 +17,11 @@ import numpy as np
 
 from lm.config import ConfigError
 
-COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of',
-           'width', 'learning_rate')
+COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'active_params', 'active_non_embedding_params',
+           'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width', 'learning_rate', 'experts', 'experts_per_token',
+           'granularity')
+PARAM_COLUMNS = {'total': 'params', 'non_embedding': 'non_embedding_params', 'active': 'active_params',
+                 'active_non_embedding': 'active_non_embedding_params'}  # read_points' choices of N
 REQUIRED = ('params', 'tokens', 'loss')
 
 
@@ -53,7 +58,7 @@ def size_label(params: float) -> str:
 
 
 def read_points(path: str | Path, params: str = 'total', loss: str = 'loss') -> Points:
-  """The CSV's points, N from `params` ('total': the params column, or 'non_embedding') and L from the column
+  """The CSV's points, N from `params` (a key of PARAM_COLUMNS: 'total' reads the params column) and L from the column
   `loss` (a task's `<task>/task_loss` for the task law); a ConfigError naming the file, the row and the fix for a
   missing column or a value that is not a positive number."""
   path = Path(path)
@@ -62,7 +67,7 @@ def read_points(path: str | Path, params: str = 'total', loss: str = 'loss') -> 
   with path.open(newline='') as f:
     reader = csv.DictReader(f)
     columns = reader.fieldnames or []
-    n_column = 'params' if params == 'total' else 'non_embedding_params'
+    n_column = PARAM_COLUMNS[params]
     needed = (n_column, 'tokens', loss)
     missing = [c for c in needed if c not in columns]
     if missing:

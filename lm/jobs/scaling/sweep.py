@@ -2,7 +2,7 @@
 own token budget.
 
 Two designs. A grid: model sizes (width x depth) times token budgets. IsoFLOP (Chinchilla's approach
-2): for each compute budget C, every size with D = C / 6N tokens (N: total parameters). A point's
+2): for each compute budget C, every size with D = C / 6N tokens (N: total parameters; active ones with routed experts). A point's
 steps are its tokens over the tokens of one batch; its learning-rate decay ends at its last step and
 its warmup is at most a tenth of it; it evaluates `evals` times. `DIR/sweep.json` lists the points,
 so `lm scaling collect DIR` finds them. Rerunning the sweep skips the finished points (a checkpoint at
@@ -14,6 +14,11 @@ With `schedule='wsd'` (Hägele et al. 2024) every point is a warmup-stable-decay
 (`<size>_stable`) trains to the largest budget's decay start, checkpointing at each budget's, and each point is
 a cooldown branched off it there (`train.branch_from`), equal to the straight WSD run of its budget. Point dirs
 keep their names and layout, so `collect`, `fit` and `plot` read them as before.
+
+With routed experts (a base whose family routes, e.g. moe_tiny), each size also runs at every expert layout
+(E, k, G) of `moe` (Krajewski et al. 2024): E x G experts of width d_ff / G, k x G of them per token, so the
+granularity G splits experts finer at the same active and total params. IsoFLOP budgets count the active params
+(D = C / 6 N_active).
 """
 from __future__ import annotations
 
@@ -47,6 +52,8 @@ class Point:
   overrides: tuple[str, ...]
   branch_at: int = 0  # wsd: the decay's first step, where it branches off its size's stable run (0: trained alone)
   learning_rate: float = 0.0  # --lr-grid: this point's peak rate (0: the base config's)
+  experts: tuple[int, int, int] = ()  # routed experts: (E, k, G) as `plan` reads them; () the base's own MLP
+  active: int = 0  # the params one token runs (`params` without routed experts)
 
 
 @dataclass(frozen=True)
@@ -80,33 +87,57 @@ def parse_numbers(text: str, flag: str) -> tuple[float, ...]:
   return values
 
 
-def _sized(base: Config, width: int, depth: int) -> tuple[Config, int]:
-  """The base config at this width and depth (head size kept), and its total parameters."""
+def parse_experts(text: str) -> tuple[tuple[int, int, int], ...]:
+  """`8x2,8x2g4` -> ((8, 2, 1), (8, 2, 4)): E experts x k per token, optionally at granularity G."""
+  layouts = []
+  for item in text.split(','):
+    experts, sep, rest = item.strip().partition('x')
+    k, _, g = rest.partition('g')
+    if not (sep and experts.isdigit() and k.isdigit() and (g or '1').isdigit() and
+            0 < int(k) <= int(experts) and int(g or 1) > 0):
+      raise ConfigError(f'--experts {item!r} is not EXk[gG] (E experts, k of them per token, at granularity G); '
+                        f'write e.g. --experts 8x2,8x2g4')
+    layouts.append((int(experts), int(k), int(g or 1)))
+  return tuple(layouts)
+
+
+def _sized(base: Config, width: int, depth: int, experts: tuple[int, int, int] = ()) -> tuple[Config, dict[str, int]]:
+  """The base config at this width and depth (head size kept), with the expert layout (E, k, G) when given, and
+  its params (`accounting.count_params`)."""
   head_dim = base.model.resolved_head_dim
   heads = max(1, width // head_dim)
   if width % heads:
     raise ConfigError(f'width {width} does not split into heads of {head_dim}; pick widths that are multiples '
                       f'of {head_dim}')
-  config = from_dict(merge(base.to_dict(), {'model': {'d_model': width, 'num_layers': depth, 'num_heads': heads,
-                                                      'num_kv_heads': None, 'head_dim': None}}))
-  return config, accounting.count_params(abstract_params(build_model(config.model)))['total']
+  model = {'d_model': width, 'num_layers': depth, 'num_heads': heads, 'num_kv_heads': None, 'head_dim': None}
+  if experts:
+    config = from_dict(merge(base.to_dict(), {'model': model}))
+    e, k, g = experts
+    if config.model.resolved_d_ff % g:
+      raise ConfigError(f'--experts {e}x{k}g{g}: granularity {g} does not divide the experts\' dense width '
+                        f'model.d_ff={config.model.resolved_d_ff}; pick G that divides it')
+    model['moe'] = {'num_experts': e * g, 'experts_per_token': k * g, 'expert_d_ff': config.model.resolved_d_ff // g}
+  config = from_dict(merge(base.to_dict(), {'model': model}))
+  return config, accounting.count_params(abstract_params(build_model(config.model)), config.model)
 
 
 def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float] = (),
          budgets: Sequence[float] = (), evals: int = 4, schedule: str = 'cosine',
-         learning_rates: Sequence[float] = ()) -> list[Point]:
-  """The sweep's points: sizes x `tokens`, or for each compute budget every size at D = C / 6N; with `schedule`
-  'wsd', each a warmup-stable-decay run (a size's points warm up alike, so they share a stable phase); each at
-  every one of `learning_rates` (labels `..._lr<rate>`). Under μP every width scales its init and per-param
-  rates from `model.mup.base_width`; its base head dim is the one the sizes keep."""
+         learning_rates: Sequence[float] = (), experts: Sequence[tuple[int, int, int]] = ()) -> list[Point]:
+  """The sweep's points: sizes (each at every expert layout of `experts`) x `tokens`, or for each compute budget
+  every size at D = C / 6N (N active); with `schedule` 'wsd', each a warmup-stable-decay run (a size's points warm
+  up alike, so they share a stable phase); each at every one of `learning_rates` (labels `..._lr<rate>`). Under μP
+  every width scales its init and per-param rates from `model.mup.base_width`; its base head dim is the one the
+  sizes keep."""
   if bool(tokens) == bool(budgets):
     raise ConfigError('a sweep takes token budgets (--tokens) or compute budgets (--budgets), one of the two')
   per_step = base.train.global_batch * base.data.seq_len
   points = []
-  for width, depth in sizes:
-    config, n = _sized(base, width, depth)
-    wanted = [(f'C{c:.2g}_d{width}_l{depth}', c / (6 * n)) for c in budgets] or \
-             [(f'd{width}_l{depth}_t{d:.3g}', d) for d in tokens]
+  for (width, depth), layout in ((size, layout) for size in sizes for layout in experts or ((),)):
+    config, counts = _sized(base, width, depth, layout)
+    n, active = counts['total'], counts.get('active', counts['total'])
+    shape = f'd{width}_l{depth}' + ('_e{}k{}g{}'.format(*layout) if layout else '')
+    wanted = [(f'C{c:.2g}_{shape}', c / (6 * active)) for c in budgets] or [(f'{shape}_t{d:.3g}', d) for d in tokens]
     budgeted = []
     for label, d in wanted:
       steps = round(d / per_step)
@@ -123,6 +154,10 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       overrides = (f'model.d_model={width}', f'model.num_layers={depth}', f'model.num_heads={config.model.num_heads}',
                    f'train.steps={steps}', f'optim.decay_steps={steps}', f'optim.warmup_steps={warmup}',
                    f'train.eval_every={every}', f'train.checkpoint.every={every}', 'train.resume=true')
+      if layout:
+        m = config.model.moe
+        overrides += (f'model.moe.num_experts={m.num_experts}', f'model.moe.experts_per_token={m.experts_per_token}',
+                      f'model.moe.expert_d_ff={m.expert_d_ff}')
       if base.model.parametrization == 'mup' and base.model.mup.base_head_dim is None:
         overrides += (f'model.mup.base_head_dim={base.model.resolved_head_dim}',)
       branch_at = 0
@@ -132,22 +167,29 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       for lr in learning_rates or (0.0,):
         points.append(Point(label.replace('+', '') + (f'_lr{lr:g}' if lr else ''), width, depth,
                             config.model.num_heads, n, steps, steps * per_step,
-                            overrides + ((f'optim.learning_rate={lr:g}',) if lr else ()), branch_at, lr))
+                            overrides + ((f'optim.learning_rate={lr:g}',) if lr else ()), branch_at, lr, layout,
+                            active))
   if not points:
     raise ConfigError('every point of the sweep is shorter than one batch; raise the token or compute budgets')
-  return sorted(points, key=lambda p: (p.tokens * p.params, p.label))
+  return sorted(points, key=lambda p: (p.tokens * p.active, p.label))
+
+
+def size_of(point: Point) -> str:
+  """'1,234' or, with routed experts, '5,678 (1,234 active)'."""
+  return f'{point.params:,}' + (f' ({point.active:,} active)' if point.active != point.params else '')
 
 
 def stable_label(point: Point) -> str:
-  return f'd{point.width}_l{point.depth}' + (f'_lr{point.learning_rate:g}' if point.learning_rate else '') + '_stable'
+  return (f'd{point.width}_l{point.depth}' + ('_e{}k{}g{}'.format(*point.experts) if point.experts else '')
+          + (f'_lr{point.learning_rate:g}' if point.learning_rate else '') + '_stable')
 
 
-def _stable_key(point: Point) -> tuple[int, int, float]:
-  return point.width, point.depth, point.learning_rate
+def _stable_key(point: Point) -> tuple:
+  return point.width, point.depth, point.experts, point.learning_rate
 
 
-def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int, float], Stable]:
-  """(width, depth, learning rate) -> its stable run, for the sizes whose points branch (wsd)."""
+def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple, Stable]:
+  """(width, depth, expert layout, learning rate) -> its stable run, for the sizes whose points branch (wsd)."""
   stable = {}
   for key in dict.fromkeys(_stable_key(p) for p in points if p.branch_at):
     mine = [p for p in points if _stable_key(p) == key and p.branch_at]
@@ -155,7 +197,10 @@ def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple[int, int,
     shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
                                                                      'model.num_heads', 'optim.warmup_steps',
                                                                      'optim.learning_rate',
-                                                                     'model.mup.base_head_dim')]
+                                                                     'model.mup.base_head_dim',
+                                                                     'model.moe.num_experts',
+                                                                     'model.moe.experts_per_token',
+                                                                     'model.moe.expert_d_ff')]
     stable[key] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
                           (*shared, 'optim.schedule=constant', f'train.steps={steps}', f'train.eval_every={every}',
                            f'train.checkpoint.every={every}',
@@ -210,12 +255,12 @@ def sweep(base: Config, out: str, points: Sequence[Point], evals: int = 4) -> li
     shared = stable.pop(_stable_key(point), None)
     if shared is not None:
       _train(base, root / shared.label, shared.overrides,
-             f'{shared.label}: N {point.params:,}, {shared.steps} steps at the peak rate, branching at '
+             f'{shared.label}: N {size_of(point)}, {shared.steps} steps at the peak rate, branching at '
              f'{", ".join(map(str, shared.branches))}', shared.steps)
     branch = (f'train.branch_from={root / stable_label(point)}/{CHECKPOINTS}/{point.branch_at}',) \
       if point.branch_at else ()
     _train(base, run_dir, (*point.overrides, *branch),
-           f'[{i}/{len(points)}] {point.label}: N {point.params:,}, D {point.tokens:,}, {point.steps} steps'
+           f'[{i}/{len(points)}] {point.label}: N {size_of(point)}, D {point.tokens:,}, {point.steps} steps'
            + (f' (from step {point.branch_at})' if point.branch_at else ''), point.steps)
   return runs
 

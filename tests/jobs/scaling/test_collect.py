@@ -113,3 +113,23 @@ def test_a_run_without_metrics_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and 'no val_loss records' in err and '--evaluate' in err
   assert not (tmp_path / 'p.csv').exists()
+
+
+def test_a_routed_run_carries_its_active_params_and_expert_layout(tmp_path):
+  """A run of moe_tiny's recipe (as its config.yaml and metrics.jsonl hold it): the active params are the total
+  less 6 of 8 experts' kernels, flops_6nd counts them, and the layout is 8 experts, 2 per token, granularity 2."""
+  run = tmp_path / 'moe'
+  run.mkdir()
+  config = load_config('moe_tiny', [f'train.run_dir={run}'])
+  (run / 'config.yaml').write_text(config.to_yaml())
+  (run / 'metrics.jsonl').write_text(json.dumps({'step': 100, 'val_loss': 2.5}) + '\n')
+  out = tmp_path / 'p.csv'
+  assert cli.main(['scaling', 'collect', str(run), '--out', str(out)]) == 0
+  (row,) = read(out)
+  idle = 4 * 6 * 3 * 128 * 176  # 4 layers, 6 of 8 experts, 3 kernels of 128 x 176
+  assert int(row['active_params']) == int(row['params']) - idle
+  assert int(row['active_non_embedding_params']) == int(row['non_embedding_params']) - idle
+  assert float(row['flops_6nd']) == 6 * int(row['active_params']) * 100 * 8 * 128
+  assert (int(row['experts']), int(row['experts_per_token']), float(row['granularity'])) == (8, 2, 2.0)
+  from lm.jobs.scaling.points import read_points
+  assert read_points(out, 'active').params[0] == int(row['active_params'])

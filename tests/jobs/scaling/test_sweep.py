@@ -40,7 +40,7 @@ def test_an_lr_grid_runs_every_point_at_every_rate_and_mup_keeps_the_base_head_d
     assert 'model.mup.base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
   stable = stable_runs(points)
   assert len(stable) == 4  # one per width and rate: cooldowns branch off their own rate's stable run
-  for (width, _, lr), run in stable.items():
+  for (width, _, _, lr), run in stable.items():
     assert run.label == f'd{width}_l2_lr{lr:g}_stable' and f'optim.learning_rate={lr:g}' in run.overrides
 
 
@@ -150,8 +150,31 @@ def test_an_interrupted_point_resumes(tmp_path):
   assert [r['step'] for r in records if 'val_loss' in r] == [0, 5, 10]
 
 
+def test_an_expert_ladder_splits_experts_finer_at_the_same_active_params_and_budgets_on_them():
+  """moe_tiny's recipe at two widths x layouts 4x1 and 4x1g2 (Krajewski's granularity: 8 experts of half the width,
+  2 per token): total and active params equal across G and equal hand counts; IsoFLOP budgets give D = C / 6
+  N_active; each layout's points branch off a stable run of their own."""
+  base = load_config('moe_tiny', BASE)
+  points = plan(base, [(64, 2), (128, 2)], budgets=[1e10], schedule='wsd', experts=[(4, 1, 1), (4, 1, 2)])
+  assert len(points) == 4 and {p.label for p in points} >= {'C1e10_d64_l2_e4k1g1', 'C1e10_d128_l2_e4k1g2'}
+  for p in points:
+    d, (e, k, g) = p.width, p.experts
+    f = 352 // g  # the dense width (moe_tiny's d_ff) split G ways
+    assert {f'model.moe.num_experts={e * g}', f'model.moe.experts_per_token={k * g}',
+            f'model.moe.expert_d_ff={f}'} <= set(p.overrides)
+    attention = 4 * d * d  # query, key, value, output (a sized model has as many kv heads as heads)
+    shared = 2 * (attention + 2 * d) + d + 2 * 264 * d  # two layers' attention and norms, final norm, untied tables
+    router = 2 * d * e * g
+    assert p.params == shared + router + 2 * e * g * 3 * d * f
+    assert p.active == shared + router + 2 * k * g * 3 * d * f
+    assert abs(p.tokens - 1e10 / (6 * p.active)) <= 8 * 32 / 2
+  assert {s.label for s in stable_runs(points).values()} == {f'd{d}_l2_e4k1g{g}_stable' for d in (64, 128)
+                                                              for g in (1, 2)}
+
+
 @pytest.mark.parametrize('argv, message', [
   (['--sizes', '64by2'], 'is not WIDTHxDEPTH'),
+  (['--experts', '8x9'], 'is not EXk[gG]'),
   (['--tokens', '1e5,-3'], 'is not a list of positive numbers'),
   (['--sizes', '16x1', '--tokens', '10'], 'shorter than one batch'),
 ])
