@@ -2,8 +2,8 @@
 own token budget.
 
 Two designs. A grid: model sizes (width x depth) times token budgets. IsoFLOP (Chinchilla's approach
-2): for each compute budget C, every size with D = C / 6N tokens (N: total parameters; active ones with routed experts). A point's
-steps are its tokens over the tokens of one batch; its learning-rate decay ends at its last step and
+2): for each compute budget C, every size with D = C / 6N tokens (N: total parameters; the active ones with routed
+experts). A point's steps are its tokens over the tokens of one batch; its learning-rate decay ends at its last step and
 its warmup is at most a tenth of it; it evaluates `evals` times. `DIR/sweep.json` lists the points,
 so `lm scaling collect DIR` finds them. Rerunning the sweep skips the finished points (a checkpoint at
 the last step) and resumes interrupted ones from their latest checkpoint. Every process of a
