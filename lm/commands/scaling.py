@@ -34,13 +34,13 @@ def cmd_scaling_sweep(args: argparse.Namespace) -> int:
 
 def cmd_scaling_coord_check(args: argparse.Namespace) -> int:
   from lm.report import format_lines
-  from lm.jobs.scaling.coord_check import ORDER, coord_check, write_coord_check
+  from lm.jobs.scaling.coord_check import coord_check, write_coord_check
   from lm.jobs.scaling.sweep import parse_numbers
   widths = [int(w) for w in parse_numbers(args.widths, '--widths')]
   result = coord_check(checked_config(args), widths, args.parametrization, args.lr, args.steps, args.seeds)
   png, data = write_coord_check(result, args.out)
   print(f'{args.parametrization}: slope of log mean|x| against log width, by step 0..{args.steps}', flush=True)
-  print(format_lines([(group, '  '.join(f'{s:+.2f}' for s in result['slopes'][group])) for group in ORDER]))
+  print(format_lines([(group, '  '.join(f'{s:+.2f}' for s in slopes)) for group, slopes in result['slopes'].items()]))
   print(f'wrote {png} and {data}', flush=True)
   return 0
 

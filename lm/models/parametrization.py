@@ -4,7 +4,8 @@
 parametrization for Adam-like optimizers (Yang, Hu et al., Tensor Programs V, 2022, Table 3 in the MuReadout form
 of microsoft/mup), with width multiplier m = d_model / model.mup.base_width:
 
-- hidden matrices (the residual stream's `embed` axis with a `heads`, `kv_heads` or `mlp` axis): init variance
+- hidden matrices (the residual stream's `embed` axis with a `heads`, `kv_heads`, `mlp` or `experts` axis: routed
+  experts and their router too, whose logits a token's O(1) coordinates over a growing width make): init variance
   1/fan_in, i.e. a width-constant std (`model.init=scaled_normal`) divided by sqrt(m), a fan-in init
   (`fan_in`) as it is; Adam lr / m and eps / m, weight decay x m so that optax's lr x decay stays put (MuAdam's
   convention);
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec
 from lm.config import ConfigError, ModelConfig, MupConfig, OptimConfig, lr_multipliers
 from lm.parallel.rules import path_names
 
-HIDDEN = frozenset({'heads', 'kv_heads', 'mlp'})  # with 'embed': the axes of a hidden (residual-stream) matrix
+HIDDEN = frozenset({'heads', 'kv_heads', 'mlp', 'experts'})  # with 'embed': a hidden (residual-stream) matrix's axes
 QUERY = ('embed', 'heads', 'kv')
 QUERY_BIAS = ('heads', 'kv')
 READOUT = ('embed', 'vocab')

@@ -107,3 +107,25 @@ def test_a_mup_t5_with_a_tied_output_layer_cannot_be_exported(small_config, tmp_
   with pytest.raises(ConfigError, match='cannot fold this μP t5 model into a standard one') as e:
     save_hf(build_model(config.model), params, tmp_path / 'hf')
   assert '\n' not in str(e.value) and not (tmp_path / 'hf').exists()
+
+
+@pytest.mark.long(0.2)
+def test_mup_scales_routers_and_experts_as_hidden_matrices_and_leaves_the_selection_bias_alone(small_config):
+  """Routed experts (experts x embed x mlp) and their router (embed x experts) are hidden matrices under μP: at m = 4
+  they start at the standard std / sqrt(m) and step lr / m x g / (|g| + eps / m) with decay x m; the selection
+  bias does not step at all (the train step moves it)."""
+  from lm.models.parametrization import standard_std
+  from tests.models.test_moe import MOE
+  m = 4
+  params, grads, mask, updates, assembly, _ = first_update(
+    small_config, 'adamw', *MOE, 'model.moe.bias_rate=0.01', 'model.parametrization=mup', 'model.mup.base_width=16')
+  cfg = assembly.config.model
+  std = standard_std(cfg, 'mlp_in', cfg.num_layers) / np.sqrt(m)
+  mlp, steps = params['decoder']['layers']['mlp'], updates['decoder']['layers']['mlp']
+  for name in ('router', 'wi_0', 'wi_1'):
+    np.testing.assert_allclose(mlp[name].std(), std, rtol=0.06, err_msg=name)
+  g, decays = grads['decoder']['layers']['mlp'], mask['decoder']['layers']['mlp']
+  for name in ('router', 'wi_0', 'wi_1', 'wo'):
+    want = -LR / m * (g[name] / (np.abs(g[name]) + EPS / m) + m * WD * mlp[name] * decays[name])
+    np.testing.assert_allclose(steps[name], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+  assert not steps['router_bias'].any()

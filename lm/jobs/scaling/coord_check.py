@@ -1,10 +1,12 @@
 """The coordinate check of Tensor Programs V (microsoft/mup's `coord_check`): the same-depth model at several
 widths trains a few steps on one fixed batch at a large learning rate, and the mean |x| of each layer group's
-output (token embeddings, attention, MLP, logits) is recorded at every step, averaged over seeds. Under μP every
+output (token embeddings, attention, MLP or routed experts, the routers' logits, logits) is recorded at every step,
+averaged over seeds. Under μP every
 curve is flat in width; under the standard parametrization the logits and hidden outputs grow with it once the
 params have moved.
 
-Widths grow the head dim at a fixed number of heads (and d_ff in proportion), as microsoft/mup's check does;
+Widths grow the head dim at a fixed number of heads (and d_ff and the experts' widths in proportion), as
+microsoft/mup's check does;
 μP's base width is the base config's `model.mup.base_width`, else its d_model.
 """
 from __future__ import annotations
@@ -25,12 +27,13 @@ import numpy as np
 from lm.assembly import assemble
 from lm.config import Config, ConfigError, validate
 from lm.data.pipeline import training_batches
+from lm.models.moe import ROUTER, RoutedMlp
 from lm.models.parametrization import standard
 from lm.ops.unembed import Unembedding
 from lm.train.step import PretrainingLoss, make_train_step, pretraining_loss
 
 GROUPS = {'token_embed': 'embedding', 'attention': 'attention', 'mlp': 'mlp'}  # module name -> group
-ORDER = ('embedding', 'attention', 'mlp', 'logits')
+ORDER = ('embedding', 'attention', 'mlp', 'router', 'logits')  # 'router': a routed model's only
 
 
 def width_config(base: Config, width: int, parametrization: str, learning_rate: float) -> Config:
@@ -40,8 +43,9 @@ def width_config(base: Config, width: int, parametrization: str, learning_rate: 
   scale = lambda x: None if x is None else x * width // m.d_model
   model = standard(m) if parametrization == 'standard' else \
     dataclasses.replace(m, parametrization='mup', mup=dataclasses.replace(m.mup, base_width=m.mup.base_width or m.d_model))
+  moe = dataclasses.replace(m.moe, expert_d_ff=scale(m.moe.expert_d_ff), shared_d_ff=scale(m.moe.shared_d_ff))
   model = dataclasses.replace(model.with_execution(scan_layers=False, remat='none'), d_model=width, d_ff=scale(m.d_ff),
-                              head_dim=scale(m.head_dim), dropout=0.0, attention_dropout=0.0)
+                              head_dim=scale(m.head_dim), dropout=0.0, attention_dropout=0.0, moe=moe)
   optim = dataclasses.replace(base.optim, name='adamw', learning_rate=learning_rate, warmup_steps=0,
                               schedule='constant', grad_clip=0.0, weight_decay=0.0, lr_multipliers=())
   mesh = dataclasses.replace(base.mesh, **{f.name: 1 for f in dataclasses.fields(base.mesh)})
@@ -63,6 +67,9 @@ class RecordingLoss(PretrainingLoss):
       out = next_fun(*args, **kwargs)
       if context.method_name == '__call__' and context.module.name in GROUPS:
         seen[GROUPS[context.module.name]].append(jnp.mean(jnp.abs(out.astype(jnp.float32))))
+      if context.method_name == '__call__' and isinstance(context.module, RoutedMlp):  # its logits, as it makes them
+        router = context.module.get_variable('params', ROUTER)
+        seen.setdefault('router', []).append(jnp.mean(jnp.abs(args[0].astype(jnp.float32) @ router)))
       return out
 
     with nn.intercept_methods(record):
@@ -86,7 +93,7 @@ def coord_check(base: Config, widths: Sequence[int], parametrization: str, learn
   if len(widths) < 2 or any(w <= 0 for w in widths) or steps < 1 or seeds < 1:
     raise ConfigError('the coordinate check needs two or more positive --widths, --steps >= 1 and --seeds >= 1')
   batch = None
-  mean_abs = {group: np.zeros((steps + 1, len(widths))) for group in ORDER}
+  mean_abs: dict[str, np.ndarray] = {}
   for i, width in enumerate(widths):
     config = width_config(base, width, parametrization, learning_rate)
     assembly = assemble(config, jax.devices()[:1])
@@ -98,8 +105,9 @@ def coord_check(base: Config, widths: Sequence[int], parametrization: str, learn
       state = assembly.init_state(jax.random.key(seed))
       for t in range(steps + 1):  # the forward of step t sees the params after t updates
         state, metrics = step(state, batch)
-        for group in ORDER:
-          mean_abs[group][t, i] += float(metrics[f'coord/{group}']) / seeds
+        for group in (g for g in ORDER if f'coord/{g}' in metrics):
+          values = mean_abs.setdefault(group, np.zeros((steps + 1, len(widths))))
+          values[t, i] += float(metrics[f'coord/{group}']) / seeds
   log_w = np.log(np.asarray(widths, np.float64))
   slopes = {group: [float(np.polyfit(log_w, np.log(values[t]), 1)[0]) for t in range(steps + 1)]
             for group, values in mean_abs.items()}
@@ -113,9 +121,10 @@ def plot_coord_check(result: dict[str, Any], out: str | Path) -> None:
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(ORDER), figsize=(4 * len(ORDER), 3.4), constrained_layout=True)
+  groups = list(result['mean_abs'])
+  fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), constrained_layout=True)
   colors = plt.cm.viridis(np.linspace(0, 0.9, result['steps'] + 1))
-  for ax, group in zip(axes, ORDER):
+  for ax, group in zip(axes, groups):
     for t, values in enumerate(result['mean_abs'][group]):
       ax.plot(result['widths'], values, 'o-', color=colors[t], markersize=3,
               label=f'step {t} (slope {result["slopes"][group][t]:+.2f})')

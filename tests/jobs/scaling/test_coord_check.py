@@ -58,5 +58,6 @@ def test_each_width_keeps_the_heads_and_trains_plain_adamw_steps():
   assert (o.name, o.learning_rate, o.warmup_steps, o.schedule, o.grad_clip, o.weight_decay, o.lr_multipliers) == \
     ('adamw', 1e-2, 0, 'constant', 0.0, 0.0, ())
   assert width_config(base, 64, 'standard', 1e-2).model.parametrization == 'standard'
+  assert width_config(load_config('moe_tiny'), 512, 'mup', 1e-2).model.moe.expert_d_ff == 4 * 176  # experts grow too
   with pytest.raises(ConfigError, match='does not divide model.d_model=66'):
     width_config(base, 66, 'mup', 1e-2)
