@@ -90,11 +90,12 @@ def muon_dimensions(axes: Any) -> Any:
   """Per param (a tree of logical axes, as the models declare them), Muon's dimension numbers for hidden
   matrices (the residual stream's `embed` axis and a `heads`, `kv_heads` or `mlp` axis) and None for the rest
   (embeddings, the readout, norms, biases: AdamW). The input side is the reduction: `embed` unless it is the
-  last axis (an output projection); a scanned `layers` axis stays a batch axis."""
+  last axis (an output projection); a scanned `layers` axis and routed experts' `experts` axis stay batch axes
+  (each expert its own matrix)."""
   def dimensions(names: tuple) -> optax.contrib.MuonDimensionNumbers | None:
     if 'embed' not in names or not HIDDEN & set(names):
       return None
-    matrix = [i for i, name in enumerate(names) if name != 'layers']
+    matrix = [i for i, name in enumerate(names) if name not in ('layers', 'experts')]
     embed = names.index('embed')
     reduction = [i for i in matrix if i != embed] if embed == matrix[-1] else [embed]
     return optax.contrib.MuonDimensionNumbers(tuple(reduction), tuple(i for i in matrix if i not in reduction))

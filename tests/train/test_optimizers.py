@@ -90,6 +90,18 @@ def test_muon_orthogonalises_hidden_matrices_by_their_axes_and_adams_the_rest(sm
     np.testing.assert_allclose(got, -LR * (1 + B1 / (1 + B1)) * grad / (np.abs(grad) + EPS), rtol=1e-5)
 
 
+def test_muon_takes_each_routed_expert_as_its_own_matrix(small_config):
+  """Routed expert kernels [layers, experts, embed, mlp]: one embed x mlp matrix per layer and expert."""
+  from tests.models.test_moe import MOE
+  params, grads, _, updates, _, _ = first_update(small_config, 'muon', *MOE, 'model.moe.bias_rate=0.01')
+  kernel, grad = params['decoder']['layers']['mlp']['wi_0'], grads['decoder']['layers']['mlp']['wi_0']
+  got = updates['decoder']['layers']['mlp']['wi_0']
+  for layer, expert in np.ndindex(*kernel.shape[:2]):
+    step = 0.2 * np.sqrt(max(kernel.shape[2:])) * newton_schulz(grad[layer, expert])
+    np.testing.assert_allclose(got[layer, expert], -LR * (step + WD * kernel[layer, expert]), rtol=2e-4, atol=2e-6)
+  assert not updates['decoder']['layers']['mlp']['router_bias'].any()
+
+
 @pytest.mark.long(0.2)
 def test_adafactor_and_schedule_free_are_optaxs_own_transformations(small_config):
   _, grads, _, updates, assembly, state = first_update(small_config, 'adafactor', 'optim.factored_min_dim=16')
