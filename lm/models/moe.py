@@ -83,12 +83,14 @@ class RoutedMlp(nn.Module):
     down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
     if m.compute == 'dropless':
       return moe.dropless_on_mesh(x, routing, up, down, gate, act)
-    tokens = x.reshape(-1, d)
     if m.compute == 'capacity':
-      y, dropped = moe.capacity(tokens, routing, up, down, gate, act, m.capacity_factor)
-      self.sow('intermediates', DROPPED, dropped)
-      return y.reshape(x.shape)
-    return moe.dense(tokens, routing, up, down, gate, act).reshape(x.shape)
+      # GShard's groups: each sequence's tokens fill slots of their own, so the [E, C, D] buffers split with the
+      # batch (one group of the whole batch's tokens is a buffer as large as the batch on every device)
+      rows = moe.Routing(*(a.reshape(*x.shape[:2], *a.shape[1:]) for a in routing))
+      y, dropped = jax.vmap(lambda t, r: moe.capacity(t, r, up, down, gate, act, m.capacity_factor))(x, rows)
+      self.sow('intermediates', DROPPED, dropped.mean())
+      return y
+    return moe.dense(x.reshape(-1, d), routing, up, down, gate, act).reshape(x.shape)
 
   def _shared(self, x: jax.Array) -> jax.Array:
     cfg, m = self.cfg, self.cfg.moe

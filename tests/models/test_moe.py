@@ -74,6 +74,25 @@ def test_the_sown_statistics_leave_padding_out_and_capacity_sows_its_drop_rate()
   assert 0 < float(sown[DROPPED][0]) < 1
 
 
+def test_capacity_fills_each_sequences_own_slots():
+  """GShard's groups: at a factor that drops choices, each row's output (and drop rate) is the row's alone, and
+  the first row's slots are those `moe.capacity` gives its tokens."""
+  x = jax.random.normal(jax.random.key(4), (BATCH, LENGTH, D))
+  module = layer(compute='capacity', capacity_factor=0.5)
+  params = module.init(jax.random.key(5), x)['params']
+  y, sown = module.apply({'params': params}, x, mutable=['intermediates'])
+  alone = [module.apply({'params': params}, x[i:i + 1], mutable=['intermediates']) for i in range(BATCH)]
+  for i, (row, row_sown) in enumerate(alone):
+    np.testing.assert_allclose(y[i], row[0], rtol=1e-6, atol=1e-6)
+  dropped = [float(row_sown['intermediates'][DROPPED][0]) for _, row_sown in alone]
+  assert float(sown['intermediates'][DROPPED][0]) == pytest.approx(np.mean(dropped)) and min(dropped) > 0
+  p = nn.unbox(params)
+  r = moe.route(x[0] @ p['router'], 2)
+  gated = lambda h: jax.nn.silu(h)
+  want, _ = moe.capacity(x[0], r, p['wi_1'], p['wo'], p['wi_0'], gated, 0.5)
+  np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_moe_config_round_trips_through_its_dict():
   cfg = dataclasses.replace(ModelConfig(), family='llama', position='rotary', moe=MoeConfig(num_experts=8, every=2),
                             execution=ExecutionConfig(scan_layers=False))
