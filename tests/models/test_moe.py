@@ -49,6 +49,7 @@ def reference(params, x, m, activation):
   ('swiglu', {}), ('gelu', {}), ('swiglu', {'compute': 'dense'}),
   ('swiglu', {'shared_experts': 1, 'shared_d_ff': 20, 'shared_gate': True}),  # Qwen2-MoE's
 ])
+@pytest.mark.variants
 def test_the_layer_is_the_loop_over_its_own_params(activation, fields):
   x = jax.random.normal(jax.random.key(0), (BATCH, LENGTH, D))
   module = layer(activation, **fields)
@@ -184,7 +185,7 @@ def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_
 @pytest.mark.parametrize('mesh', [['mesh.expert=8', 'mesh.data=1'],
                                   ['mesh.expert=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'mesh.data=1'],
                                   ['mesh.data=2', 'mesh.expert=4']])
-@pytest.mark.variants
+@pytest.mark.long(0.3)
 def test_an_expert_mesh_gives_one_devices_update(small_config, mesh):
   """With the experts split over the `expert` axis (and the batch and the other params over it and the rest), one
   step's loss, gradient norm and update (the selection biases' too: counts over every data shard) equal one
