@@ -102,14 +102,20 @@ def muon_dimensions(axes: Any) -> Any:
   return jax.tree.map(lambda spec: dimensions(tuple(spec)), axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def _with_fixed(view: Any, params: Any) -> Any:
+  """A view made of optimizer state, with the params the optimizer keeps no state of (optax.MaskedNode in it)
+  as they are."""
+  return jax.tree.map(lambda p, v: p if isinstance(v, optax.MaskedNode) else v, params, view)
+
+
 def schedule_free_params(opt_state: Any, params: Any) -> Any:
   """Schedule-free AdamW's params for evaluation and export (its averaged sequence x, not the point y the
   gradients were taken at), from the state of an optimizer made with `name=schedule_free_adamw`."""
   (state,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, ScheduleFreeState))
               if isinstance(s, ScheduleFreeState)]
-  held = jax.tree.map(lambda p, z: z if isinstance(z, optax.MaskedNode) else p, params, state.z)  # its params
-  evaluated = optax.contrib.schedule_free_eval_params(state, held)
-  return jax.tree.map(lambda y, x: y if isinstance(x, optax.MaskedNode) else x.astype(y.dtype), params, evaluated)
+  held = jax.tree.map(lambda p, z: z if isinstance(z, optax.MaskedNode) else p, params, state.z)  # without fixed ones
+  evaluated = jax.tree.map(lambda y, x: x.astype(y.dtype), held, optax.contrib.schedule_free_eval_params(state, held))
+  return _with_fixed(evaluated, params)
 
 
 def base_optimizer(cfg: OptimConfig, schedule: optax.Schedule, axes: Any = None) -> optax.GradientTransformation:
@@ -181,12 +187,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, a
     tx = optax.multi_transform({OPTIMIZED: tx, FIXED: optax.set_to_zero()},
                                jax.tree.map(lambda f: FIXED if f else OPTIMIZED, fixed))
   return tx, schedule
-
-
-def _with_fixed(view: Any, params: Any) -> Any:
-  """A view made of optimizer state, with the params the optimizer keeps no state of (optax.MaskedNode in it)
-  as they are."""
-  return jax.tree.map(lambda p, v: p if isinstance(v, optax.MaskedNode) else v, params, view)
 
 
 @dataclasses.dataclass(frozen=True)
