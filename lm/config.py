@@ -146,7 +146,7 @@ class MoeConfig:
     return (self.num_experts > 0 and layer >= self.first_dense and (layer + 1) % self.every == 0
             and layer not in self.dense_layers)
 
-  def check(self, num_layers: int, scanned: bool) -> None:
+  def check(self, num_layers: int) -> None:
     if self.num_experts == 0:
       if self != MoeConfig():
         raise ConfigError('model.moe fields are set but model.moe.num_experts=0 (no experts); set '
@@ -169,10 +169,6 @@ class MoeConfig:
                         f'{list(self.dense_layers)} leave no routed layer among {num_layers}; route at least one')
     if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale) < 0:
       raise ConfigError('model.moe.balance_loss, z_loss, bias_rate and routed_scale must be >= 0')
-    dense = [i for i in range(num_layers) if not self.routed(i)]
-    if scanned and dense:
-      raise ConfigError(f'model.moe leaves layers {dense} dense among routed ones, and a scanned stack holds one kind '
-                        f'of layer; set model.execution.scan_layers=false (or route every layer)')
 
 
 @dataclass(frozen=True)
@@ -927,7 +923,7 @@ def _check_model(config: Config) -> None:
   if m.clip_qkv < 0:
     raise ConfigError(f'model.clip_qkv={m.clip_qkv} must be >= 0 (0: no clipping)')
   m.mup.check(m.parametrization, m.d_model)
-  m.moe.check(m.num_layers, m.execution.scan_layers)
+  m.moe.check(m.num_layers)
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(

@@ -92,8 +92,9 @@ class Stack(nn.Module):
   """`num_layers` blocks, scanned (compile time independent of depth) or unrolled.
 
   Owns what its layers share: the T5 relative position bias (computed once per stack) and, for
-  stacks whose residual stream is not normalised after each addition, the final norm. A scanned stack's layers
-  are of one kind, all routed (`model.moe`) or all dense (`MoeConfig.check`).
+  stacks whose residual stream is not normalised after each addition, the final norm. A scanned stack scans each
+  run of consecutive layers of one kind (dense, or routed: `model.moe`) on its own: `layers` when one run is the
+  whole stack, else `layers_from_<first>` per run (DeepSeek's dense first layers, then the routed ones).
   """
   cfg: ModelConfig
   causal: bool
@@ -117,11 +118,15 @@ class Stack(nn.Module):
     args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
     routed = [cfg.moe.routed(i) for i in range(self.num_layers)]
     if cfg.execution.scan_layers:
-      scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
-                        split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
-                        length=self.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
-      x, _ = scanned(cfg, self.causal, self.num_layers, self.cross, routed[0], name='layers')(
-        x, *args, jnp.arange(self.num_layers, dtype=jnp.int32))
+      # one scan per run of consecutive layers of one kind (dense or routed): a scan's layers share one program
+      runs = _runs(routed)
+      for start, n in runs:
+        scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
+                          split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
+                          length=n, metadata_params={nn.PARTITION_NAME: 'layers'})
+        layers = scanned(cfg, self.causal, self.num_layers, self.cross, routed[start],
+                         name=scanned_name(start, len(runs) == 1))
+        x, _ = layers(x, *args, jnp.arange(start, start + n, dtype=jnp.int32))
     else:
       for i in range(self.num_layers):
         x, _ = block(cfg, self.causal, self.num_layers, self.cross, routed[i], name=f'layers_{i}')(x, *args, i)
@@ -148,6 +153,17 @@ class Stack(nn.Module):
     return relpos(length, slots.value.shape[0], offset)
 
 
+def _runs(kinds: list[bool]) -> list[tuple[int, int]]:
+  """(first index, length) of each run of equal consecutive values."""
+  runs: list[tuple[int, int]] = []
+  for i, kind in enumerate(kinds):
+    if i and kind == kinds[i - 1]:
+      runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+    else:
+      runs.append((i, 1))
+  return runs
+
+
 def default_positions(tokens: jax.Array) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
 
@@ -168,31 +184,60 @@ def _stack(*xs: Any) -> Any:
   return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
 
 
+SCANNED = re.compile(r'layers(?:_from_(\d+))?')  # a scanned run of layers: `layers`, or `layers_from_<first>`
+
+
+def scanned_name(start: int, whole: bool) -> str:
+  """A scanned run's name: `layers` when it is the whole stack, else `layers_from_<its first layer>`."""
+  return 'layers' if whole else f'layers_from_{start}'
+
+
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
-  """Scanned params (a `layers` subtree with a leading layer axis) -> unrolled `layers_0`, `layers_1`, ..."""
+  """Scanned params (`layers` subtrees with a leading layer axis, or several runs `layers_from_<first>`) ->
+  unrolled `layers_0`, `layers_1`, ..."""
   out = {}
   for key, value in params.items():
-    if key == 'layers' and isinstance(value, Mapping):
-      n = jax.tree.leaves(value)[0].shape[0]
-      out.update({f'layers_{i}': jax.tree.map(lambda x, i=i: _take(x, i), value) for i in range(n)})
+    run = SCANNED.fullmatch(key)
+    if run and isinstance(value, Mapping):
+      start, n = int(run.group(1) or 0), jax.tree.leaves(value)[0].shape[0]
+      out.update({f'layers_{start + i}': jax.tree.map(lambda x, i=i: _take(x, i), value) for i in range(n)})
     else:
       out[key] = unstack_layers(value) if isinstance(value, Mapping) else value
   return out
 
 
+def _kind(layer: Any) -> Any:
+  """What a scan needs alike in the layers it stacks: the tree and each leaf's shape (a routed layer's MLP
+  differs from a dense one's)."""
+  return jax.tree.structure(layer), tuple(x.shape for x in jax.tree.leaves(layer))
+
+
 def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
-  """Unrolled `layers_0`, `layers_1`, ... -> one scanned `layers` subtree with a leading layer axis."""
+  """Unrolled `layers_0`, `layers_1`, ... -> scanned subtrees with a leading layer axis: one `layers`, or a
+  `layers_from_<first>` per run of consecutive layers of one kind (`Stack`'s runs)."""
   numbered = sorted((int(k.removeprefix('layers_')), k) for k in params if re.fullmatch(r'layers_\d+', k))
   out = {k: stack_layers(v) if isinstance(v, Mapping) else v for k, v in params.items()
          if not re.fullmatch(r'layers_\d+', k)}
-  if numbered:
-    out['layers'] = jax.tree.map(_stack, *(params[k] for _, k in numbered))
+  runs: list[list[str]] = []
+  for i, (_, key) in enumerate(numbered):
+    if i and _kind(params[key]) == _kind(params[numbered[i - 1][1]]):
+      runs[-1].append(key)
+    else:
+      runs.append([key])
+  for run in runs:
+    out[scanned_name(int(run[0].removeprefix('layers_')), len(runs) == 1)] = jax.tree.map(
+      _stack, *(params[k] for k in run))
   return out
 
 
+def _holds_layers(x: Any) -> bool:
+  """A mapping with layers in it, at any depth of mappings: params, or an optimizer's moments of them."""
+  return isinstance(x, Mapping) and any(
+    re.fullmatch(r'layers_\d+', k) or SCANNED.fullmatch(k) or _holds_layers(v) for k, v in x.items())
+
+
 def relayout(tree: Any, scanned: bool) -> Any:
-  """Every params-shaped mapping in `tree` (the params, the optimizer's moments) in the scanned or the unrolled
-  layout. Works on arrays (inside jit) and on sharded ShapeDtypeStructs."""
+  """Every params-shaped mapping in `tree` (the params, the optimizer's moments, also inside optax's per-label
+  states) in the scanned or the unrolled layout. Works on arrays (inside jit) and on sharded ShapeDtypeStructs."""
   convert = stack_layers if scanned else unstack_layers
-  is_params = lambda x: isinstance(x, Mapping)
-  return jax.tree.map(lambda x: convert(x) if is_params(x) else x, tree, is_leaf=is_params)
+  return jax.tree.map(lambda x: convert(x) if _holds_layers(x) else x, tree, is_leaf=_holds_layers)

@@ -102,8 +102,6 @@ def test_a_moe_config_round_trips_through_its_dict():
   assert from_dict(values).model == cfg
   with pytest.raises(ConfigError, match='the gpt family builds no routed experts'):
     from_dict({**values, 'model': {**values['model'], 'family': 'gpt', 'position': 'learned'}})
-  with pytest.raises(ConfigError, match=r'leaves layers \[0, 2\] dense .* set model.execution.scan_layers=false'):
-    from_dict({**values, 'model': {**values['model'], 'execution': {'scan_layers': True}}})
   bad = {'experts_per_token': (9, r'experts_per_token=9 must lie in \[1, model.moe.num_experts=8\]'),
          'router': ('softplus', 'model.moe.router'), 'bias_rate': (-0.001, 'bias_rate and routed_scale must be >= 0'),
          'compute': ('capacity', r'capacity_factor=0.0 must be > 0')}
@@ -118,13 +116,16 @@ MOE = ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm', 'mod
 
 
 @pytest.mark.long(0.5)
-def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config):
+@pytest.mark.parametrize('pattern', [[], ['model.num_layers=4', 'model.moe.first_dense=1',
+                                          'model.moe.dense_layers=[3]']])
+def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config, pattern):
   """Logits and each auxiliary term of a scanned stack of routed layers equal the unrolled stack's on its params
-  (relaid out), with padding in the batch; the balance loss is the float64 mean of each layer's from what it sowed."""
+  (relaid out), with padding in the batch; the balance loss is the float64 mean of each layer's from what it sowed.
+  Dense layers among routed ones scan in runs of their own (dense 0, routed 1-2, dense 3)."""
   from lm.models import build_model, get_family, init_params
   from lm.models.moe import aux_losses
   from lm.models.transformer import relayout
-  config = small_config(*MOE, 'model.moe.z_loss=0.001')
+  config = small_config(*MOE, 'model.moe.z_loss=0.001', *pattern)
   family = get_family('llama')
   tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 200)
   batch = {'inputs': tokens, 'segment_ids': jnp.ones((2, 32), jnp.int32).at[1, 20:].set(0)}
@@ -132,6 +133,8 @@ def test_a_scanned_routed_stack_equals_the_unrolled_one(small_config):
   for scanned in (True, False):
     model = build_model(config.model.with_execution(scan_layers=scanned))
     params = nn.unbox(init_params(build_model(config.model), jax.random.key(1), 32))
+    if pattern:  # three runs, each scanned on its own
+      assert {k for k in params['decoder'] if 'layers' in k} == {'layers_from_0', 'layers_from_1', 'layers_from_3'}
     params = relayout(params, scanned)
     out = family.apply(model, params, batch, deterministic=True, rngs={})
     outputs[scanned] = out['logits'].logits(), out['aux_terms'], out['aux_loss']

@@ -53,6 +53,24 @@ def test_resume_may_change_how_the_step_computes(small_config, tmp_path, capsys,
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=50 * rtol, atol=50 * rtol * 1e-2)
 
 
+def test_the_layout_change_reaches_moments_inside_per_label_optimizer_states(small_config):
+  """μP's param groups and the selection biases' fixed label (optax.multi_transform) keep the moments under a dict
+  of labels: unrolling relays those out too (they stayed scanned, and a restore onto an unrolled run set the
+  checkpoint aside as unrestorable), and scanning again restores the state's own tree; a stack with a dense first
+  layer scans in two runs."""
+  from lm.assembly import assemble
+  from tests.models.test_moe import MOE
+  config = small_config(*MOE, 'model.num_layers=3', 'model.moe.first_dense=1', 'model.moe.bias_rate=0.01',
+                        'model.parametrization=mup', 'model.mup.base_width=32')
+  state = assemble(config, jax.devices()[:1]).abstract_state
+  unrolled = relayout(state, False)
+  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(unrolled.opt_state)[0]]
+  assert any("['layers_2']" in path for path in paths)
+  assert not [path for path in paths if "['layers_from_" in path or "['layers']" in path]
+  assert jax.tree.structure(relayout(unrolled, True)) == jax.tree.structure(state)
+  assert {k for k in state.params['decoder'] if 'layers' in k} == {'layers_from_0', 'layers_from_1'}
+
+
 def test_resume_still_refuses_a_change_of_parameters(small_config, tmp_path):
   from lm.config import ConfigError
   Pretraining(small_config('train.steps=1'), jax.devices()[:1]).run()

@@ -105,7 +105,7 @@ class MoeNames:
       every=h.get('decoder_sparse_step', 1) if self.layer_pattern else 1,
       dense_layers=tuple(h.get('mlp_only_layers') or ()) if self.layer_pattern else (),
       balance_loss=float(h.get('router_aux_loss_coef', 0.01)), balance_over='model')
-    moe.check(h['num_hidden_layers'], scanned=False)
+    moe.check(h['num_hidden_layers'])
     return moe
 
   def hf_config(self, m: MoeConfig, num_layers: int, architecture: str, base: dict) -> dict[str, Any]:
