@@ -1,10 +1,13 @@
 """Test setup: 8 simulated CPU devices (before JAX starts) and a small GPT config factory."""
 import importlib.util
+import fcntl
 import json
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
+from typing import Callable
 
 # 8 CPU devices for mesh tests. Tests run tiny models whose compile time dominates their run time: backend
 # optimisation level 0 compiles ~3x faster, and XLA's older loop emitters at that level compile the small scanned
@@ -35,6 +38,9 @@ os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 # lm's own cache (the harness's task index, lm.jobs.evals.tasks) likewise: built by the first process that needs it.
 OWN_LM_CACHE = 'LM_CACHE_DIR' not in os.environ
 os.environ.setdefault('LM_CACHE_DIR', os.path.join(tempfile.gettempdir(), f'lm-tests-cache-{os.getpid()}'))
+# What `built_once` fixtures build (trained runs, corpora), once for the whole run, likewise.
+OWN_SHARED = 'LM_TEST_SHARED_DIR' not in os.environ
+os.environ.setdefault('LM_TEST_SHARED_DIR', os.path.join(tempfile.gettempdir(), f'lm-tests-shared-{os.getpid()}'))
 
 import pytest  # noqa: E402
 
@@ -46,6 +52,24 @@ import sitecustomize  # noqa: E402  (installs itself; in xdist's workers it alre
 sys.path.remove(STARTUP)
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu is not installed')
+
+
+def built_once(name: str, build: Callable[[Path], object]) -> Path:
+  """The directory `name` that `build(directory)` fills, built by the first worker of the run to ask and reused by
+  the others (they wait on a file lock). A module-scoped fixture is rebuilt by every worker that runs one of its
+  tests, and again whenever a worker's next test is from another module (the suite deals tests out one at a
+  time): a fixture that trains or converts a model pays for that many times. The tests must only read it."""
+  root = Path(os.environ['LM_TEST_SHARED_DIR'])
+  root.mkdir(parents=True, exist_ok=True)
+  directory, done = root / name, root / f'{name}.done'
+  with open(root / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      shutil.rmtree(directory, ignore_errors=True)  # a build that failed part way
+      directory.mkdir()
+      build(directory)
+      done.touch()
+  return directory
 
 
 def one_device_env() -> dict[str, str]:
@@ -139,3 +163,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
   if OWN_LM_CACHE and not hasattr(session.config, 'workerinput'):
     shutil.rmtree(os.environ['LM_CACHE_DIR'], ignore_errors=True)
+  if OWN_SHARED and not hasattr(session.config, 'workerinput'):
+    shutil.rmtree(os.environ['LM_TEST_SHARED_DIR'], ignore_errors=True)

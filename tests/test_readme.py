@@ -42,7 +42,7 @@ SHORTER = [
   (r'^lm scaling sweep (.*)$', lambda m: 'lm scaling sweep ' + re.sub(r' --budgets \S+', '', m[1])
    + (' --sizes 64x1,128x1 --budgets 2e9,4e9' if '--budgets' in m[1]
       else ' --sizes 64x1,128x1,192x1 --tokens 4096,8192')),
-  (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 20000{m[2]}'),
+  (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 5000{m[2]}'),
   (r'^(lm train .*data\.tokenizer=sentencepiece:.*) model\.vocab_size=16000(.*)$',
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
   (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),

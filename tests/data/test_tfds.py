@@ -13,22 +13,24 @@ from lm.config import load_config
 from lm.data.sources import embedded_documents
 from lm.train.logging import read_metrics
 from lm.jobs.pretraining import Pretraining
-from tests.conftest import SMALL
+from tests.conftest import SMALL, built_once
 
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
+def corpus():
   """(data_dir, tokenizer spec): 400 documents of the embedded corpus as JSONL -> TFDS -> SentencePiece."""
-  root = tmp_path_factory.mktemp('tfds')
-  with open(root / 'docs.jsonl', 'w') as f:
-    for name, text in embedded_documents()[::5][:400]:
-      f.write(json.dumps({'text': text[:6000], 'name': name}) + '\n')
-  assert cli.main(['data', 'build', '--name', 'lm_test_corpus', '--from', str(root / 'docs.jsonl'),
-                   '--data-dir', str(root / 'data'), '--val-fraction', '0.1']) == 0
-  data = ['data.source=tfds', 'data.name=lm_test_corpus', f'data.data_dir={root / "data"}']
-  assert cli.main(['tokenizer', 'train', '--config', 'gpt_tiny', *data, '--vocab-size', '1000', '--sentinels', '100',
-                   '--out', str(root / 'sp')]) == 0
-  return data + [f'data.tokenizer=sentencepiece:{root / "sp.model"}', 'model.vocab_size=1024']
+  data = lambda root: ['data.source=tfds', 'data.name=lm_test_corpus', f'data.data_dir={root / "data"}']
+
+  def build(root):
+    with open(root / 'docs.jsonl', 'w') as f:
+      for name, text in embedded_documents()[::5][:400]:
+        f.write(json.dumps({'text': text[:6000], 'name': name}) + '\n')
+    assert cli.main(['data', 'build', '--name', 'lm_test_corpus', '--from', str(root / 'docs.jsonl'),
+                     '--data-dir', str(root / 'data'), '--val-fraction', '0.1']) == 0
+    assert cli.main(['tokenizer', 'train', '--config', 'gpt_tiny', *data(root), '--vocab-size', '1000',
+                     '--sentinels', '100', '--out', str(root / 'sp')]) == 0
+  root = built_once('tfds_corpus', build)
+  return data(root) + [f'data.tokenizer=sentencepiece:{root / "sp.model"}', 'model.vocab_size=1024']
 
 
 @pytest.mark.long(1)

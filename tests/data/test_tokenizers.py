@@ -24,7 +24,7 @@ def test_byte_tokenizer_round_trip():
 def sentencepiece_model(tmp_path_factory):
   out = tmp_path_factory.mktemp('sp') / 'sp'
   assert cli.main(['tokenizer', 'train', '--config', 'gpt_tiny', '--vocab-size', '1200', '--sentinels', '100',
-                   '--max-lines', '40000', '--out', str(out)]) == 0
+                   '--max-lines', '5000', '--out', str(out)]) == 0
   return f'sentencepiece:{out}.model'
 
 

@@ -15,6 +15,7 @@ from lm.storage.source import open_model
 from lm.models import build_model, init_params
 from lm.models.decode import Sampling, decode_batch, init_cache, pad_prompts, sample_logits
 from lm.jobs.pretraining import Pretraining
+from tests.conftest import built_once
 
 TINY = ['model.d_model=32', 'model.num_layers=2', 'model.num_heads=4', 'model.d_ff=64', 'model.max_len=64',
         'data.seq_len=32']
@@ -191,13 +192,13 @@ def test_t5_prompts_name_sentinels_and_outputs_show_them():
 
 
 @pytest.fixture(scope='module')
-def trained_run(tmp_path_factory):
+def trained_run():
   """A 2-step gpt_tiny run (width 32) with a checkpoint."""
-  run_dir = tmp_path_factory.mktemp('generate') / 'run'
-  config = load_config('gpt_tiny', TINY + ['train.steps=2', 'train.global_batch=8', 'train.eval_batches=0',
-                                           'train.progress=false', 'mesh.data=1', f'train.run_dir={run_dir}'])
-  Pretraining(config, jax.devices()[:1]).run()
-  return run_dir
+  def build(root):
+    config = load_config('gpt_tiny', TINY + ['train.steps=2', 'train.global_batch=8', 'train.eval_batches=0',
+                                             'train.progress=false', 'mesh.data=1', f'train.run_dir={root}/run'])
+    Pretraining(config, jax.devices()[:1]).run()
+  return built_once('generate_run', build) / 'run'
 
 
 @pytest.mark.long(0.2)

@@ -50,14 +50,15 @@ def test_a_branched_cooldown_is_the_straight_wsd_run_of_its_budget(small_config,
 
 
 @pytest.fixture(scope='module')
-def stable(tmp_path_factory):
+def stable():
   """A constant-rate run of 6 steps, checkpointing every step and keeping the latest and step 3 (checkpoint_at)."""
-  root = tmp_path_factory.mktemp('stable')
-  from tests.conftest import SMALL
-  argv = ['train', '--config', 'gpt_tiny', *SMALL, *WSD, 'mesh.data=-1', 'train.steps=6', 'optim.schedule=constant',
-          'train.checkpoint.every=1', 'train.checkpoint.keep=1', 'train.checkpoint.at=[3]', f'train.run_dir={root}/run']
-  assert cli.main(argv) == 0
-  return root / 'run'
+  from tests.conftest import SMALL, built_once
+
+  def build(root):
+    argv = ['train', '--config', 'gpt_tiny', *SMALL, *WSD, 'mesh.data=-1', 'train.steps=6', 'optim.schedule=constant',
+            'train.checkpoint.every=1', 'train.checkpoint.keep=1', 'train.checkpoint.at=[3]', f'train.run_dir={root}/run']
+    assert cli.main(argv) == 0
+  return built_once('branch_stable', build) / 'run'
 
 
 @pytest.mark.parametrize('overrides, message', [

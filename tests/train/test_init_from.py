@@ -8,7 +8,7 @@ from lm.config import ConfigError, load_config
 from lm.train.init_from import initial_state
 from lm.train.logging import read_metrics
 from lm.jobs.pretraining import Pretraining
-from tests.conftest import SMALL
+from tests.conftest import SMALL, built_once
 
 
 def val_losses(run_dir):
@@ -16,15 +16,15 @@ def val_losses(run_dir):
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
+def trained():
   """A scanned-layer GPT trained 40 steps, exported to HF and imported back as an (unrolled) run dir."""
-  root = tmp_path_factory.mktemp('init_from')
-  config = load_config('gpt_tiny', SMALL + ['train.steps=40', 'train.eval_every=40', 'train.eval_batches=2',
-                                            f'train.run_dir={root}/source'])
-  Pretraining(config, jax.devices()[:1]).run()
-  assert cli.main(['convert', '--to-hf', str(root / 'hf'), '--from', str(root / 'source')]) == 0
-  assert cli.main(['convert', '--from-hf', str(root / 'hf'), '--to', str(root / 'imported')]) == 0
-  return root
+  def build(root):
+    config = load_config('gpt_tiny', SMALL + ['train.steps=40', 'train.eval_every=40', 'train.eval_batches=2',
+                                              f'train.run_dir={root}/source'])
+    Pretraining(config, jax.devices()[:1]).run()
+    assert cli.main(['convert', '--to-hf', str(root / 'hf'), '--from', str(root / 'source')]) == 0
+    assert cli.main(['convert', '--from-hf', str(root / 'hf'), '--to', str(root / 'imported')]) == 0
+  return built_once('init_from', build)
 
 
 @pytest.mark.parametrize('source', ['imported', 'hf', 'source'])

@@ -16,6 +16,7 @@ from lm import cli
 from lm.data.sources import embedded_documents
 from lm.jobs.evals.run import Request, run
 from lm.jobs.evals.tasks import local_tasks, task_manager
+from tests.conftest import built_once
 from tests.jobs.evals import releases
 
 MAX_LENGTH = 64
@@ -23,24 +24,25 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope='module')
-def setup(tmp_path_factory):
+def setup():
   """(HF GPT-2 dir, our run dir converted from it, the seven tasks' files in their release layouts; the same rows
   in the HF layouts beside it, in hf_layout/)."""
-  root = tmp_path_factory.mktemp('harness')
-  hf, run, data = root / 'hf', root / 'run', root / 'data'
-  bpe = tokenizers.ByteLevelBPETokenizer()
-  bpe.train_from_iterator([text for _, text in embedded_documents()[::60]], vocab_size=300,
-                          special_tokens=['<|endoftext|>'])
-  transformers.set_seed(0)
-  model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-    vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=MAX_LENGTH, bos_token_id=0, eos_token_id=0))
-  model.save_pretrained(hf, safe_serialization=True)
-  bpe.save_model(str(hf))
-  (hf / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'GPT2Tokenizer', 'bos_token': '<|endoftext|>',
-                                                        'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}))
-  assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 0
-  releases.write_both(data, root / 'hf_layout')
-  return hf, run, data
+  def build(root):
+    hf, run, data = root / 'hf', root / 'run', root / 'data'
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text for _, text in embedded_documents()[::60]], vocab_size=300,
+                            special_tokens=['<|endoftext|>'])
+    transformers.set_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=MAX_LENGTH, bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(hf, safe_serialization=True)
+    bpe.save_model(str(hf))
+    (hf / 'tokenizer_config.json').write_text(json.dumps({'tokenizer_class': 'GPT2Tokenizer', 'bos_token': '<|endoftext|>',
+                                                          'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}))
+    assert cli.main(['convert', '--from-hf', str(hf), '--to', str(run)]) == 0
+    releases.write_both(data, root / 'hf_layout')
+  root = built_once('harness', build)
+  return root / 'hf', root / 'run', root / 'data'
 
 
 def harness_reference(hf, data, tasks, num_fewshot, configs, **model_kwargs):

@@ -10,6 +10,7 @@ import pytest
 from lm import cli
 from lm.train import loop
 from lm.train.timing import is_timing
+from tests.conftest import built_once
 from tests.jobs.glue import synthetic
 from tests.jobs.glue.test_finetune import QUIET, save_hf_bert
 
@@ -19,15 +20,13 @@ OUTPUTS = ('eval_results.json', 'dev_predictions.tsv')
 
 
 @pytest.fixture(scope='module')
-def hf_bert(tmp_path_factory):
-  return save_hf_bert(tmp_path_factory.mktemp('hf_bert'))
+def hf_bert():
+  return built_once('glue_hf_bert', save_hf_bert)
 
 
 @pytest.fixture(scope='module')
-def glue_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp('glue')
-  synthetic.write_mrpc(root)
-  return root
+def glue_dir():
+  return built_once('glue_mrpc', synthetic.write_mrpc)
 
 
 def argv(glue_dir, hf_bert, run_dir, *extra: str) -> list[str]:
@@ -64,10 +63,12 @@ def assert_same_run(run_dir, straight_dir):
 
 
 @pytest.fixture(scope='module')
-def straight(glue_dir, hf_bert, tmp_path_factory):
-  out = tmp_path_factory.mktemp('straight')
-  assert cli.main(argv(glue_dir, hf_bert, out)) == 0
-  return out
+def straight(glue_dir, hf_bert):
+  """The uninterrupted fine-tune, from the same init and data files as the resumed runs (a WordPiece vocabulary
+  trained in another process may order its ties otherwise)."""
+  def build(out):
+    assert cli.main(argv(glue_dir, hf_bert, out)) == 0
+  return built_once('glue_straight', build)
 
 
 @pytest.mark.long(0.5)

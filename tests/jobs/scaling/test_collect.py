@@ -11,29 +11,30 @@ from lm import cli
 from lm.config import load_config
 from lm.data.sources import open_documents
 from lm.train.logging import read_metrics
+from tests.conftest import built_once
 
 WIDTHS = (32, 64)
 LAYERS, SEQ, BATCH, VOCAB, MAX_LEN = 2, 32, 8, 264, 256
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
+def runs():
   """Two runs on the embedded corpus, each also evaluating two named sets: `copy`, the validation split's
   documents written to JSONL (so it must match val_loss and val_bpb), and `code`, text files of Python."""
-  root = tmp_path_factory.mktemp('ladder')
-  split = open_documents(load_config('gpt_tiny').data, 'validation')
-  (root / 'copy.jsonl').write_text(''.join(json.dumps({'text': split[i]}) + '\n' for i in range(len(split))))
-  (root / 'code').mkdir()
-  for name in ('json/decoder.py', 'csv.py'):
-    (root / 'code' / name.replace('/', '_')).write_text((Path(sysconfig.get_paths()['stdlib']) / name).read_text())
-  evals = f'data.evals=[copy=jsonl:{root}/copy.jsonl, code=text:{root}/code/*.py]'
-  for width in WIDTHS:
-    assert cli.main(['train', '--config', 'gpt_tiny', f'model.d_model={width}', f'model.num_layers={LAYERS}',
-                     'model.num_heads=2', f'data.seq_len={SEQ}', f'train.global_batch={BATCH}', 'train.steps=4',
-                     'train.eval_every=2', 'train.checkpoint.every=2', 'train.checkpoint.keep=3',
-                     'train.eval_batches=2', 'train.progress=false', f'train.run_dir={root / str(width)}',
-                     evals]) == 0
-  return root
+  def build(root):
+    split = open_documents(load_config('gpt_tiny').data, 'validation')
+    (root / 'copy.jsonl').write_text(''.join(json.dumps({'text': split[i]}) + '\n' for i in range(len(split))))
+    (root / 'code').mkdir()
+    for name in ('json/decoder.py', 'csv.py'):
+      (root / 'code' / name.replace('/', '_')).write_text((Path(sysconfig.get_paths()['stdlib']) / name).read_text())
+    evals = f'data.evals=[copy=jsonl:{root}/copy.jsonl, code=text:{root}/code/*.py]'
+    for width in WIDTHS:
+      assert cli.main(['train', '--config', 'gpt_tiny', f'model.d_model={width}', f'model.num_layers={LAYERS}',
+                       'model.num_heads=2', f'data.seq_len={SEQ}', f'train.global_batch={BATCH}', 'train.steps=4',
+                       'train.eval_every=2', 'train.checkpoint.every=2', 'train.checkpoint.keep=3',
+                       'train.eval_batches=2', 'train.progress=false', f'train.run_dir={root / str(width)}',
+                       evals]) == 0
+  return built_once('scaling_runs', build)
 
 
 def read(path):
