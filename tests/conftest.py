@@ -72,6 +72,15 @@ def built_once(name: str, build: Callable[[Path], object]) -> Path:
   return directory
 
 
+def computed_once(name: str, compute: Callable[[], dict]) -> dict:
+  """`built_once` for a result: `compute()`'s nested dicts of arrays, computed by one worker, kept as an .npz."""
+  import numpy as np
+  from flax.traverse_util import flatten_dict, unflatten_dict
+  save = lambda directory: np.savez(directory / 'result.npz', **flatten_dict(compute(), sep='/'))
+  with np.load(built_once(name, save) / 'result.npz') as result:
+    return unflatten_dict({key: result[key] for key in result.files}, sep='/')
+
+
 def one_device_env() -> dict[str, str]:
   """This environment for an `lm` process of its own with the host's one CPU device, compiling as the suite does."""
   flags = os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')

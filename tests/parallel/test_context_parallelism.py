@@ -22,14 +22,16 @@ MESHES = {'dp+cp': ['mesh.data=2', 'mesh.sequence=4'],
 
 
 @pytest.fixture(scope='module')
-def documents(tmp_path_factory):
-  """Short JSONL documents (1 to 4 words), so each 32-token row packs several."""
-  root = tmp_path_factory.mktemp('docs')
-  rng = np.random.default_rng(0)
-  words = 'the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo frogs'.split()
-  lines = [json.dumps({'text': ' '.join(rng.choice(words, rng.integers(1, 5)))}) for _ in range(3000)]
-  (root / 'docs.jsonl').write_text('\n'.join(lines) + '\n')
-  return root
+def documents():
+  """Short JSONL documents (1 to 4 words), so each 32-token row packs several; one path for every worker (the
+  one-device references are shared, and the rows held out for validation follow a hash of the file's path)."""
+  def build(root):
+    rng = np.random.default_rng(0)
+    words = 'the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo frogs'.split()
+    lines = [json.dumps({'text': ' '.join(rng.choice(words, rng.integers(1, 5)))}) for _ in range(3000)]
+    (root / 'docs.jsonl').write_text('\n'.join(lines) + '\n')
+  from tests.conftest import built_once
+  return built_once('context_parallel_documents', build)
 
 
 def configured(family, tmp_path, documents, *overrides):
@@ -59,12 +61,16 @@ def train(config, devices, steps):
 
 @pytest.fixture(scope='module')
 def one_device(tmp_path_factory, documents):
-  cache = {}
+  """`train` of a family on one device, computed once for the whole suite."""
+  from tests.conftest import computed_once
 
   def get(family):
-    if family not in cache:
-      cache[family] = train(configured(family, tmp_path_factory.mktemp(family), documents), jax.devices()[:1], 20)
-    return cache[family]
+    def compute():
+      grads, losses, segments = train(configured(family, tmp_path_factory.mktemp(family), documents),
+                                      jax.devices()[:1], 20)
+      return {'grads': grads, 'losses': np.asarray(losses), 'segments': segments}
+    result = computed_once(f'context_parallel_{family}', compute)
+    return result['grads'], list(result['losses']), result['segments']
   return get
 
 

@@ -54,14 +54,15 @@ def family_config(family, run_dir, *overrides):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
-  cache = {}
+  """(losses, params) of one device's run of a family with overrides, computed once for the whole suite."""
+  from tests.conftest import computed_once
 
   def get(*overrides, family='gpt'):
-    key = (family, overrides)
-    if key not in cache:
-      config = family_config(family, tmp_path_factory.mktemp('ref'), *overrides)
-      cache[key] = run_steps(config, jax.devices()[:1])
-    return cache[key]
+    def compute():
+      losses, params = run_steps(family_config(family, tmp_path_factory.mktemp('ref'), *overrides), jax.devices()[:1])
+      return {'losses': np.asarray(losses), 'params': params}
+    result = computed_once('sharding_' + '_'.join((family, *overrides)), compute)
+    return list(result['losses']), result['params']
   return get
 
 
