@@ -95,8 +95,8 @@ def default_kernel() -> str:
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: jnp.dtype,
                    kernel: str | None = None) -> jax.Array:
   """Rows of `lhs` [M, K] in consecutive groups of `sizes` [G], each group times its `rhs` [G, K, N], accumulated
-  in float32 or wider. `kernel`: 'ragged_dot' (XLA), 'gmm' (the megablox kernel, compiled on TPU and interpreted
-  elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile target, not the host's backend: gmm for
+  in float32 or wider; rows past the groups come out zero. `kernel`: 'ragged_dot' (XLA), 'gmm' (the megablox
+  kernel, compiled on TPU and interpreted elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile target, not the host's backend: gmm for
   TPU; tiles for CPU, where XLA computes a ragged_dot as G whole matmuls; ragged_dot elsewhere (GPU)."""
   kernel = kernel or default_kernel()
   if kernel == 'ragged_dot':
@@ -130,7 +130,8 @@ def tiled_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile: int = 1
                            groups - 1)  # tiles past the last group hold zeros: any weight will do
   out = jnp.einsum('tmk,tkn->tmn', x.reshape(tiles, tile, -1), rhs.astype(lhs.dtype)[tile_group],
                    preferred_element_type=_wide(lhs.dtype))
-  return out.reshape(tiles * tile, -1)[dest]
+  return jnp.where((jnp.arange(m) < sizes.sum())[:, None], out.reshape(tiles * tile, -1)[dest], 0)  # rows past
+  # the groups (an expert-parallel receive buffer's unused rows) come out zero, as ragged_dot's and gmm's
 
 
 def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
@@ -148,35 +149,103 @@ def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gat
   return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
 
 
+def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+             output_offsets: jax.Array, recv_sizes: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
+  """`jax.lax.ragged_all_to_all` over mesh `axis` where the platform compiles it (TPU, GPU). XLA's CPU has none:
+  there the same exchange from all-gathers, each device gathering every device's rows and offsets and keeping the
+  chunks sent to it (P times the memory; the CPU runs small models)."""
+  if target_platform() != 'cpu':
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis)
+  me = jax.lax.axis_index(axis)
+  rows, starts, sizes, offsets = (jax.lax.all_gather(a, axis) for a in (operand, input_offsets, send_sizes,
+                                                                        output_offsets))
+  row = jnp.arange(output.shape[0])
+  for sender in range(rows.shape[0]):
+    at = row - offsets[sender, me]
+    sent = (at >= 0) & (at < sizes[sender, me])
+    output = jnp.where(sent[:, None], rows[sender][jnp.clip(starts[sender, me] + at, 0, operand.shape[0] - 1)],
+                       output)
+  return output
+
+
+def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array, down: jax.Array,
+                    gate: jax.Array | None, act: Activation, kernel: str, axis: str | tuple[str, ...],
+                    devices: int) -> jax.Array:
+  """Dropless expert parallelism, per device inside a shard_map over mesh `axis` (`devices` devices, device i
+  holding experts i E/P ... (i+1) E/P - 1 of `up`, `down`, `gate` [E/P, ...]): this device's tokens x [T, D] with
+  their choices `experts` and combine `weights` [T, k] -> [T, D]. Its token copies, sorted by expert, go to the
+  devices holding their experts (`exchange`, sizes agreed by an all-gather of every device's counts per expert),
+  which regroup what they receive by local expert, run the grouped matmuls and send each row back where it came
+  from. The receive buffer holds P T k rows, the most that can arrive (every token of every device choosing this
+  device's experts); its unused rows are zero and stay out of every group."""
+  t, k = experts.shape
+  local = up.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  counts = jax.lax.all_gather(jnp.bincount(flat, length=local * devices).astype(jnp.int32), axis)
+  counts = counts.reshape(devices, devices, local)  # [sender, receiver, the receiver's local expert]
+  sizes = counts.sum(-1)  # rows each device sends each device
+  exclusive = lambda a, dim: jnp.cumsum(a, axis=dim) - a
+  starts, lands = exclusive(sizes, 1), exclusive(sizes, 0)  # a chunk's first row at its sender, at its receiver
+  me = jax.lax.axis_index(axis)
+  buffer = devices * t * k
+  received = exchange(x[token], jnp.zeros((buffer, x.shape[1]), x.dtype), starts[me], sizes[me], lands[me],
+                      sizes[:, me], axis)
+  mine = counts[:, me]  # [sender, local expert]: each sender's chunk is sorted by local expert
+  local_expert = jnp.repeat(jnp.tile(jnp.arange(local), devices), mine.reshape(-1), total_repeat_length=buffer)
+  local_expert = jnp.where(jnp.arange(buffer) < mine.sum(), local_expert, local)  # unused rows last
+  regroup = jnp.argsort(local_expert, stable=True)
+  grouped = lambda a, w: grouped_matmul(a, w, mine.sum(0), x.dtype, kernel)
+  out = _expert_mlp(received[regroup], up, down, gate, act, grouped)
+  out = jnp.zeros_like(out).at[regroup].set(out)  # in the order received
+  back = exchange(out, jnp.zeros((t * k, x.shape[1]), out.dtype), lands[:, me], sizes[:, me], starts[:, me],
+                  sizes[me], axis)
+  weighted = back.astype(_wide(x.dtype)) * weights.reshape(-1)[order][:, None]
+  return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
+
+
 def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
                      act: Activation, kernel: str | None = None) -> jax.Array:
-  """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. XLA partitions ragged_dot and the
-  tiles itself; a Pallas kernel (gmm) cannot be partitioned automatically, so it runs per shard: each shard's
-  tokens through every expert, the expert weights all-gathered in (their gradients reduce-scattered back, as
-  FSDP's). Off a mesh, or with the other kernels, `dropless` as it is."""
+  """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. Where the experts shard over mesh
+  devices (the `expert` axis), expert parallelism: each device's token copies go to the devices holding their
+  experts and come back (`expert_parallel`). Else XLA partitions ragged_dot and the tiles itself; a Pallas kernel
+  (gmm) cannot be partitioned automatically, so it runs per shard: each shard's tokens through every expert. Either
+  way, the expert weights' other sharded dims are all-gathered in per shard (their gradients reduce-scattered back,
+  as FSDP's). Off a mesh, `dropless` as it is."""
   batch, length, d = x.shape
   kernel = kernel or default_kernel()
   active = active_sharding()
-  flat = lambda x: dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
-  if active is None or kernel != 'gmm':
-    return flat(x)
+  if active is None:
+    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
   mesh, rules = active
-  k = routing.experts.shape[-1]
-  token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
   weights = [w for w in (up, down, gate) if w is not None]
   axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
   weight_specs = [spec_for(a, w.shape, mesh, rules) for a, w in zip(axes, weights)]
+  expert_axis = weight_specs[0][0]
+  if expert_axis is None and kernel != 'gmm':
+    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
+  k = routing.experts.shape[-1]
+  token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
+  named = (expert_axis,) if isinstance(expert_axis, str) else expert_axis or ()
+  devices = math.prod(mesh.shape[a] for a in named)
 
   def per_shard(x, experts, combine, *weights):
     whole = []
     for w, spec in zip(weights, weight_specs, strict=True):
       for dim, entry in enumerate(spec):
-        if entry is not None:
+        if entry is not None and (dim > 0 or expert_axis is None):  # each device keeps its own experts
           w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
       whole.append(w)
     up, down, *rest = whole
-    local = Routing(combine.reshape(-1, k), experts.reshape(-1, k), None)
-    return dropless(x.reshape(-1, d), local, up, down, rest[0] if rest else None, act, kernel).reshape(x.shape)
+    gate = rest[0] if rest else None
+    tokens, experts, combine = x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k)
+    if expert_axis is None:
+      y = dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel)
+    else:
+      y = expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices)
+    return y.reshape(x.shape)
   shaped = lambda a: a.reshape(batch, length, k)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *weight_specs),
                        out_specs=token_spec, check_vma=False)(x, shaped(routing.experts), shaped(routing.weights),

@@ -101,12 +101,13 @@ def test_the_megablox_kernel_equals_the_loop(skew):
 @pytest.mark.parametrize('tile', [1, 3, 64])
 def test_tiled_matmul_equals_ragged_dot(tile):
   """The CPU grouped matmul against XLA's ragged_dot, values and gradients, with empty groups, a group spanning
-  several tiles and one smaller than a tile."""
+  several tiles, one smaller than a tile, and rows past the groups (zero out, no gradient)."""
   rng = np.random.default_rng(4)
   with jax.enable_x64(True):
     sizes = jnp.array([0, 7, 1, 0, 9], jnp.int32)
-    lhs, rhs = jnp.asarray(rng.normal(size=(17, 6))), jnp.asarray(rng.normal(size=(5, 6, 4)))
-    cotangent = jnp.asarray(rng.normal(size=(17, 4)))
+    lhs, rhs = jnp.asarray(rng.normal(size=(20, 6))), jnp.asarray(rng.normal(size=(5, 6, 4)))
+    cotangent = jnp.asarray(rng.normal(size=(20, 4)))
+    assert not jax.lax.ragged_dot(lhs, rhs, sizes)[17:].any()
     ours = lambda a, b: jnp.sum(moe.tiled_matmul(a, b, sizes, tile) * cotangent)
     xla = lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes) * cotangent)
     np.testing.assert_allclose(moe.tiled_matmul(lhs, rhs, sizes, tile), jax.lax.ragged_dot(lhs, rhs, sizes),
@@ -236,29 +237,42 @@ def test_the_balance_loss_equals_transformers_with_padding():
   assert float(moe.load_balance_loss(jnp.full((E, E), 1 / E), balanced)) == pytest.approx(K)
 
 
-@pytest.mark.long(0.3)
-def test_the_megablox_kernel_runs_per_shard_on_a_mesh():
-  """gmm cannot be partitioned by XLA: on an {expert 2, fsdp 2, tensor 2} mesh it runs per shard with the expert
-  weights gathered in; outputs and gradients (tokens, each weight) equal one device's dropless."""
+# expert parallelism (the fast tier's case); the same through the Pallas kernel with the other axes beside it;
+# and gmm with no expert axis, per shard with every expert's weights gathered in (XLA cannot partition it)
+@pytest.mark.parametrize('axes, kernel', [({'data': 2, 'expert': 4}, 'tiles'),
+                                          ({'expert': 2, 'fsdp': 2, 'tensor': 2}, 'gmm'),
+                                          ({'fsdp': 4, 'tensor': 2}, 'gmm')])
+@pytest.mark.variants
+def test_dropless_on_a_mesh_equals_one_device(axes, kernel):
+  """Outputs and gradients (tokens, each expert weight, router logits) of dropless on a mesh equal one device's.
+  With an expert axis each device's token copies go to the devices holding their experts and back (on the CPU
+  the all-gather exchange, with the offsets and sizes a ragged all-to-all takes); the routing is skewed so that
+  the first device's experts take most copies and the last device's none."""
   from lm.config import MeshConfig
   from lm.parallel.mesh import make_mesh
   from lm.parallel.rules import sharding_context, sharding_for
   rng = np.random.default_rng(11)
-  batch, length, e, d, f = 4, 6, 4, 8, 6
+  batch, length, e, d, f = 8, 6, 8, 8, 6
   x = jnp.asarray(rng.normal(size=(batch, length, d)).astype(np.float32))
   up, down, gate = (jnp.asarray(rng.normal(size=s).astype(np.float32) / 3) for s in ((e, d, f), (e, f, d), (e, d, f)))
-  routing = moe.route(jnp.asarray(rng.normal(size=(batch * length, e)).astype(np.float32)), K)
+  logits = rng.normal(size=(batch * length, e))
+  logits[:, :2] += 2.0
+  logits[:, -2:] -= 8.0
+  logits = jnp.asarray(logits.astype(np.float32))
   cotangent = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
-  loss = lambda path: lambda x, up, down, gate: jnp.sum(path(x, routing, up, down, gate, jax.nn.silu) * cotangent)
+
+  def loss(path):
+    return lambda x, up, down, gate, logits: jnp.sum(path(x, moe.route(logits, K), up, down, gate, jax.nn.silu)
+                                                     * cotangent)
   one = lambda x, r, up, down, gate, act: moe.dropless(x.reshape(-1, d), r, up, down, gate, act).reshape(x.shape)
-  want = jax.value_and_grad(loss(one), (0, 1, 2, 3))(x, up, down, gate)
-  mesh = make_mesh(MeshConfig(data=1, expert=2, fsdp=2, tensor=2))
+  want = jax.value_and_grad(loss(one), (0, 1, 2, 3, 4))(x, up, down, gate, logits)
+  mesh = make_mesh(MeshConfig(**{'data': 1, **axes}))
   with sharding_context(mesh):
     place = lambda a, axes: jax.device_put(a, sharding_for(axes, a.shape, mesh))
     args = (place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
-            place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')))
-    sharded = lambda x, r, up, down, gate, act: moe.dropless_on_mesh(x, r, up, down, gate, act, kernel='gmm')
-    got = jax.jit(jax.value_and_grad(loss(sharded), (0, 1, 2, 3)))(*args)
+            place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')), logits)
+    sharded = lambda x, r, up, down, gate, act: moe.dropless_on_mesh(x, r, up, down, gate, act, kernel=kernel)
+    got = jax.jit(jax.value_and_grad(loss(sharded), (0, 1, 2, 3, 4)))(*args)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1], strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
