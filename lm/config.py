@@ -135,6 +135,8 @@ class MoeConfig:
   dense_layers: tuple[int, ...] = ()  # and these stay dense (mlp_only_layers)
   compute: MoeCompute = 'dropless'
   capacity_factor: float = 1.25  # compute=capacity: slots per expert, times an even share of the choices
+  expert_buffer: float = 0.0  # > 0: under expert parallelism each device receives at most this times an even
+  # share of the token copies, the rest dropped (MaxText's ragged_buffer_factor); 0: room for every copy (dropless)
   balance_loss: float = 0.01  # the load-balance loss's weight in the training loss (router_aux_loss_coef)
   balance_over: BalanceOver = 'layer'  # model: transformers' aux_loss (every layer's tokens pooled)
   z_loss: float = 0.0  # the router z-loss's weight
@@ -167,8 +169,8 @@ class MoeConfig:
         self.routed(i) for i in range(num_layers)):
       raise ConfigError(f'model.moe.every={self.every}, first_dense={self.first_dense} and dense_layers='
                         f'{list(self.dense_layers)} leave no routed layer among {num_layers}; route at least one')
-    if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale) < 0:
-      raise ConfigError('model.moe.balance_loss, z_loss, bias_rate and routed_scale must be >= 0')
+    if min(self.balance_loss, self.z_loss, self.bias_rate, self.routed_scale, self.expert_buffer) < 0:
+      raise ConfigError('model.moe.balance_loss, z_loss, bias_rate, routed_scale and expert_buffer must be >= 0')
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ of `lm.ops.moe`.
 Params: `router` [embed, experts] (float32 logits whatever the compute dtype), expert kernels `wi_0` (gated MLPs),
 `wi_1` / `wi` and `wo` with a leading 'experts' axis, and the shared experts as a dense `Mlp` (`shared`, with
 `shared_gate` for Qwen2-MoE). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
-the capacity path's drop rate (`DROPPED`) into 'intermediates'; `aux_losses` makes the model's auxiliary losses of
-them, which the training loss weights and logs apart from the token loss.
+the share of token copies dropped (`DROPPED`: on the capacity path, or by a capped expert-parallel buffer) into
+'intermediates'; `aux_losses` makes the model's auxiliary losses of them, which the training loss weights and
+logs apart from the token loss.
 
 Aux-loss-free balancing (`model.moe.bias_rate`, DeepSeek-V3): each layer's `router_bias` [experts] shifts the
 scores only to choose experts. It is a param so that checkpoints, shardings and views carry it, but no optimizer
@@ -82,7 +83,10 @@ class RoutedMlp(nn.Module):
     up = self._kernel('wi_1' if gated else 'wi', 'mlp_in', up_axes, (e, d, f))
     down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
     if m.compute == 'dropless':
-      return moe.dropless_on_mesh(x, routing, up, down, gate, act)
+      y, dropped = moe.dropless_on_mesh(x, routing, up, down, gate, act, buffer=m.expert_buffer)
+      if dropped is not None:
+        self.sow('intermediates', DROPPED, dropped)
+      return y
     if m.compute == 'capacity':
       # GShard's groups: each sequence's tokens fill slots of their own, so the [E, C, D] buffers split with the
       # batch (one group of the whole batch's tokens is a buffer as large as the batch on every device)
@@ -107,7 +111,7 @@ class RoutedMlp(nn.Module):
 def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(the weighted sum for the training loss, each term by name: 'moe/balance_loss', 'moe/z_loss',
   'moe/max_load' (the busiest expert's share of the choices over an even share, averaged over layers: 1 when
-  balanced, E / k at worst) and, under capacity, 'moe/dropped') from what the routed layers sowed, scanned (a
+  balanced, E / k at worst) and, where copies can drop, 'moe/dropped') from what the routed layers sowed, scanned (a
   leading layer axis) or not."""
   sown: dict[str, list[jax.Array]] = {LOAD: [], PROB: [], Z_LOSS: [], DROPPED: []}
   for path, values in flatten_dict(intermediates).items():

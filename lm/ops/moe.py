@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from lm.parallel.rules import active_sharding, spec_for, target_platform
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -96,8 +98,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: 
                    kernel: str | None = None) -> jax.Array:
   """Rows of `lhs` [M, K] in consecutive groups of `sizes` [G], each group times its `rhs` [G, K, N], accumulated
   in float32 or wider; rows past the groups come out zero. `kernel`: 'ragged_dot' (XLA), 'gmm' (the megablox
-  kernel, compiled on TPU and interpreted elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile target, not the host's backend: gmm for
-  TPU; tiles for CPU, where XLA computes a ragged_dot as G whole matmuls; ragged_dot elsewhere (GPU)."""
+  kernel, compiled on TPU and interpreted elsewhere) or 'tiles' (`tiled_matmul`). The default follows the compile
+  target, not the host's backend: gmm for TPU; tiles for CPU, where XLA computes a ragged_dot as G whole matmuls;
+  ragged_dot elsewhere (GPU)."""
   kernel = kernel or default_kernel()
   if kernel == 'ragged_dot':
     return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=_wide(lhs.dtype)).astype(out_dtype)
@@ -171,14 +174,17 @@ def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, se
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array, down: jax.Array,
                     gate: jax.Array | None, act: Activation, kernel: str, axis: str | tuple[str, ...],
-                    devices: int) -> jax.Array:
-  """Dropless expert parallelism, per device inside a shard_map over mesh `axis` (`devices` devices, device i
+                    devices: int, buffer: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """Expert parallelism, per device inside a shard_map over mesh `axis` (`devices` devices, device i
   holding experts i E/P ... (i+1) E/P - 1 of `up`, `down`, `gate` [E/P, ...]): this device's tokens x [T, D] with
   their choices `experts` and combine `weights` [T, k] -> [T, D]. Its token copies, sorted by expert, go to the
   devices holding their experts (`exchange`, sizes agreed by an all-gather of every device's counts per expert),
   which regroup what they receive by local expert, run the grouped matmuls and send each row back where it came
   from. The receive buffer holds P T k rows, the most that can arrive (every token of every device choosing this
-  device's experts); its unused rows are zero and stay out of every group."""
+  device's experts); its unused rows are zero and stay out of every group. `buffer` > 0 holds `buffer` T k rows
+  instead (T k: an even share): a device keeps what arrives in device order until it is full, each sender's
+  chunk cut at its end (its last experts' copies), and a dropped copy adds nothing. Returns (outputs, the share of
+  the expert group's copies dropped)."""
   t, k = experts.shape
   local = up.shape[0]
   flat = experts.reshape(-1)
@@ -186,16 +192,22 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
   token = order // k
   counts = jax.lax.all_gather(jnp.bincount(flat, length=local * devices).astype(jnp.int32), axis)
   counts = counts.reshape(devices, devices, local)  # [sender, receiver, the receiver's local expert]
-  sizes = counts.sum(-1)  # rows each device sends each device
   exclusive = lambda a, dim: jnp.cumsum(a, axis=dim) - a
-  starts, lands = exclusive(sizes, 1), exclusive(sizes, 0)  # a chunk's first row at its sender, at its receiver
+  starts = exclusive(counts.sum(-1), 1)  # a chunk's first row at its sender
+  rows = min(math.ceil(buffer * t * k), devices * t * k) if buffer else devices * t * k
+  if buffer:  # what fits, first come first kept: each chunk's start, then each expert's copies in it
+    total = counts.sum()
+    kept = jnp.clip(rows - exclusive(counts.sum(-1), 0), 0, counts.sum(-1))
+    counts = jnp.clip(kept[..., None] - exclusive(counts, 2), 0, counts)
+    dropped = 1 - counts.sum() / jnp.maximum(total, 1)
+  sizes = counts.sum(-1)  # rows each device sends each device
+  lands = exclusive(sizes, 0)  # a chunk's first row at its receiver
   me = jax.lax.axis_index(axis)
-  buffer = devices * t * k
-  received = exchange(x[token], jnp.zeros((buffer, x.shape[1]), x.dtype), starts[me], sizes[me], lands[me],
+  received = exchange(x[token], jnp.zeros((rows, x.shape[1]), x.dtype), starts[me], sizes[me], lands[me],
                       sizes[:, me], axis)
   mine = counts[:, me]  # [sender, local expert]: each sender's chunk is sorted by local expert
-  local_expert = jnp.repeat(jnp.tile(jnp.arange(local), devices), mine.reshape(-1), total_repeat_length=buffer)
-  local_expert = jnp.where(jnp.arange(buffer) < mine.sum(), local_expert, local)  # unused rows last
+  local_expert = jnp.repeat(jnp.tile(jnp.arange(local), devices), mine.reshape(-1), total_repeat_length=rows)
+  local_expert = jnp.where(jnp.arange(rows) < mine.sum(), local_expert, local)  # unused rows last
   regroup = jnp.argsort(local_expert, stable=True)
   grouped = lambda a, w: grouped_matmul(a, w, mine.sum(0), x.dtype, kernel)
   out = _expert_mlp(received[regroup], up, down, gate, act, grouped)
@@ -203,29 +215,32 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
   back = exchange(out, jnp.zeros((t * k, x.shape[1]), out.dtype), lands[:, me], sizes[:, me], starts[:, me],
                   sizes[me], axis)
   weighted = back.astype(_wide(x.dtype)) * weights.reshape(-1)[order][:, None]
-  return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
+  y = jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
+  return y, dropped if buffer else jnp.zeros(())
 
 
 def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-                     act: Activation, kernel: str | None = None) -> jax.Array:
+                     act: Activation, kernel: str | None = None, buffer: float = 0.0
+                     ) -> tuple[jax.Array, jax.Array | None]:
   """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. Where the experts shard over mesh
   devices (the `expert` axis), expert parallelism: each device's token copies go to the devices holding their
   experts and come back (`expert_parallel`). Else XLA partitions ragged_dot and the tiles itself; a Pallas kernel
   (gmm) cannot be partitioned automatically, so it runs per shard: each shard's tokens through every expert. Either
   way, the expert weights' other sharded dims are all-gathered in per shard (their gradients reduce-scattered back,
-  as FSDP's). Off a mesh, `dropless` as it is."""
+  as FSDP's). Off a mesh, `dropless` as it is. Returns (outputs, the share of the token copies dropped: None
+  unless `buffer` > 0 caps expert parallelism's receive buffers)."""
   batch, length, d = x.shape
   kernel = kernel or default_kernel()
   active = active_sharding()
   if active is None:
-    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
+    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape), None
   mesh, rules = active
   weights = [w for w in (up, down, gate) if w is not None]
   axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
   weight_specs = [spec_for(a, w.shape, mesh, rules) for a, w in zip(axes, weights)]
   expert_axis = weight_specs[0][0]
   if expert_axis is None and kernel != 'gmm':
-    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape)
+    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape), None
   k = routing.experts.shape[-1]
   token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
   named = (expert_axis,) if isinstance(expert_axis, str) else expert_axis or ()
@@ -242,14 +257,17 @@ def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Ar
     gate = rest[0] if rest else None
     tokens, experts, combine = x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k)
     if expert_axis is None:
-      y = dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel)
+      y, dropped = dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel), jnp.zeros(())
     else:
-      y = expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices)
-    return y.reshape(x.shape)
+      y, dropped = expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices,
+                                   buffer)
+    return y.reshape(x.shape), dropped.reshape(1)
   shaped = lambda a: a.reshape(batch, length, k)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *weight_specs),
-                       out_specs=token_spec, check_vma=False)(x, shaped(routing.experts), shaped(routing.weights),
-                                                              *weights)
+  every = P(mesh.axis_names)  # one value per device
+  y, dropped = jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *weight_specs),
+                             out_specs=(token_spec, every), check_vma=False)(
+    x, shaped(routing.experts), shaped(routing.weights), *weights)
+  return y, dropped.mean() if buffer and expert_axis is not None else None
 
 
 def capacity_slots(tokens: int, k: int, num_experts: int, factor: float) -> int:

@@ -103,7 +103,9 @@ def test_a_moe_config_round_trips_through_its_dict():
   with pytest.raises(ConfigError, match='the gpt family builds no routed experts'):
     from_dict({**values, 'model': {**values['model'], 'family': 'gpt', 'position': 'learned'}})
   bad = {'experts_per_token': (9, r'experts_per_token=9 must lie in \[1, model.moe.num_experts=8\]'),
-         'router': ('softplus', 'model.moe.router'), 'bias_rate': (-0.001, 'bias_rate and routed_scale must be >= 0'),
+         'router': ('softplus', 'model.moe.router'),
+         'bias_rate': (-0.001, 'routed_scale and expert_buffer must be >= 0'),
+         'expert_buffer': (-1.0, 'routed_scale and expert_buffer must be >= 0'),
          'compute': ('capacity', r'capacity_factor=0.0 must be > 0')}
   for field, (value, message) in bad.items():
     extra = {'capacity_factor': 0} if field == 'compute' else {}

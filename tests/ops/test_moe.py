@@ -272,7 +272,48 @@ def test_dropless_on_a_mesh_equals_one_device(axes, kernel):
     args = (place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
             place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')), logits)
     sharded = lambda x, r, up, down, gate, act: moe.dropless_on_mesh(x, r, up, down, gate, act, kernel=kernel)
-    got = jax.jit(jax.value_and_grad(loss(sharded), (0, 1, 2, 3, 4)))(*args)
+    got = jax.jit(jax.value_and_grad(loss(lambda *a, **k: sharded(*a, **k)[0]), (0, 1, 2, 3, 4)))(*args)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1], strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
+def test_a_capped_expert_buffer_drops_the_predicted_copies():
+  """`buffer=1` on {data 2, expert 4}: each device receives at most an even share of its expert group's copies
+  (T k), kept in sender order, each sender's chunk (sorted by expert) cut at its end. The kept copies predicted
+  in NumPy give the outputs (one device's dropless with the dropped copies' weights zeroed) and the drop rate."""
+  from lm.config import MeshConfig
+  from lm.parallel.mesh import make_mesh
+  from lm.parallel.rules import sharding_context, sharding_for
+  rng = np.random.default_rng(12)
+  batch, length, e, d, f, devices, groups = 8, 6, 8, 8, 6, 4, 2
+  x = rng.normal(size=(batch, length, d)).astype(np.float32)
+  up, down, gate = (rng.normal(size=s).astype(np.float32) / 3 for s in ((e, d, f), (e, f, d), (e, d, f)))
+  logits = rng.normal(size=(batch * length, e))
+  logits[:, :2] += 2.0  # the first device's experts overflow
+  routing = moe.route(jnp.asarray(logits.astype(np.float32)), K)
+  chosen = np.asarray(routing.experts)
+  t = batch * length // (devices * groups)  # tokens per device: the batch over data x expert, data major
+  kept = np.zeros(chosen.shape, bool)
+  for group in range(groups):
+    for receiver in range(devices):
+      room = t * K
+      for sender in range(devices):
+        first = (group * devices + sender) * t
+        copies = [(chosen[first + i, j], i * K + j) for i in range(t) for j in range(K)
+                  if chosen[first + i, j] // (e // devices) == receiver]
+        for _, flat in sorted(copies)[:room]:
+          kept[first + flat // K, flat % K] = True
+        room -= min(room, len(copies))
+  assert 0 < kept.mean() < 1
+  want = moe.dropless(jnp.asarray(x.reshape(-1, d)), routing._replace(weights=routing.weights * kept), up, down,
+                      gate, jax.nn.silu)
+  mesh = make_mesh(MeshConfig(data=2, expert=devices))
+  with sharding_context(mesh):
+    place = lambda a, axes: jax.device_put(a, sharding_for(axes, a.shape, mesh))
+    y, dropped = jax.jit(lambda x, up, down, gate: moe.dropless_on_mesh(x, routing, up, down, gate, jax.nn.silu,
+                                                                         buffer=1.0))(
+      place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
+      place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')))
+  np.testing.assert_allclose(np.asarray(y).reshape(-1, d), want, rtol=1e-5, atol=1e-6)
+  assert float(dropped) == pytest.approx(1 - kept.mean())
