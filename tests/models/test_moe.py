@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm.config import Config, ConfigError, ExecutionConfig, ModelConfig, MoeConfig, from_dict
+from lm.config import Config, ConfigError, ExecutionConfig, ModelConfig, MoeConfig, from_dict, load_config
 from lm.models.moe import DROPPED, LOAD, PROB, Z_LOSS, RoutedMlp
 from lm.models.parametrization import Init
+from tests.conftest import needs_libtpu
 from lm.ops import moe
 from tests.ops.test_moe import loop_over_experts
 
@@ -173,7 +174,6 @@ def test_active_params_and_flops_are_a_dense_model_of_the_chosen_width_plus_the_
   """moe_tiny's k = 2 experts of width 176 run what a dense MLP of width 352 runs: its active params and FLOPs per
   token are the dense twin's plus the routers' (d_model x E per layer)."""
   from lm.assembly.accounting import count_params, flops_per_token
-  from lm.config import load_config
   from lm.models import abstract_params, build_model
   moe_cfg = load_config('moe_tiny').model
   dense_cfg = dataclasses.replace(moe_cfg, moe=MoeConfig(), d_ff=2 * moe_cfg.moe.expert_d_ff)
@@ -263,3 +263,17 @@ def test_the_selection_bias_evens_out_the_load_while_the_loss_falls(small_config
   (loss_start, loss_end, load_start, load_end), (_, plain_loss_end, _, plain_load_end) = curves[0.01], curves[0.0]
   assert loss_end < loss_start - 1 and loss_end < plain_loss_end + 0.1
   assert load_end < load_start - 0.4 and load_end < plain_load_end - 0.4
+
+
+@needs_libtpu
+def test_the_tpu_step_moves_tokens_by_ragged_all_to_all():
+  """moe_tiny's train step for a v5p-8 with its 4 chips on the expert axis: each routed layer's dispatch and
+  return, forward and backward, lower to ragged all-to-alls (the CPU runs their all-gather stand-in) and the
+  grouped matmuls to megablox gmm."""
+  from lm.assembly import assemble
+  from lm.parallel.chips import physical_topology, topology_devices
+  from lm.train.step import lower_train_step
+  config = load_config('moe_tiny', ['mesh.data=1', 'mesh.expert=4'])
+  text = lower_train_step(assemble(config, topology_devices(physical_topology('v5p-8')))).as_text()
+  assert text.count('ragged_all_to_all') >= 4  # dispatch and return, forward and backward
+  assert 'all_gather' in text and 'gmm' in text
