@@ -1,6 +1,7 @@
 """Transformer blocks and the scanned, rematerialised stack every family builds on."""
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -155,13 +156,8 @@ class Stack(nn.Module):
 
 def _runs(kinds: list[bool]) -> list[tuple[int, int]]:
   """(first index, length) of each run of equal consecutive values."""
-  runs: list[tuple[int, int]] = []
-  for i, kind in enumerate(kinds):
-    if i and kind == kinds[i - 1]:
-      runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-    else:
-      runs.append((i, 1))
-  return runs
+  lengths = [len(list(run)) for _, run in itertools.groupby(kinds)]
+  return [(sum(lengths[:i]), n) for i, n in enumerate(lengths)]
 
 
 def default_positions(tokens: jax.Array) -> jax.Array:
@@ -218,12 +214,7 @@ def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
   numbered = sorted((int(k.removeprefix('layers_')), k) for k in params if re.fullmatch(r'layers_\d+', k))
   out = {k: stack_layers(v) if isinstance(v, Mapping) else v for k, v in params.items()
          if not re.fullmatch(r'layers_\d+', k)}
-  runs: list[list[str]] = []
-  for i, (_, key) in enumerate(numbered):
-    if i and _kind(params[key]) == _kind(params[numbered[i - 1][1]]):
-      runs[-1].append(key)
-    else:
-      runs.append([key])
+  runs = [[key for _, key in run] for _, run in itertools.groupby(numbered, key=lambda n: _kind(params[n[1]]))]
   for run in runs:
     out[scanned_name(int(run[0].removeprefix('layers_')), len(runs) == 1)] = jax.tree.map(
       _stack, *(params[k] for k in run))
