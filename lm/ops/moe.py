@@ -20,7 +20,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from lm.parallel.rules import active_sharding, spec_for, target_platform
@@ -193,14 +192,15 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
   counts = jax.lax.all_gather(jnp.bincount(flat, length=local * devices).astype(jnp.int32), axis)
   counts = counts.reshape(devices, devices, local)  # [sender, receiver, the receiver's local expert]
   exclusive = lambda a, dim: jnp.cumsum(a, axis=dim) - a
-  starts = exclusive(counts.sum(-1), 1)  # a chunk's first row at its sender
-  rows = min(math.ceil(buffer * t * k), devices * t * k) if buffer else devices * t * k
-  if buffer:  # what fits, first come first kept: each chunk's start, then each expert's copies in it
-    total = counts.sum()
-    kept = jnp.clip(rows - exclusive(counts.sum(-1), 0), 0, counts.sum(-1))
-    counts = jnp.clip(kept[..., None] - exclusive(counts, 2), 0, counts)
-    dropped = 1 - counts.sum() / jnp.maximum(total, 1)
   sizes = counts.sum(-1)  # rows each device sends each device
+  starts = exclusive(sizes, 1)  # a chunk's first row at its sender
+  rows = min(math.ceil(buffer * t * k), devices * t * k) if buffer else devices * t * k
+  dropped = jnp.zeros(())
+  if buffer:  # what fits, first come first kept: each chunk's start, then each expert's copies in it
+    kept = jnp.clip(rows - exclusive(sizes, 0), 0, sizes)
+    dropped = 1 - kept.sum() / jnp.maximum(sizes.sum(), 1)
+    counts = jnp.clip(kept[..., None] - exclusive(counts, 2), 0, counts)
+    sizes = kept
   lands = exclusive(sizes, 0)  # a chunk's first row at its receiver
   me = jax.lax.axis_index(axis)
   received = exchange(x[token], jnp.zeros((rows, x.shape[1]), x.dtype), starts[me], sizes[me], lands[me],
@@ -216,7 +216,7 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
                   sizes[me], axis)
   weighted = back.astype(_wide(x.dtype)) * weights.reshape(-1)[order][:, None]
   y = jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
-  return y, dropped if buffer else jnp.zeros(())
+  return y, dropped
 
 
 def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
@@ -232,15 +232,13 @@ def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Ar
   batch, length, d = x.shape
   kernel = kernel or default_kernel()
   active = active_sharding()
-  if active is None:
-    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape), None
-  mesh, rules = active
   weights = [w for w in (up, down, gate) if w is not None]
   axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
-  weight_specs = [spec_for(a, w.shape, mesh, rules) for a, w in zip(axes, weights)]
-  expert_axis = weight_specs[0][0]
-  if expert_axis is None and kernel != 'gmm':
+  weight_specs = active and [spec_for(a, w.shape, *active) for a, w in zip(axes, weights)]
+  expert_axis = weight_specs and weight_specs[0][0]
+  if active is None or expert_axis is None and kernel != 'gmm':
     return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape), None
+  mesh, rules = active
   k = routing.experts.shape[-1]
   token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
   named = (expert_axis,) if isinstance(expert_axis, str) else expert_axis or ()
