@@ -44,6 +44,7 @@ Schedule = Literal['cosine', 'linear', 'constant', 'wsd']  # wsd: warmup, stable
 DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (Hägele et al. 2024)
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
+OnSpike = Literal['off', 'skip', 'rollback']
 OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_adamw']
 RouterScore = Literal['softmax', 'sigmoid']  # sigmoid: DeepSeek-V3
 MoeCompute = Literal['dropless', 'capacity', 'dense']  # dense: every expert on every token (a reference)
@@ -515,6 +516,11 @@ class TrainConfig:
   init_from_ema: bool = False  # init_from a run: take its params' moving average (train.ema_decay) instead
   branch_from: str | None = None  # continue this checkpoint's whole state (RUN or RUN/checkpoints/STEP) in a new run
   on_nonfinite: NonFinite = 'stop'  # a NaN/inf loss or gradient: stop (error, no later checkpoint) | skip the update
+  on_spike: OnSpike = 'off'  # a loss or gradient-norm spike: off | skip the update | rollback to the last checkpoint
+  spike_window: int = 128  # steps whose loss and gradient norm the running mean and deviation cover
+  spike_threshold: float = 6.0  # a spike: this many standard deviations above the window's mean (either value)
+  rollback_skip_batches: int = 0  # on_spike=rollback: batches skipped after the spike's own, before training on
+  max_rollbacks: int = 3  # on_spike=rollback: a spike after this many rollbacks stops the run
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
   slow_step_factor: float = 3.0  # say when an interval's step time is this many times the median (0: never)
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
@@ -952,6 +958,13 @@ def _check_train(config: Config) -> None:
     raise ConfigError(f'train.slow_step_factor={t.slow_step_factor} must be >= 0 (0: never)')
   if t.watch_every < 0:
     raise ConfigError(f'train.watch_every={t.watch_every} must be >= 0 (0: off)')
+  if t.spike_window < 2:
+    raise ConfigError(f'train.spike_window={t.spike_window} must be >= 2 (steps in the running mean and deviation)')
+  if not t.spike_threshold > 0:
+    raise ConfigError(f'train.spike_threshold={t.spike_threshold} must be > 0 (standard deviations above the mean)')
+  if t.rollback_skip_batches < 0 or t.max_rollbacks < 0:
+    raise ConfigError(f'train.rollback_skip_batches={t.rollback_skip_batches} and '
+                      f'train.max_rollbacks={t.max_rollbacks} must be >= 0')
   if t.eval_batches < -1 or o.warmup_steps < 0:
     raise ConfigError('optim.warmup_steps must be >= 0, train.eval_batches >= -1 (-1: every held-out set whole)')
   t.checkpoint.check()

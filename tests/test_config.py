@@ -110,6 +110,11 @@ def test_parse_overrides_nested():
   (['model.moe.experts_per_token=1'], 'model.moe fields are set but model.moe.num_experts=0'),
   (['model.moe.num_experts=4'], 'model.moe.num_experts=4: the gpt family builds no routed experts'),
   (['model.norm=nonparametric'], 'choose one of: layernorm, rmsnorm, nonparametric_layernorm'),
+  (['train.on_spike=restart'], "train.on_spike='restart' is not supported; choose one of: off, skip, rollback"),
+  (['train.spike_window=1'], 'train.spike_window=1 must be >= 2'),
+  (['train.spike_threshold=0'], 'train.spike_threshold=0.0 must be > 0'),
+  (['train.rollback_skip_batches=-1'], 'train.rollback_skip_batches=-1 and train.max_rollbacks=3 must be >= 0'),
+  (['train.max_rollbacks=-2'], 'train.max_rollbacks=-2 must be >= 0'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):
   with pytest.raises(ConfigError, match=None) as info:

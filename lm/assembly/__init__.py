@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from lm.assembly import accounting
 from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
-from lm.assembly.state import TrainState, abstract_state, make_init_fn, shardings_of
+from lm.assembly.state import TrainState, abstract_state, abstract_window, make_init_fn, shardings_of, \
+  with_fresh_window
 from lm.config import Config
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
@@ -53,12 +54,12 @@ class Assembly:
   def init_state(self, rng: jax.Array | None = None) -> TrainState:
     """Fresh state from `rng` (default: the config's seed), each device creating only its shards."""
     rng = jax.random.key(self.config.train.seed) if rng is None else rng
-    return self._init_fn(rng)
+    return with_fresh_window(self._init_fn(rng), self.abstract_state.spike_window)
 
   @functools.cached_property
   def _init_fn(self):
     # One jit per assembly: a state made twice (a reference, a restart) compiles its init once.
-    return make_init_fn(self.model, self.tx, self.shardings, self.config.data.seq_len)
+    return make_init_fn(self.model, self.tx, self.shardings.replace(spike_window=None), self.config.data.seq_len)
 
   def flops_per_token(self) -> float:
     return accounting.flops_per_token(self.abstract_params, self.config.model, self.config.data.seq_len,
@@ -75,6 +76,6 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   params = abstract_params(model, mesh)
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
                                 optimizer_multipliers(axes, config.model, config.optim), fixed_params(params))
-  state = abstract_state(params, tx, mesh)
+  state = abstract_state(params, tx, mesh).replace(spike_window=abstract_window(config.train, mesh))
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state, views=params_views(config.optim, config.train.ema_decay))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lm.config import TrainConfig
 from lm.models import init_params
 
 
@@ -22,7 +23,32 @@ class TrainState(flax.struct.PyTreeNode):
   step: jax.Array
   params: Any
   opt_state: Any
-  skipped: jax.Array  # steps whose loss or gradient was not finite, so their update was withheld
+  skipped: jax.Array  # steps whose update was withheld: a non-finite loss or gradient, a spike (train.on_spike=skip)
+  spike_window: Any = None  # train.on_spike: the running window of `WATCHED` values (`abstract_window`)
+
+
+Window = dict[str, jax.Array]
+WATCHED = ('loss', 'grad_norm')  # the step metrics a spike guard judges
+
+
+def abstract_window(train: TrainConfig, mesh: Mesh) -> Window | None:
+  """The spike guard's window in the train state (replicated): the last `train.spike_window` values of each watched
+  metric, how many were seen and how many spikes skipped; None under on_spike=off (the state as without it)."""
+  if train.on_spike == 'off':
+    return None
+  replicated = NamedSharding(mesh, PartitionSpec())
+  values = jax.ShapeDtypeStruct((train.spike_window,), jnp.float32, sharding=replicated)
+  count = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  return {**{name: values for name in WATCHED}, 'seen': count, 'spikes': count}
+
+
+def with_fresh_window(state: TrainState, abstract: Window | None) -> TrainState:
+  """`state` with an empty window where the guard keeps one and the state has none (a fresh start, init_from, a
+  checkpoint written without the guard)."""
+  if abstract is None or state.spike_window is not None:
+    return state
+  return state.replace(spike_window=jax.tree.map(
+    lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding), abstract))
 
 
 def shardings_of(tree: Any) -> Any:

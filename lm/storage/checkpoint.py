@@ -28,6 +28,7 @@ from lm.distributed import all_processes, barrier
 from lm.models.transformer import relayout
 
 UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
+SPIKE_WINDOW = 'spike_window'  # the item of train.on_spike's window, in checkpoints of runs that keep one
 
 # Orbax saves a replicated array as 1/R slices, one per replica, so that R devices (and hosts) share the write;
 # each slice shape is one more device program to compile. Below a few MiB per slice (norms, biases, every array
@@ -165,10 +166,11 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
     """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
+    window = {} if state.spike_window is None else {SPIKE_WINDOW: ocp.args.StandardSave(state.spike_window)}
     self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
-      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config)), force=True))
+      data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config), **window), force=True))
 
   def _write(self, step: int | None, write: Any) -> None:
     """Runs `write` (a save, which first waits for the previous one, or the wait), turning a failed write of this
@@ -232,11 +234,14 @@ class Checkpointer:
     scanned = config['model']['execution']['scan_layers']
     saved_scanned = saved['model']['execution']['scan_layers']
     a = abstract_state if saved_scanned == scanned else relayout(abstract_state, saved_scanned)
+    # the spike guard's window where this run keeps one and the checkpoint has it (else the run starts a fresh one)
+    window = {SPIKE_WINDOW: ocp.args.StandardRestore(a.spike_window)} \
+      if a.spike_window is not None and (self.directory / str(step) / SPIKE_WINDOW).is_dir() else {}
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(a.params),
         optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
-        data=grain.checkpoint.CheckpointRestore(data)))
+        data=grain.checkpoint.CheckpointRestore(data), **window))
     except ValueError as e:
       if 'process_' not in str(e):
         raise
@@ -245,7 +250,7 @@ class Checkpointer:
                         f'wrote it') from None
     optimizer = restored['optimizer']
     state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
-                       skipped=optimizer['skipped'])
+                       skipped=optimizer['skipped'], spike_window=restored[SPIKE_WINDOW] if window else None)
     if saved_scanned != scanned:
       state = jax.jit(lambda s: relayout(s, scanned), out_shardings=shardings_of(abstract_state))(state)
     show = lambda v: str(v).lower() if isinstance(v, bool) else v  # as written on the command line

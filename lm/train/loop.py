@@ -19,7 +19,7 @@ import jax
 from etils import epath
 
 from lm.assembly import Assembly
-from lm.assembly.state import TrainState
+from lm.assembly.state import TrainState, with_fresh_window
 from lm.config import Config, ConfigError
 from lm.distributed import barrier, is_main_process
 from lm.parallel.chips import peak_flops
@@ -29,6 +29,7 @@ from lm.train.callbacks import After, Callback, Checkpoint, FiniteGuard, Interva
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
 from lm.train.profiler import Profile
+from lm.train.spikes import Rollback, SpikeGuard, count_rollbacks, describe
 from lm.train.step import Batch, StepLoss, make_train_step
 from lm.train.timing import Clock, SlowSteps
 
@@ -82,8 +83,10 @@ class Trainer:
       Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
                  peak),
       SlowSteps(t.slow_step_factor if is_main_process() else 0.0), FiniteGuard(t.on_nonfinite)]
+    self.spike_guard = SpikeGuard(t, 0, is_main_process()) if t.on_spike != 'off' else None
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     self.final_state: TrainState | None = None
+    self._positions: dict[int, Any] = {}  # on_spike=rollback: the data position after each pending step's batch
 
   def run(self, batches: Iterator[Batch], start: Callable[[], TrainState], callbacks: Sequence[Callback] = (),
           position: Resumable | None = None, config: Config | None = None) -> list[Record]:
@@ -97,27 +100,59 @@ class Trainer:
     position = batches if position is None else position
     checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.checkpoint.keep, create=False,
                                keep_steps=t.checkpoint.at, keep_every=t.checkpoint.keep_every)
+    window = self.assembly.abstract_state.spike_window
     try:
-      state = restore_or_start(checkpoints, self.assembly, position, start)
+      state = with_fresh_window(restore_or_start(checkpoints, self.assembly, position, start), window)
       if is_main_process():
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG).write_text(cfg.to_yaml())
       profile = [Profile(t.profile, self.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []
-      return self._steps(state, batches, [*callbacks, *profile],
-                         Checkpoint.of(checkpoints, t, position, cfg.to_dict()))
+      checkpoint = Checkpoint.of(checkpoints, t, position, cfg.to_dict())
+      records: list[Record] = []
+      opening: list[Record] = []
+      while True:
+        try:
+          return records + self._steps(state, batches, [*callbacks, *profile], checkpoint, position, opening)
+        except Rollback as spike:
+          state, opening = self._roll_back(spike.record, checkpoint, batches, position, start, cfg)
+          records = [r for r in records + self._records if r['step'] <= opening[0]['step']]
     finally:
       checkpoints.close()
 
+  def _roll_back(self, spike: Record, checkpoint: Checkpoint, batches: Iterator[Batch], position: Resumable,
+                 start: Callable[[], TrainState], cfg: Config) -> tuple[TrainState, list[Record]]:
+    """The state of the latest checkpoint (a fresh start without one) and the data from just after the spike's
+    batch, `train.rollback_skip_batches` more skipped; returns it and the record saying so."""
+    t, step = cfg.train, spike['step']
+    checkpoint.finish()  # a save in flight is part of what may be restored
+    restored = checkpoint.checkpointer.restore_latest(self.assembly.abstract_state, cfg.to_dict(), position)
+    back_to, state = restored if restored is not None else (0, start())
+    state = with_fresh_window(state, self.assembly.abstract_state.spike_window)
+    position.set_state(self._positions[step])
+    for _ in range(t.rollback_skip_batches):
+      next(batches)
+    self.spike_guard.rollbacks += 1
+    if is_main_process():
+      print(f'{describe(spike, t.spike_window)}; rolled back to step {back_to} and skipped the batches of steps '
+            f'{back_to + 1}-{step} and {t.rollback_skip_batches} more (rollback {self.spike_guard.rollbacks} of at '
+            f'most {t.max_rollbacks})', flush=True)
+    return state, [{'step': back_to, 'spike/rolled_back_from': step,
+                    'spike/skipped_batches': step - back_to + t.rollback_skip_batches}]
+
   def _steps(self, state: TrainState, batches: Iterator[Batch], callbacks: list[Callback],
-             checkpoint: Checkpoint) -> list[Record]:
+             checkpoint: Checkpoint, position: Resumable, opening: list[Record]) -> list[Record]:
     """Steps `state` from its step to `train.steps`, running `callbacks` in order, then `checkpoint` (which also
-    agrees across processes on the step a SIGTERM stops at)."""
+    agrees across processes on the step a SIGTERM stops at); `opening` records (a rollback's) are logged first."""
     callbacks = callbacks + [checkpoint]
     t, is_main = self.config.train, is_main_process()
     start = int(jax.device_get(state.step))
     history = [r for r in read_metrics(self.run_dir) if r['step'] <= start] if start and is_main else []
     logger = MetricsLogger(self.run_dir, t.steps, start, t.progress, enabled=is_main)
-    records: list[Record] = []
+    self._records = records = []
+    keep_positions = t.on_spike == 'rollback'
+    if keep_positions and not opening:  # rollbacks logged before a restart count against train.max_rollbacks
+      # (every process reads them: each must take the same decision)
+      self.spike_guard.rollbacks = count_rollbacks([r for r in read_metrics(self.run_dir) if r['step'] <= start])
 
     def emit(new: list[Record]) -> None:
       for record in new:
@@ -127,6 +162,7 @@ class Trainer:
 
     clock = Clock(self.run_dir, start, enabled=is_main)
     try:
+      emit(opening)
       for callback in callbacks:
         emit(callback.start(start, state, history))
       pending: list[tuple[int, Any]] = []
@@ -136,6 +172,8 @@ class Trainer:
           with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
             waited = time.perf_counter()
             batch = next(batches)
+            if keep_positions:
+              self._positions[done] = position.get_state()
             stepped = time.perf_counter()
             clock.add('data', stepped - waited)
             state, step_metrics = self.train_step(state, batch)
@@ -150,6 +188,7 @@ class Trainer:
             self._log_interval(pending, timer, clock, callbacks, emit)
             logger.advance(len(pending))
             pending = []
+            self._positions.clear()
             for callback in due:
               began = time.perf_counter()
               emit(callback(After(done, state, history)))
@@ -190,5 +229,5 @@ class Trainer:
     for observer in self.monitors + callbacks:
       observer.annotate(Interval(flushed, elapsed))
     emit(flushed)
-    for observer in self.monitors + callbacks:
+    for observer in self.monitors + ([self.spike_guard] if self.spike_guard else []) + callbacks:
       observer.logged(flushed)

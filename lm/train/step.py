@@ -20,6 +20,7 @@ from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
+from lm.train.spikes import advance, judge, window_metrics
 from lm.train.watch import watch_metrics
 
 Batch = dict[str, jax.Array]
@@ -138,6 +139,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
+  spike_threshold, skip_spikes = config.train.spike_threshold, config.train.on_spike == 'skip'
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
@@ -156,26 +158,38 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
         (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
       counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
+      logged = loss.metrics(sums, totals)
       with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if counts is not None:
           params = update_bias(params, counts, bias_rate)
-        # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
         finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
-        apply = finite & (state.skipped == 0) if stop_at_nonfinite else finite
+        window = state.spike_window
+        spiked = skip_spike = jnp.asarray(False)
+        if window is not None:
+          watched = {'loss': logged['loss'], 'grad_norm': grad_norm}
+          spiked, z = judge(window, watched, spike_threshold)
+          skip_spike = spiked & finite & skip_spikes
+          window = advance(window, watched, finite & ~spiked, skip_spike)
+        # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
+        withheld = ~finite | skip_spike
+        nonfinite_before = state.skipped - (0 if window is None else state.spike_window['spikes'])
+        apply = ~withheld & (nonfinite_before == 0) if stop_at_nonfinite else ~withheld
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
                                          (state.params, state.opt_state))
-      skipped = state.skipped + (~finite).astype(jnp.int32)
+      skipped = state.skipped + withheld.astype(jnp.int32)
     # the rate this step's update used: the optimizer's count (and schedule) stops at skipped steps
-    metrics = {**loss.metrics(sums, totals), 'grad_norm': grad_norm,
-               'learning_rate': schedule(state.step - state.skipped),
+    metrics = {**logged, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step - state.skipped),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
+    if window is not None:
+      metrics.update(window_metrics(spiked, z, config.train.on_spike))
     if watch_every:  # off, the step's program is as without it
       metrics.update(_watched(state.step + 1, watch_every, {'params': params, 'grads': grads, 'updates': updates},
                               axes))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped,
+                      spike_window=window), metrics
 
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
   shardings = assembly.shardings
