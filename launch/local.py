@@ -6,6 +6,8 @@ Each process gets LM_COORDINATOR_ADDRESS, LM_NUM_PROCESSES and LM_PROCESS_ID (re
 `lm.distributed`) and K simulated CPU devices. Process 0's output is shown here; the others' goes to
 LOG_DIR/process_<i>.log; gloo's per-connection notices are left out of both. If a process fails, the
 others are stopped and the launcher exits with its status; SIGTERM and SIGINT are passed on to every process.
+A process that ends a stalled job (train.hang_timeout_minutes, train.join_timeout_minutes) exits with STALLED
+and writes its line, which names the process that hung first, to LOG_DIR/stalled.txt: the launcher repeats it.
 """
 from __future__ import annotations
 
@@ -33,10 +35,14 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def process_env(index: int, processes: int, devices: int, port: int) -> dict[str, str]:
+STALLED = 75  # lm.distributed.STALLED: a process ended a stalled job (a hang, or a process that never joined)
+STALLED_REPORT = 'stalled.txt'  # in the log dir: the first stalled process's line (lm.distributed.HANG_REPORT)
+
+
+def process_env(index: int, processes: int, devices: int, port: int, log_dir: Path) -> dict[str, str]:
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform')]
   return {**os.environ, 'LM_COORDINATOR_ADDRESS': f'localhost:{port}', 'LM_NUM_PROCESSES': str(processes),
-          'LM_PROCESS_ID': str(index), 'JAX_PLATFORMS': 'cpu',
+          'LM_PROCESS_ID': str(index), 'JAX_PLATFORMS': 'cpu', 'LM_HANG_REPORT': str(log_dir / STALLED_REPORT),
           'XLA_FLAGS': ' '.join(flags + [f'--xla_force_host_platform_device_count={devices}'])}
 
 
@@ -130,12 +136,13 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
   """Runs `command` as `processes` processes; returns the first non-zero exit status, or 0."""
   port = free_port()
   log_dir.mkdir(parents=True, exist_ok=True)
+  (log_dir / STALLED_REPORT).unlink(missing_ok=True)
   procs, logs, relays = [], [], []
   for i in range(processes):
     log = None if i == 0 else open(log_dir / f'process_{i}.log', 'wb')
     logs.append(log)
     reader, writer = output_pipe() if i == 0 else os.pipe()
-    procs.append(subprocess.Popen(list(command), env=process_env(i, processes, devices_per_process, port),
+    procs.append(subprocess.Popen(list(command), env=process_env(i, processes, devices_per_process, port, log_dir),
                                   stdout=writer, stderr=None if i == 0 else writer))
     os.close(writer)
     relays.append(threading.Thread(target=relay, args=(reader, log or sys.stdout.buffer), daemon=True))
@@ -149,7 +156,9 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int, log
       if failed:
         index, code = failed[0]
         where = 'above' if index == 0 else f'in {log_dir / f"process_{index}.log"}'
-        print(f'launch: process {index} exited with status {code} (its output is {where}); stopping the others',
+        report = log_dir / STALLED_REPORT
+        why = f': {report.read_text().strip()}' if code == STALLED and report.exists() else ''
+        print(f'launch: process {index} exited with status {code} (its output is {where}){why}; stopping the others',
               file=sys.stderr, flush=True)
         stop(procs)
         return code

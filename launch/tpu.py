@@ -8,7 +8,9 @@
 `run` ships this checkout (a tarball of the files git tracks) to every worker of every slice,
 installs it with the `tpu` extra, and runs the command on all workers at once, each worker's
 output in LOG_DIR/<node>/worker-<i>.log; JAX finds the other hosts and slices from the TPU VM
-itself (`lm.distributed`). With --dry-run every command prints, exactly, instead of running.
+itself (`lm.distributed`). When a worker fails (a hang found by train.hang_timeout_minutes exits 75), its error
+line is repeated, naming the process that hung first, and the command is stopped on every worker.
+With --dry-run every command prints, exactly, instead of running.
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 REMOTE_DIR = '$HOME/lm'  # expanded by the worker's shell
 TARBALL = '/tmp/lm.tar.gz'
+PID_FILE = '/tmp/lm.pid'  # on each worker: the running command's process id
+POLL_SECONDS = 1.0
 
 
 def hosts(accelerator: str) -> int:
@@ -69,11 +74,49 @@ def ship_commands(args: argparse.Namespace) -> list[list[str]]:
 
 
 def run_commands(args: argparse.Namespace) -> list[tuple[list[str], Path]]:
-  """One ssh per worker (all run at once), with the local log it writes to."""
-  remote = f'export PATH="$HOME/.local/bin:$PATH" && cd {REMOTE_DIR} && {shlex.join(args.command)}'
+  """One ssh per worker (all run at once), with the local log it writes to. Each worker keeps its process id in
+  PID_FILE, for `stop_commands`."""
+  remote = (f'export PATH="$HOME/.local/bin:$PATH"; cd {REMOTE_DIR} || exit 1; {shlex.join(args.command)} & '
+            f'echo $! > {PID_FILE}; wait $!')
   return [(['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', node, *where(args), f'--worker={w}', f'--command={remote}'],
            Path(args.log_dir) / node / f'worker-{w}.log')
           for node in nodes(args) for w in range(hosts(args.accelerator))]
+
+
+def stop_commands(args: argparse.Namespace) -> list[list[str]]:
+  """Ends the command on every worker: SIGTERM (a live process checkpoints and exits), SIGKILL 10 s later (one
+  that hangs in a collective never will)."""
+  stop = f'kill -TERM $(cat {PID_FILE}) 2>/dev/null; sleep 10; kill -KILL $(cat {PID_FILE}) 2>/dev/null; true'
+  return [['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', node, *where(args), '--worker=all', f'--command={stop}']
+          for node in nodes(args)]
+
+
+def first_error(log: Path) -> str:
+  """The worker's `lm: error:` line (a hang's names the process that hung first), or ''."""
+  lines = [line for line in log.read_text(errors='replace').splitlines() if line.startswith('lm: error: ')]
+  return f': {lines[0].removeprefix("lm: error: ")}' if lines else ''
+
+
+def watch(workers: list[tuple[list[str], Path]], procs: list[subprocess.Popen], args: argparse.Namespace) -> int:
+  """Waits for every worker; the first to fail is named (with its error line) and the others are stopped."""
+  while True:
+    codes = [p.poll() for p in procs]
+    failed = [(log, code) for (_, log), code in zip(workers, codes) if code not in (None, 0)]
+    if failed:
+      log, code = failed[0]
+      print(f'tpu: {log} ended with status {code}{first_error(log)}; stopping the other workers', file=sys.stderr,
+            flush=True)
+      for command in stop_commands(args):
+        subprocess.run(command, check=False)
+      for p in procs:
+        try:
+          p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+          p.kill()
+      return code
+    if all(code == 0 for code in codes):
+      return 0
+    time.sleep(POLL_SECONDS)
 
 
 def status_commands(args: argparse.Namespace) -> list[list[str]]:
@@ -94,6 +137,8 @@ def execute(args: argparse.Namespace) -> int:
       for command, log in workers:
         print(f'{shlex.join(command)} > {shlex.quote(str(log))} 2>&1 &')
       print('wait')
+      for command in stop_commands(args):
+        print(f'# when a worker fails: {shlex.join(command)}')
       return 0
     for command in staged:
       subprocess.run(command, check=True)
@@ -101,12 +146,7 @@ def execute(args: argparse.Namespace) -> int:
     for command, log in workers:
       log.parent.mkdir(parents=True, exist_ok=True)
       procs.append(subprocess.Popen(command, stdout=log.open('w'), stderr=subprocess.STDOUT))
-    codes = [p.wait() for p in procs]
-    failed = [log for (_, log), code in zip(workers, codes) if code]
-    if failed:
-      print(f'tpu: {len(failed)} worker(s) failed; see {", ".join(map(str, failed))}', file=sys.stderr)
-      return 1
-    return 0
+    return watch(workers, procs, args)
   commands = {'create': create_commands, 'status': status_commands, 'delete': delete_commands}[args.action](args)
   for command in commands:
     if args.dry_run:

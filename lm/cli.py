@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from lm.commands import convert, data, evaluate, finetune, generate, planning, scaling, train
-from lm.config import ConfigError
+from lm.config import ConfigError, TrainConfig
 
 COMMANDS = (train, finetune, convert, planning, generate, evaluate, data, scaling)
 
@@ -22,6 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def join_timeout_minutes(args: argparse.Namespace) -> float:
+  """`lm train`: its config's `train.join_timeout_minutes` (read before JAX starts: it touches no device); other
+  commands: the default."""
+  if args.command != 'train':
+    return TrainConfig.join_timeout_minutes
+  from lm.commands.common import checked_config
+  return checked_config(args).train.join_timeout_minutes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   from lm.parallel.chips import quiet_libtpu
   quiet_libtpu()  # before anything starts JAX's backends
@@ -29,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if getattr(args, 'joins_job', False):  # a command on devices joins a multi-process job first
       from lm.distributed import initialize
-      initialize()
+      initialize(timeout_seconds=60 * join_timeout_minutes(args))
     return args.fn(args)
   except ConfigError as e:
     print(f'lm: error: {e}', file=sys.stderr)

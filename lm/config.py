@@ -521,6 +521,8 @@ class TrainConfig:
   spike_threshold: float = 6.0  # a spike: this many standard deviations above the window's mean (either value)
   rollback_skip_batches: int = 0  # on_spike=rollback: batches skipped after the spike's own, before training on
   max_rollbacks: int = 3  # on_spike=rollback: a spike after this many rollbacks stops the run
+  hang_timeout_minutes: float = 0.0  # no step done for this long (after the first): stacks to RUN/hang-P.txt, exit
+  join_timeout_minutes: float = 5.0  # a multi-process job whose processes have not all joined by then: exit
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
   slow_step_factor: float = 3.0  # say when an interval's step time is this many times the median (0: never)
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
@@ -962,6 +964,9 @@ def _check_train(config: Config) -> None:
     raise ConfigError(f'train.spike_window={t.spike_window} must be >= 2 (steps in the running mean and deviation)')
   if not t.spike_threshold > 0:
     raise ConfigError(f'train.spike_threshold={t.spike_threshold} must be > 0 (standard deviations above the mean)')
+  if t.hang_timeout_minutes < 0 or not t.join_timeout_minutes > 0:
+    raise ConfigError(f'train.hang_timeout_minutes={t.hang_timeout_minutes} must be >= 0 (0: off) and '
+                      f'train.join_timeout_minutes={t.join_timeout_minutes} > 0')
   if t.rollback_skip_batches < 0 or t.max_rollbacks < 0:
     raise ConfigError(f'train.rollback_skip_batches={t.rollback_skip_batches} and '
                       f'train.max_rollbacks={t.max_rollbacks} must be >= 0')

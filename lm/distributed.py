@@ -10,6 +10,8 @@ Anywhere else the process runs alone and nothing is initialised. `initialize` is
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from typing import Literal, Mapping
 
 import jax
@@ -40,21 +42,56 @@ def cluster(env: Mapping[str, str] = os.environ) -> Cluster | None:
   return None
 
 
-def initialize(env: Mapping[str, str] = os.environ, timeout_seconds: int = 300) -> Cluster | None:
-  """Joins the job's other processes (once); returns the cluster kind, None for a lone process."""
+STALLED = 75  # exit status of a process that stopped a stalled job (not joined at start, or hung); launchers read it
+HANG_REPORT = 'LM_HANG_REPORT'  # a file a launcher names: the first stalled process writes its one line there
+JAX_GRACE_SECONDS = 60  # JAX's own join deadline comes this much later than ours: it aborts with a stack trace
+
+
+def initialize(env: Mapping[str, str] = os.environ, timeout_seconds: float = 300) -> Cluster | None:
+  """Joins the job's other processes (once); returns the cluster kind, None for a lone process. A process not
+  joined by every other within `timeout_seconds` prints one line and exits with `STALLED`."""
   kind = cluster(env)
   if kind is None or jax.distributed.is_initialized():
     return kind
-  if kind == 'explicit':
-    try:
-      jax.distributed.initialize(coordinator_address=env['LM_COORDINATOR_ADDRESS'],
-                                 num_processes=int(env['LM_NUM_PROCESSES']), process_id=int(env['LM_PROCESS_ID']),
-                                 initialization_timeout=timeout_seconds)
-    except ValueError as e:
-      raise ConfigError(f'LM_NUM_PROCESSES and LM_PROCESS_ID must be integers ({e})') from None
-  else:
-    jax.distributed.initialize(initialization_timeout=timeout_seconds)
+  deadline = threading.Timer(timeout_seconds, _not_joined, args=(kind, env, timeout_seconds))
+  deadline.daemon = True
+  deadline.start()
+  try:
+    if kind == 'explicit':
+      try:
+        process, processes = int(env['LM_PROCESS_ID']), int(env['LM_NUM_PROCESSES'])
+      except ValueError as e:
+        raise ConfigError(f'LM_NUM_PROCESSES and LM_PROCESS_ID must be integers ({e})') from None
+      jax.distributed.initialize(coordinator_address=env['LM_COORDINATOR_ADDRESS'], num_processes=processes,
+                                 process_id=process, initialization_timeout=int(timeout_seconds) + JAX_GRACE_SECONDS)
+    else:
+      jax.distributed.initialize(initialization_timeout=int(timeout_seconds) + JAX_GRACE_SECONDS)
+  finally:
+    deadline.cancel()
   return kind
+
+
+def _not_joined(kind: Cluster, env: Mapping[str, str], seconds: float) -> None:
+  """The join deadline passed: one line naming this process and the fix, then exit (JAX would abort later)."""
+  who = {'explicit': ('LM_PROCESS_ID', 'LM_NUM_PROCESSES', 'LM_COORDINATOR_ADDRESS'),
+         'slurm': ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_STEP_NODELIST')}.get(kind)
+  where = f'process {env[who[0]]} of {env[who[1]]} ({who[2]}={env[who[2]]})' if who else f'this {kind} process'
+  stalled(f'{where}: the job\'s other processes did not all join within {seconds / 60:g} minutes '
+          f'(train.join_timeout_minutes); start every process (a launcher does), check that the coordinator\'s '
+          f'address and port are reachable, or raise train.join_timeout_minutes')
+
+
+def stalled(line: str, env: Mapping[str, str] = os.environ) -> None:
+  """Ends a stalled process: `lm: error: LINE` on stderr and in the launcher's report file (the first process to
+  stall writes it), then exit `STALLED` at once (threads waiting in collectives cannot be joined)."""
+  print(f'lm: error: {line}', file=sys.stderr, flush=True)
+  if env.get(HANG_REPORT):
+    try:
+      with open(env[HANG_REPORT], 'x') as report:
+        report.write(line + '\n')
+    except FileExistsError:
+      pass
+  os._exit(STALLED)
 
 
 def is_main_process() -> bool:

@@ -115,6 +115,8 @@ def test_parse_overrides_nested():
   (['train.spike_threshold=0'], 'train.spike_threshold=0.0 must be > 0'),
   (['train.rollback_skip_batches=-1'], 'train.rollback_skip_batches=-1 and train.max_rollbacks=3 must be >= 0'),
   (['train.max_rollbacks=-2'], 'train.max_rollbacks=-2 must be >= 0'),
+  (['train.hang_timeout_minutes=-1'], 'train.hang_timeout_minutes=-1.0 must be >= 0 (0: off)'),
+  (['train.join_timeout_minutes=0'], 'train.join_timeout_minutes=0.0 > 0'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):
   with pytest.raises(ConfigError, match=None) as info:

@@ -32,6 +32,7 @@ from lm.train.profiler import Profile
 from lm.train.spikes import Rollback, SpikeGuard, count_rollbacks, describe
 from lm.train.step import Batch, StepLoss, make_train_step
 from lm.train.timing import Clock, SlowSteps
+from lm.train.watchdog import Watchdog
 
 
 class Resumable(Protocol):
@@ -161,6 +162,8 @@ class Trainer:
         logger.log(record)
 
     clock = Clock(self.run_dir, start, enabled=is_main)
+    watchdog = Watchdog(self.run_dir, t.hang_timeout_minutes, jax.process_index(), jax.process_count()) \
+      if t.hang_timeout_minutes else None
     try:
       emit(opening)
       for callback in callbacks:
@@ -180,6 +183,10 @@ class Trainer:
           if done == start + 1:  # this process's first step compiles the program
             jax.block_until_ready(step_metrics)
             clock.add('startup', time.perf_counter() - stepped)
+            if watchdog:
+              watchdog.completed(done)
+          elif watchdog:
+            watchdog.dispatched(done, step_metrics['grad_norm'])
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
@@ -205,6 +212,8 @@ class Trainer:
         print(f'stopped by SIGTERM after step {self.stopped_at}; checkpoint saved, {then}', flush=True)
     finally:
       logger.close()
+      if watchdog:
+        watchdog.close()
     self.final_state = state
     return records
 

@@ -79,7 +79,7 @@ def test_sigterm_to_one_process_checkpoints_the_same_step_everywhere(tmp_path):
   command = [*LM, 'train', *TINY, 'train.steps=2000', 'train.eval_batches=0', 'train.checkpoint.every=10000',
              'mesh.data=2', 'mesh.fsdp=2', f'train.run_dir={tmp_path}/run']
   logs = [open(tmp_path / f'{i}.log', 'w') for i in range(2)]
-  procs = [subprocess.Popen(command, env=process_env(i, 2, 2, port), stdout=logs[i], stderr=subprocess.STDOUT)
+  procs = [subprocess.Popen(command, env=process_env(i, 2, 2, port, tmp_path), stdout=logs[i], stderr=subprocess.STDOUT)
            for i in range(2)]
   try:
     deadline = time.monotonic() + 300
@@ -113,7 +113,7 @@ def test_processes_find_each_other_from_explicit_settings_and_slurm(kind, tmp_pa
   procs = []
   for i in range(2):
     if kind == 'explicit':
-      env = process_env(i, 2, 2, port)
+      env = process_env(i, 2, 2, port, tmp_path)
     else:  # JAX's SLURM detection: coordinator = the first node, port = job id % 4096 + 61440
       env = clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=2', SLURM_JOB_ID=str(port),
                       SLURM_STEP_NODELIST='localhost', SLURM_NTASKS='2', SLURM_PROCID=str(i),
@@ -150,3 +150,55 @@ def test_the_cluster_kind_comes_from_the_environment():
   slurm = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NODELIST': 'n1', 'SLURM_NTASKS': '4', 'SLURM_PROCID': '0',
            'SLURM_LOCALID': '0'}
   assert cluster(slurm) == 'slurm' and cluster({**slurm, 'SLURM_NTASKS': '1'}) is None
+
+
+@pytest.mark.long(1)
+def test_a_hung_process_ends_the_job_naming_it_and_resume_continues(tmp_path):
+  """Process 1 stopped (SIGSTOP) after step 8: process 0's watchdog ends the job within the timeout + 30 s, naming
+  process 1; its stacks are on file; --resume continues from the last checkpoint."""
+  run = tmp_path / 'run'
+  train = [sys.executable, str(LAUNCH / 'local.py'), '--processes', '2', '--devices-per-process', '2', '--log-dir',
+           str(tmp_path / 'logs'), '--', *LM, 'train', *TINY, 'train.eval_batches=0', 'train.checkpoint.every=4',
+           'mesh.data=2', 'mesh.fsdp=2', 'train.hang_timeout_minutes=0.25', f'train.run_dir={run}']
+  job = subprocess.Popen([*train, 'train.steps=2000'], env=clean_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not ((run / 'metrics.jsonl').exists() and len(records(run)) >= 8 and
+               (run / 'heartbeats' / '1.json').exists()):
+      assert time.monotonic() < deadline and job.poll() is None, 'training did not start'
+      time.sleep(0.2)
+    os.kill(json.loads((run / 'heartbeats' / '1.json').read_text())['pid'], signal.SIGSTOP)
+    stopped = time.monotonic()
+    _, err = job.communicate(timeout=120)
+  finally:
+    if job.poll() is None:
+      job.kill()
+  assert job.returncode == 75 and time.monotonic() - stopped < 15 + 30
+  lines = [line for line in err.splitlines() if 'hung first' in line]
+  assert lines and all('process 1 hung first (no heartbeat for' in line for line in lines), err[-2000:]
+  assert lines[0].startswith('lm: error: process 0 of 2: no step done in 0.25 minutes after step ')
+  assert lines[-1].startswith('launch: process 0 exited with status 75 (its output is above): process 0 of 2: ')
+  assert 'Thread MainThread' in (run / 'hang-0.txt').read_text()
+
+  last = max(int(p.name) for p in (run / 'checkpoints').iterdir() if p.name.isdigit())
+  resumed = subprocess.run([*train, f'train.steps={last + 2}', '--resume'], env=clean_env(), capture_output=True,
+                           text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f'resumed from {run}/checkpoints/{last}' in resumed.stdout
+  assert [r['step'] for r in records(run) if 'loss' in r] == list(range(1, last + 3))
+
+
+def test_a_process_that_never_joins_is_one_line(tmp_path):
+  """One of two processes started: after train.join_timeout_minutes it says so and exits STALLED."""
+  from lm.distributed import STALLED
+  import local
+  assert local.STALLED == STALLED
+  port = free_port()
+  out = subprocess.run([*LM, 'train', '--config', 'gpt_tiny', 'train.join_timeout_minutes=0.05'],
+                       env=process_env(1, 2, 1, port, tmp_path), capture_output=True, text=True, timeout=120)
+  assert out.returncode == STALLED
+  line = (f'process 1 of 2 (LM_COORDINATOR_ADDRESS=localhost:{port}): the job\'s other processes did not all join '
+          f'within 0.05 minutes (train.join_timeout_minutes); start every process')
+  assert out.stderr.startswith(f'lm: error: {line}') and out.stderr.count('\n') == 1
+  assert (tmp_path / 'stalled.txt').read_text().startswith(line)  # what the launcher repeats

@@ -1,4 +1,5 @@
-"""launch/tpu.py and launch/slurm.py --dry-run print the commands and script they would run."""
+"""launch/tpu.py and launch/slurm.py --dry-run print the commands and script they would run; a failed TPU worker
+stops the others."""
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +32,36 @@ def test_tpu_run_ships_installs_and_runs_on_every_worker_of_every_slice():
                 '--dry-run', '--', 'lm', 'train', '--config', 'gpt3_1_3b', 'data.name=c4/en:3.1.0')
   install = ("'--command=mkdir -p $HOME/lm && tar -xzf /tmp/lm.tar.gz -C $HOME/lm && "
              "python3 -m pip install -q -e \"$HOME/lm[tpu]\"'")
-  run = ("'--command=export PATH=\"$HOME/.local/bin:$PATH\" && cd $HOME/lm && "
-         "lm train --config gpt3_1_3b data.name=c4/en:3.1.0'")
+  run = ("'--command=export PATH=\"$HOME/.local/bin:$PATH\"; cd $HOME/lm || exit 1; "
+         "lm train --config gpt3_1_3b data.name=c4/en:3.1.0 & echo $! > /tmp/lm.pid; wait $!'")
+  stop = ("'--command=kill -TERM $(cat /tmp/lm.pid) 2>/dev/null; sleep 10; kill -KILL $(cat /tmp/lm.pid) "
+          "2>/dev/null; true'")
   expected = ['git archive --format=tar.gz --output=/tmp/lm.tar.gz HEAD']
   for node in ('pod-0', 'pod-1'):
     expected += [f'gcloud compute tpus tpu-vm scp /tmp/lm.tar.gz {node}:/tmp/lm.tar.gz --zone=z --worker=all',
                  f'gcloud compute tpus tpu-vm ssh {node} --zone=z --worker=all {install}']
   expected += [f'gcloud compute tpus tpu-vm ssh {node} --zone=z --worker={w} {run} > logs/tpu/{node}/worker-{w}.log '
                f'2>&1 &' for node in ('pod-0', 'pod-1') for w in (0, 1)]  # v5p-16: 8 chips, 2 hosts per slice
-  assert out.splitlines() == expected + ['wait']
+  assert out.splitlines() == expected + ['wait'] + [
+    f'# when a worker fails: gcloud compute tpus tpu-vm ssh {node} --zone=z --worker=all {stop}'
+    for node in ('pod-0', 'pod-1')]
+
+
+def test_tpu_run_names_the_failed_worker_and_stops_the_others(tmp_path, monkeypatch, capsys):
+  """Worker 1 ends a hung job (exit 75, its error line naming the process that hung first): the launcher repeats
+  the line and runs the stop command, which ends worker 0."""
+  sys.path.insert(0, str(LAUNCH))
+  import tpu
+  logs = [tmp_path / f'worker-{w}.log' for w in range(2)]
+  hang = 'lm: error: process 1 of 2: no step done in 5 minutes after step 40; process 0 hung first (no heartbeat)'
+  scripts = ['import time; time.sleep(300)', f'import sys; print({hang!r}); sys.exit(75)']
+  procs = [subprocess.Popen([sys.executable, '-c', script], stdout=log.open('w'), stderr=subprocess.STDOUT)
+           for script, log in zip(scripts, logs)]
+  monkeypatch.setattr(tpu, 'stop_commands', lambda args: [['kill', '-TERM', str(procs[0].pid)]])
+  assert tpu.watch([([], log) for log in logs], procs, None) == 75
+  assert procs[0].returncode == -15  # stopped
+  assert capsys.readouterr().err == (f'tpu: {logs[1]} ended with status 75: {hang.removeprefix("lm: error: ")}; '
+                                     f'stopping the other workers\n')
 
 
 def slurm_dry_run(*argv):
