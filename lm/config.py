@@ -45,6 +45,7 @@ DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (HÃ
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
 OnSpike = Literal['off', 'skip', 'rollback']
+Tracker = Literal['tensorboard', 'wandb']
 OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_adamw']
 RouterScore = Literal['softmax', 'sigmoid']  # sigmoid: DeepSeek-V3
 MoeCompute = Literal['dropless', 'capacity', 'dense']  # dense: every expert on every token (a reference)
@@ -482,6 +483,14 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+  """The Weights & Biases run of `train.trackers=[..., wandb]` (its mode from WANDB_MODE: online, offline)."""
+  project: str = 'lm'
+  entity: str | None = None  # a team or user; None: the API key's default
+  tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class HarnessConfig:
   """lm-eval-harness tasks evaluated in the training loop (the eval extra), recorded as eval/<task>/<metric>."""
   tasks: tuple[str, ...] = ()  # e.g. hellaswag,piqa
@@ -529,6 +538,8 @@ class TrainConfig:
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
+  trackers: tuple[Tracker, ...] = ('tensorboard',)  # where metrics go besides metrics.jsonl: tensorboard, wandb
+  wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, with wandb among train.trackers
 
 
 @dataclass(frozen=True)
@@ -972,6 +983,8 @@ def _check_train(config: Config) -> None:
                       f'train.max_rollbacks={t.max_rollbacks} must be >= 0')
   if t.eval_batches < -1 or o.warmup_steps < 0:
     raise ConfigError('optim.warmup_steps must be >= 0, train.eval_batches >= -1 (-1: every held-out set whole)')
+  if len(set(t.trackers)) < len(t.trackers):
+    raise ConfigError(f'train.trackers={list(t.trackers)} names a tracker twice; name each once')
   t.checkpoint.check()
   t.harness.check()
 

@@ -1,8 +1,8 @@
-"""Run outputs: metrics.jsonl (one JSON object per logged step), TensorBoard events, progress bar.
+"""Run outputs: metrics.jsonl (one JSON object per logged step), the trackers (`lm.train.trackers`: TensorBoard,
+W&B), progress bar.
 
 All run-dir I/O goes through `etils.epath`, so a run dir may be a local path or a URI such as
-gs://bucket/run. Object stores cannot append: there metrics.jsonl is rewritten whole at each log,
-and TensorBoard events are written locally and copied up.
+gs://bucket/run. Object stores cannot append: there metrics.jsonl is rewritten whole at each log.
 """
 from __future__ import annotations
 
@@ -10,34 +10,15 @@ import json
 import math
 import shutil
 import sys
-import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 from etils import epath
 from tqdm import tqdm
 
-
-def _summary_writer() -> type:
-  """tensorboardX's SummaryWriter without the optional imports it makes where those libraries are installed: torch
-  (2 s of every run's start) only to accept torch tensors, where we log floats; google-cloud-storage and boto3
-  (1 s) for gs:// and s3:// event files, where ours are always local (a remote run dir's are copied up). While it
-  imports, importing those fails."""
-  blocked = [name for name in ('torch', 'google.cloud.storage', 'boto3') if name not in sys.modules]
-  for name in blocked:
-    sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` raise ImportError
-  try:
-    from tensorboardX import SummaryWriter
-  finally:
-    for name in blocked:
-      del sys.modules[name]
-  return SummaryWriter
-
-
-SummaryWriter = _summary_writer()
+from lm.train.trackers import TensorBoard, Tracker, is_local
 
 METRICS = 'metrics.jsonl'
 MIN_BAR_COLUMNS = 40
-TENSORBOARD = 'tensorboard'
 
 _SHOWN = (('loss', 'loss {:.4f}'), ('val_loss', 'val_loss {:.4f}'), ('val_bpb', 'val_bpb {:.4f}'),
           ('learning_rate', 'lr {:.3g}'),
@@ -51,23 +32,21 @@ def format_record(record: dict[str, Any]) -> str:
   return ' | '.join(parts)
 
 
-def is_local(path: epath.Path) -> bool:
-  return '://' not in str(path)
-
-
 def read_metrics(run_dir: str | epath.PathLike) -> list[dict[str, Any]]:
   path = epath.Path(run_dir) / METRICS
   return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 class MetricsLogger:
-  """Writes every record to metrics.jsonl and TensorBoard; shows a bar on a terminal.
+  """Writes every record to metrics.jsonl and hands it to the `trackers` (default: TensorBoard; they stay
+  open: their owner closes them); shows a bar on a terminal.
 
   A run resumed from step S keeps the records up to S and drops later ones (written before a crash and
   about to be written again); a run starting at step 0 starts a fresh file.
   """
 
-  def __init__(self, run_dir: epath.Path, total_steps: int, start_step: int, progress: bool, enabled: bool = True):
+  def __init__(self, run_dir: epath.Path, total_steps: int, start_step: int, progress: bool, enabled: bool = True,
+               trackers: Sequence[Tracker] | None = None):
     self.enabled = enabled
     if not enabled:
       return
@@ -76,9 +55,8 @@ class MetricsLogger:
     self.lines = [json.dumps(r) for r in read_metrics(run_dir) if start_step and r['step'] <= start_step]
     self.path.write_text(''.join(line + '\n' for line in self.lines))
     self.jsonl = self.path.open('a') if self.local else None
-    events = run_dir / TENSORBOARD
-    self.events_remote = None if self.local else events
-    self.tensorboard = SummaryWriter(str(events) if self.local else tempfile.mkdtemp(prefix='lm_tensorboard_'))
+    self.owned = [TensorBoard(run_dir)] if trackers is None else []
+    self.trackers = list(trackers) if trackers is not None else self.owned
     # A bar only on a terminal wide enough to draw it (some report 0 columns): else the step lines print.
     self.bar = tqdm(total=total_steps, initial=start_step, unit='step', dynamic_ncols=True) \
       if progress and sys.stdout.isatty() and shutil.get_terminal_size((0, 0)).columns >= MIN_BAR_COLUMNS else None
@@ -95,9 +73,8 @@ class MetricsLogger:
     else:
       self.lines.append(line)
       self.path.write_text(''.join(line + '\n' for line in self.lines))
-    for key, value in record.items():
-      if key != 'step' and isinstance(value, (int, float)):
-        self.tensorboard.add_scalar(key, value, record['step'])
+    for tracker in self.trackers:
+      tracker.log(record)
     if self.bar is not None and any(k.startswith('eval/') for k in record):
       self.bar.write(format_record(record))
     elif self.bar is not None:
@@ -117,8 +94,5 @@ class MetricsLogger:
       self.bar.close()
     if self.jsonl is not None:
       self.jsonl.close()
-    self.tensorboard.close()
-    if self.events_remote is not None:  # copy the local event files up
-      self.events_remote.mkdir(parents=True, exist_ok=True)
-      for event_file in epath.Path(self.tensorboard.logdir).iterdir():
-        event_file.copy(self.events_remote / event_file.name, overwrite=True)
+    for tracker in self.owned:
+      tracker.close()

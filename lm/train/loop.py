@@ -31,7 +31,8 @@ from lm.train.preemption import ask_requeue, preemption
 from lm.train.profiler import Profile
 from lm.train.spikes import Rollback, SpikeGuard, count_rollbacks, describe
 from lm.train.step import Batch, StepLoss, make_train_step
-from lm.train.timing import Clock, SlowSteps
+from lm.train.timing import Clock, SlowSteps, report_summary
+from lm.train.trackers import Tracker, check_trackers, make_trackers
 from lm.train.watchdog import Watchdog
 
 
@@ -84,6 +85,7 @@ class Trainer:
       Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
                  peak),
       SlowSteps(t.slow_step_factor if is_main_process() else 0.0), FiniteGuard(t.on_nonfinite)]
+    check_trackers(self.config)  # a tracker that is not installed stops the run before it starts
     self.spike_guard = SpikeGuard(t, 0, is_main_process()) if t.on_spike != 'off' else None
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     self.final_state: TrainState | None = None
@@ -101,24 +103,40 @@ class Trainer:
     position = batches if position is None else position
     checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.checkpoint.keep, create=False,
                                keep_steps=t.checkpoint.at, keep_every=t.checkpoint.keep_every)
-    window = self.assembly.abstract_state.spike_window
+    trackers: list[Tracker] = []
     try:
-      state = with_fresh_window(restore_or_start(checkpoints, self.assembly, position, start), window)
+      state = with_fresh_window(restore_or_start(checkpoints, self.assembly, position, start),
+                                self.assembly.abstract_state.spike_window)
+      resumed_at = int(jax.device_get(state.step))
+      kept = [r for r in read_metrics(self.run_dir) if r['step'] <= resumed_at] \
+        if resumed_at and (self.spike_guard or is_main_process()) else []
+      if self.spike_guard:  # rollbacks logged before a restart count against train.max_rollbacks (every process
+        self.spike_guard.rollbacks = count_rollbacks(kept)  # reads them: each must take the same decision)
       if is_main_process():
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG).write_text(cfg.to_yaml())
+        trackers = make_trackers(cfg, self.run_dir, kept)
       profile = [Profile(t.profile, self.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []
-      checkpoint = Checkpoint.of(checkpoints, t, position, cfg.to_dict())
-      records: list[Record] = []
-      opening: list[Record] = []
-      while True:
-        try:
-          return records + self._steps(state, batches, [*callbacks, *profile], checkpoint, position, opening)
-        except Rollback as spike:
-          state, opening = self._roll_back(spike.record, checkpoint, batches, position, start, cfg)
-          records = [r for r in records + self._records if r['step'] <= opening[0]['step']]
+      return self._train(state, batches, [*callbacks, *profile], Checkpoint.of(checkpoints, t, position, cfg.to_dict()),
+                         position, trackers, start, cfg)
     finally:
       checkpoints.close()
+      summary = report_summary(self.run_dir) if trackers else {}
+      for tracker in trackers:
+        tracker.close(summary)
+
+  def _train(self, state: TrainState, batches: Iterator[Batch], callbacks: list[Callback], checkpoint: Checkpoint,
+             position: Resumable, trackers: list[Tracker], start: Callable[[], TrainState], cfg: Config
+             ) -> list[Record]:
+    """`_steps` to the end, begun again from the latest checkpoint at each rollback (train.on_spike)."""
+    records: list[Record] = []
+    opening: list[Record] = []
+    while True:
+      try:
+        return records + self._steps(state, batches, callbacks, checkpoint, position, opening, trackers)
+      except Rollback as spike:
+        state, opening = self._roll_back(spike.record, checkpoint, batches, position, start, cfg)
+        records = [r for r in records + self._records if r['step'] <= opening[0]['step']]
 
   def _roll_back(self, spike: Record, checkpoint: Checkpoint, batches: Iterator[Batch], position: Resumable,
                  start: Callable[[], TrainState], cfg: Config) -> tuple[TrainState, list[Record]]:
@@ -141,19 +159,16 @@ class Trainer:
                     'spike/skipped_batches': step - back_to + t.rollback_skip_batches}]
 
   def _steps(self, state: TrainState, batches: Iterator[Batch], callbacks: list[Callback],
-             checkpoint: Checkpoint, position: Resumable, opening: list[Record]) -> list[Record]:
+             checkpoint: Checkpoint, position: Resumable, opening: list[Record], trackers: list[Tracker]
+             ) -> list[Record]:
     """Steps `state` from its step to `train.steps`, running `callbacks` in order, then `checkpoint` (which also
     agrees across processes on the step a SIGTERM stops at); `opening` records (a rollback's) are logged first."""
     callbacks = callbacks + [checkpoint]
     t, is_main = self.config.train, is_main_process()
     start = int(jax.device_get(state.step))
     history = [r for r in read_metrics(self.run_dir) if r['step'] <= start] if start and is_main else []
-    logger = MetricsLogger(self.run_dir, t.steps, start, t.progress, enabled=is_main)
+    logger = MetricsLogger(self.run_dir, t.steps, start, t.progress, enabled=is_main, trackers=trackers)
     self._records = records = []
-    keep_positions = t.on_spike == 'rollback'
-    if keep_positions and not opening:  # rollbacks logged before a restart count against train.max_rollbacks
-      # (every process reads them: each must take the same decision)
-      self.spike_guard.rollbacks = count_rollbacks([r for r in read_metrics(self.run_dir) if r['step'] <= start])
 
     def emit(new: list[Record]) -> None:
       for record in new:
@@ -162,8 +177,7 @@ class Trainer:
         logger.log(record)
 
     clock = Clock(self.run_dir, start, enabled=is_main)
-    watchdog = Watchdog(self.run_dir, t.hang_timeout_minutes, jax.process_index(), jax.process_count()) \
-      if t.hang_timeout_minutes else None
+    watchdog = Watchdog(self.run_dir, t.hang_timeout_minutes, jax.process_index(), jax.process_count())
     try:
       emit(opening)
       for callback in callbacks:
@@ -172,21 +186,7 @@ class Trainer:
       timer = time.perf_counter()
       with preemption(checkpoint.checkpointer) as reached:
         for done in range(start + 1, t.steps + 1):
-          with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
-            waited = time.perf_counter()
-            batch = next(batches)
-            if keep_positions:
-              self._positions[done] = position.get_state()
-            stepped = time.perf_counter()
-            clock.add('data', stepped - waited)
-            state, step_metrics = self.train_step(state, batch)
-          if done == start + 1:  # this process's first step compiles the program
-            jax.block_until_ready(step_metrics)
-            clock.add('startup', time.perf_counter() - stepped)
-            if watchdog:
-              watchdog.completed(done)
-          elif watchdog:
-            watchdog.dispatched(done, step_metrics['grad_norm'])
+          state, step_metrics = self._take_step(state, batches, done, done == start + 1, position, clock, watchdog)
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
@@ -207,15 +207,38 @@ class Trainer:
       self._finish(callbacks, clock)
       clock.record(int(jax.device_get(state.step)))
       if self.stopped_at is not None:
-        barrier('stopped')  # every process has written its part of the checkpoint
-        then = ask_requeue() if is_main else 'continue with --resume'
-        print(f'stopped by SIGTERM after step {self.stopped_at}; checkpoint saved, {then}', flush=True)
+        self._say_stopped()
     finally:
       logger.close()
-      if watchdog:
-        watchdog.close()
+      watchdog.close()
     self.final_state = state
     return records
+
+  def _take_step(self, state: TrainState, batches: Iterator[Batch], done: int, first: bool, position: Resumable,
+                 clock: Clock, watchdog: Watchdog) -> tuple[TrainState, Any]:
+    """Dispatches step `done` on the next batch (under on_spike=rollback, the data position after it is kept); the
+    process's first step, which compiles the program, is waited for."""
+    with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
+      waited = time.perf_counter()
+      batch = next(batches)
+      if self.config.train.on_spike == 'rollback':
+        self._positions[done] = position.get_state()
+      stepped = time.perf_counter()
+      clock.add('data', stepped - waited)
+      state, step_metrics = self.train_step(state, batch)
+    if first:
+      jax.block_until_ready(step_metrics)
+      clock.add('startup', time.perf_counter() - stepped)
+      watchdog.completed(done)
+    else:
+      watchdog.dispatched(done, step_metrics['grad_norm'])
+    return state, step_metrics
+
+  def _say_stopped(self) -> None:
+    """After a SIGTERM's checkpoint: once every process has written its part, say so (and requeue a SLURM job)."""
+    barrier('stopped')
+    then = ask_requeue() if is_main_process() else 'continue with --resume'
+    print(f'stopped by SIGTERM after step {self.stopped_at}; checkpoint saved, {then}', flush=True)
 
   @staticmethod
   def _finish(callbacks: list[Callback], clock: Clock) -> None:

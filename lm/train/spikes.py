@@ -87,7 +87,20 @@ def count_rollbacks(history: list[Record]) -> int:
   return sum(1 for r in history if 'spike/rolled_back_from' in r)
 
 
-def window_metrics(spike: jax.Array, z: dict[str, jax.Array], on_spike: str) -> dict[str, Any]:
-  """What a step logs of its guard: the flag (`spike/skipped` or `spike/detected`) and each z-score."""
-  flag = 'spike/skipped' if on_spike == 'skip' else 'spike/detected'
-  return {flag: spike.astype(jnp.float32), **{f'spike/{name}_z': value for name, value in z.items()}}
+def guard(window: Window | None, loss: jax.Array, grad_norm: jax.Array, finite: jax.Array, train: TrainConfig
+          ) -> tuple[jax.Array, Window | None, dict[str, jax.Array]]:
+  """Inside the step: (whether to withhold its update as a spike, the window after it, what it logs: the flag,
+  `spike/skipped` or `spike/detected`, and each z-score). Without a window (on_spike=off): nothing."""
+  if window is None:
+    return jnp.asarray(False), None, {}
+  watched = {'loss': loss, 'grad_norm': grad_norm}
+  spike, z = judge(window, watched, train.spike_threshold)
+  skip = spike & finite & (train.on_spike == 'skip')
+  flag = 'spike/skipped' if train.on_spike == 'skip' else 'spike/detected'
+  return skip, advance(window, watched, finite & ~spike, skip), \
+      {flag: spike.astype(jnp.float32), **{f'spike/{name}_z': value for name, value in z.items()}}
+
+
+def nonfinite_steps(state: Any) -> jax.Array:
+  """The state's withheld updates that were non-finite (its skipped steps but the spikes skipped)."""
+  return state.skipped - (0 if state.spike_window is None else state.spike_window['spikes'])

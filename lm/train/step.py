@@ -20,7 +20,7 @@ from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
-from lm.train.spikes import advance, judge, window_metrics
+from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
 
 Batch = dict[str, jax.Array]
@@ -139,7 +139,6 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
-  spike_threshold, skip_spikes = config.train.spike_threshold, config.train.on_spike == 'skip'
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with sharding_context(mesh):
@@ -166,25 +165,16 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
         if counts is not None:
           params = update_bias(params, counts, bias_rate)
         finite = functools.reduce(jnp.logical_and, [jnp.isfinite(v) for v in sums.values()], jnp.isfinite(grad_norm))
-        window = state.spike_window
-        spiked = skip_spike = jnp.asarray(False)
-        if window is not None:
-          watched = {'loss': logged['loss'], 'grad_norm': grad_norm}
-          spiked, z = judge(window, watched, spike_threshold)
-          skip_spike = spiked & finite & skip_spikes
-          window = advance(window, watched, finite & ~spiked, skip_spike)
+        skip_spike, window, spike_metrics = guard(state.spike_window, logged['loss'], grad_norm, finite, config.train)
         # A non-finite step keeps the old state; under `stop` so does every later one, until the loop ends the run.
         withheld = ~finite | skip_spike
-        nonfinite_before = state.skipped - (0 if window is None else state.spike_window['spikes'])
-        apply = ~withheld & (nonfinite_before == 0) if stop_at_nonfinite else ~withheld
+        apply = ~withheld & (nonfinite_steps(state) == 0) if stop_at_nonfinite else ~withheld
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), (params, opt_state),
                                          (state.params, state.opt_state))
       skipped = state.skipped + withheld.astype(jnp.int32)
     # the rate this step's update used: the optimizer's count (and schedule) stops at skipped steps
     metrics = {**logged, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step - state.skipped),
-               'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped}
-    if window is not None:
-      metrics.update(window_metrics(spiked, z, config.train.on_spike))
+               'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped, **spike_metrics}
     if watch_every:  # off, the step's program is as without it
       metrics.update(_watched(state.step + 1, watch_every, {'params': params, 'grads': grads, 'updates': updates},
                               axes))

@@ -191,3 +191,15 @@ def format_run_report(report: dict[str, Any]) -> str:
             ('time: recomputed', f'{share(seconds["recomputed"])}, {report["recomputed_steps"]} steps')]
   lines += [(f'slow: step {s["step"]}', f'{s["seconds_per_step"]:.3g} s per step') for s in report['slowest']]
   return format_lines(lines)
+
+
+def report_summary(run_dir: str | epath.PathLike) -> dict[str, float]:
+  """`lm report`'s figures, flat, for a tracker's run summary: report/steps, report/goodput,
+  report/seconds/<part>, ... (none before a step is timed)."""
+  try:
+    report = run_report(run_dir)
+  except ConfigError:
+    return {}
+  flat = {f'report/{k}': v for k, v in report.items() if isinstance(v, (int, float))}
+  flat.update({f'report/seconds/{k}': v for k, v in report.get('seconds', {}).items()})
+  return flat

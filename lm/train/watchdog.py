@@ -21,7 +21,7 @@ from typing import Any
 from etils import epath
 
 from lm.distributed import stalled
-from lm.train.logging import is_local
+from lm.train.trackers import is_local
 
 HEARTBEATS = 'heartbeats'
 TICK_SECONDS = 1.0  # how often steps are checked for completion
@@ -55,7 +55,11 @@ class Watchdog:
   step computes), whose readiness marks the step done without blocking the loop."""
 
   def __init__(self, run_dir: epath.Path, minutes: float, process: int, processes: int):
+    """`minutes` 0: off (no thread; the calls do nothing)."""
     self.run_dir, self.timeout, self.process, self.processes = run_dir, 60 * minutes, process, processes
+    self.thread = None
+    if not minutes:
+      return
     self.beat_seconds = min(10.0, max(TICK_SECONDS, self.timeout / 6))
     self.stale_seconds = 3 * self.beat_seconds + 2  # a heartbeat this old: its process no longer runs
     self.pending: collections.deque[tuple[int, Any]] = collections.deque()
@@ -68,11 +72,15 @@ class Watchdog:
     self.thread.start()
 
   def dispatched(self, step: int, value: Any) -> None:
+    if self.thread is None:
+      return
     with self.lock:
       self.pending.append((step, value))
 
   def completed(self, step: int) -> None:
     """Step `step` is known done (the loop waited for it): the clock starts, or restarts, here."""
+    if self.thread is None:
+      return
     with self.lock:
       while self.pending and self.pending[0][0] <= step:
         self.pending.popleft()
@@ -82,8 +90,9 @@ class Watchdog:
     self.step, self.done_at, self.done_wall = step, time.monotonic(), time.time()
 
   def close(self) -> None:
-    self.closed.set()
-    self.thread.join()
+    if self.thread is not None:
+      self.closed.set()
+      self.thread.join()
 
   def _watch(self) -> None:
     last_beat = 0.0
