@@ -15,6 +15,7 @@ from lm.train.step import PretrainingLoss
 from lm.train.timing import is_timing
 
 POISON = 1e4  # the test hook's loss multiplier on a poisoned batch: the loss and the gradient norm jump with it
+POISONED = 7  # the step whose batch is poisoned
 GUARD = ['train.spike_window=8', 'train.spike_threshold=20', 'train.checkpoint.every=5', 'train.eval_batches=0']
 
 
@@ -79,23 +80,26 @@ def same(a, b):
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def test_skip_withholds_the_spikes_update_and_off_takes_it(small_config, tmp_path, capsys):
-  poisoned = 7
-  skip, states = train(small_config('train.steps=9', 'train.on_spike=skip', *GUARD), poisoned=[poisoned])
-  assert [r['step'] for r in skip if r['spike/skipped']] == [poisoned]
-  assert same(states[poisoned], states[poisoned - 1])  # params and optimizer state (its count too) untouched
-  assert not same(states[poisoned + 1], states[poisoned])  # and the run goes on
-  assert skip[-1]['skipped_steps'] == 1 and skip[poisoned]['learning_rate'] == skip[poisoned - 1]['learning_rate']
+def test_skip_withholds_the_spikes_update(small_config, capsys):
+  skip, states = train(small_config('train.steps=9', 'train.on_spike=skip', *GUARD), poisoned=[POISONED])
+  assert [r['step'] for r in skip if r['spike/skipped']] == [POISONED]
+  assert same(states[POISONED], states[POISONED - 1])  # params and optimizer state (its count too) untouched
+  assert not same(states[POISONED + 1], states[POISONED])  # and the run goes on
+  assert skip[-1]['skipped_steps'] == 1 and skip[POISONED]['learning_rate'] == skip[POISONED - 1]['learning_rate']
   line = next(line for line in capsys.readouterr().out.splitlines() if 'skipped' in line)
-  assert line.startswith(f'step {poisoned}: ') and line.endswith('its update was skipped (train.on_spike=skip)')
+  assert line.startswith(f'step {POISONED}: ') and line.endswith('its update was skipped (train.on_spike=skip)')
   assert 'standard deviations above the mean of the last 8 steps' in line
 
-  off, states_off = train(small_config('train.steps=9', f'train.run_dir={tmp_path}/off', *GUARD[2:]),
-                          poisoned=[poisoned])
+
+@pytest.mark.long(0.2)
+def test_off_takes_the_spikes_update_and_the_guard_changes_no_other_step(small_config, tmp_path):
+  off, states = train(small_config('train.steps=7', *GUARD[2:]), poisoned=[POISONED])
   assert not any(k.startswith('spike/') for r in off for k in r)
-  assert not same(states_off[poisoned], states_off[poisoned - 1])  # off: the spike's update is taken
+  assert not same(states[POISONED], states[POISONED - 1])  # off: the spike's update is taken
+  guarded, _ = train(small_config('train.steps=7', 'train.on_spike=skip', *GUARD, f'train.run_dir={tmp_path}/skip'),
+                     poisoned=[POISONED])
   # the guard changes nothing at steps that are not spikes (to rounding: its program fuses differently)
-  for a, b in zip(off[:poisoned - 1], skip, strict=False):
+  for a, b in zip(off[:POISONED - 1], guarded[:POISONED - 1], strict=True):
     assert {k: v for k, v in b.items() if k in a and not is_timing(k)} == \
         pytest.approx({k: v for k, v in a.items() if not is_timing(k)}, rel=1e-5)
 

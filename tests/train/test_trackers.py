@@ -105,6 +105,7 @@ def test_a_killed_and_resumed_run_is_one_wandb_run_and_a_branch_names_its_source
   assert config['branched_from'] == {'run_dir': str(run), 'step': 8, 'wandb_id': run_id}
 
 
+@pytest.mark.long(0.4)
 def test_an_unreachable_service_is_one_warning_and_training_goes_on(tmp_path):
   out = subprocess.run([*TRAIN, 'train.steps=2', f'train.run_dir={tmp_path}'], capture_output=True, text=True,
                        timeout=300, env=env(WANDB_MODE='online', WANDB_BASE_URL='http://127.0.0.1:9',
