@@ -157,28 +157,32 @@ class WandB:
       warn('finishing the run', e)
 
 
-def offline_steps(run_dir: epath.Path, run_id: str) -> set[int]:
-  """The steps the offline W&B run `run_id` holds: the history records of its transaction logs (RUN/wandb/
-  offline-run-*-ID/run-ID.wandb: LevelDB's log format, 32 KiB blocks of chunks with a 7-byte header of CRC,
-  length and type FULL 1, FIRST 2, MIDDLE 3, LAST 4, after the file's own 7-byte header)."""
+def transaction_log(path: epath.Path) -> list[Any]:
+  """The records (`wandb_internal_pb2.Record`) of a W&B transaction log, RUN/wandb/*/run-ID.wandb: LevelDB's log
+  format, 32 KiB blocks of chunks with a 7-byte header of CRC, length and type FULL 1, FIRST 2, MIDDLE 3, LAST 4,
+  after the file's own 7-byte header. A killed process's may hold nothing but that header."""
   from wandb.proto import wandb_internal_pb2
-  steps = set()
-  for path in (run_dir / 'wandb').glob(f'offline-run-*-{run_id}/run-{run_id}.wandb'):
-    data, block, pos, chunk = path.read_bytes(), 32768, 7, b''
-    while pos + 7 <= len(data):
-      if block - pos % block < 7:  # a block's tail too short for a header is padding
-        pos += block - pos % block
-        continue
-      _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
-      chunk += data[pos + 7:pos + 7 + length]
-      pos += 7 + length
-      if kind in (1, 4):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(chunk)
-        chunk = b''
-        if record.WhichOneof('record_type') == 'history':
-          steps.update(int(item.value_json) for item in record.history.item if item.key == '_step')
-  return steps
+  data, block, pos, chunk, records = path.read_bytes(), 32768, 7, b'', []
+  while pos + 7 <= len(data):
+    if block - pos % block < 7:  # a block's tail too short for a header is padding
+      pos += block - pos % block
+      continue
+    _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+    chunk += data[pos + 7:pos + 7 + length]
+    pos += 7 + length
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(chunk)
+      records.append(record)
+      chunk = b''
+  return records
+
+
+def offline_steps(run_dir: epath.Path, run_id: str) -> set[int]:
+  """The steps the offline W&B run `run_id` holds: the history records of its transaction logs."""
+  return {int(item.value_json) for path in (run_dir / 'wandb').glob(f'offline-run-*-{run_id}/run-{run_id}.wandb')
+          for record in transaction_log(path) if record.WhichOneof('record_type') == 'history'
+          for item in record.history.item if item.key == '_step'}
 
 
 def branch_source(config: Config) -> dict[str, Any] | None:

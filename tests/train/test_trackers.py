@@ -4,7 +4,6 @@ service is one warning line and training goes on."""
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -14,10 +13,10 @@ import pytest
 
 from lm.train.logging import read_metrics
 from lm.train.timing import is_timing
+from lm.train.trackers import transaction_log
 from tests.conftest import SMALL
 
 pytest.importorskip('wandb')
-from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 TRAIN = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.trackers=[wandb]',
          'train.eval_every=6', 'train.checkpoint.every=4', 'optim.decay_steps=12']
@@ -27,32 +26,11 @@ def env(**extra):
   return {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}, 'JAX_PLATFORMS': 'cpu', **extra}
 
 
-def wandb_records(path):
-  """The records of a .wandb file: W&B's transaction log (LevelDB's log format: 32 KiB blocks of chunks, each with a
-  7-byte header of CRC, length and type FULL 1, FIRST 2, MIDDLE 3, LAST 4; the file opens with a 7-byte header)."""
-  data = path.read_bytes()
-  assert data[:4] == b':W&B'
-  block, pos, chunk, records = 32768, 7, b'', []
-  while pos + 7 <= len(data):
-    if block - pos % block < 7:  # a block's tail too short for a header is padding
-      pos += block - pos % block
-      continue
-    _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
-    chunk += data[pos + 7:pos + 7 + length]
-    pos += 7 + length
-    if kind in (1, 4):
-      record = wandb_internal_pb2.Record()
-      record.ParseFromString(chunk)
-      records.append(record)
-      chunk = b''
-  return records
-
-
 def offline_runs(run_dir):
   """(run id, config, history rows) of each offline W&B run under RUN/wandb, oldest first."""
   runs = []
   for path in sorted(run_dir.glob('wandb/offline-run-*/run-*.wandb')):
-    records = wandb_records(path)  # a killed process's may hold nothing but the file header
+    records = transaction_log(path)  # a killed process's may hold nothing but the file header
     runs_records = [r.run for r in records if r.WhichOneof('record_type') == 'run']
     config = {item.key: json.loads(item.value_json) for run in runs_records for item in run.config.update}
     history = [{item.key or '/'.join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
