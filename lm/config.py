@@ -516,6 +516,8 @@ class TrainConfig:
   eval_every: int = 100
   eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when checkpoints are written, kept
+  local_checkpoint_dir: str | None = None  # a directory on each host's own disk: the fast local checkpoint tier
+  local_checkpoint_every: int = 0  # steps between local checkpoints (with train.local_checkpoint_dir)
   run_dir: str = 'runs/{name}'
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal
@@ -987,6 +989,19 @@ def _check_train(config: Config) -> None:
     raise ConfigError(f'train.trackers={list(t.trackers)} names a tracker twice; name each once')
   t.checkpoint.check()
   t.harness.check()
+  _check_local_tier(t)
+
+
+def _check_local_tier(t: TrainConfig) -> None:
+  if (t.local_checkpoint_dir is None) != (t.local_checkpoint_every == 0) or t.local_checkpoint_every < 0:
+    raise ConfigError(f'train.local_checkpoint_dir={t.local_checkpoint_dir} and train.local_checkpoint_every='
+                      f'{t.local_checkpoint_every} go together: set both (a directory and steps > 0) or neither')
+  if t.local_checkpoint_dir is not None and '://' in t.local_checkpoint_dir:
+    raise ConfigError(f'train.local_checkpoint_dir={t.local_checkpoint_dir} must be a path on each host\'s own disk '
+                      f'(the persistent tier is train.run_dir)')
+  if t.local_checkpoint_every and 0 < t.checkpoint.every <= t.local_checkpoint_every:
+    raise ConfigError(f'train.local_checkpoint_every={t.local_checkpoint_every} must be below '
+                      f'train.checkpoint.every={t.checkpoint.every}: the local tier is the more frequent one')
 
 
 def _check_optim(config: Config) -> None:

@@ -107,6 +107,14 @@ def all_processes(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.asarray([ok]))))
 
 
+def gathered(row: np.ndarray) -> np.ndarray:
+  """Every process's `row` (the same shape and dtype on each), stacked in process order (a collective)."""
+  if jax.process_count() == 1:
+    return np.asarray(row)[None]
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(row)))
+
+
 def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils

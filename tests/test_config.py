@@ -117,6 +117,12 @@ def test_parse_overrides_nested():
   (['train.max_rollbacks=-2'], 'train.max_rollbacks=-2 must be >= 0'),
   (['train.hang_timeout_minutes=-1'], 'train.hang_timeout_minutes=-1.0 must be >= 0 (0: off)'),
   (['train.join_timeout_minutes=0'], 'train.join_timeout_minutes=0.0 > 0'),
+  (['train.local_checkpoint_dir=/tmp/x'], 'train.local_checkpoint_every=0 go together: set both'),
+  (['train.local_checkpoint_every=5'], 'train.local_checkpoint_dir=None and train.local_checkpoint_every=5 go'),
+  (['train.local_checkpoint_dir=/x', 'train.local_checkpoint_every=-5'], 'train.local_checkpoint_every=-5 go'),
+  (['train.local_checkpoint_dir=gs://b/x', 'train.local_checkpoint_every=5'], "must be a path on each host's own"),
+  (['train.local_checkpoint_dir=/x', 'train.local_checkpoint_every=500'],
+   'train.local_checkpoint_every=500 must be below train.checkpoint.every=100'),
 ])
 def test_bad_config_names_field_and_fix(overrides, needle):
   with pytest.raises(ConfigError, match=None) as info:

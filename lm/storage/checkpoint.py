@@ -140,13 +140,38 @@ def config_mismatch(saved: dict, config: dict) -> tuple[str, list[str]] | None:
   return None
 
 
+# Orbax warns, on every array of every save, that it keeps no global size statistic for a process-local write.
+logging.getLogger('absl').addFilter(lambda record: 'Global object size logging disabled' not in record.getMessage())
+
+
+def _process_local() -> tuple[dict[str, Any], dict[str, Any]]:
+  """The manager options and item handlers of a checkpoint of this process's shards alone, in a directory of its
+  own (the local tier, as orbax's emergency checkpointing writes it): the process is its own primary, writes every
+  shard it holds (no replica chosen) and meets no other process at a barrier. It creates its directories before
+  writing: orbax's asynchronous creation signals completion under a key every process shares, so one process's
+  signal would release another's writes early."""
+  me = jax.process_index()
+  options = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
+                                               barrier_sync_key_prefix=f'local_{me}')
+  registry = ocp.type_handlers.create_type_handler_registry(
+    (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+  tree = lambda: ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry)
+  handlers = {'params': tree(), 'optimizer': tree(), SPIKE_WINDOW: tree(), 'data': grain.checkpoint.CheckpointHandler(),
+              'config': ocp.JsonCheckpointHandler(multiprocessing_options=options)}
+  return {'multiprocessing_options': options, 'cleanup_tmp_directories': True,
+          'async_options': ocp.options.AsyncOptions(create_directories_asynchronously=False)}, handlers
+
+
 class Checkpointer:
   """Async saves every N steps keeping the last K; restore reshards onto the abstract state's shardings."""
 
   def __init__(self, directory: str | epath.PathLike, keep: int | None = 1, async_save: bool = True,
-               create: bool = True, keep_steps: tuple[int, ...] = (), keep_every: int = 0):
+               create: bool = True, keep_steps: tuple[int, ...] = (), keep_every: int = 0,
+               process_local: bool = False):
     """`create=False`: a missing directory holds no steps, and is made by the first save; `keep_steps` and the
-    multiples of `keep_every` (> 0) are kept besides the latest `keep`."""
+    multiples of `keep_every` (> 0) are kept besides the latest `keep`. `process_local`: this process's shards and
+    data position only, in a directory no other process writes (a local checkpoint tier); it restores only onto the
+    shardings that wrote it, in as many processes."""
     self.directory = epath.Path(directory)
     if '://' not in str(self.directory):
       self.directory = self.directory.absolute()
@@ -154,9 +179,22 @@ class Checkpointer:
     kept = ([managers.CustomSteps(keep_steps)] if keep_steps else []) + \
         ([managers.EveryNSteps(keep_every)] if keep_every else [])
     policy = managers.AnyPreservationPolicy([managers.LatestN(keep), *kept]) if kept else None
+    local_options, self._handlers = _process_local() if process_local else ({}, None)
     self.options = ocp.CheckpointManagerOptions(max_to_keep=None if policy else keep, preservation_policy=policy,
-                                                create=create, enable_async_checkpointing=async_save)
-    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+                                                create=create, enable_async_checkpointing=async_save,
+                                                **local_options)
+    self.manager = self._manager()
+
+  def _manager(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(self.directory, options=self.options, item_handlers=self._handlers)
+
+  def _save(self, tree: Any) -> ocp.args.CheckpointArgs:
+    return ocp.args.StandardSave(tree) if self._handlers is None else ocp.args.PyTreeSave(tree)
+
+  def _restore(self, abstract: Any) -> ocp.args.CheckpointArgs:
+    if self._handlers is None:
+      return ocp.args.StandardRestore(abstract)
+    return ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -166,10 +204,10 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
     """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
-    window = {} if state.spike_window is None else {SPIKE_WINDOW: ocp.args.StandardSave(state.spike_window)}
+    window = {} if state.spike_window is None else {SPIKE_WINDOW: self._save(state.spike_window)}
     self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(state.params),
-      optimizer=ocp.args.StandardSave({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
+      params=self._save(state.params),
+      optimizer=self._save({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
       data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config), **window), force=True))
 
   def _write(self, step: int | None, write: Any) -> None:
@@ -195,7 +233,7 @@ class Checkpointer:
   def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
     """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them
     best): no optimizer state or data position."""
-    items = {'params': ocp.args.StandardSave(params), 'config': ocp.args.JsonSave(config)}
+    items = {'params': self._save(params), 'config': ocp.args.JsonSave(config)}
     if metrics is not None:
       items['metrics'] = ocp.args.JsonSave(metrics)
     self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True))
@@ -235,12 +273,12 @@ class Checkpointer:
     saved_scanned = saved['model']['execution']['scan_layers']
     a = abstract_state if saved_scanned == scanned else relayout(abstract_state, saved_scanned)
     # the spike guard's window where this run keeps one and the checkpoint has it (else the run starts a fresh one)
-    window = {SPIKE_WINDOW: ocp.args.StandardRestore(a.spike_window)} \
+    window = {SPIKE_WINDOW: self._restore(a.spike_window)} \
       if a.spike_window is not None and (self.directory / str(step) / SPIKE_WINDOW).is_dir() else {}
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(a.params),
-        optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
+        params=self._restore(a.params),
+        optimizer=self._restore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
         data=grain.checkpoint.CheckpointRestore(data), **window))
     except ValueError as e:
       if 'process_' not in str(e):
@@ -289,7 +327,7 @@ class Checkpointer:
       # abandoned reads released now, not at some later collection).
       self.manager.close()
       gc.collect()
-      self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+      self.manager = self._manager()
       print(f'checkpoint {self.directory}/{step} does not restore ({_reason(error)}); kept as {aside}; trying the '
             f'one before', file=sys.stderr, flush=True)
     return None
@@ -297,7 +335,7 @@ class Checkpointer:
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the params, placed on `abstract_params`' shardings."""
     return self.manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params)))['params']
+      params=self._restore(abstract_params)))['params']
 
   def restore_view(self, step: int, abstract_state: TrainState, view: Any) -> Any:
     """The params `view` (an `lm.assembly.optim.ParamsView`) makes of checkpoint `step`, on the params'
@@ -307,8 +345,8 @@ class Checkpointer:
       return self.restore_params(step, abstract_state.params)
     a = abstract_state
     restored = self.manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(a.params),
-      optimizer=ocp.args.StandardRestore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))
+      params=self._restore(a.params),
+      optimizer=self._restore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))
     return view.of(restored['params'], restored['optimizer']['opt_state'])
 
   def wait(self) -> None:

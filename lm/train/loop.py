@@ -21,11 +21,12 @@ from etils import epath
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState, with_fresh_window
 from lm.config import Config, ConfigError
-from lm.distributed import barrier, is_main_process
+from lm.distributed import all_processes, barrier, is_main_process
 from lm.parallel.chips import peak_flops
 from lm.storage.checkpoint import UNRESTORABLE, Checkpointer
 from lm.storage.run_dir import CHECKPOINTS, CONFIG, PROFILE
 from lm.train.callbacks import After, Callback, Checkpoint, FiniteGuard, Interval, Record, Throughput
+from lm.train.local_tier import LocalCheckpoint, LocalTier, restore_newest
 from lm.train.logging import MetricsLogger, read_metrics
 from lm.train.preemption import ask_requeue, preemption
 from lm.train.profiler import Profile
@@ -43,32 +44,37 @@ class Resumable(Protocol):
 
 
 def restore_or_start(checkpoints: Checkpointer, assembly: Assembly, data: Resumable,
-                     start: Callable[[], TrainState]) -> TrainState:
-  """The latest checkpoint's state (and `data` moved to its position) under `train.resume`, else `start()`;
-  refuses to write over another run's checkpoints or an imported model."""
+                     start: Callable[[], TrainState], local: LocalTier | None = None) -> TrainState:
+  """The newest checkpoint's state in either tier (and `data` moved to its position) under `train.resume`, else
+  `start()`; refuses to write over another run's checkpoints or an imported model."""
   cfg = assembly.config
   if checkpoints.is_params_only():
     raise ConfigError(f'{checkpoints.directory} holds an imported model (params only), which training would '
                       f'overwrite; train from it in a new directory: train.init_from={cfg.run_dir} '
                       f'train.run_dir=NEW_DIR')
   steps = checkpoints.all_steps()
-  if steps and not cfg.train.resume:
-    raise ConfigError(f'{checkpoints.directory.parent} already holds checkpoints (latest step {steps[-1]}); pass '
-                      f'--resume (train.resume=true) to continue, or choose another train.run_dir')
-  if not steps:
+  held = local is not None and not all_processes(not local.steps())
+  if (steps or held) and not cfg.train.resume:
+    where = f'{checkpoints.directory.parent} already holds checkpoints (latest step {steps[-1]})' if steps else \
+        f'train.local_checkpoint_dir={cfg.train.local_checkpoint_dir} holds checkpoints of this run'
+    raise ConfigError(f'{where}; pass --resume (train.resume=true) to continue, or choose another train.run_dir')
+  if not steps and not held:
     if cfg.train.resume:
       print(f'no checkpoint in {checkpoints.directory}; starting at step 0', flush=True)
+    if local is not None:
+      local.drop_after(0)
     return start()
-  restored = checkpoints.restore_latest(assembly.abstract_state, cfg.to_dict(), data)
+  restored = restore_newest(checkpoints, local, assembly.abstract_state, cfg.to_dict(), data)
   if restored is None:
     raise ConfigError(f'no checkpoint in {checkpoints.directory} restores (each is kept as '
                       f'<step>{UNRESTORABLE}); start a new train.run_dir')
-  if restored[0] >= cfg.train.steps:
-    print(f'run already complete at step {restored[0]} (train.steps={cfg.train.steps}); raise train.steps '
+  step, state, directory = restored
+  if step >= cfg.train.steps:
+    print(f'run already complete at step {step} (train.steps={cfg.train.steps}); raise train.steps '
           f'to train on', flush=True)
   else:
-    print(f'resumed from {checkpoints.directory}/{restored[0]}', flush=True)
-  return restored[1]
+    print(f'resumed from {directory}', flush=True)
+  return state
 
 
 class Trainer:
@@ -90,6 +96,7 @@ class Trainer:
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
     self.final_state: TrainState | None = None
     self._positions: dict[int, Any] = {}  # on_spike=rollback: the data position after each pending step's batch
+    self.local: LocalTier | None = None  # the local checkpoint tier (train.local_checkpoint_dir)
 
   def run(self, batches: Iterator[Batch], start: Callable[[], TrainState], callbacks: Sequence[Callback] = (),
           position: Resumable | None = None, config: Config | None = None) -> list[Record]:
@@ -103,9 +110,10 @@ class Trainer:
     position = batches if position is None else position
     checkpoints = Checkpointer(self.run_dir / CHECKPOINTS, keep=t.checkpoint.keep, create=False,
                                keep_steps=t.checkpoint.at, keep_every=t.checkpoint.keep_every)
+    self.local = LocalTier(cfg, self.run_dir) if t.local_checkpoint_dir else None
     trackers: list[Tracker] = []
     try:
-      state = with_fresh_window(restore_or_start(checkpoints, self.assembly, position, start),
+      state = with_fresh_window(restore_or_start(checkpoints, self.assembly, position, start, self.local),
                                 self.assembly.abstract_state.spike_window)
       resumed_at = int(jax.device_get(state.step))
       kept = [r for r in read_metrics(self.run_dir) if r['step'] <= resumed_at] \
@@ -117,10 +125,13 @@ class Trainer:
         (self.run_dir / CONFIG).write_text(cfg.to_yaml())
         trackers = make_trackers(cfg, self.run_dir, kept)
       profile = [Profile(t.profile, self.run_dir / PROFILE, t.profile_all_hosts)] if t.profile else []
-      return self._train(state, batches, [*callbacks, *profile], Checkpoint.of(checkpoints, t, position, cfg.to_dict()),
-                         position, trackers, start, cfg)
+      local = [LocalCheckpoint(self.local, position, cfg.to_dict())] if self.local else []
+      return self._train(state, batches, [*callbacks, *profile, *local],
+                         Checkpoint.of(checkpoints, t, position, cfg.to_dict()), position, trackers, start, cfg)
     finally:
       checkpoints.close()
+      if self.local:
+        self.local.checkpointer.close()
       summary = report_summary(self.run_dir) if trackers else {}
       for tracker in trackers:
         tracker.close(summary)
@@ -144,8 +155,11 @@ class Trainer:
     batch, `train.rollback_skip_batches` more skipped; returns it and the record saying so."""
     t, step = cfg.train, spike['step']
     checkpoint.finish()  # a save in flight is part of what may be restored
-    restored = checkpoint.checkpointer.restore_latest(self.assembly.abstract_state, cfg.to_dict(), position)
-    back_to, state = restored if restored is not None else (0, start())
+    if self.local:
+      self.local.checkpointer.wait()
+    restored = restore_newest(checkpoint.checkpointer, self.local, self.assembly.abstract_state, cfg.to_dict(),
+                              position)
+    back_to, state = restored[:2] if restored is not None else (0, start())
     state = with_fresh_window(state, self.assembly.abstract_state.spike_window)
     position.set_state(self._positions[step])
     for _ in range(t.rollback_skip_batches):

@@ -1,6 +1,7 @@
 """launch/local.py: several local processes are one JAX job; they train like one process with all the devices."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,3 +203,57 @@ def test_a_process_that_never_joins_is_one_line(tmp_path):
           f'within 0.05 minutes (train.join_timeout_minutes); start every process')
   assert out.stderr.startswith(f'lm: error: {line}') and out.stderr.count('\n') == 1
   assert (tmp_path / 'stalled.txt').read_text().startswith(line)  # what the launcher repeats
+
+
+# `lm train` whose every process dies by SIGKILL before step DIE_AT + 1, once its local checkpoint of the step
+# before (a multiple of 5) is on disk.
+KILLED_AT = '''
+import os, signal, sys, time
+from pathlib import Path
+import lm.train.loop as loop
+from lm.cli import main
+die_at, local = int(sys.argv[1]), Path(sys.argv[2])
+take = loop.Trainer._take_step
+def take_step(self, state, batches, done, *rest):
+  if done == die_at + 1:
+    saved, deadline = local / f'process_{os.environ["LM_PROCESS_ID"]}' / str(die_at - die_at % 5), time.time() + 120
+    while not saved.exists() and time.time() < deadline:
+      time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)
+  return take(self, state, batches, done, *rest)
+loop.Trainer._take_step = take_step
+sys.exit(main(sys.argv[3:]))
+'''
+
+
+@pytest.mark.long(1)
+def test_the_local_tier_resumes_the_newest_step_every_process_holds(tmp_path):
+  """2 processes, local checkpoints every 5 steps and persistent every 20, kill -9 after step 33: the resume takes
+  the local step 30; after one process's local directory is deleted, the persistent step 20. Each resumed run's
+  losses equal a straight run's."""
+  def train(run, *extra, killed_at=None):
+    local = tmp_path / f'{run}-local'
+    head = [sys.executable, '-c', KILLED_AT, str(killed_at), str(local)] if killed_at else LM
+    args = [*head, 'train', *TINY, 'train.eval_batches=0', 'train.steps=40', 'train.checkpoint.every=20',
+            'mesh.data=2', 'mesh.fsdp=2', f'train.run_dir={tmp_path / run}', 'train.local_checkpoint_every=5',
+            f'train.local_checkpoint_dir={local}', *extra]
+    return subprocess.run([sys.executable, str(LAUNCH / 'local.py'), '--processes', '2', '--devices-per-process',
+                           '2', '--log-dir', str(tmp_path / 'logs'), '--', *args], env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+  losses = lambda run: {r['step']: r['loss'] for r in records(tmp_path / run) if 'loss' in r}
+
+  straight = train('straight')
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  assert train('run', killed_at=33).returncode != 0
+  assert sorted(losses('run')) == list(range(1, 34))
+  again = train('run', '--resume', killed_at=33)  # from the local step 30, killed after 33 again
+  assert f'resumed from {tmp_path}/run-local/process_0/30\n' in again.stdout, again.stdout[-2000:]
+  assert losses('run') == {s: loss for s, loss in losses('straight').items() if s <= 33}
+
+  shutil.rmtree(tmp_path / 'run-local' / 'process_1')  # a replaced host
+  resumed = train('run', '--resume')
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f'resumed from {tmp_path}/run/checkpoints/20\n' in resumed.stdout
+  assert 'local checkpoint 30 is not on process 1; resuming from the persistent tier' in resumed.stderr
+  assert losses('run') == losses('straight')
+  assert sorted(os.listdir(tmp_path / 'run-local' / 'process_1')) == ['40']
