@@ -191,6 +191,11 @@ class HFTokenizer(_Vocabulary):
     starts = char_to_byte[np.array([start for start, _ in encoding.offsets], np.int64)]
     return np.asarray(encoding.ids, np.int32), token_bytes(starts, int(char_to_byte[-1]))
 
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The ids and each token's (start, end) characters in `text`."""
+    encoding = self.tokenizer.encode(text, add_special_tokens=False)
+    return np.asarray(encoding.ids, np.int32), [tuple(o) for o in encoding.offsets]
+
   def decode(self, ids: np.ndarray | list[int]) -> str:
     return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True)
 
