@@ -218,3 +218,39 @@ def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[Message],
   ids, offsets = tokenizer.encode_with_offsets(text)
   weights = token_weights(offsets, spans) if train_on == 'assistant' else np.ones(len(ids), np.float32)
   return ids, weights
+
+
+def pack_chats(chats: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
+               ) -> tuple[dict[str, np.ndarray], int]:
+  """Rows of `seq_len` (input, target) pairs, first fit in order: a chat of n tokens gives its n - 1 pairs (the
+  target's weight is its token's), placed whole in the first row with room; segment ids number a row's chats from
+  1 and positions restart at each, so no chat attends to another; padding has segment 0 and weight 0. A chat of
+  more than seq_len + 1 tokens keeps its first seq_len + 1. Returns the features and how many chats were cut."""
+  room: list[int] = []
+  placed: list[list[int]] = []  # per row, the chats in it
+  cut = 0
+  for i, (ids, _) in enumerate(chats):
+    need = min(len(ids) - 1, seq_len)
+    cut += len(ids) - 1 > seq_len
+    free = np.flatnonzero(np.asarray(room, np.int64) >= need) if room else np.array([], np.int64)
+    if free.size:
+      room[free[0]] -= need
+      placed[free[0]].append(i)
+    else:
+      room.append(seq_len - need)
+      placed.append([i])
+  n = len(placed)
+  out = {'inputs': np.full((n, seq_len), pad_id, np.int32), 'targets': np.full((n, seq_len), pad_id, np.int32),
+         'weights': np.zeros((n, seq_len), np.float32), 'segment_ids': np.zeros((n, seq_len), np.int32),
+         'positions': np.zeros((n, seq_len), np.int32)}
+  for row, members in enumerate(placed):
+    at = 0
+    for segment, i in enumerate(members, 1):
+      ids, weights = chats[i]
+      length = min(len(ids) - 1, seq_len)
+      span = slice(at, at + length)
+      out['inputs'][row, span], out['targets'][row, span] = ids[:length], ids[1:length + 1]
+      out['weights'][row, span], out['segment_ids'][row, span] = weights[1:length + 1], segment
+      out['positions'][row, span] = np.arange(length)
+      at += length
+  return out, cut

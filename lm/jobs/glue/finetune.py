@@ -28,14 +28,14 @@ from lm.assembly.state import TrainState
 from lm.storage.checkpoint import Checkpointer
 from lm.config import Config, ConfigError, from_dict, load_config, merge, parse_overrides
 from lm.data.pipeline import HostRows, global_rows
-from lm.data.tokenizers import Tokenizer, get_tokenizer
+from lm.data.tokenizers import Tokenizer
+from lm.jobs.finetuning import source_config
 from lm.jobs.glue.data import SplitData
 from lm.jobs.glue.metrics import task_metrics
 from lm.jobs.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import UNPARSEABLE, TaskHead
-from lm.storage.run_dir import BEST, HF_TOKENIZER_FILES
-from lm.storage.source import ModelSource
+from lm.storage.run_dir import BEST
 from lm.train.init_from import initial_state
 from lm.train.callbacks import Evaluate, KeepBest
 from lm.train.loop import Trainer
@@ -52,16 +52,6 @@ RECIPE = {
   'data': {'seq_len': 128},
 }
 EPOCHS = 3
-
-
-def source_config(init: str) -> Config:
-  """The model and tokenizer of `--init` (`lm.storage.source`): a run dir's, or an HF directory's with its
-  tokenizer files."""
-  source = ModelSource(init, flag='--init', need_params=False)  # its params are read at the run's start
-  if not source.has_tokenizer:
-    raise ConfigError(f'--init {init} holds no tokenizer files ({", ".join(HF_TOKENIZER_FILES)}); add the '
-                      f'model\'s tokenizer there, or pass data.tokenizer=hf:PATH')
-  return source.config
 
 
 def default_run_dir(init: str) -> str:
@@ -235,11 +225,3 @@ class FineTuner:
       return saved.restore_params(saved.latest_step(), self.assembly.abstract_params)
     finally:
       saved.close()
-
-
-def load_tokenizer(config: Config) -> Tokenizer:
-  tokenizer = get_tokenizer(config.data.tokenizer)
-  if tokenizer.vocab_size > config.model.vocab_size:
-    raise ConfigError(f'the tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} ids but the model only '
-                      f'{config.model.vocab_size}; pass the tokenizer the model was trained with (data.tokenizer=...)')
-  return tokenizer

@@ -11,7 +11,8 @@ from etils import epath
 
 from lm.config import ConfigError, parse_overrides
 from lm.jobs.glue.data import SplitData, read_split, split_path
-from lm.jobs.glue.finetune import FineTuner, default_run_dir, encode_examples, finetune_config, load_tokenizer, task_head
+from lm.jobs.finetuning import load_tokenizer
+from lm.jobs.glue.finetune import FineTuner, default_run_dir, encode_examples, finetune_config, task_head
 from lm.jobs.glue.metrics import glue_score
 from lm.jobs.glue.outputs import (
   EVAL_RESULTS,

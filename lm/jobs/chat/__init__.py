@@ -1,0 +1,1 @@
+"""Chat fine-tuning: supervised (`sft`) and preference (`dpo`) tuning on chat data."""

@@ -1,0 +1,65 @@
+"""`lm finetune --task sft`: a tiny Llama learns a chat task; packed chats never attend across each other."""
+import json
+
+import numpy as np
+import pytest
+import transformers
+
+from lm import cli
+from lm.jobs.chat.sft import TEMPLATE_FILE, ChatOptions, finetune_sft
+from tests.data.test_chat import MARKED, chat_tokenizer  # noqa: F401  (a fixture)
+
+WORDS = ['quick', 'brown', 'fox', 'jumps', 'over', 'lazy', 'dog', 'river', 'stone', 'cloud', 'green', 'table',
+         'light', 'paper', 'music', 'water', 'house', 'night', 'bread', 'plant']
+
+
+@pytest.fixture(scope='module')
+def tiny_llama(chat_tokenizer, tmp_path_factory):  # noqa: F811
+  """A random 2-layer Llama saved by transformers beside the chat tokenizer (its template included)."""
+  directory = tmp_path_factory.mktemp('tiny_llama')
+  tokenizer = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+  transformers.set_seed(0)
+  config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=128, tie_word_embeddings=False,
+                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+  transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+  tokenizer.save_pretrained(directory)
+  return directory
+
+
+def echo_chats(path, count, seed):
+  rng = np.random.default_rng(seed)
+  with open(path, 'w') as f:
+    for word in rng.choice(WORDS, count):
+      f.write(json.dumps({'messages': [{'role': 'user', 'content': f'echo {word}'},
+                                       {'role': 'assistant', 'content': str(word)}]}) + '\n')
+
+
+@pytest.mark.long(1)
+def test_sft_learns_to_echo_a_word(tiny_llama, tmp_path):
+  """Exact-answer accuracy on held-out chats rises from its start (a random model) to nearly all; the run keeps
+  the template it rendered with."""
+  echo_chats(tmp_path / 'train.jsonl', 320, 0)
+  echo_chats(tmp_path / 'eval.jsonl', 16, 1)
+  options = ChatOptions(data=str(tmp_path / 'train.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
+                        init=str(tiny_llama), overrides=('data.seq_len=64', 'optim.learning_rate=3e-3',
+                                                         'train.steps=120', 'train.eval_every=120',
+                                                         f'train.run_dir={tmp_path}/run'))
+  result = finetune_sft(options)
+  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  start = next(r for r in records if r['step'] == 0)
+  assert start['eval/exact_match'] <= 0.1 and result['eval/exact_match'] >= 0.9, (start, result)
+  assert result['eval/loss'] < 0.1 * start['eval/loss']
+  assert (tmp_path / 'run' / TEMPLATE_FILE).read_text() == MARKED
+
+
+def test_sft_refuses_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
+  (tmp_path / 'bad.jsonl').write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+  argv = ['finetune', '--task', 'sft', '--init', str(tiny_llama)]
+  assert cli.main([*argv, '--data', str(tmp_path / 'bad.jsonl')]) == 2
+  assert 'bad.jsonl:1: a chat with no assistant turn' in capsys.readouterr().err
+  assert cli.main(argv) == 2
+  assert '--task sft needs --data GLOB' in capsys.readouterr().err
+  assert cli.main(['finetune', '--task', 'mrpc', '--init', str(tiny_llama), '--data', 'x.jsonl']) == 2
+  assert '--data go with --task sft' in capsys.readouterr().err
