@@ -173,25 +173,29 @@ def _chat(record: Any, where: str) -> list[Message]:
   return [{'role': m['role'], 'content': m['content']} for m in messages]
 
 
-def read_chats(pattern: str) -> list[list[Message]]:
-  """Every chat of the JSON-lines files `pattern` matches (a glob), in file and line order; a bad record is one
-  line naming its file and line."""
+def json_records(pattern: str, what: str) -> list[tuple[Any, str]]:
+  """Every record of the JSON-lines files `pattern` matches (a glob), in file and line order, with where it is
+  (FILE:LINE); `what` names a record in the line for a file without any."""
   paths = sorted(glob.glob(pattern))
   if not paths:
     raise ConfigError(f'--data {pattern} matches no file; pass a JSON-lines file or a glob')
-  chats = []
+  records = []
   for path in paths:
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        records.append((json.loads(line), f'{path}:{number}'))
       except json.JSONDecodeError as e:
         raise ConfigError(f'{path}:{number}: not JSON ({e.msg}); each line must be one JSON record') from None
-      chats.append(_chat(record, f'{path}:{number}'))
-  if not chats:
-    raise ConfigError(f'--data {pattern} holds no records; write one JSON chat per line')
-  return chats
+  if not records:
+    raise ConfigError(f'--data {pattern} holds no records; write one JSON {what} per line')
+  return records
+
+
+def read_chats(pattern: str) -> list[list[Message]]:
+  """Every chat of the JSON-lines files `pattern` matches; a bad record is one line naming its file and line."""
+  return [_chat(record, where) for record, where in json_records(pattern, 'chat')]
 
 
 def token_weights(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

@@ -191,9 +191,11 @@ class HFTokenizer(_Vocabulary):
     starts = char_to_byte[np.array([start for start, _ in encoding.offsets], np.int64)]
     return np.asarray(encoding.ids, np.int32), token_bytes(starts, int(char_to_byte[-1]))
 
-  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The ids and each token's (start, end) characters in `text`."""
-    encoding = self.tokenizer.encode(text, add_special_tokens=False)
+  def encode_with_offsets(self, text: str, add_special_tokens: bool = False
+                          ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The ids and each token's (start, end) characters in `text`; `add_special_tokens`: with those the
+    tokenizer's post-processor adds (as transformers' tokenizer call does by default)."""
+    encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return np.asarray(encoding.ids, np.int32), [tuple(o) for o in encoding.offsets]
 
   def decode(self, ids: np.ndarray | list[int]) -> str:

@@ -31,7 +31,7 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def chat_tokenizer(tmp_path_factory):
   """An HF byte-level BPE with ChatML's tokens, saved by transformers with the marked template."""
   directory = tmp_path_factory.mktemp('chat_tokenizer')

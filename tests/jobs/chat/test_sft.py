@@ -3,29 +3,13 @@ import json
 
 import numpy as np
 import pytest
-import transformers
 
 from lm import cli
 from lm.jobs.chat.sft import TEMPLATE_FILE, ChatOptions, finetune_sft
-from tests.data.test_chat import MARKED, chat_tokenizer  # noqa: F401  (a fixture)
+from tests.data.test_chat import MARKED
 
 WORDS = ['quick', 'brown', 'fox', 'jumps', 'over', 'lazy', 'dog', 'river', 'stone', 'cloud', 'green', 'table',
          'light', 'paper', 'music', 'water', 'house', 'night', 'bread', 'plant']
-
-
-@pytest.fixture(scope='module')
-def tiny_llama(chat_tokenizer, tmp_path_factory):  # noqa: F811
-  """A random 2-layer Llama saved by transformers beside the chat tokenizer (its template included)."""
-  directory = tmp_path_factory.mktemp('tiny_llama')
-  tokenizer = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
-  transformers.set_seed(0)
-  config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=128, tie_word_embeddings=False,
-                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-  transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-  tokenizer.save_pretrained(directory)
-  return directory
 
 
 def echo_chats(path, count, seed):
@@ -62,4 +46,4 @@ def test_sft_refuses_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
   assert cli.main(argv) == 2
   assert '--task sft needs --data GLOB' in capsys.readouterr().err
   assert cli.main(['finetune', '--task', 'mrpc', '--init', str(tiny_llama), '--data', 'x.jsonl']) == 2
-  assert '--data go with --task sft' in capsys.readouterr().err
+  assert '--data go with --task sft or dpo' in capsys.readouterr().err
