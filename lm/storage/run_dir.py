@@ -34,7 +34,8 @@ SERIES = 'series.json'
 TOKENIZER = 'tokenizer'
 PROFILE = 'profile'  # train.profile's traces
 HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'added_tokens.json',
-                      'vocab.txt', 'vocab.json', 'merges.txt', 'spiece.model')
+                      'vocab.txt', 'vocab.json', 'merges.txt', 'spiece.model', 'chat_template.jinja')
+CHAT_TEMPLATE = 'chat_template.jinja'  # a chat fine-tune's template (lm finetune --task sft), exported with it
 
 
 def is_run_dir(path: str | epath.PathLike) -> bool:

@@ -25,6 +25,7 @@ from lm.data.chat import ChatTemplate, Message, TrainOn, encode_chat, load_templ
 from lm.data.pipeline import HostRows, global_rows
 from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.jobs.generate import decoding, generate
+from lm.storage.run_dir import CHAT_TEMPLATE
 from lm.train.callbacks import Evaluate
 from lm.train.init_from import initial_state
 from lm.train.loop import Trainer
@@ -34,7 +35,6 @@ RECIPE = {
   'optim': {'learning_rate': 2e-5, 'schedule': 'linear', 'min_lr_ratio': 0.0, 'weight_decay': 0.0, 'grad_clip': 1.0},
   'train': {'global_batch': 16, 'log_every': 10, 'eval_batches': 0, 'checkpoint': {'keep': 1}, 'resume': False},
 }
-TEMPLATE_FILE = 'chat_template.jinja'  # in the run dir: the template the run rendered with
 SAMPLES = 3  # generations printed at each evaluation
 
 
@@ -57,7 +57,9 @@ def sft_config(options: ChatOptions, num_rows: int) -> Config:
   """`--config` (default: the source's) + the recipe + the overrides; the model and tokenizer are the source's;
   `train.steps` from epochs of the packed rows unless given."""
   source = source_config(options.init)
-  decoding(source.model)  # a model that cannot generate is refused here, in one line
+  if decoding(source.model).kind != 'causal':  # (a model that cannot generate at all is refused there)
+    raise ConfigError(f'chat fine-tuning trains decoder-only models (each chat one causal sequence); --init '
+                      f'{options.init} is a {source.model.family} encoder-decoder')
   values = load_config(options.preset).to_dict() if options.preset else source.to_dict()
   values['model'] = source.to_dict()['model']
   values['data'] = {**values['data'], 'tokenizer': source.data.tokenizer}
@@ -159,7 +161,7 @@ def finetune_sft(options: ChatOptions) -> dict[str, Any] | None:
     evaluate = ChatEval(trainer, tokenizer, template, held_out, options.train_on, options.eval_generate)
     callbacks.append(Evaluate(evaluate, config.train.eval_every, at_start=True))
   config.run_dir.mkdir(parents=True, exist_ok=True)
-  (config.run_dir / TEMPLATE_FILE).write_text(template.source)
+  (config.run_dir / CHAT_TEMPLATE).write_text(template.source)
   records = trainer.run(HostRows(rows, config.train.global_batch, config.train.seed, assembly.mesh),
                         lambda: initial_state(assembly, options.init).state, callbacks)
   if trainer.stopped_at is not None:

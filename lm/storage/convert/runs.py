@@ -12,8 +12,8 @@ from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import one_device_mesh
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import read_hf_config, save_hf
-from lm.storage.run_dir import (CHECKPOINTS, CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, TOKENIZER, is_run_dir,
-                                read_config)
+from lm.storage.run_dir import (CHAT_TEMPLATE, CHECKPOINTS, CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, TOKENIZER,
+                                is_run_dir, read_config)
 from lm.storage.source import ModelSource
 
 
@@ -68,4 +68,18 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Pat
     except ConfigError as e:
       print(f'warning: config.json gets no token ids ({e})', flush=True)
       hf_config = None
-  return save_hf(source.config.model, params, hf_dir, hf_config)
+  out = save_hf(source.config.model, params, hf_dir, hf_config)
+  _export_tokenizer(run_dir, read_config(run_dir).data.tokenizer, out)
+  return out
+
+
+def _export_tokenizer(run_dir: epath.Path, spec: str, hf_dir: Path) -> None:
+  """The run's HF tokenizer files beside the weights, and the chat template a chat fine-tune rendered with, so
+  transformers' AutoTokenizer and apply_chat_template read the export."""
+  kind, _, path = spec.partition(':')
+  if kind == 'hf':
+    for name in HF_TOKENIZER_FILES:
+      if (Path(path) / name).is_file():
+        epath.Path(Path(path) / name).copy(hf_dir / name, overwrite=True)
+  if (run_dir / CHAT_TEMPLATE).is_file():
+    (hf_dir / CHAT_TEMPLATE).write_text((run_dir / CHAT_TEMPLATE).read_text())

@@ -3,9 +3,11 @@ import json
 
 import numpy as np
 import pytest
+import transformers
 
 from lm import cli
-from lm.jobs.chat.sft import TEMPLATE_FILE, ChatOptions, finetune_sft
+from lm.jobs.chat.sft import ChatOptions, finetune_sft
+from lm.storage.run_dir import CHAT_TEMPLATE
 from tests.data.test_chat import MARKED
 
 WORDS = ['quick', 'brown', 'fox', 'jumps', 'over', 'lazy', 'dog', 'river', 'stone', 'cloud', 'green', 'table',
@@ -35,7 +37,18 @@ def test_sft_learns_to_echo_a_word(tiny_llama, tmp_path):
   start = next(r for r in records if r['step'] == 0)
   assert start['eval/exact_match'] <= 0.1 and result['eval/exact_match'] >= 0.9, (start, result)
   assert result['eval/loss'] < 0.1 * start['eval/loss']
-  assert (tmp_path / 'run' / TEMPLATE_FILE).read_text() == MARKED
+  assert (tmp_path / 'run' / CHAT_TEMPLATE).read_text() == MARKED
+
+  # Exported, the model chats in transformers: its template and tokenizer travel with it.
+  assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(tmp_path / 'run')]) == 0
+  tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'hf')
+  chats = [json.loads(line)['messages'] for line in (tmp_path / 'eval.jsonl').read_text().splitlines()]
+  for chat in chats[:4]:
+    prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, return_tensors='pt',
+                                           return_dict=True)
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert tokenizer.decode(out[0, prompt['input_ids'].shape[1]:], skip_special_tokens=True) == chat[-1]['content']
 
 
 def test_sft_refuses_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
