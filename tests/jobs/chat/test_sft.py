@@ -1,6 +1,8 @@
 """`lm finetune --task sft`: a tiny Llama learns a chat task; packed chats never attend across each other."""
 import json
 
+import jax
+
 import numpy as np
 import pytest
 import transformers
@@ -60,3 +62,35 @@ def test_sft_refuses_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
   assert '--task sft needs --data GLOB' in capsys.readouterr().err
   assert cli.main(['finetune', '--task', 'mrpc', '--init', str(tiny_llama), '--data', 'x.jsonl']) == 2
   assert '--data go with --task sft or dpo' in capsys.readouterr().err
+
+
+def test_packed_chats_never_attend_across_each_other(tiny_llama):
+  """Three chats packed into one row: each one's per-token log-probabilities equal those of the chat alone in a
+  row of its own (1e-5), so no chat sees another; the weights are the assistant masks."""
+  from lm.assembly import assemble
+  from lm.data.chat import encode_chat, load_template, pack_chats
+  from lm.data.tokenizers import HFTokenizer
+  from lm.jobs.chat.sft import sft_config
+  from lm.train.init_from import initial_state
+  options = ChatOptions(data='', init=str(tiny_llama), overrides=('data.seq_len=96', 'model.execution.dtype=float32',
+                                                                  'train.global_batch=8'))
+  assembly = assemble(sft_config(options, 1))
+  params = initial_state(assembly, str(tiny_llama)).state.params
+  tokenizer, template = HFTokenizer(tiny_llama), load_template(tiny_llama)
+  chats = [encode_chat(tokenizer, template, [{'role': 'user', 'content': f'echo {w}'},
+                                             {'role': 'assistant', 'content': w}]) for w in ('quick', 'fox', 'lazy')]
+  packed, cut = pack_chats(chats, 96, tokenizer.pad_id)
+  alone = [pack_chats([chat], 96, tokenizer.pad_id)[0] for chat in chats]
+  assert cut == 0 and len(packed['inputs']) == 1 and packed['segment_ids'].max() == 3
+
+  def log_probs(rows):
+    logits = assembly.family.apply(assembly.model, params, rows, deterministic=True, rngs={})['logits'].logits()
+    picked = jax.nn.log_softmax(logits.astype(np.float32))
+    return np.take_along_axis(np.asarray(picked), rows['targets'][..., None], -1)[..., 0]
+  together = log_probs(packed)[0]
+  at = 0
+  for chat, row in zip(chats, alone):
+    n = len(chat[0]) - 1
+    np.testing.assert_allclose(together[at:at + n], log_probs(row)[0, :n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(packed['weights'][0, at:at + n], chat[1][1:])
+    at += n
