@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -206,8 +206,9 @@ def _reference_logps(run_dir: Any, reference: Reference, rows: dict[str, np.ndar
   return logps
 
 
-def finetune_dpo(options: ChatOptions, settings: DPOSettings) -> dict[str, Any] | None:
-  """Trains `options.init` on the preference pairs; returns the last held-out evaluation (None when a SIGTERM
+def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[jax.Device] | None = None
+                 ) -> dict[str, Any] | None:
+  """Trains `options.init` on the preference pairs (on `devices`, default all); returns the last held-out evaluation (None when a SIGTERM
   stopped the run, its state checkpointed for `--resume`)."""
   settings.check()
   records = read_pairs(options.data)
@@ -221,7 +222,7 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings) -> dict[str, Any] 
   config = dpo_config(options, len(pairs))
   print(f'dpo: {len(pairs)} pairs, {config.train.steps} steps of {config.train.global_batch}; outputs in '
         f'{config.run_dir}', flush=True)
-  assembly = assemble(config)
+  assembly = assemble(config, devices)
   loss = DPOLoss(assembly, settings)
   trainer = Trainer(assembly, loss, run_dir=config.run_dir)
   _settled(config.run_dir, settings, config.train.resume)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -139,8 +139,8 @@ class ChatEval:
     return record
 
 
-def finetune_sft(options: ChatOptions) -> dict[str, Any] | None:
-  """Fine-tunes `options.init` on the chats; returns the last evaluation's record (None when a SIGTERM stopped
+def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = None) -> dict[str, Any] | None:
+  """Fine-tunes `options.init` on the chats (on `devices`, default all); returns the last evaluation's record (None when a SIGTERM stopped
   the run, its state checkpointed for `--resume`)."""
   train, held_out = split_chats(options)
   probe = source_config(options.init)
@@ -154,7 +154,7 @@ def finetune_sft(options: ChatOptions) -> dict[str, Any] | None:
     print(f'sft: {cut} of {len(train)} chats are longer than data.seq_len={seq_len}; their ends are cut', flush=True)
   print(f'sft: {len(train)} chats in {len(rows["inputs"])} rows, {config.train.steps} steps of '
         f'{config.train.global_batch}; outputs in {config.run_dir}', flush=True)
-  assembly = assemble(config)
+  assembly = assemble(config, devices)
   trainer = Trainer(assembly, PretrainingLoss(assembly), run_dir=config.run_dir)
   callbacks = []
   if held_out:
