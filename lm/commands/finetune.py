@@ -18,7 +18,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   overrides = [item for item in args.sweep if ',' not in item] + list(args.overrides)
   overrides += (['train.resume=true'] if args.resume else []) + profile_overrides(args)
   if args.task in ('sft', 'dpo'):
-    return _chat(args, overrides)
+    return _chat(args, overrides, parse_sweep(axes) if axes else None)
   given = [f'--{flag.replace("_", "-")}' for flag in CHAT_FLAGS if getattr(args, flag) is not None]
   if given:
     raise ConfigError(f'{", ".join(given)} go with --task sft or dpo; GLUE tasks read --data-dir')
@@ -36,20 +36,24 @@ def cmd_finetune(args: argparse.Namespace) -> int:
   return 0
 
 
-def _chat(args: argparse.Namespace, overrides: list[str]) -> int:
+def _chat(args: argparse.Namespace, overrides: list[str], grid: list[tuple[str, ...]] | None) -> int:
   from lm.jobs.chat.dpo import DPOSettings, finetune_dpo
   from lm.jobs.chat.sft import ChatOptions, finetune_sft
+  from lm.jobs.chat.sweep import sweep_chat
+  from lm.jobs.finetuning import source_config
   if args.data is None:
     shape = 'messages, or prompt and completion' if args.task == 'sft' else 'prompt, chosen and rejected'
     raise ConfigError(f'--task {args.task} needs --data GLOB: JSON lines of {shape}')
   options = ChatOptions(data=args.data, init=args.init, eval_data=args.eval_data, eval_fraction=args.eval_fraction,
                         eval_generate=args.eval_generate, chat_template=args.chat_template, train_on=args.train_on,
                         preset=args.config, overrides=tuple(overrides), epochs=args.epochs)
-  if args.task == 'sft':
-    result = finetune_sft(options)
-  else:
-    result = finetune_dpo(options, DPOSettings(beta=args.beta, loss_type=args.loss_type,
-                                               label_smoothing=args.label_smoothing, reference=args.reference))
+  settings = DPOSettings(beta=args.beta, loss_type=args.loss_type, label_smoothing=args.label_smoothing,
+                         reference=args.reference)
+  run = finetune_sft if args.task == 'sft' else lambda o: finetune_dpo(o, settings)
+  if grid is not None:
+    sweep_chat(options, grid, run, f'runs/{args.task}/{source_config(args.init).name}')
+    return 0
+  result = run(options)
   if result:
     print(f'{args.task} done: ' + ', '.join(f'{k} {v:.4f}' for k, v in result.items() if k != 'step'), flush=True)
   return 0

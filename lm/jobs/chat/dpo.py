@@ -208,8 +208,8 @@ def _reference_logps(run_dir: Any, reference: Reference, rows: dict[str, np.ndar
 
 def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[jax.Device] | None = None
                  ) -> dict[str, Any] | None:
-  """Trains `options.init` on the preference pairs (on `devices`, default all); returns the last held-out evaluation (None when a SIGTERM
-  stopped the run, its state checkpointed for `--resume`)."""
+  """Trains `options.init` on the preference pairs (on `devices`, default all); returns the last held-out
+  evaluation (None when a SIGTERM stopped the run, its state checkpointed for `--resume`)."""
   settings.check()
   records = read_pairs(options.data)
   held_out = read_pairs(options.eval_data) if options.eval_data else []

@@ -139,9 +139,10 @@ class ChatEval:
     return record
 
 
-def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = None) -> dict[str, Any] | None:
-  """Fine-tunes `options.init` on the chats (on `devices`, default all); returns the last evaluation's record (None when a SIGTERM stopped
-  the run, its state checkpointed for `--resume`)."""
+def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = None
+                 ) -> dict[str, Any] | None:
+  """Fine-tunes `options.init` on the chats (on `devices`, default all); returns the last evaluation's record
+  (None when a SIGTERM stopped the run, its state checkpointed for `--resume`)."""
   train, held_out = split_chats(options)
   probe = source_config(options.init)
   tokenizer = load_tokenizer(probe)

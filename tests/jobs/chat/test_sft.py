@@ -94,3 +94,21 @@ def test_packed_chats_never_attend_across_each_other(tiny_llama):
     np.testing.assert_allclose(together[at:at + n], log_probs(row)[0, :n], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(packed['weights'][0, at:at + n], chat[1][1:])
     at += n
+
+
+@pytest.mark.long(0.3)
+def test_a_sweep_over_learning_rates_compares_held_out_loss(tiny_llama, tmp_path, capsys):
+  """Two learning rates, each a run dir of the sweep; the best point is the lower held-out loss; a rerun skips the
+  finished points."""
+  echo_chats(tmp_path / 'train.jsonl', 32, 0)
+  argv = ['finetune', '--task', 'sft', '--init', str(tiny_llama), '--data', str(tmp_path / 'train.jsonl'),
+          '--eval-fraction', '0.25', '--eval-generate', '0', '--sweep', 'optim.learning_rate=1e-5,3e-3',
+          'data.seq_len=32', 'train.global_batch=8', 'train.steps=8', f'train.run_dir={tmp_path}/runs']
+  assert cli.main(argv) == 0
+  report = json.loads((tmp_path / 'runs' / 'sweep' / 'sweep_results.json').read_text())
+  losses = {label: point['eval/loss'] for label, point in report['points'].items()}
+  assert sorted(losses) == ['learning_rate=1e-5', 'learning_rate=3e-3']
+  assert report['best_point'] == min(losses, key=losses.get) == 'learning_rate=3e-3'
+  capsys.readouterr()
+  assert cli.main(argv) == 0
+  assert capsys.readouterr().out.count('done, skipped') == 2
