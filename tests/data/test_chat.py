@@ -11,6 +11,7 @@ from lm.config import ConfigError
 from lm.data.chat import encode_chat, load_template, read_chats
 from lm.data.sources import embedded_documents
 from lm.data.tokenizers import HFTokenizer
+from tests.conftest import built_once
 
 
 # ChatML with its assistant turns marked for transformers' return_assistant_tokens_mask, and the same unmarked.
@@ -31,10 +32,8 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope='session')
-def chat_tokenizer(tmp_path_factory):
+def save_chat_tokenizer(directory):
   """An HF byte-level BPE with ChatML's tokens, saved by transformers with the marked template."""
-  directory = tmp_path_factory.mktemp('chat_tokenizer')
   bpe = tokenizers.ByteLevelBPETokenizer()
   bpe.train_from_iterator([text for _, text in embedded_documents()[::80]], vocab_size=400,
                           special_tokens=['<|endoftext|>', '<|im_start|>', '<|im_end|>'])
@@ -42,7 +41,11 @@ def chat_tokenizer(tmp_path_factory):
                                               bos_token='<|endoftext|>', pad_token='<|endoftext|>')
   fast.chat_template = MARKED
   fast.save_pretrained(directory)
-  return directory
+
+
+@pytest.fixture(scope='session')
+def chat_tokenizer():
+  return built_once('chat_tokenizer', save_chat_tokenizer)
 
 
 def test_weighted_tokens_equal_transformers_assistant_mask(chat_tokenizer, tmp_path):

@@ -27,10 +27,9 @@ import numpy as np
 
 from lm.assembly import Assembly, assemble
 from lm.config import Config, ConfigError, from_dict
-from lm.data.chat import load_template
 from lm.data.pipeline import HostRows, global_rows
 from lm.data.preference import Pair, encode_pair, read_pairs
-from lm.jobs.chat.sft import ChatOptions, sft_config
+from lm.jobs.chat.sft import ChatOptions, chat_template, sft_config
 from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.models.family import scoring_of
 from lm.train.callbacks import Evaluate
@@ -216,7 +215,7 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   probe = source_config(options.init)
   tokenizer = load_tokenizer(probe)
   conversational = any(not isinstance(r['prompt'], str) for r, _ in records + held_out)
-  template = load_template(probe.data.tokenizer.partition(':')[2], options.chat_template) if conversational else None
+  template = chat_template(options, probe) if conversational else None
   encode = lambda items: [encode_pair(tokenizer, template, r, where) for r, where in items]
   pairs, held = encode(records), encode(held_out)
   config = dpo_config(options, len(pairs))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -94,6 +95,14 @@ def split_chats(options: ChatOptions) -> tuple[list[list[Message]], list[list[Me
   return [chats[i] for i in sorted(order[held:])], [chats[i] for i in sorted(order[:held])]
 
 
+def chat_template(options: ChatOptions, source: Config) -> ChatTemplate:
+  """`--chat-template`, else the template a chat fine-tune `--init` rendered with (RUN/chat_template.jinja), else
+  the source tokenizer's own."""
+  written = Path(options.init) / CHAT_TEMPLATE
+  file = options.chat_template or (written if written.is_file() else None)
+  return load_template(source.data.tokenizer.partition(':')[2], file)
+
+
 class ChatEval:
   """The held-out chats' loss on their assistant tokens and the exact match of greedy generation."""
 
@@ -146,7 +155,7 @@ def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = No
   train, held_out = split_chats(options)
   probe = source_config(options.init)
   tokenizer = load_tokenizer(probe)
-  template = load_template(probe.data.tokenizer.partition(':')[2], options.chat_template)
+  template = chat_template(options, probe)
   seq_len = int(parse_overrides(list(options.overrides)).get('data', {}).get('seq_len', probe.data.seq_len))
   rows, cut = pack_chats([encode_chat(tokenizer, template, c, options.train_on) for c in train], seq_len,
                          tokenizer.pad_id)

@@ -18,7 +18,7 @@ from lm.data.tokenizers import HFTokenizer
 from lm.jobs.chat.dpo import DPOLoss, DPOSettings, Reference, dpo_config, finetune_dpo, pair_rows
 from lm.jobs.chat.sft import ChatOptions
 from lm.train.init_from import initial_state
-from tests.jobs.chat.test_sft import WORDS
+from tests.jobs.chat.conftest import WORDS
 
 METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins', 'logps/chosen',
            'logps/rejected')
@@ -98,25 +98,27 @@ def test_loss_and_rewards_equal_trl(tiny_llama, other_llama, tmp_path, loss_type
 
 
 @pytest.mark.long(1)
-def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, tmp_path):
-  """On held-out pairs rewards/accuracies rises from 0 (the policy is its reference) above 0.9. Scoring the reference
-  per batch from its frozen params (`frozen`) trains as scoring it once (`precomputed`); either way the
-  checkpointed state is the policy's alone (the items and trees of any training state)."""
+def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, echo_sft, tmp_path):
+  """From the SFT run (its template read from the run dir), held-out rewards/accuracies rises from 0 (the policy is
+  its reference) above 0.9. Scoring the reference per batch from its frozen params (`frozen`) trains as scoring it
+  once (`precomputed`); either way the checkpointed state is the policy's alone (the items and trees of any
+  training state)."""
   preference_pairs(tmp_path / 'train.jsonl', 256, 0)
   preference_pairs(tmp_path / 'eval.jsonl', 32, 1)
   common = ('data.seq_len=32', 'train.global_batch=16', 'optim.learning_rate=1e-3')
+  assert cli.main(['finetune', '--task', 'dpo', '--init', str(echo_sft / 'run'), '--data',
+                   str(tmp_path / 'train.jsonl'), '--eval-data', str(tmp_path / 'eval.jsonl'), '--beta', '0.5',
+                   *common, 'train.steps=100', 'train.eval_every=100', f'train.run_dir={tmp_path}/learned']) == 0
+  records = [json.loads(line) for line in (tmp_path / 'learned' / 'metrics.jsonl').read_text().splitlines()]
+  start, end = (next(r for r in records if r['step'] == s and 'eval/loss' in r) for s in (0, 100))
+  assert start['eval/rewards/accuracies'] == 0 and end['eval/rewards/accuracies'] > 0.9, (start, end)
+  assert end['eval/rewards/margins'] > 0 and end['eval/loss'] < start['eval/loss']
 
   def run(name, reference, steps):
     overrides = (*common, f'train.steps={steps}', f'train.eval_every={steps}', f'train.run_dir={tmp_path}/{name}')
     options = ChatOptions(data=str(tmp_path / 'train.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
                           init=str(tiny_llama), overrides=overrides)
     return finetune_dpo(options, DPOSettings(beta=0.5, reference=reference))
-  result = run('learned', 'precomputed', 100)
-  records = [json.loads(line) for line in (tmp_path / 'learned' / 'metrics.jsonl').read_text().splitlines()]
-  start = next(r for r in records if r['step'] == 0)
-  assert start['eval/rewards/accuracies'] == 0 and result['eval/rewards/accuracies'] > 0.9, (start, result)
-  assert result['eval/rewards/margins'] > 0 and result['eval/loss'] < start['eval/loss']
-
   run('frozen', 'frozen', 4)
   run('precomputed', 'precomputed', 4)
   losses = lambda name: [(r['step'], r['loss'], r['rewards/margins']) for r in map(

@@ -9,7 +9,7 @@ from lm.jobs.chat.dpo import DPOSettings, finetune_dpo
 from lm.jobs.chat.sft import ChatOptions, finetune_sft
 from lm.train.timing import is_timing
 from tests.jobs.chat.test_dpo import preference_pairs
-from tests.jobs.chat.test_sft import echo_chats
+from tests.jobs.chat.conftest import echo_chats
 from tests.jobs.glue.test_resume import stop_at
 
 COMMON = ('data.seq_len=32', 'train.global_batch=8', 'train.steps=6', 'train.checkpoint.every=3', 'train.log_every=1',

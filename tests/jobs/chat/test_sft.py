@@ -8,44 +8,26 @@ import pytest
 import transformers
 
 from lm import cli
-from lm.jobs.chat.sft import ChatOptions, finetune_sft
+from lm.jobs.chat.sft import ChatOptions
 from lm.storage.run_dir import CHAT_TEMPLATE
 from tests.data.test_chat import MARKED
-
-WORDS = ['quick', 'brown', 'fox', 'jumps', 'over', 'lazy', 'dog', 'river', 'stone', 'cloud', 'green', 'table',
-         'light', 'paper', 'music', 'water', 'house', 'night', 'bread', 'plant']
-
-
-def echo_chats(path, count, seed):
-  rng = np.random.default_rng(seed)
-  with open(path, 'w') as f:
-    for word in rng.choice(WORDS, count):
-      f.write(json.dumps({'messages': [{'role': 'user', 'content': f'echo {word}'},
-                                       {'role': 'assistant', 'content': str(word)}]}) + '\n')
-
+from tests.jobs.chat.conftest import echo_chats
 
 @pytest.mark.long(1)
-def test_sft_learns_to_echo_a_word(tiny_llama, tmp_path):
+def test_sft_learns_to_echo_a_word(echo_sft, tmp_path):
   """Exact-answer accuracy on held-out chats rises from its start (a random model) to nearly all; the run keeps
   the template it rendered with."""
-  echo_chats(tmp_path / 'train.jsonl', 320, 0)
-  echo_chats(tmp_path / 'eval.jsonl', 16, 1)
-  options = ChatOptions(data=str(tmp_path / 'train.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
-                        init=str(tiny_llama), overrides=('data.seq_len=64', 'optim.learning_rate=3e-3',
-                                                         'train.steps=120', 'train.eval_every=120',
-                                                         f'train.run_dir={tmp_path}/run'))
-  result = finetune_sft(options)
-  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
-  start = next(r for r in records if r['step'] == 0)
-  assert start['eval/exact_match'] <= 0.1 and result['eval/exact_match'] >= 0.9, (start, result)
-  assert result['eval/loss'] < 0.1 * start['eval/loss']
-  assert (tmp_path / 'run' / CHAT_TEMPLATE).read_text() == MARKED
+  records = [json.loads(line) for line in (echo_sft / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  start, end = (next(r for r in records if r['step'] == s and 'eval/loss' in r) for s in (0, 120))
+  assert start['eval/exact_match'] <= 0.1 and end['eval/exact_match'] >= 0.9, (start, end)
+  assert end['eval/loss'] < 0.1 * start['eval/loss']
+  assert (echo_sft / 'run' / CHAT_TEMPLATE).read_text() == MARKED
 
   # Exported, the model chats in transformers: its template and tokenizer travel with it.
-  assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(tmp_path / 'run')]) == 0
+  assert cli.main(['convert', '--to-hf', str(tmp_path / 'hf'), '--from', str(echo_sft / 'run')]) == 0
   tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / 'hf')
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'hf')
-  chats = [json.loads(line)['messages'] for line in (tmp_path / 'eval.jsonl').read_text().splitlines()]
+  chats = [json.loads(line)['messages'] for line in (echo_sft / 'eval.jsonl').read_text().splitlines()]
   for chat in chats[:4]:
     prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, return_tensors='pt',
                                            return_dict=True)
