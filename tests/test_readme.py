@@ -76,6 +76,10 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
     'tests/bench/test_compile_table.py::test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits',
   'lm finetune --task glue --data-dir glue_data --init path/to/bert-base-uncased':
     'tests/jobs/glue/test_finetune.py::test_glue_from_an_hf_bert_writes_every_leaderboard_file',
+  'lm finetune --task sft --init path/to/chat_model':  # the chat model and files the user brings: tests/jobs/chat
+    'tests/jobs/chat/test_sft.py::test_sft_learns_to_echo_a_word',
+  'lm finetune --task dpo --init runs/sft/chat_model':
+    'tests/jobs/chat/test_dpo.py::test_dpo_learns_to_prefer_and_the_reference_is_data',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
     'tests/jobs/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }

@@ -9,6 +9,7 @@ import transformers
 
 from lm import cli
 from lm.jobs.chat.sft import ChatOptions
+from lm.jobs.chat.sweep import RESULT
 from lm.storage.run_dir import CHAT_TEMPLATE
 from tests.data.test_chat import MARKED
 from tests.jobs.chat.conftest import echo_chats
@@ -91,6 +92,14 @@ def test_a_sweep_over_learning_rates_compares_held_out_loss(tiny_llama, tmp_path
   losses = {label: point['eval/loss'] for label, point in report['points'].items()}
   assert sorted(losses) == ['learning_rate=1e-5', 'learning_rate=3e-3']
   assert report['best_point'] == min(losses, key=losses.get) == 'learning_rate=3e-3'
+  assert all((tmp_path / 'runs' / 'sweep' / label / RESULT).is_file() for label in losses)
   capsys.readouterr()
   assert cli.main(argv) == 0
   assert capsys.readouterr().out.count('done, skipped') == 2
+
+
+def test_a_sweep_needs_held_out_chats(tiny_llama, tmp_path, capsys):
+  echo_chats(tmp_path / 'train.jsonl', 8, 0)
+  assert cli.main(['finetune', '--task', 'sft', '--init', str(tiny_llama), '--data', str(tmp_path / 'train.jsonl'),
+                   '--sweep', 'optim.learning_rate=1e-5,3e-3']) == 2
+  assert '--sweep compares held-out results: pass --eval-data GLOB or --eval-fraction F' in capsys.readouterr().err
