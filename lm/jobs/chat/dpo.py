@@ -17,6 +17,7 @@ rewards/accuracies, rewards/margins, logps/chosen and /rejected, averaged over p
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Sequence
@@ -29,10 +30,10 @@ from lm.assembly import Assembly, assemble
 from lm.config import Config, ConfigError, from_dict
 from lm.data.pipeline import HostRows, global_rows
 from lm.data.preference import Pair, encode_pair, read_pairs
-from lm.jobs.chat.sft import ChatOptions, chat_template, sft_config
+from lm.jobs.chat.sft import ChatOptions, RunFiles, chat_template, sft_config
 from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.models.family import scoring_of
-from lm.train.callbacks import Evaluate
+from lm.train.callbacks import Callback, Evaluate
 from lm.train.init_from import initial_state
 from lm.train.loop import Trainer
 from lm.train.step import make_score_step
@@ -179,29 +180,21 @@ def dpo_config(options: ChatOptions, num_pairs: int) -> Config:
   return from_dict(values)
 
 
-def _settled(run_dir: Any, settings: DPOSettings, resume: bool) -> None:
-  """Records the settings in a new run; a resumed run must train with the ones it was started with."""
-  path = run_dir / SETTINGS_FILE
-  if resume and path.exists():
-    saved = json.loads(path.read_text())
-    if saved != asdict(settings):
-      changed = ', '.join(f'{k} {saved.get(k)} -> {v}' for k, v in asdict(settings).items() if saved.get(k) != v)
-      raise ConfigError(f'{run_dir} was trained with other DPO settings ({changed}); resume with the same ones')
-  run_dir.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(asdict(settings)))
-
-
-def _reference_logps(run_dir: Any, reference: Reference, rows: dict[str, np.ndarray]) -> np.ndarray:
-  """The reference's log-probabilities of every training pair: read from the run dir, else scored and kept."""
-  path = run_dir / REFERENCE_FILE
+def _reference_logps(run_dir: Any, reference: Reference, rows: dict[str, np.ndarray], init: str) -> np.ndarray:
+  """The reference's log-probabilities of every training pair: read from the run dir when they were scored for
+  these rows and this init (a resumed run), else scored and kept."""
+  path, mark = run_dir / REFERENCE_FILE, hashlib.sha256(init.encode())
+  for key in ROWS:
+    mark.update(np.ascontiguousarray(rows[key]).tobytes())
   if path.exists():
     with np.load(path) as saved:
-      if saved['logps'].shape == (len(rows['inputs']), 2):
+      if str(saved['rows']) == mark.hexdigest():
         return saved['logps']
   logps = reference.of_rows(rows)
   if jax.process_index() == 0:
+    run_dir.mkdir(parents=True, exist_ok=True)
     with open(path, 'wb') as f:
-      np.savez(f, logps=logps)
+      np.savez(f, logps=logps, rows=np.array(mark.hexdigest()))
   return logps
 
 
@@ -224,13 +217,14 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   assembly = assemble(config, devices)
   loss = DPOLoss(assembly, settings)
   trainer = Trainer(assembly, loss, run_dir=config.run_dir)
-  _settled(config.run_dir, settings, config.train.resume)
   reference = Reference(assembly, initial_state(assembly, options.init).state.params)
   rows = pair_rows(assembly, pairs, tokenizer.pad_id)
-  callbacks = [Evaluate(PairEval(loss, pair_rows(assembly, held, tokenizer.pad_id), reference),
-                        config.train.eval_every, at_start=True)] if held else []
+  callbacks: list[Callback] = [RunFiles(config.run_dir, {SETTINGS_FILE: json.dumps(asdict(settings)) + '\n'})]
+  if held:
+    callbacks.append(Evaluate(PairEval(loss, pair_rows(assembly, held, tokenizer.pad_id), reference),
+                              config.train.eval_every, at_start=True))
   if settings.reference == 'precomputed':
-    stream = position = HostRows({**rows, 'ref_logps': _reference_logps(config.run_dir, reference, rows)},
+    stream = position = HostRows({**rows, 'ref_logps': _reference_logps(config.run_dir, reference, rows, options.init)},
                                  config.train.global_batch, config.train.seed, assembly.mesh)
     reference.params = None  # every log-probability it gives is taken: its params leave the devices
   else:

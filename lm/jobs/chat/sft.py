@@ -27,7 +27,7 @@ from lm.data.pipeline import HostRows, global_rows
 from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.jobs.generate import decoding, generate
 from lm.storage.run_dir import CHAT_TEMPLATE
-from lm.train.callbacks import Evaluate
+from lm.train.callbacks import Callback, Evaluate
 from lm.train.init_from import initial_state
 from lm.train.loop import Trainer
 from lm.train.step import PretrainingLoss, make_eval_step
@@ -95,6 +95,23 @@ def split_chats(options: ChatOptions) -> tuple[list[list[Message]], list[list[Me
   return [chats[i] for i in sorted(order[held:])], [chats[i] for i in sorted(order[:held])]
 
 
+class RunFiles(Callback):
+  """Files a job keeps in its run dir (the chat template, the DPO settings), written once the run has started; a
+  resumed run must have been trained with the same."""
+
+  def __init__(self, run_dir: Any, files: dict[str, str]):
+    self.run_dir, self.files = run_dir, files
+
+  def start(self, step, state, history):
+    for name, text in self.files.items():
+      path = self.run_dir / name
+      if step and path.exists() and path.read_text() != text:
+        raise ConfigError(f'{self.run_dir} was trained with another {name}; resume it with the same one')
+      if jax.process_index() == 0:
+        path.write_text(text)
+    return []
+
+
 def chat_template(options: ChatOptions, source: Config) -> ChatTemplate:
   """`--chat-template`, else the template a chat fine-tune `--init` rendered with (RUN/chat_template.jinja), else
   the source tokenizer's own."""
@@ -156,7 +173,7 @@ def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = No
   probe = source_config(options.init)
   tokenizer = load_tokenizer(probe)
   template = chat_template(options, probe)
-  seq_len = int(parse_overrides(list(options.overrides)).get('data', {}).get('seq_len', probe.data.seq_len))
+  seq_len = sft_config(options, 1).data.seq_len  # the run's rows: the steps follow from how many there are
   rows, cut = pack_chats([encode_chat(tokenizer, template, c, options.train_on) for c in train], seq_len,
                          tokenizer.pad_id)
   config = sft_config(options, len(rows['inputs']))
@@ -166,12 +183,10 @@ def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = No
         f'{config.train.global_batch}; outputs in {config.run_dir}', flush=True)
   assembly = assemble(config, devices)
   trainer = Trainer(assembly, PretrainingLoss(assembly), run_dir=config.run_dir)
-  callbacks = []
+  callbacks: list[Callback] = [RunFiles(config.run_dir, {CHAT_TEMPLATE: template.source})]
   if held_out:
     evaluate = ChatEval(trainer, tokenizer, template, held_out, options.train_on, options.eval_generate)
     callbacks.append(Evaluate(evaluate, config.train.eval_every, at_start=True))
-  config.run_dir.mkdir(parents=True, exist_ok=True)
-  (config.run_dir / CHAT_TEMPLATE).write_text(template.source)
   records = trainer.run(HostRows(rows, config.train.global_batch, config.train.seed, assembly.mesh),
                         lambda: initial_state(assembly, options.init).state, callbacks)
   if trainer.stopped_at is not None:

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from lm.config import ConfigError
 from lm.jobs.chat.dpo import DPOSettings, finetune_dpo
 from lm.jobs.chat.sft import ChatOptions, finetune_sft
 from lm.train.timing import is_timing
@@ -29,12 +30,12 @@ def test_sigterm_and_resume_and_one_device_equal_the_straight_run(task, tiny_lla
   data = tmp_path / 'data.jsonl'
   (echo_chats if task == 'sft' else preference_pairs)(data, 48, 0)
 
-  def run(name, devices, *extra):
+  def run(name, devices, *extra, beta=0.5):
     options = ChatOptions(data=str(data), init=str(tiny_llama),
                           overrides=(*COMMON, f'train.run_dir={tmp_path / name}', *extra))
     if task == 'sft':
       return finetune_sft(options, devices)
-    return finetune_dpo(options, DPOSettings(beta=0.5), devices)
+    return finetune_dpo(options, DPOSettings(beta=beta), devices)
   mesh = ('mesh.data=2', 'mesh.fsdp=2')
   run('straight', jax.devices()[:4], *mesh)
   stop_at(monkeypatch, 4)
@@ -48,3 +49,6 @@ def test_sigterm_and_resume_and_one_device_equal_the_straight_run(task, tiny_lla
   losses = lambda name: [r['loss'] for r in records(tmp_path / name) if 'loss' in r]
   assert len(losses('one')) == 6
   np.testing.assert_allclose(losses('one'), losses('straight'), rtol=1e-5)
+  if task == 'dpo':  # the settings a run was trained with are kept, and a resume must keep them
+    with pytest.raises(ConfigError, match=f'{tmp_path}/stopped was trained with another dpo.json; resume it with'):
+      run('stopped', jax.devices()[:4], *mesh, 'train.resume=true', beta=0.1)
