@@ -39,6 +39,19 @@ def tiny_llama(chat_tokenizer):  # noqa: F811
 
 
 @pytest.fixture(scope='session')
+def tiny_gpt2(chat_tokenizer):  # noqa: F811
+  """A random 2-layer GPT-2 beside the chat tokenizer."""
+  def build(directory):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+  return built_once('chat_tiny_gpt2', build)
+
+
+@pytest.fixture(scope='session')
 def echo_sft(tiny_llama):
   """`lm finetune --task sft` of the tiny Llama on 320 echo chats (120 steps), 16 held out: DIR/run."""
   def build(directory):

@@ -47,19 +47,23 @@ def test_sft_refuses_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
   assert '--data go with --task sft or dpo' in capsys.readouterr().err
 
 
-def test_packed_chats_never_attend_across_each_other(tiny_llama):
+@pytest.mark.parametrize('model', ['tiny_llama', 'tiny_gpt2'])
+@pytest.mark.variants
+def test_packed_chats_never_attend_across_each_other(model, request):
   """Three chats packed into one row: each one's per-token log-probabilities equal those of the chat alone in a
-  row of its own (1e-5), so no chat sees another; the weights are the assistant masks."""
+  row of its own (1e-5), so no chat sees another (rotary or learned positions restart at each); the weights are
+  the assistant masks."""
+  hf_dir = request.getfixturevalue(model)
   from lm.assembly import assemble
   from lm.data.chat import encode_chat, load_template, pack_chats
   from lm.data.tokenizers import HFTokenizer
   from lm.jobs.chat.sft import sft_config
   from lm.train.init_from import initial_state
-  options = ChatOptions(data='', init=str(tiny_llama), overrides=('data.seq_len=96', 'model.execution.dtype=float32',
+  options = ChatOptions(data='', init=str(hf_dir), overrides=('data.seq_len=96', 'model.execution.dtype=float32',
                                                                   'train.global_batch=8'))
   assembly = assemble(sft_config(options, 1))
-  params = initial_state(assembly, str(tiny_llama)).state.params
-  tokenizer, template = HFTokenizer(tiny_llama), load_template(tiny_llama)
+  params = initial_state(assembly, str(hf_dir)).state.params
+  tokenizer, template = HFTokenizer(hf_dir), load_template(hf_dir)
   chats = [encode_chat(tokenizer, template, [{'role': 'user', 'content': f'echo {w}'},
                                              {'role': 'assistant', 'content': w}]) for w in ('quick', 'fox', 'lazy')]
   packed, cut = pack_chats(chats, 96, tokenizer.pad_id)
