@@ -33,6 +33,7 @@ from lm.data.preference import Pair, encode_pair, read_pairs
 from lm.jobs.chat.sft import ChatOptions, RunFiles, chat_template, sft_config
 from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.models.family import scoring_of
+from lm.parallel.rules import sharding_context
 from lm.train.callbacks import Callback, Evaluate
 from lm.train.init_from import initial_state
 from lm.train.loop import Trainer
@@ -150,7 +151,10 @@ class PairEval:
 
   def __init__(self, loss: DPOLoss, rows: dict[str, np.ndarray], reference: Reference):
     self.loss, self.rows = loss, {**rows, 'ref_logps': reference.of_rows(rows)}
-    self.step = jax.jit(lambda params, batch: loss(params, batch, None, loss.totals(batch))[1])
+    def sums(params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+      with sharding_context(loss.assembly.mesh):  # the layers' sharding constraints, as in the train step
+        return loss(params, batch, None, loss.totals(batch))[1]
+    self.step = jax.jit(sums, in_shardings=(loss.assembly.shardings.params, None))
 
   def __call__(self, params: Any, step: int) -> dict[str, float]:
     a = self.loss.assembly
