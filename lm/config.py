@@ -37,6 +37,9 @@ ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
+# The activations a layer names for remat (`jax.ad_checkpoint.checkpoint_name`): its input, and the projection
+# outputs remat=projections keeps; model.execution.offload moves any of them to host memory instead.
+OFFLOADABLE = ('layer_input', 'query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
 Init = Literal['scaled_normal', 'fan_in']
 Parametrization = Literal['standard', 'mup']  # mup: Yang et al. 2022 (see lm.models.parametrization)
 Source = Literal['embedded', 'text', 'jsonl', 'parquet', 'hf', 'tokenized', 'tfds']
@@ -185,12 +188,19 @@ class ExecutionConfig:
   attention_block_k: int = 128
   scan_layers: bool = True  # the layers as one scanned layer (one trace and compile of a layer)
   remat: Remat = 'none'
+  offload: tuple[str, ...] = ()  # activations remat saves in host memory (pinned_host) until the backward pass
   loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
 
   def check(self) -> None:
     if self.loss_chunk < 0:
       raise ConfigError(f'model.execution.loss_chunk={self.loss_chunk} must be >= 0 (0: the output layer untiled)')
+    unknown = [name for name in self.offload if name not in OFFLOADABLE]
+    if unknown:
+      raise ConfigError(f'model.execution.offload names {", ".join(unknown)}; choose among: {", ".join(OFFLOADABLE)}')
+    if self.offload and self.remat not in ('full', 'projections'):
+      raise ConfigError(f'model.execution.offload moves to host memory what remat keeps for the backward pass; with '
+                        f'remat={self.remat} set model.execution.remat=full (layer inputs) or projections')
     if self.attention_block_q <= 0 or self.attention_block_k <= 0:
       raise ConfigError(f'model.execution.attention_block_q={self.attention_block_q} and attention_block_k='
                         f'{self.attention_block_k} must be positive (the flash kernels\' block sizes)')
@@ -728,7 +738,8 @@ RENAMED = {
     'theta', 'scaling', 'factor', 'original_max_len', 'low_freq_factor', 'high_freq_factor', 'beta_fast', 'beta_slow',
     'attention_factor')},
   **{f'model.mup_{f.name}': f'model.mup.{f.name}' for f in dataclasses.fields(MupConfig)},
-  **{f'model.{f.name}': f'model.execution.{f.name}' for f in dataclasses.fields(ExecutionConfig)},
+  **{f'model.{name}': f'model.execution.{name}' for name in (  # the fields grouped; later ones have no flat spelling
+    'dtype', 'attention_impl', 'attention_block_q', 'attention_block_k', 'scan_layers', 'remat', 'loss_chunk')},
   'train.checkpoint_every': 'train.checkpoint.every',
   'train.checkpoint_every_minutes': 'train.checkpoint.every_minutes',
   'train.keep_checkpoints': 'train.checkpoint.keep', 'train.keep_every': 'train.checkpoint.keep_every',

@@ -117,6 +117,10 @@ def test_parse_overrides_nested():
   (['train.max_rollbacks=-2'], 'train.max_rollbacks=-2 must be >= 0'),
   (['train.hang_timeout_minutes=-1'], 'train.hang_timeout_minutes=-1.0 must be >= 0 (0: off)'),
   (['train.join_timeout_minutes=0'], 'train.join_timeout_minutes=0.0 > 0'),
+  (['model.execution.offload=[layer_input]'], 'with remat=none set model.execution.remat=full (layer inputs) or'),
+  (['model.execution.remat=dots', 'model.execution.offload=[mlp_out]'], 'with remat=dots set model.execution.remat'),
+  (['model.execution.remat=full', 'model.execution.offload=[residual]'],
+   'model.execution.offload names residual; choose among: layer_input, query_proj'),
   (['train.local_checkpoint_dir=/tmp/x'], 'train.local_checkpoint_every=0 go together: set both'),
   (['train.local_checkpoint_every=5'], 'train.local_checkpoint_dir=None and train.local_checkpoint_every=5 go'),
   (['train.local_checkpoint_dir=/x', 'train.local_checkpoint_every=-5'], 'train.local_checkpoint_every=-5 go'),
@@ -229,3 +233,15 @@ def test_a_size_that_divides_gives_no_error():
   cfg = load_config('gpt_tiny', ['mesh.data=2', 'mesh.fsdp=4', 'train.global_batch=32', 'train.microbatches=4',
                                  'model.vocab_size=264'])
   make_train_step(a := assemble(cfg, jax.devices()), PretrainingLoss(a))
+
+
+def test_offload_needs_host_memory_the_devices_address():
+  """model.execution.offload on a platform whose devices list no pinned_host memory: one line."""
+  from types import SimpleNamespace
+  from lm.assembly import check_offload
+  memories = lambda *kinds: lambda: [SimpleNamespace(kind=k) for k in kinds]
+  cpu = SimpleNamespace(platform='cpu', addressable_memories=memories('device', 'pinned_host'))
+  check_offload(('layer_input',), cpu)
+  with pytest.raises(ConfigError, match=r"offload=\['layer_input'\] needs host memory the gpu devices can address "
+                                        r"\(pinned_host; they have device\); drop it on this platform"):
+    check_offload(('layer_input',), SimpleNamespace(platform='gpu', addressable_memories=memories('device')))

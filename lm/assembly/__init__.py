@@ -20,7 +20,7 @@ from lm.assembly import accounting
 from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
 from lm.assembly.state import TrainState, abstract_state, abstract_window, make_init_fn, shardings_of, \
   with_fresh_window
-from lm.config import Config
+from lm.config import Config, ConfigError
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
 from lm.models.moe import fixed_params
@@ -66,11 +66,24 @@ class Assembly:
                                       self.config.train.causal_attention_flops)
 
 
+def check_offload(offload: Sequence[str], device: Any) -> None:
+  """model.execution.offload needs host memory the device can address (pinned_host); a compile-only device that
+  lists no memories is taken at its word."""
+  try:
+    kinds = {memory.kind for memory in device.addressable_memories()}
+  except (AttributeError, RuntimeError, NotImplementedError):
+    return
+  if offload and 'pinned_host' not in kinds:
+    raise ConfigError(f'model.execution.offload={list(offload)} needs host memory the {device.platform} devices can '
+                      f'address (pinned_host; they have {", ".join(sorted(kinds))}); drop it on this platform')
+
+
 def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None) -> Assembly:
   """Builds everything but data for `config` on `devices` (default: all), or on an existing `mesh`."""
   family = get_family(check_config(config).model.family)
   check_param_groups(config.optim, config.model)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
+  check_offload(config.model.execution.offload, mesh.devices.flat[0])
   model = family.build(config.model)
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
   params = abstract_params(model, mesh)

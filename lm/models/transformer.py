@@ -3,27 +3,40 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lm.config import ModelConfig
+from lm.config import ExecutionConfig, ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
 from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.rules import constrain
 
+PROJECTIONS = ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
 REMAT_POLICIES = {
   'full': None,  # save nothing inside a block; recompute it all in the backward pass
   'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  'projections': jax.checkpoint_policies.save_only_these_names(
-    'query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out'),
+  'projections': jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
 }
+
+
+def remat_policy(execution: ExecutionConfig) -> Callable | None:
+  """`execution.remat`'s policy; with `execution.offload`, the tensors it names are kept in host memory
+  (pinned_host) instead: what the policy saves, or (remat=full) what it would recompute or take from the
+  layer's stacked inputs."""
+  if not execution.offload:
+    return REMAT_POLICIES[execution.remat]
+  saved = PROJECTIONS if execution.remat == 'projections' else ()
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[n for n in saved if n not in execution.offload],
+    names_which_can_be_offloaded=list(execution.offload), offload_src='device', offload_dst='pinned_host')
 
 
 class Block(nn.Module):
@@ -45,6 +58,7 @@ class Block(nn.Module):
                bias: jax.Array | None, encoded: jax.Array | None, encoded_segment_ids: jax.Array | None,
                deterministic: bool, decode: bool, layer: int | jax.Array = 0) -> tuple[jax.Array, None]:
     cfg = self.cfg
+    x = checkpoint_name(x, 'layer_input')  # what remat keeps of a layer (model.execution.offload may move it)
     dtype, param_dtype = DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype]
     inits = Init(cfg, self.num_layers)
     norm = lambda name: make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name, cfg.norm_plus_one)
@@ -114,7 +128,7 @@ class Stack(nn.Module):
       # static_argnums counts self: (self, x, segment_ids, positions, bias, encoded, encoded_segment_ids,
       # deterministic, decode).
       # an unrolled layer's index is static too: its window is then known when it is traced
-      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.execution.remat], prevent_cse=not cfg.execution.scan_layers,
+      block = nn.remat(Block, policy=remat_policy(cfg.execution), prevent_cse=not cfg.execution.scan_layers,
                        static_argnums=(7, 8) if cfg.execution.scan_layers else (7, 8, 9))
     args = (segment_ids, positions, bias, encoded, encoded_segment_ids, deterministic, decode)
     routed = [cfg.moe.routed(i) for i in range(self.num_layers)]

@@ -145,3 +145,22 @@ def test_hidden_dropout_drops_at_its_rate_and_rescales_the_rest():
   assert abs(dropped - p) < 5 * np.sqrt(p * (1 - p) / live.sum())
   kept = live & (y != 0)
   np.testing.assert_allclose(y[kept], x[kept] / (1 - p), rtol=1e-6)
+
+
+@pytest.mark.parametrize('remat, offload', [('full', 'layer_input'), ('projections', 'query_proj,mlp_out'),
+                                            ('full', 'layer_input,attention_out')])
+@pytest.mark.variants
+def test_offloaded_remat_keeps_loss_and_gradients_and_moves_them_to_host(remat, offload):
+  """What remat keeps for the backward pass, kept in host memory instead (model.execution.offload): the loss and
+  every gradient equal the device-memory remat's (float32, 1e-6 relative); the program moves the named activations to the
+  host (their residuals typed <host>) and back, which the device remat never does."""
+  _, model, params = make(f'model.execution.remat={remat}')
+  _, offloaded, _ = make(f'model.execution.remat={remat}', f'model.execution.offload=[{offload}]')
+  x = tokens(4)
+  loss = lambda m: lambda p: jnp.mean(jax.nn.log_softmax(m.apply({'params': p}, x))[..., 5])
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss(m)))(params) for m in (model, offloaded))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  flat = lambda g: np.concatenate([np.ravel(np.asarray(leaf, np.float64)) for leaf in jax.tree.leaves(g)])
+  assert np.linalg.norm(flat(g1) - flat(g0)) <= 1e-6 * np.linalg.norm(flat(g0))  # fusions round apart
+  host = lambda m: str(jax.make_jaxpr(jax.grad(loss(m)))(params)).count('MemorySpace.Host')
+  assert host(model) == 0 and host(offloaded) >= 1
