@@ -37,6 +37,7 @@ ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
+Quantization = Literal['none', 'int8']
 # The activations a layer names for remat (`jax.ad_checkpoint.checkpoint_name`): its input, and the projection
 # outputs remat=projections keeps; model.execution.offload moves any of them to host memory instead.
 OFFLOADABLE = ('layer_input', 'query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
@@ -246,6 +247,7 @@ class ModelConfig:
   # query_pre_attn_scalar)
   norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
   parallel_residual: bool = False  # attention and MLP both read the block's input, their outputs added to it
+  quantization: Quantization = 'none'  # int8: the attention and MLP projections' forward matmuls in int8
   # (GPT-J, GPT-NeoX's use_parallel_residual)
   tie_embeddings: bool = True
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
@@ -958,6 +960,9 @@ def _check_model(config: Config) -> None:
     raise ConfigError(f'model.clip_qkv={m.clip_qkv} must be >= 0 (0: no clipping)')
   m.mup.check(m.parametrization, m.d_model)
   m.moe.check(m.num_layers)
+  if m.quantization == 'int8' and m.moe.num_experts:
+    raise ConfigError('model.quantization=int8 covers dense projections; the routed experts\' grouped matmuls '
+                      '(model.moe) have no int8 path: drop one of them')
   _check_window_and_softcap(config)
   if m.position == 'learned' and d.seq_len > m.max_len:
     raise ConfigError(

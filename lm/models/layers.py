@@ -19,6 +19,7 @@ from lm.config import ModelConfig
 from lm.models.parametrization import Init
 from lm.models.rope import Rope, rotary
 from lm.ops import mixed
+from lm.ops.int8 import int8_matmul
 from lm.ops.attention import attention
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -34,9 +35,10 @@ def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(x) if isinstance(x, Sequence) else (x,)
 
 
-def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...], dtype: Dtype) -> jax.Array:
+def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...], dtype: Dtype, quantized: bool = False
+               ) -> jax.Array:
   """Contracts `axis` of x with the leading dims of kernel as one [tokens, in] x [in, out] matmul in `dtype`
-  (float32 accumulation, `mixed.einsum`).
+  (float32 accumulation, `mixed.einsum`); `quantized`: in int8 (`lm.ops.int8`, trailing contracted axes).
 
   Keeping both the input and the output gradient 2D makes the kernel gradient a single
   matmul contracting over tokens, which XLA:CPU runs without materialising a transposed
@@ -50,8 +52,8 @@ def _matmul_2d(x: jax.Array, kernel: jax.Array, axis: tuple[int, ...], dtype: Dt
     x_out = ''.join(c for i, c in enumerate(letters) if i not in axis)
     return mixed.einsum(f'{letters},{k_in}{k_out}->{x_out}{k_out}', x, kernel, dtype=dtype)
   batch_shape, out_shape = x.shape[:x.ndim - n_in], kernel.shape[n_in:]
-  y = mixed.einsum('ti,io->to', x.reshape(-1, math.prod(kernel.shape[:n_in])),
-                   kernel.reshape(-1, math.prod(out_shape)), dtype=dtype)
+  x2, k2 = x.reshape(-1, math.prod(kernel.shape[:n_in])), kernel.reshape(-1, math.prod(out_shape))
+  y = int8_matmul(x2, k2, dtype) if quantized else mixed.einsum('ti,io->to', x2, k2, dtype=dtype)
   return y.reshape(batch_shape + out_shape)
 
 
@@ -64,6 +66,7 @@ class DenseGeneral(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.normal(0.02)
+  quantized: bool = False  # the matmul in int8 (model.quantization=int8)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -72,7 +75,7 @@ class DenseGeneral(nn.Module):
     kernel_shape = tuple(x.shape[a] for a in axis) + features
     kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
                         kernel_shape, self.param_dtype)
-    y = _matmul_2d(x, kernel, axis, self.dtype)
+    y = _matmul_2d(x, kernel, axis, self.dtype, self.quantized)
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
                         features, self.param_dtype)
@@ -206,10 +209,11 @@ class Mlp(nn.Module):
   inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  quantized: bool = False  # its matmuls in int8
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
     init = self.inits('mlp_in', ('embed', 'mlp'))
     if self.activation in GATED:
       act = ACTIVATIONS[GATED[self.activation]]
@@ -255,6 +259,7 @@ class Attention(nn.Module):
   inits: Init = STANDARD
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  quantized: bool = False  # its projections in int8
 
   @nn.compact
   def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
@@ -262,7 +267,7 @@ class Attention(nn.Module):
                bias: jax.Array | None = None, deterministic: bool = True, decode: bool = False,
                global_layer: bool | jax.Array = False) -> jax.Array:
     """`global_layer` (traced in a scanned stack) lifts the window: the layer attends to every earlier key."""
-    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
     kv_heads = self.num_kv_heads or self.num_heads
     projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
     q_axes = ('embed', 'heads', 'kv')

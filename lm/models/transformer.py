@@ -66,13 +66,14 @@ class Block(nn.Module):
     global_layer = (jnp.isin(layer, jnp.asarray(indices, jnp.int32)) if isinstance(layer, jax.Array)
                     else layer in indices) if indices else False
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
+    quantized = cfg.quantization == 'int8'
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
       qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_all_heads=cfg.qk_norm_scope == 'all_heads',
       clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.execution.attention_impl,
       block_q=cfg.execution.attention_block_q, block_k=cfg.execution.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
-      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, **kw)
+      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, quantized=quantized, **kw)
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode, global_layer=global_layer))]
@@ -86,7 +87,7 @@ class Block(nn.Module):
       branches.append(('mlp', lambda h: experts(h, mask)))
     else:
       branches.append(('mlp', Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
-                                  param_dtype=param_dtype, name='mlp')))
+                                  param_dtype=param_dtype, quantized=quantized, name='mlp')))
 
     if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it
       x = x + sum(drop(branch(norm(f'{name}_norm')(x))) for name, branch in branches)

@@ -27,6 +27,20 @@ PEAK_FLOPS = {
   'NVIDIA H200': 989e12,
 }
 
+# Dense int8 peak op/s per device (model.quantization=int8): twice bf16's from v5e on; v4 and bf16 alike.
+INT8_PEAK_OPS = {
+  'TPU v4': 275e12,
+  'TPU v5 lite': 394e12,
+  'TPU v5e': 394e12,
+  'TPU v5p': 918e12,
+  'TPU v5': 918e12,
+  'TPU v6 lite': 1836e12,
+  'TPU v6e': 1836e12,
+  'NVIDIA A100': 624e12,
+  'NVIDIA H100': 1979e12,
+  'NVIDIA H200': 1979e12,
+}
+
 # High-bandwidth memory per device, bytes (the largest variant where a chip comes in several).
 HBM_BYTES = {
   'TPU v4': 32 * 2**30,
@@ -64,9 +78,10 @@ def _lookup(table: dict[str, Any], device: jax.Device) -> Any:
   return table[max(matches, key=len)] if matches else None
 
 
-def peak_flops(device: jax.Device) -> float | None:
-  """Per-device peak for known accelerators (longest matching name), None for CPUs and unknown kinds."""
-  return _lookup(PEAK_FLOPS, device)
+def peak_flops(device: jax.Device, quantization: str = 'none') -> float | None:
+  """Per-device peak for known accelerators (longest matching name), None for CPUs and unknown kinds; the int8
+  peak for a model whose projections run in int8 (model.quantization=int8)."""
+  return _lookup(INT8_PEAK_OPS if quantization == 'int8' else PEAK_FLOPS, device)
 
 
 def hbm_bytes(device: jax.Device) -> int | None:

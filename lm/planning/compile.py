@@ -46,7 +46,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   physical = physical_topology(topology)
   devices = topology_devices(physical, num_slices)
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
-  peak, hbm = peak_flops(devices[0]), hbm_bytes(devices[0])
+  peak, hbm = peak_flops(devices[0], config.model.quantization), hbm_bytes(devices[0])
   if peak is None or hbm is None:
     raise ConfigError(f'no peak FLOP/s or HBM size on record for {devices[0].device_kind}; add it to '
                       f'PEAK_FLOPS and HBM_BYTES in lm/parallel/chips.py')

@@ -160,7 +160,7 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
   devices = topology_devices(physical_topology(topology), num_slices)
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
   d = devices[0]
-  chip = Chip(peak_flops(d), ici_bytes_per_s(d), hbm_bytes(d))
+  chip = Chip(peak_flops(d, config.model.quantization), ici_bytes_per_s(d), hbm_bytes(d))
   found = candidates(config, devices, chip, num_slices)
   ratio: dict[Candidate, float] = {}  # the candidate at one microbatch -> smallest compiled memory / estimate
   key = lambda c: dataclasses.replace(c, microbatches=1)

@@ -86,7 +86,7 @@ class Trainer:
     self.assembly, self.config, self.run_dir = assembly, assembly.config, epath.Path(run_dir)
     self.train_step = make_train_step(assembly, loss)
     t = self.config.train
-    peak = t.peak_flops or peak_flops(assembly.mesh.devices.flat[0])
+    peak = t.peak_flops or peak_flops(assembly.mesh.devices.flat[0], self.config.model.quantization)
     self.monitors: list[Callback] = [
       Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
                  peak),

@@ -164,3 +164,23 @@ def test_offloaded_remat_keeps_loss_and_gradients_and_moves_them_to_host(remat, 
   assert np.linalg.norm(flat(g1) - flat(g0)) <= 1e-6 * np.linalg.norm(flat(g0))  # fusions round apart
   host = lambda m: str(jax.make_jaxpr(jax.grad(loss(m)))(params)).count('MemorySpace.Host')
   assert host(model) == 0 and host(offloaded) >= 1
+
+
+@pytest.mark.parametrize('family', ['gpt', 'llama'])
+@pytest.mark.variants
+def test_int8_projections_stay_near_the_float_model(family):
+  """model.quantization=int8: the same params give logits within int8's rounding of the float model's (a few
+  percent), the program's projections are s8 x s8 -> s32 dots, and every param gets a gradient."""
+  preset = [] if family == 'gpt' else ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm',
+                                       'model.activation=swiglu', 'model.use_bias=false']
+  _, model, params = make(*preset)
+  _, int8, _ = make(*preset, 'model.quantization=int8')
+  x = tokens(6)
+  exact, quantized = logits_fn(model)(params, x), logits_fn(int8)(params, x)
+  error = np.linalg.norm(np.asarray(quantized) - np.asarray(exact)) / np.linalg.norm(np.asarray(exact))
+  assert 1e-4 < error < 5e-2, error
+  lowered = jax.jit(logits_fn(int8)).lower(params, x).as_text()
+  assert lowered.count('xi8>) -> tensor<') >= 4 and 'xi8>) -> tensor<' not in jax.jit(logits_fn(model)).lower(
+    params, x).as_text()
+  grads = jax.grad(lambda p: jnp.mean(logits_fn(int8)(p, x) ** 2))(params)
+  assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
