@@ -530,6 +530,8 @@ class TrainConfig:
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when checkpoints are written, kept
   local_checkpoint_dir: str | None = None  # a directory on each host's own disk: the fast local checkpoint tier
   local_checkpoint_every: int = 0  # steps between local checkpoints (with train.local_checkpoint_dir)
+  optimizer_offload: bool = False  # optimizer state in host memory (pinned_host) between steps, moved in to update
+  param_offload: bool = False  # params in host memory between steps, moved in for the step (and for evaluation)
   run_dir: str = 'runs/{name}'
   resume: bool = False
   progress: bool = True  # progress bar when stdout is a terminal

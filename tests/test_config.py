@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from lm import cli
-from lm.config import RENAMED, ConfigError, load_config, parse_overrides
+from lm.config import RENAMED, ConfigError, from_dict, load_config, parse_overrides
 from lm.assembly import assemble
 from lm.parallel.mesh import make_mesh
 from lm.train.step import PretrainingLoss, make_train_step
@@ -239,12 +239,19 @@ def test_a_size_that_divides_gives_no_error():
 
 
 def test_offload_needs_host_memory_the_devices_address():
-  """model.execution.offload on a platform whose devices list no pinned_host memory: one line."""
+  """Offloading (remat's saved tensors, optimizer state, params) on a platform whose devices list no pinned_host
+  memory: one line naming each setting."""
   from types import SimpleNamespace
   from lm.assembly import check_offload
   memories = lambda *kinds: lambda: [SimpleNamespace(kind=k) for k in kinds]
   cpu = SimpleNamespace(platform='cpu', addressable_memories=memories('device', 'pinned_host'))
-  check_offload(('layer_input',), cpu)
-  with pytest.raises(ConfigError, match=r"offload=\['layer_input'\] needs host memory the gpu devices can address "
+  gpu = SimpleNamespace(platform='gpu', addressable_memories=memories('device'))
+  remat = from_dict({'model': {'execution': {'remat': 'full', 'offload': ['layer_input']}}})
+  check_offload(remat, cpu)
+  with pytest.raises(ConfigError, match=r"offload=\['layer_input'\] need host memory the gpu devices can address "
                                         r"\(pinned_host; they have device\); drop it on this platform"):
-    check_offload(('layer_input',), SimpleNamespace(platform='gpu', addressable_memories=memories('device')))
+    check_offload(remat, gpu)
+  state = from_dict({'train': {'optimizer_offload': True, 'param_offload': True}})
+  with pytest.raises(ConfigError, match=r"^train.optimizer_offload=true and train.param_offload=true need host "):
+    check_offload(state, gpu)
+  check_offload(from_dict({}), gpu)

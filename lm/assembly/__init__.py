@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 
 from lm.assembly import accounting
 from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
-from lm.assembly.state import TrainState, abstract_state, abstract_window, make_init_fn, shardings_of, \
-  with_fresh_window
+from lm.assembly.state import TrainState, abstract_state, abstract_window, in_memory, is_offloaded, make_init_fn, \
+  offloaded, shardings_of, to_device, with_fresh_window
 from lm.config import Config, ConfigError
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
@@ -36,7 +36,7 @@ class Assembly:
   model: nn.Module
   tx: optax.GradientTransformation
   schedule: optax.Schedule
-  abstract_state: TrainState  # ShapeDtypeStructs carrying their NamedShardings
+  abstract_state: TrainState  # ShapeDtypeStructs carrying their NamedShardings: where the state rests between steps
   views: dict[str, ParamsView]  # the optimizer's: 'model' (what a model is evaluated with), 'ema' when kept
 
   @property
@@ -45,11 +45,31 @@ class Assembly:
 
   @property
   def abstract_params(self) -> Any:
-    return self.abstract_state.params
+    """The params as a model is evaluated with them: on the devices (also under train.param_offload)."""
+    return self.on_device.params
+
+  @property
+  def params_shardings(self) -> Any:
+    return shardings_of(self.abstract_params)
+
+  @functools.cached_property
+  def on_device(self) -> TrainState:
+    """The abstract state with everything in device memory (`abstract_state` where nothing is offloaded)."""
+    return in_memory(self.abstract_state, 'device') if is_offloaded(self.abstract_state) else self.abstract_state
 
   def params_of(self, state: TrainState, view: str = 'model') -> Any:
-    """The params `view` (see `views`) makes of a train state."""
-    return self.views[view].of(state.params, state.opt_state)
+    """The params `view` (see `views`) makes of a train state, on the devices."""
+    if not is_offloaded(self.abstract_state):
+      return self.views[view].of(state.params, state.opt_state)
+    if view not in self._view_fns:  # one program, so only what the view reads of offloaded state comes in
+      rest = self.abstract_state
+      self._view_fns[view] = jax.jit(lambda params, opt_state: self.views[view].of(
+        to_device(params, rest.params), to_device(opt_state, rest.opt_state)), out_shardings=self.params_shardings)
+    return self._view_fns[view](state.params, state.opt_state)
+
+  @functools.cached_property
+  def _view_fns(self) -> dict[str, Any]:
+    return {}
 
   def init_state(self, rng: jax.Array | None = None) -> TrainState:
     """Fresh state from `rng` (default: the config's seed), each device creating only its shards."""
@@ -66,16 +86,19 @@ class Assembly:
                                       self.config.train.causal_attention_flops)
 
 
-def check_offload(offload: Sequence[str], device: Any) -> None:
-  """model.execution.offload needs host memory the device can address (pinned_host); a compile-only device that
-  lists no memories is taken at its word."""
+def check_offload(config: Config, device: Any) -> None:
+  """Offloading (model.execution.offload, train.optimizer_offload, train.param_offload) needs host memory the
+  device can address (pinned_host); a compile-only device that lists no memories is taken at its word."""
+  asked = ([f'model.execution.offload={list(config.model.execution.offload)}'] if config.model.execution.offload
+           else []) + [f'train.{name}=true' for name in ('optimizer_offload', 'param_offload')
+                       if getattr(config.train, name)]
   try:
     kinds = {memory.kind for memory in device.addressable_memories()}
   except (AttributeError, RuntimeError, NotImplementedError):
     return
-  if offload and 'pinned_host' not in kinds:
-    raise ConfigError(f'model.execution.offload={list(offload)} needs host memory the {device.platform} devices can '
-                      f'address (pinned_host; they have {", ".join(sorted(kinds))}); drop it on this platform')
+  if asked and 'pinned_host' not in kinds:
+    raise ConfigError(f'{" and ".join(asked)} need host memory the {device.platform} devices can address '
+                      f'(pinned_host; they have {", ".join(sorted(kinds))}); drop it on this platform')
 
 
 def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None) -> Assembly:
@@ -83,12 +106,13 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   family = get_family(check_config(config).model.family)
   check_param_groups(config.optim, config.model)
   mesh = make_mesh(config.mesh, devices) if mesh is None else mesh
-  check_offload(config.model.execution.offload, mesh.devices.flat[0])
+  check_offload(config, mesh.devices.flat[0])
   model = family.build(config.model)
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
   params = abstract_params(model, mesh)
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
                                 optimizer_multipliers(axes, config.model, config.optim), fixed_params(params))
-  state = abstract_state(params, tx, mesh).replace(spike_window=abstract_window(config.train, mesh))
+  state = offloaded(abstract_state(params, tx, mesh), config.train).replace(
+    spike_window=abstract_window(config.train, mesh))
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
                   abstract_state=state, views=params_views(config.optim, config.train.ema_decay))

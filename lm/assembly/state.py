@@ -55,6 +55,34 @@ def shardings_of(tree: Any) -> Any:
   return jax.tree.map(lambda a: a.sharding, tree)
 
 
+HOST = 'pinned_host'  # the host memory a device addresses directly (what offloading moves state to)
+
+
+def in_memory(tree: Any, kind: str) -> Any:
+  """`tree`'s ShapeDtypeStructs with their shardings in memory `kind` ('device', HOST)."""
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding.with_memory_kind(kind)),
+                      tree)
+
+
+def offloaded(state: TrainState, train: TrainConfig) -> TrainState:
+  """Where the train state rests between steps: the optimizer state (train.optimizer_offload) and the params
+  (train.param_offload) in host memory, the rest on the devices."""
+  return state.replace(opt_state=in_memory(state.opt_state, HOST) if train.optimizer_offload else state.opt_state,
+                       params=in_memory(state.params, HOST) if train.param_offload else state.params)
+
+
+def is_offloaded(tree: Any) -> bool:
+  return any(leaf.sharding.memory_kind == HOST for leaf in jax.tree.leaves(tree))
+
+
+def to_device(tree: Any, abstract: Any) -> Any:
+  """Inside a jit: `tree` (resting where `abstract` says) in device memory, for computing with; a tree with
+  nothing offloaded is returned as it is, so the program is the one without offloading."""
+  if not is_offloaded(abstract):
+    return tree
+  return jax.device_put(tree, shardings_of(in_memory(abstract, 'device')))
+
+
 def abstract_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
   """The whole train state as ShapeDtypeStructs with shardings: optimizer moments follow their params; a moment
   of another shape (Adafactor's factored rows and columns: vectors) is replicated."""

@@ -65,7 +65,7 @@ class Pretraining:
     _, streams = stream_layout(batch, self.config.data.streams, 0, jax.process_count())
     return [Evaluate(lambda _, step: {f'data/{name}/tokens': tokens for name, tokens in
                                       mixture.tokens(step, streams, batch // streams, row_len).items()},
-                     self.config.train.log_every)]
+                     self.config.train.log_every, params_of=lambda _: None)]
 
   def _task_evals(self) -> list[Callback]:
     """`train.harness.tasks` through the harness on the training devices, recorded as eval/<task>/<metric>."""

@@ -135,7 +135,7 @@ class ModelSource:
     try:
       if self.directory.name == BEST:
         return saved.restore_params(step, assembly.abstract_params)
-      return saved.restore_view(step, assembly.abstract_state, assembly.views[self.view])
+      return saved.restore_view(step, assembly.on_device, assembly.views[self.view])
     finally:
       saved.close()
 

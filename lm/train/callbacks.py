@@ -67,11 +67,11 @@ class Callback:
 
 class Evaluate(Callback):
   """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
-  when asked; `params_of(state)` picks the params evaluated (default the trained ones)."""
+  when asked; `params_of(state)` makes the params evaluated (`Assembly.params_of`: a view, on the devices)."""
   part = 'eval'
 
-  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, at_start: bool = False,
-               params_of: Callable[[Any], Any] = lambda state: state.params):
+  def __init__(self, evaluator: Callable[[Any, int], Record], every: int, *, params_of: Callable[[Any], Any],
+               at_start: bool = False):
     self.evaluator, self.every, self.at_start, self.params_of = evaluator, every, at_start, params_of
 
   def start(self, step, state, history):

@@ -63,7 +63,9 @@ def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initial
   if fresh or reshaped:
     loaded.update(_fresh_params(assembly, {name: want[name].sharding for name in fresh + reshaped}))
   params = traverse_util.unflatten_dict(loaded, sep='/')
-  opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(assembly.abstract_state.opt_state))(params)
+  rest = assembly.abstract_state  # where the state rests between steps (train.optimizer_offload, param_offload)
+  opt_state = jax.jit(assembly.tx.init, out_shardings=shardings_of(rest.opt_state))(params)
+  params = jax.device_put(params, shardings_of(rest.params))
   zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), assembly.abstract_state.step.sharding)
   state = TrainState(step=zero(), params=params, opt_state=opt_state, skipped=zero())  # two buffers: both are donated
   return Initialised(state, tuple(fresh), tuple(reshaped), tuple(sorted(set(have) - set(want))))

@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
-from lm.assembly.state import TrainState
+from lm.assembly.state import TrainState, to_device
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
 from lm.models.family import AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
@@ -126,6 +126,24 @@ class PretrainingLoss:
     return metrics
 
 
+def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array], k: int
+               ) -> tuple[Any, dict[str, jax.Array]]:
+  """The batch's gradients and loss sums, added over `k` microbatches (a scan) when k > 1."""
+  if k == 1:
+    (_, sums), grads = grad_fn(params, batch, rng, totals)
+    return grads, sums
+
+  def accumulate(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
+    micro, i = inputs
+    (_, sums), grads = grad_fn(params, micro, jax.random.fold_in(rng, i), totals)
+    return jax.tree.map(jnp.add, carry, (grads, sums)), None
+  micro = _split_microbatches(batch, k)
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng, totals)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+  (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+  return grads, sums
+
+
 def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """jit(step): gradients of `loss` (the family's pretraining objective: `PretrainingLoss`; a task's) over
   `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
@@ -139,23 +157,17 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
+  resting = assembly.abstract_state
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    # offloaded params and optimizer state come in for the step; the out-shardings put them back
+    state = state.replace(params=to_device(state.params, resting.params),
+                          opt_state=to_device(state.opt_state, resting.opt_state))
     with sharding_context(mesh):
       batch = lay_out_sequences(batch, mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
       totals = loss.totals(batch)
-      if k == 1:
-        (_, sums), grads = grad_fn(state.params, batch, rng, totals)
-      else:
-        def accumulate(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
-          micro, i = inputs
-          (_, sums), grads = grad_fn(state.params, micro, jax.random.fold_in(rng, i), totals)
-          return jax.tree.map(jnp.add, carry, (grads, sums)), None
-        micro = _split_microbatches(batch, k)
-        shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), rng, totals)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+      grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k)
       counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
       logged = loss.metrics(sums, totals)
       with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
@@ -218,7 +230,7 @@ def make_eval_step(assembly: Assembly) -> Callable[[Any, Batch], Metrics]:
     if 'target_bytes' in batch:
       sums['bytes'] = jnp.sum(batch['target_bytes'].astype(jnp.float32) * batch['weights'])
     return sums
-  return jax.jit(step, in_shardings=(assembly.shardings.params, None))
+  return jax.jit(step, in_shardings=(assembly.params_shardings, None))
 
 
 def make_score_step(assembly: Assembly, score: Callable[[Any, Any, Batch], Any] | None = None
@@ -232,5 +244,5 @@ def make_score_step(assembly: Assembly, score: Callable[[Any, Any, Batch], Any] 
   def step(params: Any, batch: Batch) -> Any:
     with sharding_context(mesh):
       return score(model, params, batch)
-  return jax.jit(step, in_shardings=(assembly.shardings.params, None),
+  return jax.jit(step, in_shardings=(assembly.params_shardings, None),
                  out_shardings=NamedSharding(mesh, PartitionSpec()))

@@ -154,7 +154,7 @@ class PairEval:
     def sums(params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
       with sharding_context(loss.assembly.mesh):  # the layers' sharding constraints, as in the train step
         return loss(params, batch, None, loss.totals(batch))[1]
-    self.step = jax.jit(sums, in_shardings=(loss.assembly.shardings.params, None))
+    self.step = jax.jit(sums, in_shardings=(loss.assembly.params_shardings, None))
 
   def __call__(self, params: Any, step: int) -> dict[str, float]:
     a = self.loss.assembly
@@ -221,12 +221,12 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   assembly = assemble(config, devices)
   loss = DPOLoss(assembly, settings)
   trainer = Trainer(assembly, loss, run_dir=config.run_dir)
-  reference = Reference(assembly, initial_state(assembly, options.init).state.params)
+  reference = Reference(assembly, assembly.params_of(initial_state(assembly, options.init).state))
   rows = pair_rows(assembly, pairs, tokenizer.pad_id)
   callbacks: list[Callback] = [RunFiles(config.run_dir, {SETTINGS_FILE: json.dumps(asdict(settings)) + '\n'})]
   if held:
     callbacks.append(Evaluate(PairEval(loss, pair_rows(assembly, held, tokenizer.pad_id), reference),
-                              config.train.eval_every, at_start=True))
+                              config.train.eval_every, at_start=True, params_of=assembly.params_of))
   if settings.reference == 'precomputed':
     stream = position = HostRows({**rows, 'ref_logps': _reference_logps(config.run_dir, reference, rows, options.init)},
                                  config.train.global_batch, config.train.seed, assembly.mesh)

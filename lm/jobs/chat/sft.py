@@ -186,7 +186,7 @@ def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = No
   callbacks: list[Callback] = [RunFiles(config.run_dir, {CHAT_TEMPLATE: template.source})]
   if held_out:
     evaluate = ChatEval(trainer, tokenizer, template, held_out, options.train_on, options.eval_generate)
-    callbacks.append(Evaluate(evaluate, config.train.eval_every, at_start=True))
+    callbacks.append(Evaluate(evaluate, config.train.eval_every, at_start=True, params_of=assembly.params_of))
   records = trainer.run(HostRows(rows, config.train.global_batch, config.train.seed, assembly.mesh),
                         lambda: initial_state(assembly, options.init).state, callbacks)
   if trainer.stopped_at is not None:

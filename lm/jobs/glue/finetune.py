@@ -206,7 +206,8 @@ class FineTuner:
     stream = HostRows(self.train, self.batch, t.seed, self.assembly.mesh)
     try:
       self.loop.run(stream, lambda: self._start(init),
-                    [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every),
+                    [Evaluate(lambda params, step: self.evaluate(params, dev, step), t.eval_every,
+                              params_of=self.assembly.params_of),
                      KeepBest(best, self.metric, t.eval_every, cfg.to_dict())])
       if self.loop.stopped_at is not None:
         return None
