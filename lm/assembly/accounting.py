@@ -94,10 +94,14 @@ def mfu(tokens_per_sec: float, flops_token: float, num_devices: int, peak: float
   return tokens_per_sec * flops_token / (peak * num_devices)
 
 
-def shard_bytes(tree: Any) -> int:
-  """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings."""
+def shard_bytes(tree: Any, memory: str = 'device') -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings, in its own memory ('device') or in
+  the host memory it addresses ('pinned_host': offloaded state)."""
   total = 0
   for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, 'sharding', None)
+    if (getattr(sharding, 'memory_kind', None) == 'pinned_host') != (memory == 'pinned_host'):
+      continue
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, 'sharding', None) is not None else leaf.shape
     total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
   return total
@@ -138,10 +142,10 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
   t = config.train
   check_batch(mesh, t.global_batch, t.microbatches)
   tokens = t.global_batch // t.microbatches // axis_size(mesh, 'batch') * config.data.seq_len
-  params = shard_bytes(abstract_state.params)
+  params = shard_bytes(abstract_state.params) + shard_bytes(abstract_state.params, 'pinned_host')  # in for the step
   out = {
     'params': params,
-    'optimizer': shard_bytes(abstract_state.opt_state),
+    'optimizer': shard_bytes(abstract_state.opt_state),  # none where train.optimizer_offload keeps it on the host
     'gradients': params,
     'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads')),
   }

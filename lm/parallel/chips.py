@@ -55,6 +55,29 @@ HBM_BYTES = {
   'NVIDIA H200': 141 * 10**9,
 }
 
+# Host memory per chip, bytes: a TPU VM's RAM over its chips, for the VM type multi-host slices use; offloaded
+# state and remat checkpoints live there (model.execution.offload, train.optimizer_offload, train.param_offload).
+# v5p: 448 GiB for 4 chips; v5e: ct5lp-hightpu-4t, 192 GB for 4; v6e: 1536 GiB for 8 (Cloud TPU's tables).
+HOST_BYTES = {
+  'TPU v5p': 448 * 2**30 // 4,
+  'TPU v5': 448 * 2**30 // 4,
+  'TPU v5 lite': 192 * 10**9 // 4,
+  'TPU v5e': 192 * 10**9 // 4,
+  'TPU v6 lite': 1536 * 2**30 // 8,
+  'TPU v6e': 1536 * 2**30 // 8,
+}
+
+# Host-to-device bandwidth per chip and direction, bytes/s: the nominal rate of a PCIe x16 link, Gen5 for v6e (its
+# documented interface), Gen4 assumed for v5e and v5p. What offloading moves each step crosses it.
+HOST_LINK_BYTES_PER_S = {
+  'TPU v5p': 32e9,
+  'TPU v5': 32e9,
+  'TPU v5 lite': 32e9,
+  'TPU v5e': 32e9,
+  'TPU v6 lite': 64e9,
+  'TPU v6e': 64e9,
+}
+
 # Inter-chip interconnect bandwidth per chip, bytes/s (Cloud TPU's published Gbps over 8; GPUs: NVLink per GPU).
 ICI_BYTES_PER_S = {
   'TPU v4': 2400e9 / 8,
@@ -87,6 +110,15 @@ def peak_flops(device: jax.Device, quantization: str = 'none') -> float | None:
 def hbm_bytes(device: jax.Device) -> int | None:
   """Per-device accelerator memory for known kinds, None for CPUs and unknown kinds."""
   return _lookup(HBM_BYTES, device)
+
+
+def host_bytes(device: jax.Device) -> int | None:
+  """Host memory per chip (`HOST_BYTES`) for known kinds, None for others."""
+  return _lookup(HOST_BYTES, device)
+
+
+def host_link_bytes_per_s(device: jax.Device) -> float | None:
+  return _lookup(HOST_LINK_BYTES_PER_S, device)
 
 
 def ici_bytes_per_s(device: jax.Device) -> float | None:

@@ -21,18 +21,21 @@ from lm.assembly import assemble
 from lm.assembly.accounting import count_params, estimate_memory, shard_bytes
 from lm.config import Config, ConfigError
 from lm.mesh_axes import mesh_text
-from lm.parallel.chips import hbm_bytes, peak_flops, physical_topology, topology_devices
+from lm.parallel.chips import hbm_bytes, host_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
 from lm.train.step import compile_train_step
 
 
-def _unfitted_memory(assembly: Any, error: str | None) -> dict[str, int]:
-  """Per-device memory of a step the compiler refused: the state, and the temporaries its error names."""
+def _unfitted_memory(assembly: Any, error: str | None) -> tuple[dict[str, int], dict[str, int]]:
+  """Per-device memory of a step the compiler refused: the state, and the temporaries its error names; and the
+  host memory of its offloaded state."""
   state_bytes = shard_bytes(assembly.abstract_state)
   needed = _oom_figures(error) or 0
-  return {'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes, 'temp': needed,
-          'generated_code': 0, 'total': state_bytes + needed}
+  host = shard_bytes(assembly.abstract_state, 'pinned_host')
+  return ({'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes, 'temp': needed,
+           'generated_code': 0, 'total': state_bytes + needed},
+          {'arguments': host, 'outputs': host, 'aliased': host, 'temp': 0, 'total': host})
 
 
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
@@ -62,7 +65,9 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
       raise
     error = str(e).splitlines()[0]
   compile_s = time.perf_counter() - t0
-  memory = _unfitted_memory(assembly, error) if compiled is None else compiled_memory(compiled)
+  memory, host = _unfitted_memory(assembly, error) if compiled is None else \
+      (compiled_memory(compiled), compiled_memory(compiled, 'host_'))
+  host_per_chip = host_bytes(devices[0])
   cost = None if compiled is None else compiled_cost(compiled)
   t, e = config.train, config.model.execution
   tokens = t.global_batch * config.data.seq_len
@@ -76,7 +81,9 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'attention_impl': e.attention_impl, 'dtype': e.dtype, 'global_batch': t.global_batch,
     'microbatches': t.microbatches, 'seq_len': config.data.seq_len,
     'params': count_params(assembly.abstract_params, config.model),
-    'memory_per_device': memory, 'hbm_per_device': hbm, 'fits': error is None and memory['total'] <= hbm,
+    'memory_per_device': memory, 'hbm_per_device': hbm, 'host_memory_per_device': host,
+    'host_per_device': host_per_chip,
+    'fits': error is None and memory['total'] <= hbm and (host_per_chip is None or host['total'] <= host_per_chip),
     'flops_per_step': flops, 'flops_per_token': flops_per_token, 'peak_flops_per_device': peak,
     'step_seconds_at_peak': at_peak, 'assumed_mfu': assumed_mfu, 'step_seconds': at_peak / assumed_mfu,
     'tokens_per_sec': tokens * assumed_mfu / at_peak, 'compile_seconds': compile_s,
@@ -103,14 +110,14 @@ def _not_persistently_cached():
     jax.config.update(key, previous)
 
 
-def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
-  """Per-device bytes from XLA's `memory_analysis()`; total counts donated (aliased) state once."""
+def compiled_memory(compiled: jax.stages.Compiled, where: str = '') -> dict[str, int]:
+  """Per-device bytes from XLA's `memory_analysis()` in device memory, or (`where='host_'`) in the host memory the
+  device addresses (offloaded state and remat checkpoints); total counts donated (aliased) state once."""
   stats = compiled.memory_analysis()
-  memory = {
-    'arguments': stats.argument_size_in_bytes, 'outputs': stats.output_size_in_bytes,
-    'aliased': stats.alias_size_in_bytes, 'temp': stats.temp_size_in_bytes,
-    'generated_code': stats.generated_code_size_in_bytes,
-  }
+  memory = {name: getattr(stats, f'{where}{name}_size_in_bytes')
+            for name in ('argument', 'output', 'alias', 'temp', 'generated_code')}
+  memory = {'arguments': memory['argument'], 'outputs': memory['output'], 'aliased': memory['alias'],
+            'temp': memory['temp'], 'generated_code': memory['generated_code']}
   memory['total'] = memory['arguments'] + memory['outputs'] - memory['aliased'] + memory['temp'] + \
       memory['generated_code']
   return memory
@@ -158,6 +165,11 @@ def format_report(r: dict[str, Any]) -> str:
     ('batch', f'{r["global_batch"]} x {r["seq_len"]} tokens in {r["microbatches"]} microbatch(es)'),
   ]
   lines += [(f'memory/device: {k}', format_bytes(mem[k])) for k in ('arguments', 'outputs', 'aliased', 'temp', 'total')]
+  host, per_chip = r['host_memory_per_device'], r['host_per_device']
+  if host['total']:
+    lines += [(f'host memory/device: {k}', format_bytes(host[k])) for k in ('arguments', 'temp', 'total')]
+    lines.append(('host memory/device', 'unknown for this chip' if per_chip is None else
+                  f'{format_bytes(per_chip)} ({host["total"] / per_chip:.0%} needed)'))
   if 'compile_error' in r:
     lines.append(('compiler', r['compile_error']))
   lines += [
@@ -175,7 +187,12 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def does_not_fit_message(r: dict[str, Any]) -> str:
-  mem = r['memory_per_device']
+  mem, host, per_chip = r['memory_per_device'], r['host_memory_per_device'], r['host_per_device']
+  if mem['total'] <= r['hbm_per_device'] and 'compile_error' not in r and per_chip and host['total'] > per_chip:
+    return (f'{r["config"]} does not fit {r["topology"]}: the step keeps {format_bytes(host["total"])} per device '
+            f'in host memory (temporaries {format_bytes(host["temp"])}) of the {format_bytes(per_chip)} its host has '
+            f'for each chip; offload less (model.execution.offload, train.optimizer_offload, train.param_offload) '
+            f'or lower train.global_batch')
   return (f'{r["config"]} does not fit {r["topology"]}: the step needs {format_bytes(mem["total"])} per device '
           f'(temp {format_bytes(mem["temp"])}, arguments {format_bytes(mem["arguments"])}) of '
           f'{format_bytes(r["hbm_per_device"])} HBM; '

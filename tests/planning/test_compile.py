@@ -66,6 +66,38 @@ def test_a_step_too_large_for_the_chip_exits_nonzero_with_the_figures(capsys):
   assert 'gpt2_medium does not fit v5e-4' in err and 'GiB' in err and 'remat' in err
 
 
+@needs_libtpu
+@pytest.mark.long(0.5)
+def test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3(monkeypatch, capsys):
+  """Offloaded layer inputs and optimizer state: the report's host figures are XLA's (memory_analysis host_*), the
+  optimizer state's bytes moved from the device's arguments to the host's; a host with less memory per chip than
+  the step keeps there (the figure patched down: no slice's host is that small for a tiny model) stops `lm compile`
+  with exit 3 and one line."""
+  from lm.assembly.accounting import shard_bytes
+  from lm.planning.compile import _not_persistently_cached
+  overrides = TPU_TINY + ['train.global_batch=64', 'model.execution.remat=full',
+                          'model.execution.offload=[layer_input]', 'train.optimizer_offload=true']
+  config = load_config('gpt_tiny', overrides)
+  report = compile_report(config, 'v5e:2x2')
+  assembly = assemble(config, topology_devices('v5e:2x2'))
+  with _not_persistently_cached():  # (a TPU executable in the suite's cache would not load back)
+    stats = compile_train_step(assembly).memory_analysis()
+  host = report['host_memory_per_device']
+  assert (host['arguments'], host['temp']) == (stats.host_argument_size_in_bytes, stats.host_temp_size_in_bytes)
+  plain = compile_report(load_config('gpt_tiny', overrides[:-1]), 'v5e:2x2')['memory_per_device']
+  # the optimizer state (padded to the chip's tiles, in either memory) left the device's arguments for the host's
+  assert host['arguments'] == plain['arguments'] - report['memory_per_device']['arguments'] > 0
+  assert host['arguments'] >= shard_bytes(assembly.abstract_state.opt_state, 'pinned_host') > 0
+  assert host['temp'] > 0 and report['fits'] and report['host_per_device'] == 192 * 10**9 // 4
+  monkeypatch.setattr('lm.planning.compile.host_bytes', lambda device: host['total'] - 1)
+  assert cli.main(['compile', '--config', 'gpt_tiny', '--topology', 'v5e:2x2', *overrides]) == 3
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and re.fullmatch(
+    r'gpt_tiny does not fit v5e:2x2: the step keeps [0-9.]+ MiB per device in host memory \(temporaries [0-9.]+ MiB\) '
+    r'of the [0-9.]+ MiB its host has for each chip; offload less \(model.execution.offload, '
+    r'train.optimizer_offload, train.param_offload\) or lower train.global_batch', err[0]), err
+
+
 def _dots_in_lowered_step(layers: int, scan: bool) -> int:
   config = load_config('gpt_tiny', [f'model.num_layers={layers}', f'model.execution.scan_layers={str(scan).lower()}',
                                     'model.execution.remat=full', 'model.d_model=64', 'model.num_heads=2',
