@@ -40,9 +40,12 @@ def main() -> None:
     config = load_config(args.config, args.overrides + [f'train.global_batch={rows * devices}',
                                                          'train.microbatches=1'])
     report = compile_report(config, topology)
-    print(f'{rows:4d} rows/device: {gib(report["memory_per_device"]["total"])} fits={report["fits"]}', flush=True)
-    return {'rows': rows, 'memory_per_device': report['memory_per_device'], 'fits': report['fits'],
-            'hbm_per_device': report['hbm_per_device'], 'error': report.get('compile_error')}
+    host = report['host_memory_per_device']
+    print(f'{rows:4d} rows/device: {gib(report["memory_per_device"]["total"])} device, {gib(host["total"])} host '
+          f'(temp {gib(host["temp"])}) fits={report["fits"]}', flush=True)
+    return {'rows': rows, 'memory_per_device': report['memory_per_device'], 'host_memory_per_device': host,
+            'fits': report['fits'], 'hbm_per_device': report['hbm_per_device'],
+            'host_per_device': report['host_per_device'], 'error': report.get('compile_error')}
 
   results = [compile_rows(rows) for rows in args.rows]
   most = None

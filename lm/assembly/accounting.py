@@ -107,8 +107,23 @@ def shard_bytes(tree: Any, memory: str = 'device') -> int:
   return total
 
 
+def saved_per_token(cfg: ModelConfig, tensor: int) -> dict[str, float]:
+  """Bytes per token and layer of the tensors remat saves by name (what model.execution.offload can move to the
+  host): full remat's layer input, projections' five outputs; empty for the other policies."""
+  width = 4 if cfg.execution.dtype == 'float32' else 2
+  hd = cfg.num_heads * cfg.resolved_head_dim
+  kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
+  if cfg.execution.remat == 'full':
+    return {'layer_input': cfg.d_model * width}
+  if cfg.execution.remat == 'projections':
+    return {'query_proj': hd / tensor * width, 'key_proj': kv / tensor * width, 'value_proj': kv / tensor * width,
+            'attention_out': cfg.d_model * width, 'mlp_out': cfg.d_model * width}
+  return {}
+
+
 def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -> int:
-  """Rough bytes of activations kept for the backward pass by one device, for `tokens` local tokens.
+  """Rough bytes of activations kept for the backward pass by one device, for `tokens` local tokens (those that
+  model.execution.offload moves to the host not counted: `offloaded_bytes`).
 
   Per layer and token, a pre-LN block keeps its norm inputs/outputs (4d), q, k, v and the attention
   output (2 h dh + 2 kv_heads dh), the MLP hidden before and after the activation (2 or 3 d_ff) and
@@ -119,12 +134,11 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
   d_ff = cfg.resolved_d_ff * (3 if cfg.activation in GATED else 2)
   full_layer = (4 * cfg.d_model + (2 * hd + 2 * kv + d_ff) / tensor) * width + cfg.num_heads * seq_len * 4 / tensor
+  saved = saved_per_token(cfg, tensor)
   kept = {
     'none': full_layer,
-    'full': cfg.d_model * width,
     'dots': (2 * cfg.d_model + (hd + 2 * kv + cfg.resolved_d_ff) / tensor) * width,
-    'projections': (2 * cfg.d_model + (hd + 2 * kv) / tensor) * width,
-  }[cfg.execution.remat]
+  }.get(cfg.execution.remat, sum(v for name, v in saved.items() if name not in cfg.execution.offload))
   per_token = kept * cfg.num_layers + (0 if cfg.execution.remat == 'none' else full_layer)
   logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient, per token
   if cfg.execution.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
@@ -132,6 +146,12 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -
   else:
     output = tokens * logits
   return int(tokens * per_token + output)
+
+
+def offloaded_bytes(cfg: ModelConfig, tokens: int, tensor: int) -> int:
+  """Bytes of saved activations model.execution.offload keeps in host memory for one device's `tokens`."""
+  saved = saved_per_token(cfg, tensor)
+  return int(tokens * cfg.num_layers * sum(v for name, v in saved.items() if name in cfg.execution.offload))
 
 
 def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str, int]:
@@ -150,4 +170,7 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
     'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads')),
   }
   out['total (estimate)'] = sum(out.values())
+  host = shard_bytes(abstract_state, 'pinned_host') + offloaded_bytes(config.model, tokens, axis_size(mesh, 'heads'))
+  if host:  # offloaded state and saved activations
+    out['host (estimate)'] = host
   return out

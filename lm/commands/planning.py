@@ -58,7 +58,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from lm.planning.plan import best_preset, format_plan, plan, plan_json
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
         (lambda line: print(line, flush=True))
-    result = plan(checked_config(args), topology, args.plan_top, args.num_slices, args.plan_max_compiles, log=log)
+    result = plan(checked_config(args), topology, args.plan_top, args.num_slices, args.plan_max_compiles, log=log,
+                  int8=args.plan_int8)
     print(json.dumps(plan_json(result), indent=2) if args.json else format_plan(result), flush=True)
     if args.write and result['plan']:
       Path(args.write).write_text(best_preset(result, args.config, parse_overrides(args.overrides)))
@@ -100,5 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
   aot.add_argument('--plan-top', type=int, default=5, metavar='N', help='--plan stops when N candidates fit (5)')
   aot.add_argument('--plan-max-compiles', type=int, metavar='N', help='--plan compiles at most N candidates '
                                                                       '(default 3 x --plan-top)')
+  aot.add_argument('--plan-int8', action='store_true', help='--plan: also try model.quantization=int8 (it changes '
+                                                              'the numerics, so the search takes it only when asked)')
   aot.add_argument('--write', metavar='PATH', help='--plan: save the best candidate as a preset YAML')
   aot.set_defaults(fn=cmd_compile)

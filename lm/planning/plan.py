@@ -1,14 +1,18 @@
-"""`lm compile --plan`: search meshes, remat policies and microbatch counts for a TPU slice.
+"""`lm compile --plan`: search meshes, remat policies, microbatch counts and memory levers for a TPU slice.
 
 Candidates are every split of the slice's chips into data x fsdp x tensor (powers of two; the rules table must
-shard the parameters evenly), each remat policy, and each power-of-two microbatch count that splits the batch
-evenly over the data-parallel devices. Each candidate gets
-- a memory estimate (`lm.assembly.accounting.estimate_memory`: the sharded state exactly, activations roughly), and
-- a predicted step time, a roofline: compute is the model FLOPs plus what remat recomputes, at the chip's peak;
-  communication is the collective traffic per chip over its interconnect plus a latency per ring step of each
-  collective. FSDP's weight gathers and gradient reduce-scatters and the data-parallel gradient all-reduce
-  overlap the compute (the step takes the larger); tensor parallelism's activation all-reduces sit between the
-  layer's matmuls (added).
+shard the parameters evenly), each remat policy, each power-of-two microbatch count that splits the batch
+evenly over the data-parallel devices and, where the chip's host memory is known, with and without the levers
+that move memory to the host: what the remat policy saves (`OFFLOADED`) and the optimizer state; with `int8`,
+also with the projections' matmuls in int8 (which changes the numerics, so only when asked). Each candidate gets
+- a memory estimate (`lm.assembly.accounting.estimate_memory`: the sharded state exactly, activations roughly),
+  on the device and on the host, and
+- a predicted step time, a roofline: compute is the model FLOPs plus what remat recomputes, at the chip's peak
+  (int8's for int8 candidates); communication is the collective traffic per chip over its interconnect plus a
+  latency per ring step of each collective. FSDP's weight gathers and gradient reduce-scatters, the data-parallel
+  gradient all-reduce and the host transfers (offloaded activations out and back, the optimizer state in and out,
+  over the chip's host link) overlap the compute (the step takes the largest); tensor parallelism's activation
+  all-reduces sit between the layer's matmuls (added).
 The candidates that may fit are compiled in order of predicted time until `top` of them fit; those are the plan,
 with their compiled memory.
 """
@@ -25,10 +29,12 @@ import jax
 import yaml
 
 from lm.assembly import Assembly, assemble
-from lm.assembly.accounting import estimate_memory
+from lm.assembly.accounting import estimate_memory, offloaded_bytes, shard_bytes
+from lm.assembly.state import offloaded
 from lm.planning.compile import compile_report
 from lm.config import Config, ConfigError, Remat, merge
-from lm.parallel.chips import hbm_bytes, ici_bytes_per_s, peak_flops, physical_topology, topology_devices
+from lm.parallel.chips import hbm_bytes, host_bytes, host_link_bytes_per_s, ici_bytes_per_s, peak_flops, \
+  physical_topology, topology_devices
 from lm.report import format_bytes
 
 # Share of a step's model FLOPs each remat policy adds by recomputing the forward pass (a third of the FLOPs):
@@ -38,6 +44,9 @@ RECOMPUTE: dict[str, float] = {'none': 0.0, 'dots': 0.0, 'projections': 1 / 9, '
 DCN_BYTES_PER_S = 50e9 / 8  # data-center network per chip, between slices
 ESTIMATE_SLACK = 1.25  # compile candidates whose rough estimate is within this factor of HBM
 MAX_MICROBATCHES = 64  # beyond this the repeated weight gathers and tiny matmuls do not pay for the memory saved
+# What a candidate with `offload` keeps in host memory: all a remat policy saves by name.
+OFFLOADED = {'full': ('layer_input',),
+             'projections': ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +56,33 @@ class Candidate:
   tensor: int
   remat: str
   microbatches: int
+  offload: bool = False  # what the remat policy saves (OFFLOADED) in host memory
+  optimizer_offload: bool = False
+  int8: bool = False
+
+  @property
+  def saved_on_host(self) -> tuple[str, ...]:
+    return OFFLOADED[self.remat] if self.offload else ()
 
   def apply(self, config: Config) -> Config:
+    model = config.model.with_execution(remat=self.remat, offload=self.saved_on_host)
     return dataclasses.replace(
       config, mesh=dataclasses.replace(config.mesh, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
-      model=config.model.with_execution(remat=self.remat),
-      train=dataclasses.replace(config.train, microbatches=self.microbatches))
+      model=dataclasses.replace(model, quantization='int8') if self.int8 else model,
+      train=dataclasses.replace(config.train, microbatches=self.microbatches,
+                                optimizer_offload=self.optimizer_offload))
+
+  @property
+  def levers(self) -> list[str]:
+    """The memory and speed levers the candidate pulls, as config overrides."""
+    return ([f'model.execution.offload=[{",".join(self.saved_on_host)}]'] if self.offload else []) + \
+        (['train.optimizer_offload=true'] if self.optimizer_offload else []) + \
+        (['model.quantization=int8'] if self.int8 else [])
 
   @property
   def overrides(self) -> str:
-    return (f'mesh.data={self.data} mesh.fsdp={self.fsdp} mesh.tensor={self.tensor} model.execution.remat={self.remat} '
-            f'train.microbatches={self.microbatches}')
+    return ' '.join([f'mesh.data={self.data} mesh.fsdp={self.fsdp} mesh.tensor={self.tensor} '
+                     f'model.execution.remat={self.remat} train.microbatches={self.microbatches}', *self.levers])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +90,21 @@ class Chip:
   """What the roofline needs of a device: peak FLOP/s, interconnect bytes/s, memory, and whether collectives run
   beside the compute (TPU and GPU DMA engines do; simulated CPU devices copy on the cores that compute). A
   collective over n devices takes n - 1 ring steps of `hop_seconds` each besides its bytes (1 us: an assumed
-  interconnect hop with its synchronisation)."""
+  interconnect hop with its synchronisation). Host memory and its link: None where unknown (no offloading)."""
   peak_flops: float
   ici_bytes_per_s: float
   hbm_bytes: int
   overlaps: bool = True
   hop_seconds: float = 1e-6
+  int8_peak_flops: float | None = None
+  host_bytes: int | None = None
+  host_link_bytes_per_s: float | None = None
+
+  @classmethod
+  def of(cls, device: jax.Device) -> Chip:
+    return cls(peak_flops(device), ici_bytes_per_s(device), hbm_bytes(device),
+               int8_peak_flops=peak_flops(device, 'int8'), host_bytes=host_bytes(device),
+               host_link_bytes_per_s=host_link_bytes_per_s(device))
 
 
 def _powers_of_two(n: int) -> list[int]:
@@ -92,7 +126,7 @@ def predict_seconds(assembly: Assembly, chip: Chip, num_slices: int = 1) -> dict
   data, fsdp, tensor = sizes['data'] * sizes['slice'], sizes['fsdp'], sizes['tensor']
   tokens = t.global_batch * config.data.seq_len
   flops = assembly.flops_per_token() * tokens * (1 + RECOMPUTE[m.execution.remat])
-  compute = flops / (chip.peak_flops * chips)
+  compute = flops / ((chip.int8_peak_flops if m.quantization == 'int8' else chip.peak_flops) * chips)
   params = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(assembly.abstract_params))
   column = params / tensor  # the weights one tensor-parallel rank holds, gathered over fsdp
   fsdp_bytes = t.microbatches * 3 * column * (fsdp - 1) / fsdp  # gather forward and backward, reduce-scatter grads
@@ -114,14 +148,40 @@ def predict_seconds(assembly: Assembly, chip: Chip, num_slices: int = 1) -> dict
   weights = (fsdp_bytes + dp_bytes) / chip.ici_bytes_per_s + dcn_bytes / DCN_BYTES_PER_S + \
       weight_hops * chip.hop_seconds
   activations = tp_bytes / chip.ici_bytes_per_s + activation_hops * chip.hop_seconds
-  hidden = max(compute, weights) if chip.overlaps else compute + weights
-  return {'compute': compute, 'weight_comm': weights, 'activation_comm': activations, 'step': hidden + activations}
+  host = _host_seconds(assembly, chip, tokens_per_rank)
+  hidden = max(compute, weights, host) if chip.overlaps else compute + weights + host
+  return {'compute': compute, 'weight_comm': weights, 'activation_comm': activations, 'host_transfer': host,
+          'step': hidden + activations}
 
 
-def candidates(config: Config, devices: list[jax.Device], chip: Chip, num_slices: int = 1) -> list[dict[str, Any]]:
-  """Every candidate that shards evenly, with its memory estimate and predicted step time, fastest first."""
+def _host_seconds(assembly: Assembly, chip: Chip, tokens_per_rank: float) -> float:
+  """Seconds a step's host transfers take over the chip's host link: each microbatch's offloaded activations out
+  and back, the offloaded state in and out."""
+  config = assembly.config
+  tensor = dict(assembly.mesh.shape)['tensor']
+  activations = config.train.microbatches * offloaded_bytes(config.model, int(tokens_per_rank), tensor)
+  state = shard_bytes(offloaded(assembly.abstract_state, config.train), 'pinned_host')
+  moved = 2 * (activations + state)
+  return moved / chip.host_link_bytes_per_s if moved else 0.0
+
+
+def _variants(base: Candidate, global_batch: int, chip: Chip, int8: bool) -> Iterator[Candidate]:
+  """`base`'s mesh with each remat policy, microbatch count and lever (host levers where the host is known)."""
+  host = (False, True) if chip.host_bytes else (False,)
+  for remat in typing.get_args(Remat):
+    for micro in [m for m in _powers_of_two(global_batch) if m <= MAX_MICROBATCHES]:
+      for offload in host if remat in OFFLOADED else (False,):
+        for optimizer_offload in host:
+          for quantized in (False, True) if int8 and chip.int8_peak_flops else (False,):
+            yield dataclasses.replace(base, remat=remat, microbatches=micro, offload=offload,
+                                      optimizer_offload=optimizer_offload, int8=quantized)
+
+
+def candidates(config: Config, devices: list[jax.Device], chip: Chip, num_slices: int = 1, int8: bool = False
+               ) -> list[dict[str, Any]]:
+  """Every candidate that shards evenly, with its memory estimates (device, host) and predicted step time,
+  fastest first."""
   chips = len(devices) // num_slices
-  remats = typing.get_args(Remat)
   out = []
   for data, fsdp, tensor in meshes(chips):
     base = Candidate(data, fsdp, tensor, config.model.execution.remat, 1)
@@ -129,23 +189,22 @@ def candidates(config: Config, devices: list[jax.Device], chip: Chip, num_slices
       assembly = assemble(base.apply(config), devices)
     except ConfigError:  # the rules table cannot split some parameter over this mesh
       continue
-    for remat in remats:
-      for micro in [m for m in _powers_of_two(config.train.global_batch) if m <= MAX_MICROBATCHES]:
-        c = dataclasses.replace(base, remat=remat, microbatches=micro)
-        variant = dataclasses.replace(assembly, config=c.apply(config))
-        try:
-          memory = estimate_memory(variant.config, assembly.abstract_state, assembly.mesh)
-        except ConfigError:  # the microbatch does not split over the data-parallel devices
-          continue
-        out.append({'candidate': c, 'estimate': memory['total (estimate)'],
-                    'predicted': predict_seconds(variant, chip, num_slices)})
-  # Ties (compute-bound candidates) go to the least recomputation, then fewer microbatches.
+    for c in _variants(base, config.train.global_batch, chip, int8):
+      variant = dataclasses.replace(assembly, config=c.apply(config))
+      try:
+        memory = estimate_memory(variant.config, offloaded(assembly.abstract_state, variant.config.train),
+                                 assembly.mesh)
+      except ConfigError:  # the microbatch does not split over the data-parallel devices
+        continue
+      out.append({'candidate': c, 'estimate': memory['total (estimate)'], 'host': memory.get('host (estimate)', 0),
+                  'predicted': predict_seconds(variant, chip, num_slices)})
+  # Ties (compute-bound candidates) go to the least recomputation, then fewer levers, then fewer microbatches.
   return sorted(out, key=lambda r: (r['predicted']['step'], RECOMPUTE[r['candidate'].remat],
-                                    r['candidate'].microbatches))
+                                    len(r['candidate'].levers), r['candidate'].microbatches))
 
 
 def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_compiles: int | None = None,
-         log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+         log: Callable[[str], None] = lambda _: None, int8: bool = False) -> dict[str, Any]:
   """Compiles the fastest-predicted candidates that may fit until `top` fit (or `max_compiles`, default 3 x top,
   have been compiled); returns those that fit, in that order (least recomputation, then fewest microbatches,
   breaking ties). Each row keeps the executable's own FLOPs and bytes (XLA's cost analysis) for reference: they
@@ -159,12 +218,12 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
   start = time.perf_counter()
   devices = topology_devices(physical_topology(topology), num_slices)
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
-  d = devices[0]
-  chip = Chip(peak_flops(d, config.model.quantization), ici_bytes_per_s(d), hbm_bytes(d))
-  found = candidates(config, devices, chip, num_slices)
+  chip = Chip.of(devices[0])
+  found = candidates(config, devices, chip, num_slices, int8)
   ratio: dict[Candidate, float] = {}  # the candidate at one microbatch -> smallest compiled memory / estimate
   key = lambda c: dataclasses.replace(c, microbatches=1)
-  may_fit = lambda r: r['estimate'] * ratio.get(key(r['candidate']), 1 / ESTIMATE_SLACK) <= chip.hbm_bytes
+  may_fit = lambda r: r['estimate'] * ratio.get(key(r['candidate']), 1 / ESTIMATE_SLACK) <= chip.hbm_bytes and \
+      r['host'] / ESTIMATE_SLACK <= (chip.host_bytes or 0)
   log(f'{len(found)} candidates shard evenly, {sum(map(may_fit, found))} may fit by the estimate; '
       f'compiling the fastest')
   fitting, tried = [], []
@@ -174,13 +233,14 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
     if not may_fit(r):
       continue
     report = compile_report(r['candidate'].apply(config), topology, num_slices=num_slices)
-    memory = report['memory_per_device']['total']
+    memory, host = report['memory_per_device']['total'], report['host_memory_per_device']['total']
     ratio[key(r['candidate'])] = min(ratio.get(key(r['candidate']), math.inf), memory / r['estimate'])
-    row = {**r, 'memory': memory, 'fits': report['fits'], 'compile_seconds': report['compile_seconds'],
-           'cost_per_device': report.get('cost_per_device')}
+    row = {**r, 'memory': memory, 'host_memory': host, 'fits': report['fits'],
+           'compile_seconds': report['compile_seconds'], 'cost_per_device': report.get('cost_per_device')}
     tried.append(row)
     log(f'  {r["candidate"].overrides}: predicted {r["predicted"]["step"]:.3f} s, '
-        f'{format_bytes(memory)} per device, {"fits" if row["fits"] else "does not fit"}')
+        f'{format_bytes(memory)} per device' + (f' and {format_bytes(host)} of host memory' if host else '') +
+        f', {"fits" if row["fits"] else "does not fit"}')
     if row['fits']:
       fitting.append(row)
   return {'config': config.name, 'topology': topology, 'chips': len(devices), 'hbm_per_device': chip.hbm_bytes,
@@ -197,8 +257,11 @@ def plan_json(result: dict[str, Any]) -> dict[str, Any]:
 def best_preset(result: dict[str, Any], config_name: str, overrides: dict[str, Any]) -> str:
   """A preset YAML of the best candidate: based on the config, with the overrides given and the plan's choice."""
   c = result['plan'][0]['candidate']
-  values = merge(overrides, {'mesh': {'data': c.data, 'fsdp': c.fsdp, 'tensor': c.tensor},
-                             'model': {'execution': {'remat': c.remat}}, 'train': {'microbatches': c.microbatches}})
+  model = {'execution': {'remat': c.remat, **({'offload': list(c.saved_on_host)} if c.offload else {})},
+           **({'quantization': 'int8'} if c.int8 else {})}
+  train = {'microbatches': c.microbatches, **({'optimizer_offload': True} if c.optimizer_offload else {})}
+  values = merge(overrides, {'mesh': {'data': c.data, 'fsdp': c.fsdp, 'tensor': c.tensor}, 'model': model,
+                             'train': train})
   header = (f'# Written by `lm compile --plan` for {result["topology"]}: predicted step '
             f'{result["plan"][0]["predicted"]["step"]:.3f} s, {format_bytes(result["plan"][0]["memory"])} per device.\n'
             f'# Slice: {result["topology"]}\n')
@@ -210,14 +273,15 @@ def format_plan(result: dict[str, Any]) -> str:
            f'{format_bytes(result["hbm_per_device"])} HBM each): {result["candidates"]} candidates, '
            f'{result["compiled"]} compiled, {len(result["plan"])} fit; {result["seconds"]:.0f} s',
            '',
-           '| rank | data x fsdp x tensor | remat | microbatches | predicted step | compute | weight comm | '
-           'activation comm | memory/device |',
-           '|---|---|---|---|---|---|---|---|---|']
+           '| rank | data x fsdp x tensor | remat | microbatches | levers | predicted step | compute | weight comm | '
+           'activation comm | host transfer | memory/device | host memory/device |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for i, r in enumerate(result['plan'], 1):
     c, p = r['candidate'], r['predicted']
-    lines.append(f'| {i} | {c.data} x {c.fsdp} x {c.tensor} | {c.remat} | {c.microbatches} | {p["step"]:.3f} s | '
-                 f'{p["compute"]:.3f} s | {p["weight_comm"]:.3f} s | {p["activation_comm"]:.3f} s | '
-                 f'{format_bytes(r["memory"])} |')
+    lines.append(f'| {i} | {c.data} x {c.fsdp} x {c.tensor} | {c.remat} | {c.microbatches} | '
+                 f'{" ".join(c.levers) or "-"} | {p["step"]:.3f} s | {p["compute"]:.3f} s | '
+                 f'{p["weight_comm"]:.3f} s | {p["activation_comm"]:.3f} s | {p["host_transfer"]:.3f} s | '
+                 f'{format_bytes(r["memory"])} | {format_bytes(r["host_memory"])} |')
   if result['plan']:
     lines += ['', f'lm compile --config {result["config"]} --topology {result["topology"]} '
                   f'{result["plan"][0]["candidate"].overrides}']

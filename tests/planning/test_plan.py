@@ -3,6 +3,7 @@ import itertools
 import json
 import math
 
+import jax
 import pytest
 
 from lm import cli
@@ -47,8 +48,41 @@ def test_the_roofline_adds_each_collective_as_the_docstring_says():
   assert got['step'] == pytest.approx(max(compute, weights) + activations, rel=1e-12)
 
 
+def test_the_roofline_counts_host_transfers_and_the_int8_peak():
+  """Offloaded layer inputs and optimizer state: each microbatch's bf16 layer inputs (tokens x layers x d_model x 2
+  bytes per rank) go out and back, the optimizer state's shard in and out, over the host link; the largest of
+  compute, weight traffic and host transfers sets the step. int8 compute runs at the int8 peak."""
+  from lm.assembly.state import offloaded
+  config = load_config('gpt_tiny', TINY + ['mesh.data=2', 'mesh.fsdp=4', 'train.microbatches=2',
+                                           'model.execution.remat=full', 'model.execution.offload=[layer_input]',
+                                           'train.optimizer_offload=true', 'model.quantization=int8'])
+  assembly = assemble(config)
+  chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30, int8_peak_flops=4e12, host_bytes=2**30,
+              host_link_bytes_per_s=1e6)
+  got = predict_seconds(assembly, chip)
+  tokens_per_rank = 16 * 64 / 2 / 2 / 4  # a microbatch's rows over data x fsdp
+  layer_inputs = 2 * tokens_per_rank * 2 * 64 * 2  # 2 microbatches x tokens x 2 layers x d_model x bf16
+  moments = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize  # this device's shards
+                for a in jax.tree.leaves(assembly.abstract_state.opt_state))
+  assert offloaded(assembly.abstract_state, config.train) == assembly.abstract_state
+  assert got['host_transfer'] == pytest.approx(2 * (layer_inputs + moments) / 1e6, rel=1e-3)
+  assert got['compute'] == pytest.approx(assembly.flops_per_token() * 16 * 64 * (4 / 3) / (4e12 * 8), rel=1e-12)
+  assert got['step'] == pytest.approx(max(got['compute'], got['weight_comm'], got['host_transfer']) +
+                                      got['activation_comm'], rel=1e-12)
+
+
+def test_offloading_moves_the_saved_activations_from_the_device_estimate_to_the_host():
+  from lm.assembly.accounting import estimate_memory
+  common = TINY + ['mesh.data=8', 'model.execution.remat=full']
+  plain, off = (load_config('gpt_tiny', common + extra) for extra in ([], ['model.execution.offload=[layer_input]']))
+  a = assemble(plain)
+  before, after = estimate_memory(plain, a.abstract_state, a.mesh), estimate_memory(off, a.abstract_state, a.mesh)
+  layer_inputs = 16 // 8 * 64 * 2 * 64 * 2  # rows per device x tokens x layers x d_model x bf16
+  assert 'host (estimate)' not in before and after['host (estimate)'] == layer_inputs
+  assert before['total (estimate)'] - after['total (estimate)'] == layer_inputs
+
+
 def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
-  import jax
   config = load_config('gpt_tiny', TINY)
   chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30)
   found = candidates(config, jax.devices(), chip)
@@ -61,6 +95,15 @@ def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
   assert Candidate(2, 1, 4, 'none', 8) in seen  # 2 rows over 2 data-parallel devices
   assert len({(c.data, c.fsdp, c.tensor) for c in seen}) == sum(1 for m in meshes(8) if m[2] <= 4)
   assert all(math.isfinite(r['estimate']) and r['estimate'] > 0 for r in found)
+  assert not any(c.levers for c in seen)  # a chip whose host memory is unknown: no offloading
+  hosted_chip = Chip(1e12, 1e9, 2**30, int8_peak_flops=2e12, host_bytes=2**30, host_link_bytes_per_s=1e9)
+  hosted = {r['candidate'] for r in candidates(config, jax.devices(), hosted_chip, int8=True)}
+  assert Candidate(8, 1, 1, 'full', 2, offload=True, optimizer_offload=True, int8=True) in hosted
+  assert Candidate(8, 1, 1, 'projections', 1, offload=True) in hosted
+  assert not any(c.offload for c in hosted if c.remat in ('none', 'dots'))  # they save nothing by name
+  # each candidate of before, with and without the optimizer state offloaded and int8; full and projections also
+  # with and without their saved tensors offloaded
+  assert len(hosted) == sum(4 * (2 if c.remat in ('full', 'projections') else 1) for c in seen)
 
 
 @needs_libtpu
