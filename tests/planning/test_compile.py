@@ -98,6 +98,21 @@ def test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3(monkeypatch
     r'train.optimizer_offload, train.param_offload\) or lower train.global_batch', err[0]), err
 
 
+@needs_libtpu
+@pytest.mark.long(0.3)
+def test_the_int8_program_for_tpu_holds_s8_dots():
+  """model.quantization=int8 compiled for v5e: each of a Llama layer's seven projections (q, k, v, o, gate, up,
+  down) is one s8 x s8 -> s32 matrix product in the optimized TPU program (XLA writes them as convolutions)."""
+  from lm.planning.compile import _not_persistently_cached
+  config = load_config('llama_tiny', TPU_TINY + ['train.global_batch=8', 'model.quantization=int8'])
+  with _not_persistently_cached():
+    text = compile_train_step(assemble(config, topology_devices('v5e:2x2'))).as_text()
+  types = dict(re.findall(r'^\s*(?:ROOT )?(%[\w.\-]+) = (\w+)\[', text, re.M))
+  products = re.findall(r'= (\w+)\[[^\n]*? (?:convolution|dot)\((%[\w.\-]+), (%[\w.\-]+)\)', text)
+  integer = [(out, types[a], types[b]) for out, a, b in products if 's8' in (types[a], types[b])]
+  assert integer == [('s32', 's8', 's8')] * 7
+
+
 def _dots_in_lowered_step(layers: int, scan: bool) -> int:
   config = load_config('gpt_tiny', [f'model.num_layers={layers}', f'model.execution.scan_layers={str(scan).lower()}',
                                     'model.execution.remat=full', 'model.d_model=64', 'model.num_heads=2',
