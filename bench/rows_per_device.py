@@ -56,8 +56,10 @@ def describe(r: dict[str, Any]) -> str:
            f'{gib(r["hbm_per_device"])} HBM)'
   if not host:
     return device
-  limit = 'unknown' if r['host_per_device'] is None else gib(r['host_per_device'])
-  return f'{device}, {gib(host)} host ({"fits" if r["fits"] or not r["device_fits"] else "over"} {limit})'
+  if r['host_per_device'] is None:
+    return f'{device}, {gib(host)} host (its limit unknown)'
+  return f'{device}, {gib(host)} host ({"fits" if host <= r["host_per_device"] else "over"} ' \
+         f'{gib(r["host_per_device"])})'
 
 
 def most_rows(compile_at: Callable[[int], dict[str, Any]], low: int, high: int, fits: str = 'fits'
