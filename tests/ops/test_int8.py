@@ -58,7 +58,9 @@ def test_an_int8_model_counts_mfu_against_the_int8_peak():
 @pytest.mark.long(0.5)
 def test_int8_training_follows_bf16_over_200_steps(family, small_config, tmp_path):
   """200 steps on the embedded corpus in bf16 and with int8 projections: the int8 run's loss stays within 3% of
-  bf16's at every logged step past the first 20 (the stated tolerance; 1.7% at most measured), and both learn."""
+  bf16's at every logged step past the first 20 (the stated tolerance; 0.2% at most measured), and both learn. At
+  a rate of 1e-3: at the small config's 3e-3 the bf16 run spiked at step 10 on an AVX-512 BF16 CPU (not on the
+  machines before), and a spike one run has and the other not is no measure of int8."""
   from lm.jobs.pretraining import Pretraining
   from lm.train.logging import read_metrics
   preset = [] if family == 'gpt' else ['model.family=llama', 'model.position=rotary', 'model.norm=rmsnorm',
@@ -67,6 +69,7 @@ def test_int8_training_follows_bf16_over_200_steps(family, small_config, tmp_pat
   for quantization in ('none', 'int8'):
     run = tmp_path / quantization
     Pretraining(small_config(*preset, 'train.steps=200', 'train.log_every=10', 'model.execution.dtype=bfloat16',
+                             'optim.learning_rate=1e-3',
                              f'model.quantization={quantization}', f'train.run_dir={run}'), jax.devices()[:1]).run()
     losses[quantization] = np.array([r['loss'] for r in read_metrics(run) if 'loss' in r and r['step'] % 10 == 0])
   bf16, int8 = losses['none'], losses['int8']

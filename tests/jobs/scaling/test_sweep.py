@@ -188,7 +188,7 @@ def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
 @pytest.mark.long(0.5)
 def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   """`--schedule wsd`: one constant-rate run to the last decay start, each budget a cooldown branched off it; every
-  point's final val_loss is the independent WSD run's of its budget, exactly, for 12 of the 15 steps."""
+  point's final val_loss is the independent WSD run's of its budget (to float32 rounding), for 12 of the 15 steps."""
   base = [*BASE, 'optim.decay_fraction=0.4']  # 5 steps decay from step 3, 10 from step 6
   out = tmp_path / 'sweep'
   argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '1280,2560', '--evals', '2',
@@ -207,7 +207,9 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
     alone = tmp_path / f'alone_{point["steps"]}'
     overrides = [o for o in point['overrides'] if o != 'train.resume=true']
     assert cli.main(['train', '--config', 'gpt_tiny', *base, *overrides, f'train.run_dir={alone}']) == 0
-    assert final(out / point['label']) == final(alone), point['label']
+    # to float32 rounding: on an AVX-512 BF16 machine the branch's last held-out loss came out an ulp from the
+    # independent run's, every training loss, rate and gradient norm equal
+    assert final(out / point['label']) == pytest.approx(final(alone), rel=1e-6), point['label']
     assert max(r['step'] for r in read_metrics(out / point['label'])) == point['steps']
 
   capsys.readouterr()
