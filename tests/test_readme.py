@@ -63,8 +63,11 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
   'lm train --config gpt3_125m data.source=tfds data.name=c4/en:3.1.0 data.data_dir=gs://':
     'C4 in a cloud bucket; the same path runs on a local TFDS dataset below',
   'lm finetune --task sst2 --source tfds': 'TFDS glue/sst2 must be downloaded to be prepared',
+  'python -m maxtext.trainers.pre_train.train_compile': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
 }
 
+ROWS_TEST = ('tests/bench/test_rows_per_device.py::'
+             'test_each_row_count_reports_the_compiled_memory_of_that_batch_under_each_lever')
 ELSEWHERE = {  # a command's start -> the test that runs it (the same command on the same kind of files) and checks
   'python bench/peers.py': 'tests/bench/test_peers.py::test_one_round_reports_each_contender_and_the_ratio',
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
@@ -80,6 +83,10 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
     'tests/jobs/chat/test_sft.py::test_sft_learns_to_echo_a_word',
   'lm finetune --task dpo --init runs/sft/chat_model':
     'tests/jobs/chat/test_dpo.py::test_dpo_learns_to_prefer_and_the_reference_is_data',
+  'python bench/rows_per_device.py --levers': ROWS_TEST,  # llama2_7b and llama3_8b: each compile a minute or two
+  'python bench/rows_per_device.py --config llama3_8b': ROWS_TEST,
+  'lm compile --config llama2_7b train.global_batch=':
+    'tests/planning/test_compile.py::test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
     'tests/jobs/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }
