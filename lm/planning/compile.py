@@ -169,11 +169,13 @@ def format_report(r: dict[str, Any]) -> str:
   if host['total']:
     lines += [(f'host memory/device: {k}', format_bytes(host[k])) for k in ('arguments', 'temp', 'total')]
     lines.append(('host memory/device', 'unknown for this chip' if per_chip is None else
-                  f'{format_bytes(per_chip)} ({host["total"] / per_chip:.0%} needed)'))
+                  f'{format_bytes(per_chip)}: {"fits" if host["total"] <= per_chip else "DOES NOT FIT"} '
+                  f'({host["total"] / per_chip:.0%} needed)'))
   if 'compile_error' in r:
     lines.append(('compiler', r['compile_error']))
   lines += [
-    ('HBM/device', f'{format_bytes(r["hbm_per_device"])}: {"fits" if r["fits"] else "DOES NOT FIT"} '
+    ('HBM/device', f'{format_bytes(r["hbm_per_device"])}: '
+                   f'{"fits" if mem["total"] <= r["hbm_per_device"] and "compile_error" not in r else "DOES NOT FIT"} '
                    f'({mem["total"] / r["hbm_per_device"]:.0%} needed)'),
     ('model FLOPs/step', f'{r["flops_per_step"]:.4g} ({r["flops_per_token"]:.4g} per token)'),
     ('step time at peak', _seconds(r['step_seconds_at_peak'])),
