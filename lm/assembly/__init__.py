@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 
 from lm.assembly import accounting
 from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
-from lm.assembly.state import TrainState, abstract_state, abstract_window, in_memory, is_offloaded, make_init_fn, \
-  offloaded, shardings_of, to_device, with_fresh_window
+from lm.assembly.state import HOST, TrainState, abstract_state, abstract_window, in_memory, is_offloaded, \
+  make_init_fn, offloaded, shardings_of, to_device, with_fresh_window
 from lm.config import Config, ConfigError
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
@@ -59,7 +59,7 @@ class Assembly:
 
   def params_of(self, state: TrainState, view: str = 'model') -> Any:
     """The params `view` (see `views`) makes of a train state, on the devices."""
-    if not is_offloaded(self.abstract_state):
+    if self.on_device is self.abstract_state:  # nothing offloaded
       return self.views[view].of(state.params, state.opt_state)
     if view not in self._view_fns:  # one program, so only what the view reads of offloaded state comes in
       rest = self.abstract_state
@@ -96,7 +96,7 @@ def check_offload(config: Config, device: Any) -> None:
     kinds = {memory.kind for memory in device.addressable_memories()}
   except (AttributeError, RuntimeError, NotImplementedError):
     return
-  if asked and 'pinned_host' not in kinds:
+  if asked and HOST not in kinds:
     raise ConfigError(f'{" and ".join(asked)} need host memory the {device.platform} devices can address '
                       f'(pinned_host; they have {", ".join(sorted(kinds))}); drop it on this platform')
 

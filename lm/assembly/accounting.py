@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from lm.assembly.state import HOST
 from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
@@ -100,9 +101,9 @@ def shard_bytes(tree: Any, memory: str = 'device') -> int:
   total = 0
   for leaf in jax.tree.leaves(tree):
     sharding = getattr(leaf, 'sharding', None)
-    if (getattr(sharding, 'memory_kind', None) == 'pinned_host') != (memory == 'pinned_host'):
+    if (getattr(sharding, 'memory_kind', None) == HOST) != (memory == HOST):
       continue
-    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, 'sharding', None) is not None else leaf.shape
+    shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
     total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
   return total
 
@@ -162,7 +163,7 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
   t = config.train
   check_batch(mesh, t.global_batch, t.microbatches)
   tokens = t.global_batch // t.microbatches // axis_size(mesh, 'batch') * config.data.seq_len
-  params = shard_bytes(abstract_state.params) + shard_bytes(abstract_state.params, 'pinned_host')  # in for the step
+  params = shard_bytes(abstract_state.params) + shard_bytes(abstract_state.params, HOST)  # in for the step
   out = {
     'params': params,
     'optimizer': shard_bytes(abstract_state.opt_state),  # none where train.optimizer_offload keeps it on the host
@@ -170,7 +171,7 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
     'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads')),
   }
   out['total (estimate)'] = sum(out.values())
-  host = shard_bytes(abstract_state, 'pinned_host') + offloaded_bytes(config.model, tokens, axis_size(mesh, 'heads'))
+  host = shard_bytes(abstract_state, HOST) + offloaded_bytes(config.model, tokens, axis_size(mesh, 'heads'))
   if host:  # offloaded state and saved activations
     out['host (estimate)'] = host
   return out

@@ -19,6 +19,7 @@ import jax
 
 from lm.assembly import assemble
 from lm.assembly.accounting import count_params, estimate_memory, shard_bytes
+from lm.assembly.state import HOST
 from lm.config import Config, ConfigError
 from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, host_bytes, peak_flops, physical_topology, topology_devices
@@ -32,7 +33,7 @@ def _unfitted_memory(assembly: Any, error: str | None) -> tuple[dict[str, int], 
   host memory of its offloaded state."""
   state_bytes = shard_bytes(assembly.abstract_state)
   needed = _oom_figures(error) or 0
-  host = shard_bytes(assembly.abstract_state, 'pinned_host')
+  host = shard_bytes(assembly.abstract_state, HOST)
   return ({'arguments': state_bytes, 'outputs': state_bytes, 'aliased': state_bytes, 'temp': needed,
            'generated_code': 0, 'total': state_bytes + needed},
           {'arguments': host, 'outputs': host, 'aliased': host, 'temp': 0, 'total': host})
@@ -114,10 +115,9 @@ def compiled_memory(compiled: jax.stages.Compiled, where: str = '') -> dict[str,
   """Per-device bytes from XLA's `memory_analysis()` in device memory, or (`where='host_'`) in the host memory the
   device addresses (offloaded state and remat checkpoints); total counts donated (aliased) state once."""
   stats = compiled.memory_analysis()
-  memory = {name: getattr(stats, f'{where}{name}_size_in_bytes')
-            for name in ('argument', 'output', 'alias', 'temp', 'generated_code')}
-  memory = {'arguments': memory['argument'], 'outputs': memory['output'], 'aliased': memory['alias'],
-            'temp': memory['temp'], 'generated_code': memory['generated_code']}
+  memory = {key: getattr(stats, f'{where}{field}_size_in_bytes') for key, field in (
+    ('arguments', 'argument'), ('outputs', 'output'), ('aliased', 'alias'), ('temp', 'temp'),
+    ('generated_code', 'generated_code'))}
   memory['total'] = memory['arguments'] + memory['outputs'] - memory['aliased'] + memory['temp'] + \
       memory['generated_code']
   return memory

@@ -30,7 +30,7 @@ import yaml
 
 from lm.assembly import Assembly, assemble
 from lm.assembly.accounting import estimate_memory, offloaded_bytes, shard_bytes
-from lm.assembly.state import offloaded
+from lm.assembly.state import HOST, offloaded
 from lm.planning.compile import compile_report
 from lm.config import Config, ConfigError, Remat, merge
 from lm.parallel.chips import hbm_bytes, host_bytes, host_link_bytes_per_s, ici_bytes_per_s, peak_flops, \
@@ -160,7 +160,7 @@ def _host_seconds(assembly: Assembly, chip: Chip, tokens_per_rank: float) -> flo
   config = assembly.config
   tensor = dict(assembly.mesh.shape)['tensor']
   activations = config.train.microbatches * offloaded_bytes(config.model, int(tokens_per_rank), tensor)
-  state = shard_bytes(offloaded(assembly.abstract_state, config.train), 'pinned_host')
+  state = shard_bytes(offloaded(assembly.abstract_state, config.train), HOST)
   moved = 2 * (activations + state)
   return moved / chip.host_link_bytes_per_s if moved else 0.0
 
