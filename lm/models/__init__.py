@@ -11,7 +11,7 @@ import jax
 from jax.sharding import Mesh
 
 from lm.config import Config, ConfigError, ModelConfig, register_check
-from lm.models import bert, gpt, gpt_neox, llama, olmo, t5
+from lm.models import bert, gpt, gpt_neox, llama, t5
 from lm.models.family import Family
 from lm.ops.attention.capabilities import check_attention
 from lm.parallel.rules import tree_shardings
@@ -20,10 +20,8 @@ if TYPE_CHECKING:
   from lm.data.objectives import Objective
   from lm.data.tokenizers import Tokenizer
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, llama.FAMILY, llama.MISTRAL,
-                                                           llama.QWEN2, llama.QWEN3, llama.GEMMA2, gpt_neox.FAMILY,
-                                                           olmo.FAMILY, olmo.OLMO2, olmo.OLMO3, llama.MIXTRAL,
-                                                           llama.QWEN2_MOE, llama.QWEN3_MOE, olmo.OLMOE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, bert.FAMILY, t5.FAMILY, *llama.FAMILIES,
+                                                           gpt_neox.FAMILY)}
 
 
 def get_family(name: str) -> Family:

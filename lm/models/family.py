@@ -66,9 +66,9 @@ class KernelSizes:
 
 class Family:
   """The record base: subclasses set the class attributes and override what differs."""
-  name: ClassVar[str]
+  name: str
   module: ClassVar[type[nn.Module]]
-  hf_converter: ClassVar[str | None] = None  # module with ARCHITECTURE (the transformers class), load, save
+  hf_converter: str | None = None  # module with ARCHITECTURE (the transformers class), load, save
   decoding: ClassVar[Decoding | None] = None  # how `lm.jobs.generate` samples from it; None: it cannot
   scoring: ClassVar[Scoring | None] = None  # how `lm eval` scores continuations with it; None: it cannot
   heads: ClassVar[tuple[Head, ...]] = ()

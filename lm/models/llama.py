@@ -1,18 +1,42 @@
-"""Llama (Touvron et al. 2023): pre-RMSNorm decoder, rotary positions, SwiGLU MLP, grouped-query
-attention (Llama 2 70B), no biases, untied output. The shape lives in the config; the module is the
-shared `CausalDecoder`."""
+"""Llama (Touvron et al. 2023) and the families that share its layout: pre-norm decoders with rotary positions,
+gated MLPs and no position table. What sets each apart lives in its config fields; the module is the shared
+`CausalDecoder`, and each family's Hugging Face converter is `lm.storage.convert.<name>`."""
 from __future__ import annotations
 
 from lm.config import Config, ConfigError
 from lm.models.causal import CausalDecoder
 from lm.models.family import DecoderOnly
 
+# What each family of Llama's layout is, by the config fields that set it apart
+LAYOUTS: dict[str, str] = {
+    'llama': 'Llama: pre-RMSNorm, rotary positions, SwiGLU, grouped-query attention (Llama 2 70B), no biases, '
+             'untied output.',
+    'mistral': 'Mistral 7B: Llama at 8 key/value heads.',
+    'qwen2': 'Qwen2 and Qwen2.5: Llama with query, key and value biases (model.qkv_bias).',
+    'qwen3': 'Qwen3: Llama with per-head query and key RMSNorm (model.qk_norm).',
+    'gemma2': 'Gemma 2: (1 + w) RMSNorm before and after each branch, scaled embeddings tied to the output, GeGLU, '
+              'soft-capped attention and output logits, sliding-window layers alternating with global ones.',
+    'olmo': 'OLMo (Groeneveld et al. 2024): LayerNorm without scale or bias before each branch '
+            '(model.norm=nonparametric_layernorm), query/key/value optionally clipped (model.clip_qkv).',
+    'olmo2': "OLMo 2: RMSNorm of each branch's output before it is added (model.norm_position=post_branch) and of "
+             'the queries and keys over all heads at once (model.qk_norm_scope=all_heads).',
+    'olmo3': 'OLMo 3: OLMo 2 with sliding-window attention in three layers of four (model.sliding_window, '
+             'model.global_every=4).',
+    'mixtral': "Mixtral: Mistral with routed experts in every layer (model.moe).",
+    'qwen2_moe': "Qwen2-MoE: Qwen2 with routed experts and a gated shared expert (model.moe).",
+    'qwen3_moe': "Qwen3-MoE: Qwen3 with routed experts (model.moe).",
+    'olmoe': "OLMoE: OLMo 2's query/key norms over all heads, pre-norm branches, routed experts in every layer "
+             '(model.moe).',
+}
+
 
 class LlamaFamily(DecoderOnly):
-  name = 'llama'
   module = CausalDecoder
-  hf_converter = 'lm.storage.convert.llama'
   routed_mlp = True
+
+  def __init__(self, name: str) -> None:
+    self.name = name
+    self.hf_converter = f'lm.storage.convert.{name}'
 
   def validate(self, config: Config) -> None:
     if config.model.position not in ('rotary', 'none'):
@@ -20,49 +44,4 @@ class LlamaFamily(DecoderOnly):
                         f'would be ignored; use model.position=rotary')
 
 
-class MistralFamily(LlamaFamily):
-  """Mistral 7B: Llama's layout at 8 key/value heads."""
-  name = 'mistral'
-  hf_converter = 'lm.storage.convert.mistral'
-
-
-class Qwen2Family(LlamaFamily):
-  """Qwen2 and Qwen2.5: Llama's layout with query, key and value biases (model.qkv_bias)."""
-  name = 'qwen2'
-  hf_converter = 'lm.storage.convert.qwen2'
-
-
-class Qwen3Family(LlamaFamily):
-  """Qwen3: Llama's layout with per-head query and key RMSNorm (model.qk_norm)."""
-  name = 'qwen3'
-  hf_converter = 'lm.storage.convert.qwen3'
-
-
-class Gemma2Family(LlamaFamily):
-  """Gemma 2: (1 + w) RMSNorm before and after each branch, scaled embeddings tied to the output, GeGLU, soft-capped
-  attention and output logits, sliding-window layers alternating with global ones (all config fields)."""
-  name = 'gemma2'
-  hf_converter = 'lm.storage.convert.gemma2'
-
-
-class MixtralFamily(LlamaFamily):
-  """Mixtral: Mistral's layout with routed experts in every layer (model.moe)."""
-  name = 'mixtral'
-  hf_converter = 'lm.storage.convert.mixtral'
-
-
-class Qwen2MoeFamily(LlamaFamily):
-  """Qwen2-MoE: Qwen2's layout with routed experts and a gated shared expert (model.moe)."""
-  name = 'qwen2_moe'
-  hf_converter = 'lm.storage.convert.qwen2_moe'
-
-
-class Qwen3MoeFamily(LlamaFamily):
-  """Qwen3-MoE: Qwen3's layout with routed experts (model.moe)."""
-  name = 'qwen3_moe'
-  hf_converter = 'lm.storage.convert.qwen3_moe'
-
-
-FAMILY = LlamaFamily()
-MISTRAL, QWEN2, QWEN3, GEMMA2 = MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma2Family()
-MIXTRAL, QWEN2_MOE, QWEN3_MOE = MixtralFamily(), Qwen2MoeFamily(), Qwen3MoeFamily()
+FAMILIES = tuple(LlamaFamily(name) for name in LAYOUTS)

@@ -39,7 +39,8 @@ def test_every_family_declares_what_generic_code_needs():
 
 @pytest.mark.parametrize('preset, override, message', [
   ('gpt_tiny', 'model.family=rnn', "model.family='rnn' is not supported; choose one of: gpt, bert, t5, llama, "
-                                   "mistral, qwen2, qwen3, gemma2, gpt_neox, olmo, olmo2, olmo3"),
+                                   "mistral, qwen2, qwen3, gemma2, olmo, olmo2, olmo3, mixtral, qwen2_moe, qwen3_moe, "
+                                   "olmoe, gpt_neox"),
   ('bert_tiny', 'model.nsp=true', 'model.nsp=true .* set model.type_vocab_size=2'),
   ('llama_tiny', 'model.position=learned', 'a llama model has no position table'),
 ])

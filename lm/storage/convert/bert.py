@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ExecutionConfig, ModelConfig
-from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
+from lm.storage.convert.hf_config import check_exportable, hf_activation, hf_sizes, our_activation, unsupported
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'BertForMaskedLM'
@@ -52,9 +52,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
     raise ConfigError(f'cannot export model.type_vocab_size={cfg.type_vocab_size} as {ARCHITECTURE}; '
                       f'it always has token-type embeddings (type_vocab_size >= 1)')
   hf: dict[str, Any] = {
-    **base, 'architectures': [ARCHITECTURE], 'model_type': 'bert', 'vocab_size': cfg.vocab_size,
-    'hidden_size': cfg.d_model, 'num_hidden_layers': cfg.num_layers, 'num_attention_heads': cfg.num_heads,
-    'intermediate_size': cfg.resolved_d_ff, 'max_position_embeddings': cfg.max_len,
+    **base, 'architectures': [ARCHITECTURE], 'model_type': 'bert', **hf_sizes(cfg),
     'type_vocab_size': cfg.type_vocab_size, 'layer_norm_eps': cfg.norm_eps,
     'hidden_act': hf_activation(cfg.activation, base.get('hidden_act'), ARCHITECTURE),
     'hidden_dropout_prob': cfg.dropout, 'attention_probs_dropout_prob': cfg.attention_dropout,

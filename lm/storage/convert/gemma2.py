@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ExecutionConfig, ModelConfig
-from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
-                                          our_activation, unsupported, window_pattern)
-from lm.storage.convert.llama import GATED, hf_rope, rope_fields
+from lm.storage.convert.hf_config import (FULL, GATED, SLIDING, check_exportable, hf_gated_activation,
+                                          hf_layer_types, hf_sizes, our_activation, unsupported, window_pattern)
+from lm.storage.convert.llama import hf_rope, rope_fields
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'Gemma2ForCausalLM'
@@ -54,16 +54,10 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict[str, Any]) ->
   check_exportable(cfg, ARCHITECTURE, position='rotary', norm='rmsnorm', norm_position='sandwich', norm_plus_one=True,
                    use_bias=False, qkv_bias=False, qk_norm=False, tie_embeddings=True, scale_embeddings=True,
                    scale_attention=True, global_every=cfg.global_every, global_layers=cfg.global_layers)
-  plain = {v: k for k, v in GATED.items()}
-  if cfg.activation not in plain:
-    raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {ARCHITECTURE}; it supports the gated '
-                      f'activations: {", ".join(plain)}')
   hf: dict[str, Any] = {
-    **base, 'architectures': [ARCHITECTURE], 'model_type': 'gemma2', 'vocab_size': cfg.vocab_size,
-    'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
-    'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.resolved_kv_heads,
-    'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len, 'rms_norm_eps': cfg.norm_eps,
-    'hidden_activation': hf_activation(plain[cfg.activation], base.get('hidden_activation'), ARCHITECTURE),
+    **base, 'architectures': [ARCHITECTURE], 'model_type': 'gemma2', **hf_sizes(cfg),
+    'num_key_value_heads': cfg.resolved_kv_heads, 'head_dim': cfg.resolved_head_dim, 'rms_norm_eps': cfg.norm_eps,
+    'hidden_activation': hf_gated_activation(cfg.activation, base.get('hidden_activation'), ARCHITECTURE),
     'attention_bias': False, 'tie_word_embeddings': True, 'attention_dropout': cfg.attention_dropout,
     'initializer_range': cfg.init_std, 'query_pre_attn_scalar': cfg.attention_scale_dim or cfg.resolved_head_dim,
     'sliding_window': cfg.sliding_window or None, 'attn_logit_softcapping': cfg.attn_logit_softcap or None,

@@ -11,7 +11,7 @@ import numpy as np
 
 from lm.config import ExecutionConfig, ModelConfig
 from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
-from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
+from lm.storage.convert.tensors import Checkpoint, FusedQkvDecoder, Tensor
 
 ARCHITECTURE = 'GPT2LMHeadModel'
 DEFAULTS = {'vocab_size': 50257, 'n_positions': 1024, 'n_embd': 768, 'n_layer': 12, 'n_head': 12, 'n_inner': None,
@@ -19,6 +19,8 @@ DEFAULTS = {'vocab_size': 50257, 'n_positions': 1024, 'n_embd': 768, 'n_layer': 
             'layer_norm_epsilon': 1e-5, 'initializer_range': 0.02, 'scale_attn_weights': True,
             'tie_word_embeddings': True}
 PREFIX = 'transformer.'
+DECODER = FusedQkvDecoder('h.', ('ln_1', 'attn.c_attn', 'attn.c_proj', 'ln_2', 'mlp.c_fc', 'mlp.c_proj'), 'ln_f',
+                          'lm_head.weight', 'conv1d', ('conv1d', 'flat'))
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
@@ -53,19 +55,5 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
 
 
 def rules(cfg: ModelConfig, prefix: str) -> list[Tensor]:
-  out = [Tensor(f'{prefix}wte.weight', ('token_embed/embedding',)),
-         Tensor(f'{prefix}wpe.weight', ('position_embed/embedding',))]
-  for i in range(cfg.num_layers):
-    h, o = f'{prefix}h.{i}.', f'decoder/layers_{i}/'
-    qkv = tuple(f'{o}attention/{n}' for n in ('query', 'key', 'value'))
-    out += [*norm(f'{h}ln_1', f'{o}attention_norm'),
-            Tensor(f'{h}attn.c_attn.weight', tuple(f'{p}/kernel' for p in qkv), 'conv1d'),
-            Tensor(f'{h}attn.c_attn.bias', tuple(f'{p}/bias' for p in qkv), 'flat'),
-            *dense(f'{h}attn.c_proj', f'{o}attention/out', 'conv1d', n_in=2),
-            *norm(f'{h}ln_2', f'{o}mlp_norm'),
-            *dense(f'{h}mlp.c_fc', f'{o}mlp/wi', 'conv1d'),
-            *dense(f'{h}mlp.c_proj', f'{o}mlp/wo', 'conv1d')]
-  out += norm(f'{prefix}ln_f', 'decoder/final_norm')
-  if not cfg.tie_embeddings:
-    out.append(Tensor('lm_head.weight', ('lm_head/kernel',), 'linear'))
-  return out
+  return DECODER.rules(cfg, prefix, [Tensor(f'{prefix}wte.weight', ('token_embed/embedding',)),
+                                     Tensor(f'{prefix}wpe.weight', ('position_embed/embedding',))])

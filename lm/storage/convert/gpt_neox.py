@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ExecutionConfig, ModelConfig, RopeConfig
-from lm.storage.convert.hf_config import check_exportable, hf_activation, our_activation, unsupported
-from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
+from lm.storage.convert.hf_config import check_exportable, hf_activation, hf_sizes, our_activation, unsupported
+from lm.storage.convert.tensors import Checkpoint, FusedQkvDecoder, Tensor
 
 ARCHITECTURE = 'GPTNeoXForCausalLM'
 # transformers' GPTNeoXConfig defaults (GPT-NeoX-20B's shape)
@@ -23,6 +23,9 @@ DEFAULTS = {'vocab_size': 50432, 'hidden_size': 6144, 'num_hidden_layers': 44, '
             'max_position_embeddings': 2048, 'initializer_range': 0.02, 'layer_norm_eps': 1e-5,
             'tie_word_embeddings': False, 'use_parallel_residual': True}
 PREFIX = 'gpt_neox.'
+DECODER = FusedQkvDecoder('layers.', ('input_layernorm', 'attention.query_key_value', 'attention.dense',
+                                      'post_attention_layernorm', 'mlp.dense_h_to_4h', 'mlp.dense_4h_to_h'),
+                          'final_layer_norm', 'embed_out.weight', 'linear', ('heads', 'heads'))
 
 
 def rope(hf: dict) -> RopeConfig:
@@ -61,9 +64,7 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
     raise ConfigError(f'cannot export this {cfg.family} model as {ARCHITECTURE}: model.rope.scaling='
                       f'{cfg.rope.scaling!r} (needs \'none\')')
   hf: dict[str, Any] = {
-    **base, 'architectures': [ARCHITECTURE], 'model_type': 'gpt_neox', 'vocab_size': cfg.vocab_size,
-    'hidden_size': cfg.d_model, 'num_hidden_layers': cfg.num_layers, 'num_attention_heads': cfg.num_heads,
-    'intermediate_size': cfg.resolved_d_ff, 'max_position_embeddings': cfg.max_len,
+    **base, 'architectures': [ARCHITECTURE], 'model_type': 'gpt_neox', **hf_sizes(cfg),
     'layer_norm_eps': cfg.norm_eps, 'hidden_act': hf_activation(cfg.activation, base.get('hidden_act'), ARCHITECTURE),
     'use_parallel_residual': cfg.parallel_residual, 'attention_bias': True, 'tie_word_embeddings': cfg.tie_embeddings,
     'hidden_dropout': cfg.dropout, 'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
@@ -76,18 +77,4 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
 
 
 def rules(cfg: ModelConfig) -> list[Tensor]:
-  out = [Tensor(f'{PREFIX}embed_in.weight', ('token_embed/embedding',))]
-  for i in range(cfg.num_layers):
-    h, o = f'{PREFIX}layers.{i}.', f'decoder/layers_{i}/'
-    qkv = tuple(f'{o}attention/{n}' for n in ('query', 'key', 'value'))
-    out += [*norm(f'{h}input_layernorm', f'{o}attention_norm'),
-            Tensor(f'{h}attention.query_key_value.weight', tuple(f'{p}/kernel' for p in qkv), 'heads'),
-            Tensor(f'{h}attention.query_key_value.bias', tuple(f'{p}/bias' for p in qkv), 'heads'),
-            *dense(f'{h}attention.dense', f'{o}attention/out', 'linear', n_in=2),
-            *norm(f'{h}post_attention_layernorm', f'{o}mlp_norm'),
-            *dense(f'{h}mlp.dense_h_to_4h', f'{o}mlp/wi', 'linear'),
-            *dense(f'{h}mlp.dense_4h_to_h', f'{o}mlp/wo', 'linear')]
-  out += norm(f'{PREFIX}final_layer_norm', 'decoder/final_norm')
-  if not cfg.tie_embeddings:
-    out.append(Tensor('embed_out.weight', ('lm_head/kernel',), 'linear'))
-  return out
+  return DECODER.rules(cfg, PREFIX, [Tensor(f'{PREFIX}embed_in.weight', ('token_embed/embedding',))])

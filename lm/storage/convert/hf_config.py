@@ -15,6 +15,7 @@ from lm.config import ConfigError, ModelConfig, MoeConfig
 ACTIVATIONS = {'gelu': 'gelu', 'gelu_python': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh',
                'relu': 'relu', 'silu': 'silu', 'swish': 'silu'}
 HF_ACTIVATIONS = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'relu': 'relu', 'silu': 'silu'}
+GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu'}  # a gate's activation: ours
 
 
 def our_activation(name: str, key: str, architecture: str) -> str:
@@ -30,6 +31,22 @@ def hf_activation(ours: str, base_name: Any, architecture: str) -> str:
     raise ConfigError(f'cannot export model.activation={ours!r} as {architecture}; '
                       f'it supports: {", ".join(HF_ACTIVATIONS)}')
   return base_name if ACTIVATIONS.get(base_name) == ours else HF_ACTIVATIONS[ours]
+
+
+def hf_gated_activation(ours: str, base_name: Any, architecture: str) -> str:
+  """HF name of the gate's activation of our gated MLP `ours` (swiglu: silu), keeping the base config's spelling."""
+  plain = {v: k for k, v in GATED.items()}
+  if ours not in plain:
+    raise ConfigError(f'cannot export model.activation={ours!r} as {architecture}; it supports the gated '
+                      f'activations: {", ".join(plain)}')
+  return hf_activation(plain[ours], base_name, architecture)
+
+
+def hf_sizes(cfg: ModelConfig) -> dict[str, int]:
+  """The size keys BERT's, GPT-NeoX's and the Llama layout's config.json spell alike."""
+  return {'vocab_size': cfg.vocab_size, 'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff,
+          'num_hidden_layers': cfg.num_layers, 'num_attention_heads': cfg.num_heads,
+          'max_position_embeddings': cfg.max_len}
 
 
 def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:

@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ExecutionConfig, ModelConfig, MoeConfig, RopeConfig
-from lm.storage.convert.hf_config import (FULL, SLIDING, check_exportable, hf_activation, hf_layer_types,
-                                          our_activation, unsupported, window_pattern)
+from lm.storage.convert.hf_config import (FULL, GATED, SLIDING, check_exportable, hf_gated_activation,
+                                          hf_layer_types, hf_sizes, our_activation, unsupported, window_pattern)
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'LlamaForCausalLM'
-GATED = {'silu': 'swiglu', 'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu'}
 
 
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}  # HF rope_type -> ours
@@ -249,17 +248,11 @@ def save_as(arch: Architecture, cfg: ModelConfig, flat: dict[str, np.ndarray], b
   if arch.norm == 'nonparametric_layernorm' and cfg.norm_eps != 1e-5:
     raise ConfigError(f'cannot export this {cfg.family} model as {arch.name}: model.norm_eps={cfg.norm_eps} '
                       f'(its LayerNorm has eps 1e-5)')
-  plain = {v: k for k, v in GATED.items()}
-  if cfg.activation not in plain:
-    raise ConfigError(f'cannot export model.activation={cfg.activation!r} as {arch.name}; it supports the gated '
-                      f'activations: {", ".join(plain)}')
   hf: dict[str, Any] = {
-    **base, 'architectures': [arch.name], 'model_type': arch.model_type, 'vocab_size': cfg.vocab_size,
-    'hidden_size': cfg.d_model, 'intermediate_size': cfg.resolved_d_ff, 'num_hidden_layers': cfg.num_layers,
-    'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.resolved_kv_heads,
-    'head_dim': cfg.resolved_head_dim, 'max_position_embeddings': cfg.max_len,
+    **base, 'architectures': [arch.name], 'model_type': arch.model_type, **hf_sizes(cfg),
+    'num_key_value_heads': cfg.resolved_kv_heads, 'head_dim': cfg.resolved_head_dim,
     **({'rms_norm_eps': cfg.norm_eps} if arch.norm == 'rmsnorm' else {}),
-    'hidden_act': hf_activation(plain[cfg.activation], base.get('hidden_act'), arch.name),
+    'hidden_act': hf_gated_activation(cfg.activation, base.get('hidden_act'), arch.name),
     **arch.refused, 'tie_word_embeddings': cfg.tie_embeddings,
     'attention_dropout': cfg.attention_dropout, 'initializer_range': cfg.init_std}
   if arch.window:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lm.config import ConfigError, ExecutionConfig, ModelConfig
-from lm.storage.convert.hf_config import HF_ACTIVATIONS, check_exportable, hf_activation, our_activation
+from lm.storage.convert.hf_config import GATED, HF_ACTIVATIONS, check_exportable, hf_activation, our_activation
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'T5ForConditionalGeneration'
@@ -22,7 +22,6 @@ DEFAULTS = {'vocab_size': 32128, 'd_model': 512, 'd_kv': 64, 'd_ff': 2048, 'num_
             'num_decoder_layers': None, 'num_heads': 8, 'relative_attention_num_buckets': 32,
             'relative_attention_max_distance': 128, 'dropout_rate': 0.1, 'layer_norm_epsilon': 1e-6,
             'initializer_factor': 1.0, 'feed_forward_proj': 'relu'}
-GATED = {'gelu': 'geglu', 'gelu_tanh': 'geglu_tanh', 'relu': 'reglu', 'silu': 'swiglu'}
 EMBED_ALIASES = ('encoder.embed_tokens.weight', 'decoder.embed_tokens.weight')  # older files repeat shared.weight
 
 

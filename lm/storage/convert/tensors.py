@@ -17,7 +17,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
 
-from lm.config import ConfigError
+from lm.config import ConfigError, ModelConfig
 from lm.models import abstract_params
 
 Shape = tuple[int, ...]
@@ -205,3 +205,34 @@ def norm(hf: str, ours: str, bias: bool = True) -> list[Tensor]:
   """Rules of a LayerNorm (bias) or RMSNorm: HF '{hf}.weight' is our '{ours}/scale'."""
   rules = [Tensor(f'{hf}.weight', (f'{ours}/scale',))]
   return rules + [Tensor(f'{hf}.bias', (f'{ours}/bias',))] if bias else rules
+
+
+
+@dataclass(frozen=True)
+class FusedQkvDecoder:
+  """The HF names of a biased pre-norm decoder whose query, key and value are one projection (GPT-2's `c_attn`,
+  GPT-NeoX's `query_key_value`), and the layouts of its kernels."""
+  layers: str  # a layer's prefix before its index
+  layer: tuple[str, str, str, str, str, str]  # attention norm, fused qkv, attention output, MLP norm, MLP in, MLP out
+  final_norm: str
+  output: str  # the untied output layer's weight
+  layout: str  # every kernel's but the fused one's
+  qkv_layouts: tuple[str, str]  # the fused weight's and bias's
+
+  def rules(self, cfg: ModelConfig, prefix: str, embeddings: list[Tensor]) -> list[Tensor]:
+    out = list(embeddings)
+    attention_norm, qkv, attention_out, mlp_norm, mlp_in, mlp_out = self.layer
+    for i in range(cfg.num_layers):
+      h, o = f'{prefix}{self.layers}{i}.', f'decoder/layers_{i}/'
+      parts = tuple(f'{o}attention/{n}' for n in ('query', 'key', 'value'))
+      out += [*norm(f'{h}{attention_norm}', f'{o}attention_norm'),
+              Tensor(f'{h}{qkv}.weight', tuple(f'{p}/kernel' for p in parts), self.qkv_layouts[0]),
+              Tensor(f'{h}{qkv}.bias', tuple(f'{p}/bias' for p in parts), self.qkv_layouts[1]),
+              *dense(f'{h}{attention_out}', f'{o}attention/out', self.layout, n_in=2),
+              *norm(f'{h}{mlp_norm}', f'{o}mlp_norm'),
+              *dense(f'{h}{mlp_in}', f'{o}mlp/wi', self.layout),
+              *dense(f'{h}{mlp_out}', f'{o}mlp/wo', self.layout)]
+    out += norm(f'{prefix}{self.final_norm}', 'decoder/final_norm')
+    if not cfg.tie_embeddings:
+      out.append(Tensor(self.output, ('lm_head/kernel',), 'linear'))
+    return out
