@@ -65,7 +65,8 @@ class KernelSizes:
 
 
 class Family:
-  """The record base: subclasses set the class attributes and override what differs."""
+  """The record base: subclasses set the class attributes (or an instance its name and converter, as the Llama
+  layout's do) and override what differs."""
   name: str
   module: ClassVar[type[nn.Module]]
   hf_converter: str | None = None  # module with ARCHITECTURE (the transformers class), load, save

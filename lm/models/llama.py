@@ -22,9 +22,9 @@ LAYOUTS: dict[str, str] = {
              'the queries and keys over all heads at once (model.qk_norm_scope=all_heads).',
     'olmo3': 'OLMo 3: OLMo 2 with sliding-window attention in three layers of four (model.sliding_window, '
              'model.global_every=4).',
-    'mixtral': "Mixtral: Mistral with routed experts in every layer (model.moe).",
-    'qwen2_moe': "Qwen2-MoE: Qwen2 with routed experts and a gated shared expert (model.moe).",
-    'qwen3_moe': "Qwen3-MoE: Qwen3 with routed experts (model.moe).",
+    'mixtral': 'Mixtral: Mistral with routed experts in every layer (model.moe).',
+    'qwen2_moe': 'Qwen2-MoE: Qwen2 with routed experts and a gated shared expert (model.moe).',
+    'qwen3_moe': 'Qwen3-MoE: Qwen3 with routed experts (model.moe).',
     'olmoe': "OLMoE: OLMo 2's query/key norms over all heads, pre-norm branches, routed experts in every layer "
              '(model.moe).',
 }
