@@ -305,8 +305,8 @@ def test_an_hf_t5_directory_fine_tunes_text_to_text(version, glue_dir, tmp_path)
   """`--init` an HF T5 directory: the run takes its architecture (v1.0 or v1.1) and its spiece.model, fine-tunes
   text to text, and writes a label for every dev example."""
   hf, out = save_hf_t5(tmp_path / 'hf', version), tmp_path / 'ft'
-  lm('finetune', '--task', 'rte', '--data-dir', str(glue_dir), '--init', str(hf), f'train.run_dir={out}', *QUIET,
-     'train.steps=4', 'train.eval_every=4', 'data.seq_len=64')
+  assert cli.main(['finetune', '--task', 'rte', '--data-dir', str(glue_dir), '--init', str(hf), f'train.run_dir={out}',
+                   *QUIET, 'train.steps=4', 'train.eval_every=4', 'data.seq_len=64']) == 0
   config = yaml.safe_load((out / 'rte' / 'config.yaml').read_text())
   assert config['model']['family'] == 't5' and config['model']['vocab_size'] >= 64
   assert config['model']['tie_embeddings'] == (version == 'v1_0')
