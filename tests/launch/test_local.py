@@ -14,14 +14,17 @@ LAUNCH = Path(__file__).resolve().parents[2] / 'launch'
 sys.path.insert(0, str(LAUNCH))
 from local import free_port, process_env, resolve  # noqa: E402
 
+from tests.conftest import one_device_env  # noqa: E402
+
 LM = [sys.executable, '-m', 'lm.cli']
 TINY = ['--config', 'gpt_tiny', 'model.d_model=64', 'model.num_layers=2', 'data.seq_len=32', 'model.max_len=32',
         'train.global_batch=16', 'train.log_every=1', 'train.eval_batches=1', 'train.progress=false']
 
 
 def clean_env(**extra):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS',)}
-  return {**env, 'JAX_PLATFORMS': 'cpu', **extra}
+  """The suite's environment without its 8 simulated devices (launch/local.py gives each process its own count),
+  compiling as the suite does."""
+  return {**one_device_env(), 'JAX_PLATFORMS': 'cpu', **extra}
 
 
 def records(run_dir):
@@ -42,7 +45,7 @@ def test_two_processes_train_like_one_process_with_all_devices(tmp_path):
   assert 'final val_loss' in two.stdout
   assert 'Gloo' not in logs and 'peer ranks' not in logs and 'rematerialization' not in logs
   one = subprocess.run([*LM, *train, f'train.run_dir={tmp_path}/one'], capture_output=True, text=True, timeout=600,
-                       env=clean_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'))
+                       env=clean_env(XLA_FLAGS=os.environ['XLA_FLAGS']))  # the suite's 8 devices
   assert one.returncode == 0, one.stderr[-2000:]
   a, b = records(tmp_path / 'one'), records(tmp_path / 'two')
   assert [r['step'] for r in a] == [r['step'] for r in b]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import one_device_env
 from tests.launch.slurm_cluster import Cluster, missing
 
 LAUNCH = Path(__file__).resolve().parents[2] / 'launch'
@@ -32,7 +33,8 @@ def cluster(tmp_path_factory):
 def submit(cluster, cwd, name, *launcher_args, command, tasks=2):
   """Submits `tasks` tasks through launch/slurm.py with the venv not on PATH (the job must not need it); the
   job id."""
-  env = {k: v for k, v in cluster.env.items() if k not in ('XLA_FLAGS', 'VIRTUAL_ENV')}
+  env = {k: v for k, v in cluster.env.items() if k != 'VIRTUAL_ENV'}
+  env['XLA_FLAGS'] = one_device_env()['XLA_FLAGS']  # one device a task, compiling as the suite does
   env['PATH'] = '/usr/local/bin:/usr/bin:/bin'
   done = subprocess.run([sys.executable, str(LAUNCH / 'slurm.py'), '--job-name', name, '--nodes', '1',
                          '--ntasks-per-node', str(tasks), *launcher_args, '--', 'lm', 'train', *command],

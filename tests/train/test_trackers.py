@@ -2,7 +2,6 @@
 --resume as one run whose history equals metrics.jsonl, each step once; a branch names its source; an unreachable
 service is one warning line and training goes on."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 from lm.train.logging import read_metrics
 from lm.train.timing import is_timing
 from lm.train.trackers import transaction_log
-from tests.conftest import SMALL
+from tests.conftest import SMALL, one_device_env
 
 pytest.importorskip('wandb')
 
@@ -23,7 +22,7 @@ TRAIN = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL
 
 
 def env(**extra):
-  return {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}, 'JAX_PLATFORMS': 'cpu', **extra}
+  return {**one_device_env(), 'JAX_PLATFORMS': 'cpu', **extra}
 
 
 def offline_runs(run_dir):
