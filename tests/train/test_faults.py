@@ -51,10 +51,11 @@ def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(t
   record of each (a source no row has been read from yet included)."""
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL, 'train.steps=30',
            'train.eval_every=10', 'train.checkpoint.every=4', 'optim.decay_steps=30', *corpora(tmp_path)]
-  # One host CPU device at full optimisation, as a user runs it; the suite's compilation cache (conftest.py) spares
-  # the restarts the first run's compiling.
+  # One host CPU device compiling as the suite does, the venv not on PATH; the suite's compilation cache
+  # (conftest.py) spares the restarts the first run's compiling.
   env = {'JAX_PLATFORMS': 'cpu', 'PATH': '/usr/bin:/bin', 'LM_CACHE_DIR': os.environ['LM_CACHE_DIR'],
-         **{k: v for k, v in os.environ.items() if k.startswith(('JAX_COMPILATION_CACHE', 'JAX_PERSISTENT_CACHE'))}}
+         **{k: v for k, v in one_device_env().items()
+            if k in ('XLA_FLAGS', 'PYTHONPATH') or k.startswith(('JAX_COMPILATION_CACHE', 'JAX_PERSISTENT_CACHE'))}}
   straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True, timeout=600)
   assert straight.returncode == 0, straight.stderr[-2000:]
   assert straight.stderr == b'', straight.stderr[-2000:]  # a run that goes well prints nothing on stderr
