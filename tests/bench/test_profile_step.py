@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL
+from tests.conftest import SMALL, built_once
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / 'bench'))
@@ -17,18 +17,18 @@ from profile_step import part_of  # noqa: E402
 BATCH, SEQ, D, VOCAB = 16, 32, 64, 264  # SMALL's rows and width, gpt_tiny's vocabulary
 
 
-@pytest.fixture(scope='module')
-def result(tmp_path_factory):
+@pytest.fixture(scope='session')
+def result():
   """The benchmark in its own process, as a user runs it: a process that has loaded libtpu (as the suite's AOT
-  tests do) cannot start the profiler. 4 tiles of the output layer: a loop of 4 trips whose FLOPs count 4 times."""
-  root = tmp_path_factory.mktemp('profile')
-  out = root / 'profile.json'
-  env = {**os.environ, 'XLA_FLAGS': ''}  # one CPU device
-  done = subprocess.run([sys.executable, str(ROOT / 'bench/profile_step.py'), '--config', 'gpt_tiny', '--steps', '2',
-                         '--out', str(out), *SMALL, 'model.execution.loss_chunk=8', f'train.run_dir={root}/run'],
-                        env=env, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  return json.loads(out.read_text())
+  tests do) cannot start the profiler. 4 tiles of the output layer: a loop of 4 trips whose FLOPs count 4 times.
+  Run once for both tests that read it (`built_once`: ~14 CPU-s)."""
+  def build(root):
+    env = {**os.environ, 'XLA_FLAGS': ''}  # one CPU device
+    done = subprocess.run([sys.executable, str(ROOT / 'bench/profile_step.py'), '--config', 'gpt_tiny', '--steps',
+                           '2', '--out', str(root / 'profile.json'), *SMALL, 'model.execution.loss_chunk=8',
+                           f'train.run_dir={root}/run'], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads((built_once('profile_step', build) / 'profile.json').read_text())
 
 
 @pytest.mark.long(0.5)
