@@ -81,10 +81,11 @@ def computed_once(name: str, compute: Callable[[], dict]) -> dict:
     return unflatten_dict({key: result[key] for key in result.files}, sep='/')
 
 
-def one_device_env() -> dict[str, str]:
-  """This environment for an `lm` process of its own with the host's one CPU device, compiling as the suite does."""
+def one_device_env(**extra: str) -> dict[str, str]:
+  """This environment for an `lm` process of its own with the host's one CPU device, compiling as the suite does;
+  `extra` variables on top."""
   flags = os.environ['XLA_FLAGS'].replace('--xla_force_host_platform_device_count=8', '')
-  return {**os.environ, 'XLA_FLAGS': flags.strip()}
+  return {**os.environ, 'XLA_FLAGS': flags.strip(), **extra}
 
 
 SMALL = [

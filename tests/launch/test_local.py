@@ -24,7 +24,7 @@ TINY = ['--config', 'gpt_tiny', 'model.d_model=64', 'model.num_layers=2', 'data.
 def clean_env(**extra):
   """The suite's environment without its 8 simulated devices (launch/local.py gives each process its own count),
   compiling as the suite does."""
-  return {**one_device_env(), 'JAX_PLATFORMS': 'cpu', **extra}
+  return one_device_env(JAX_PLATFORMS='cpu', **extra)
 
 
 def records(run_dir):

@@ -22,7 +22,7 @@ TRAIN = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *SMALL
 
 
 def env(**extra):
-  return {**one_device_env(), 'JAX_PLATFORMS': 'cpu', **extra}
+  return one_device_env(JAX_PLATFORMS='cpu', **extra)
 
 
 def offline_runs(run_dir):
