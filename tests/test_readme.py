@@ -2,7 +2,8 @@
 
 The directory holds what the README's commands name and a user would bring (a YAML config, text and JSONL
 files, an HF GPT-2 and BERT saved by transformers, GLUE files, evaluation task files), with `launch/` and `bench/`
-copied from this checkout. Commands run as written, with `lm` and `python` from this venv; the only
+copied from this checkout. Commands run as written, with `lm` and `python` from this venv (an `lm` command
+as bash would hand it its words, in a fork of a process that imported lm once: tests/lm_forks.py); the only
 changes are SHORTER's (fewer steps and smaller sweeps, so the whole README runs in minutes) and `--dry-run`
 on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; what another test runs
 and checks (a minute of compiling each, not repeated here) is in ELSEWHERE with that test's name; each entry
@@ -31,6 +32,7 @@ from tests.conftest import built_once
 from tests.jobs.evals import releases
 from tests.jobs.glue.test_data import write_glue_files
 from tests.jobs.glue.test_finetune import save_hf_bert
+from tests.lm_forks import Forks
 from tests.storage.convert.test_series import hub_cache, save_revisions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,8 +248,16 @@ def test_every_readme_command_runs(tmp_path, group, user_template):
   # suite's compilation cache (conftest.py): most of the commands compile the same few programs.
   env = {**os.environ, 'HOME': str(home), 'PATH': venv + os.pathsep + os.environ['PATH'], 'COLUMNS': '100',
          'XLA_FLAGS': '--xla_backend_optimization_level=0'}
-  for run in group_commands()[group]:
-    done = subprocess.run(['bash', '-c', run], check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f'{run}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
-    # A command that does its job prints nothing on stderr: no warnings or tracebacks for a user to read past.
-    assert done.stderr == '', f'{run}\nprinted on stderr:\n{done.stderr[-3000:]}'
+  with Forks(env) as lm:  # `lm` commands: forks of one process that imported lm (tests/lm_forks.py)
+    for run in group_commands()[group]:
+      if re.fullmatch(r'lm [^|<>`$]*', run):  # bash's words, as it would hand them to `lm`
+        words = subprocess.run(['bash', '-c', 'printf "%s\\0" ' + run], cwd=cwd, env=env, capture_output=True,
+                               text=True, check=True).stdout.split('\0')[:-1]
+        done = lm.run(words[1:], cwd)
+      else:
+        done = subprocess.run(['bash', '-c', run], check=False, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=900)
+      assert done.returncode == 0, f'{run}\nexit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
+      # A command that does its job prints nothing on stderr: no warnings or tracebacks for a user to read past.
+      assert done.stderr == '', f'{run}\nprinted on stderr:\n{done.stderr[-3000:]}'
+  assert lm.startup_stderr == '', f'importing lm printed on stderr:\n{lm.startup_stderr[-3000:]}'
