@@ -36,8 +36,8 @@ def run(request: dict) -> None:
   code = 1
   try:
     os.chdir(request['cwd'])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request['stdout'], os.O_WRONLY | os.O_CREAT),
-                            (2, request['stderr'], os.O_WRONLY | os.O_CREAT)):
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
       opened = os.open(path, flags)
       os.dup2(opened, fd)
       os.close(opened)
@@ -87,7 +87,6 @@ class Forks:
 
   def run(self, argv: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     out, err = Path(self.dir.name) / 'out', Path(self.dir.name) / 'err'
-    out.write_text(''), err.write_text('')
     request = {'argv': argv, 'cwd': str(cwd), 'stdout': str(out), 'stderr': str(err)}
     self.process.stdin.write(json.dumps(request) + '\n')
     self.process.stdin.flush()
