@@ -594,6 +594,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
   origin = typing.get_origin(hint)
   if origin is Literal:
     choices = typing.get_args(hint)
+    if value is None:  # `null` or `~`: the choice that means nothing, where there is one
+      value = next((word for word in ('none', 'off') if word in choices), value)
     if value not in choices:
       raise ConfigError(f'{where}={value!r} is not supported; choose one of: {", ".join(map(str, choices))}')
     return value
@@ -614,8 +616,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
   if hint is bool:
     if isinstance(value, bool):
       return value
-    if isinstance(value, str) and value.lower() in ('true', 'false', '1', '0', 'yes', 'no'):
-      return value.lower() in ('true', '1', 'yes')
+    if isinstance(value, str) and value.lower() in ('true', 'false', '1', '0', 'yes', 'no', 'on', 'off'):
+      return value.lower() in ('true', '1', 'yes', 'on')
     raise ConfigError(f'{where}: expected true or false, got {value!r}')
   if hint is int:
     if isinstance(value, bool):
@@ -703,14 +705,17 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
 
 
 class YamlLoader(yaml.SafeLoader):
-  """YAML 1.2's integers: 1.1's base 60 would read `train.profile=10:5` as 605."""
+  """YAML 1.2's integers and booleans: 1.1's base 60 would read `train.profile=10:5` as 605, and its booleans
+  `train.on_spike=off` as false."""
 
 
 YamlLoader.yaml_implicit_resolvers = {
-  first: [(tag, regexp) for tag, regexp in resolvers if tag != 'tag:yaml.org,2002:int']
+  first: [(tag, regexp) for tag, regexp in resolvers if tag not in ('tag:yaml.org,2002:int', 'tag:yaml.org,2002:bool')]
   for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 YamlLoader.add_implicit_resolver('tag:yaml.org,2002:int', re.compile(
   r'^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$'), list('-+0123456789'))
+YamlLoader.add_implicit_resolver('tag:yaml.org,2002:bool', re.compile(r'^(?:true|True|TRUE|false|False|FALSE)$'),
+                                 list('tTfF'))
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:

@@ -26,6 +26,23 @@ def test_overrides_are_typed():
   assert cfg.optim.decay_exclude == ('bias', 'scale')
 
 
+def test_enum_and_boolean_overrides_accept_the_words_users_write(tmp_path):
+  """YAML 1.1 reads off/on/yes/no as booleans and null as None; every enum field takes its own word as written
+  (`train.on_spike=off`), null as its `none` or `off`, and booleans take on/off/yes/no, in overrides and in files."""
+  cfg = load_config('gpt_tiny', ['train.on_spike=off', 'model.quantization=null', 'model.execution.remat=none',
+                                 'train.resume=on', 'model.execution.scan_layers=no'])
+  assert cfg.train.on_spike == 'off' and cfg.model.quantization == 'none' and cfg.model.execution.remat == 'none'
+  assert cfg.train.resume is True and cfg.model.execution.scan_layers is False
+  assert load_config('gpt_tiny', ['train.on_spike=~']).train.on_spike == 'off'
+  preset = tmp_path / 'mine.yaml'
+  preset.write_text('base: gpt_tiny\ntrain:\n  on_spike: off\n  resume: yes\nmodel:\n  rope:\n    scaling: null\n')
+  from_file = load_config(str(preset))
+  assert from_file.train.on_spike == 'off' and from_file.train.resume is True
+  assert from_file.model.rope.scaling == 'none'
+  with pytest.raises(ConfigError, match="train.on_spike='no' is not supported; choose one of: off, skip, rollback"):
+    load_config('gpt_tiny', ['train.on_spike=no'])
+
+
 def test_base_inheritance():
   bench = load_config('gpt_bench')
   tiny = load_config('gpt_tiny')

@@ -45,14 +45,20 @@ def _record(record: Any, where: str) -> dict[str, Any]:
     out = {k: _messages(v, where, k) for k, v in fields.items()}
   else:
     raise ConfigError(f'{where}: prompt, chosen and rejected must be all strings or all message lists')
-  if out['chosen'] == out['rejected']:
-    raise ConfigError(f'{where}: chosen and rejected are identical, so the pair prefers nothing; drop the record')
   return out
 
 
-def read_pairs(pattern: str) -> list[tuple[dict[str, Any], str]]:
-  """Every record of the JSON-lines files `pattern` matches, with where it is (FILE:LINE)."""
-  return [(_record(record, where), where) for record, where in json_records(pattern, 'preference pair')]
+def read_pairs(pattern: str) -> tuple[list[tuple[dict[str, Any], str]], list[str]]:
+  """Every record of the JSON-lines files `pattern` matches, with where it is (FILE:LINE), and where the records
+  whose chosen and rejected are identical were: such a pair prefers nothing (TRL trains on it without effect), so
+  a few are skipped; a set where half or more are is refused."""
+  records = [(_record(record, where), where) for record, where in json_records(pattern, 'preference pair')]
+  kept = [(r, where) for r, where in records if r['chosen'] != r['rejected']]
+  skipped = [where for r, where in records if r['chosen'] == r['rejected']]
+  if len(skipped) * 2 >= len(records):
+    raise ConfigError(f'{skipped[0]}: {len(skipped)} of the {len(records)} pairs in {pattern} have identical chosen '
+                      'and rejected, so the set prefers little or nothing; check which fields hold the two answers')
+  return kept, skipped
 
 
 def _shared(a: list[int], b: list[int]) -> int:

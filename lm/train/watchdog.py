@@ -3,8 +3,8 @@
 When no step has completed for the timeout (counted from the first step's end, so the first compile is not a
 hang), it writes every thread's Python stack to RUN/hang-<process>.txt, prints one line naming the process that
 hung first, and exits the process with `lm.distributed.STALLED`; a launcher then stops the others. Which process
-hung first comes from heartbeats: each watchdog rewrites RUN/heartbeats/<process>.json every few seconds with its
-last completed step. A process whose heartbeat stopped (stopped, frozen, its host gone) is the one; if all still
+hung first comes from heartbeats: each watchdog rewrites RUN/heartbeats/<process>.json with its last completed step
+whenever that step changes (within a tick) and every few seconds besides. A process whose heartbeat stopped (stopped, frozen, its host gone) is the one; if all still
 beat, the one with the oldest last step (the others wait for it in a collective).
 """
 from __future__ import annotations
@@ -95,15 +95,15 @@ class Watchdog:
       self.thread.join()
 
   def _watch(self) -> None:
-    last_beat = 0.0
+    last_beat, beaten = 0.0, None
     while not self.closed.wait(TICK_SECONDS):
       with self.lock:
         while self.pending and self.pending[0][1].is_ready():
           self._done(self.pending.popleft()[0])
         step, done_at = self.step, self.done_at
-      if time.monotonic() - last_beat >= self.beat_seconds:
+      if step != beaten or time.monotonic() - last_beat >= self.beat_seconds:
         self._beat()
-        last_beat = time.monotonic()
+        last_beat, beaten = time.monotonic(), step
       if step is not None and time.monotonic() - done_at > self.timeout:
         self._fire(step)
 
@@ -131,8 +131,9 @@ class Watchdog:
     stale = [b for b in beats.values() if now - b['beat'] > self.stale_seconds]
     if stale:
       first = min(stale, key=lambda b: b['beat'])
-      return (f'process {first["process"]} hung first (no heartbeat for {now - first["beat"]:.0f} s; its last '
-              f'step was {first["step"]})')
+      done = 'it had completed no step' if first['step'] is None else f'its last step was {first["step"]}'
+      return f'process {first["process"]} hung first (no heartbeat for {now - first["beat"]:.0f} s; {done})'
+
     first = min(beats.values(), key=lambda b: (b['step'] or 0, b['step_time']))
     return (f'process {first["process"]} hung first (every process is alive; its last step, {first["step"]}, is '
             f'the oldest)')

@@ -159,7 +159,8 @@ def test_the_cluster_kind_comes_from_the_environment():
 @pytest.mark.long(1)
 def test_a_hung_process_ends_the_job_naming_it_and_resume_continues(tmp_path):
   """Process 1 stopped (SIGSTOP) after step 8: process 0's watchdog ends the job within the timeout + 30 s, naming
-  process 1; its stacks are on file; --resume continues from the last checkpoint."""
+  process 1 and the last step it completed (its heartbeat follows its steps); its stacks are on file; --resume
+  continues from the last checkpoint."""
   run = tmp_path / 'run'
   train = [sys.executable, str(LAUNCH / 'local.py'), '--processes', '2', '--devices-per-process', '2', '--log-dir',
            str(tmp_path / 'logs'), '--', *LM, 'train', *TINY, 'train.eval_batches=0', 'train.checkpoint.every=4',
@@ -172,6 +173,7 @@ def test_a_hung_process_ends_the_job_naming_it_and_resume_continues(tmp_path):
                (run / 'heartbeats' / '1.json').exists()):
       assert time.monotonic() < deadline and job.poll() is None, 'training did not start'
       time.sleep(0.2)
+    time.sleep(1.5)  # more than a watchdog tick: process 1 has seen its step 8 done
     os.kill(json.loads((run / 'heartbeats' / '1.json').read_text())['pid'], signal.SIGSTOP)
     stopped = time.monotonic()
     _, err = job.communicate(timeout=120)
@@ -181,6 +183,8 @@ def test_a_hung_process_ends_the_job_naming_it_and_resume_continues(tmp_path):
   assert job.returncode == 75 and time.monotonic() - stopped < 15 + 30
   lines = [line for line in err.splitlines() if 'hung first' in line]
   assert lines and all('process 1 hung first (no heartbeat for' in line for line in lines), err[-2000:]
+  last_step = json.loads((run / 'heartbeats' / '1.json').read_text())['step']
+  assert last_step >= 8 and f'its last step was {last_step})' in lines[0], (last_step, lines[0])
   assert lines[0].startswith('lm: error: process 0 of 2: no step done in 0.25 minutes after step ')
   assert lines[-1].startswith('launch: process 0 exited with status 75 (its output is above): process 0 of 2: ')
   assert 'Thread MainThread' in (run / 'hang-0.txt').read_text()

@@ -207,8 +207,12 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   """Trains `options.init` on the preference pairs (on `devices`, default all); returns the last held-out
   evaluation (None when a SIGTERM stopped the run, its state checkpointed for `--resume`)."""
   settings.check()
-  records = read_pairs(options.data)
-  held_out = read_pairs(options.eval_data) if options.eval_data else []
+  records, skipped = read_pairs(options.data)
+  held_out, held_skipped = read_pairs(options.eval_data) if options.eval_data else ([], [])
+  for name, gone, kept in (('--data', skipped, records), ('--eval-data', held_skipped, held_out)):
+    if gone:
+      print(f'dpo: skipped {len(gone)} of the {len(gone) + len(kept)} pairs of {name} whose chosen and rejected are '
+            f'identical ({", ".join(gone[:3])}{", ..." if len(gone) > 3 else ""}): they prefer nothing', flush=True)
   probe = source_config(options.init)
   tokenizer = load_tokenizer(probe)
   conversational = any(not isinstance(r['prompt'], str) for r, _ in records + held_out)

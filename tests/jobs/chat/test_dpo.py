@@ -82,7 +82,7 @@ def test_loss_and_rewards_equal_trl(tiny_llama, other_llama, tmp_path, loss_type
   assembly = assemble(dpo_config(options, 8))
   tokenizer = HFTokenizer(tiny_llama)
   template = load_template(tiny_llama) if conversational else None
-  pairs = [encode_pair(tokenizer, template, r, w) for r, w in read_pairs(str(data))]
+  pairs = [encode_pair(tokenizer, template, r, w) for r, w in read_pairs(str(data))[0]]
   rows = pair_rows(assembly, pairs, tokenizer.pad_id)
   rows['ref_logps'] = Reference(assembly, initial_state(assembly, str(other_llama)).state.params).of_rows(rows)
   loss = DPOLoss(assembly, settings)
@@ -98,11 +98,11 @@ def test_loss_and_rewards_equal_trl(tiny_llama, other_llama, tmp_path, loss_type
 
 
 @pytest.mark.long(1)
-def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, echo_sft, tmp_path):
+def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, echo_sft, tmp_path, capsys):
   """From the SFT run (its template read from the run dir), held-out rewards/accuracies rises from 0 (the policy is
   its reference) above 0.9. Scoring the reference per batch from its frozen params (`frozen`) trains as scoring it
-  once (`precomputed`); either way the checkpointed state is the policy's alone (the items and trees of any
-  training state)."""
+  once (`precomputed`), on 40 pairs of which 2 have identical chosen and rejected (skipped, and said once); either
+  way the checkpointed state is the policy's alone (the items and trees of any training state)."""
   preference_pairs(tmp_path / 'train.jsonl', 256, 0)
   preference_pairs(tmp_path / 'eval.jsonl', 32, 1)
   common = ('data.seq_len=32', 'train.global_batch=16', 'optim.learning_rate=1e-3')
@@ -114,12 +114,20 @@ def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, echo_sft, tm
   assert start['eval/rewards/accuracies'] == 0 and end['eval/rewards/accuracies'] > 0.9, (start, end)
   assert end['eval/rewards/margins'] > 0 and end['eval/loss'] < start['eval/loss']
 
+  lines = (tmp_path / 'train.jsonl').read_text().splitlines()[:38]
+  same = lambda word: json.dumps({'prompt': f'echo {word}:', 'chosen': f' {word}', 'rejected': f' {word}'})
+  (tmp_path / 'some_same.jsonl').write_text('\n'.join([*lines[:10], same('a'), *lines[10:], same('b')]) + '\n')
+
   def run(name, reference, steps):
     overrides = (*common, f'train.steps={steps}', f'train.eval_every={steps}', f'train.run_dir={tmp_path}/{name}')
-    options = ChatOptions(data=str(tmp_path / 'train.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
+    options = ChatOptions(data=str(tmp_path / 'some_same.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
                           init=str(tiny_llama), overrides=overrides)
     return finetune_dpo(options, DPOSettings(beta=0.5, reference=reference))
+  capsys.readouterr()
   run('frozen', 'frozen', 4)
+  out = capsys.readouterr().out
+  assert out.count('dpo: skipped') == 1 and 'skipped 2 of the 40 pairs of --data' in out, out
+  assert f'some_same.jsonl:11, {tmp_path}/some_same.jsonl:40' in out and 'dpo: 38 pairs' in out, out
   run('precomputed', 'precomputed', 4)
   losses = lambda name: [(r['step'], r['loss'], r['rewards/margins']) for r in map(
     json.loads, (tmp_path / name / 'metrics.jsonl').read_text().splitlines()) if 'rewards/margins' in r]
@@ -138,7 +146,8 @@ def test_dpo_learns_to_prefer_and_the_reference_is_data(tiny_llama, echo_sft, tm
 
 
 def test_bad_preference_records_are_one_line(tiny_llama, tmp_path, capsys):
-  cases = [('{"prompt": "a", "chosen": "b", "rejected": "b"}', 'chosen and rejected are identical'),
+  same = '{"prompt": "a", "chosen": "b", "rejected": "b"}'
+  cases = [(same, '1 of the 1 pairs in'), (f'{same}\n{same}', 'identical chosen and rejected, so the set prefers'),
            ('{"prompt": "a", "chosen": "b"}', 'needs prompt, chosen and rejected (it has chosen, prompt)'),
            ('{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"}',
             'must be all strings or all message lists'),
