@@ -1,6 +1,7 @@
-"""The preset table: compile every preset for the TPU slice it names ahead of time and write docs/scaling_table.md.
+"""The preset table: compile every preset for the TPU slice it names ahead of time and write
+docs/results/scaling_table.md.
 
-  python bench/compile_table.py [--only gpt3_175b ...] [--out docs/scaling_table.md] [--json FILE] [--resume]
+  python bench/compile_table.py [--only gpt3_175b ...] [--out docs/results/scaling_table.md] [--json FILE] [--resume]
 
 Needs libtpu (the `tpu` extra), no TPU. Each row is `lm compile --config PRESET` of the preset's real train
 step for the slice its header names, with the mesh, remat and microbatches the preset carries; memory is XLA's
@@ -99,8 +100,8 @@ def main() -> None:
                       help='presets to compile (default: the whole table)')
   parser.add_argument('--remat', action=argparse.BooleanOptionalAction, default=True,
                       help=f'also compare remat policies on {REMAT_PRESET} (three compiles; default %(default)s)')
-  parser.add_argument('--out', default='docs/scaling_table.md')
-  parser.add_argument('--json', default='docs/scaling_table.json',
+  parser.add_argument('--out', default='docs/results/scaling_table.md')
+  parser.add_argument('--json', default='docs/results/scaling_table.json',
                       help='the reports behind the table, rewritten after every compile')
   parser.add_argument('--resume', action='store_true',
                       help='keep the reports --json already holds and compile only the others (an interrupted run)')

@@ -1,7 +1,7 @@
 """Context parallelism at long context: `lm compile` of one preset on a TPU slice with mesh.sequence 1, 2, 4, 8.
 
   python bench/context_parallel.py [--config llama2_7b] [--topology v5p-32] [--length 32768]
-                                   [--ring-blocks xla flash] [--out docs/context_parallelism.md] [--json FILE]
+                                   [--ring-blocks xla flash] [--out docs/results/context_parallelism.md] [--json FILE]
 
 Needs libtpu (the `tpu` extra), no TPU. Every row compiles the real train step ahead of time with one sequence
 per group of `mesh.sequence` chips (data x fsdp = chips / sequence rows, fsdp filling the rest): each chip holds
@@ -36,7 +36,7 @@ def main() -> None:
   parser.add_argument('--ring-blocks', nargs='+', choices=['xla', 'flash'], default=['xla', 'flash'],
                       help="the ring's block implementations compiled for each split row")
   parser.add_argument('--mfu', type=float, default=0.5)
-  parser.add_argument('--out', default='docs/context_parallelism.md')
+  parser.add_argument('--out', default='docs/results/context_parallelism.md')
   parser.add_argument('--json', help='also write the reports here')
   args = parser.parse_args()
 

@@ -8,7 +8,7 @@ Each row count sets train.global_batch = rows x the batch-splitting devices (no 
 searches upward from N one row at a time; `--max-between LO HI` bisects (LO must fit, HI must not). A step fits
 when the compiler accepts it within HBM and (with offloading) its host memory is within what the chip's host has
 (`HOST_BYTES`); each row also says which of the two limits it meets. `--levers` repeats the search per lever
-set (`LEVERS`). Needs libtpu (the `tpu` extra); nothing runs. docs/tpu_step.md holds the figures for llama2_7b
+set (`LEVERS`). Needs libtpu (the `tpu` extra); nothing runs. docs/results/tpu_step.md holds the figures for llama2_7b
 on v5p-64.
 """
 from __future__ import annotations

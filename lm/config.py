@@ -62,8 +62,8 @@ class RopeConfig:
   (`lm.models.rope`): linear (positions / factor), llama3 (Llama 3.1's frequency-dependent factor), yarn (by
   frequency, with YaRN's attention temperature)."""
   theta: float = 10000.0  # base wavelength
-  scaling: RopeScaling = 'none'
-  factor: float = 1.0
+  scaling: RopeScaling = 'none'  # linear, llama3 or yarn stretch the rotation for longer contexts; none: as trained
+  factor: float = 1.0  # linear, llama3, yarn: how many times the original context
   original_max_len: int = 0  # llama3, yarn: the context the model was first trained at
   low_freq_factor: float = 1.0  # llama3
   high_freq_factor: float = 4.0  # llama3
@@ -131,7 +131,7 @@ class MoeConfig:
   normalize: bool = True  # the chosen weights divided by their sum (norm_topk_prob)
   routed_scale: float = 1.0  # the chosen weights times this (routed_scaling_factor)
   groups: int = 1  # > 1: experts in equal groups, tokens choose within the best top_groups (n_group, topk_group)
-  top_groups: int = 1
+  top_groups: int = 1  # groups > 1: the groups each token chooses experts within (topk_group)
   shared_experts: int = 0  # experts every token uses besides its chosen ones (n_shared_experts)
   shared_d_ff: int | None = None  # their hidden width together (shared_expert_intermediate_size); default
   # shared_experts x expert_d_ff
@@ -188,7 +188,8 @@ class ExecutionConfig:
   attention_block_q: int = 128  # flash block sizes
   attention_block_k: int = 128
   scan_layers: bool = True  # the layers as one scanned layer (one trace and compile of a layer)
-  remat: Remat = 'none'
+  remat: Remat = 'none'  # none | full: each layer recomputed in the backward pass from its input | dots |
+  # projections: the attention projections and the branch outputs kept
   offload: tuple[str, ...] = ()  # activations remat saves in host memory (pinned_host) until the backward pass
   loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
@@ -212,18 +213,18 @@ class ModelConfig:
   family: str = 'gpt'  # a name in lm.models.FAMILIES: gpt | bert | t5 | llama | mistral | qwen2 | qwen3 | gemma2 |
   # gpt_neox | olmo | olmo2 | olmo3 | mixtral | qwen2_moe | qwen3_moe | olmoe
   vocab_size: int = 264  # model vocabulary; may exceed the tokenizer's to pad for sharding
-  d_model: int = 256
+  d_model: int = 256  # the residual stream's width
   num_layers: int = 4  # encoder layers for t5
   num_decoder_layers: int | None = None  # t5 only; default num_layers
-  num_heads: int = 4
+  num_heads: int = 4  # attention (query) heads
   num_kv_heads: int | None = None  # grouped-query attention: key/value heads, dividing num_heads (default num_heads)
   head_dim: int | None = None  # default d_model // num_heads
   d_ff: int | None = None  # default 4 * d_model
   max_len: int = 256  # rows of the learned position table
   position: Position = 'learned'
   rope: RopeConfig = field(default_factory=RopeConfig)  # rotary positions and their scaling
-  relative_buckets: int = 32
-  relative_max_distance: int = 128
+  relative_buckets: int = 32  # T5's relative position buckets
+  relative_max_distance: int = 128  # T5: distances beyond this share the last bucket
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings when > 0
   scale_attention: bool = True  # divide logits by sqrt(head_dim) (T5 does not)
   init: Init = 'scaled_normal'  # N(0, init_std), residual outputs / sqrt(2 layers) | fan_in (Mesh-TF, T5)
@@ -232,8 +233,8 @@ class ModelConfig:
   norm: Norm = 'layernorm'
   norm_eps: float = 1e-5
   norm_position: NormPosition = 'pre'
-  activation: Activation = 'gelu'
-  use_bias: bool = True
+  activation: Activation = 'gelu'  # the MLP's; the *glu ones are gated (two input projections)
+  use_bias: bool = True  # biases on every projection and norm
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
   qk_norm: bool = False  # RMSNorm of the queries and keys before the rotation (eps norm_eps)
   qk_norm_scope: QkNormScope = 'head'  # over each head's features (Qwen3) or all heads' at once (OLMo 2)
@@ -249,12 +250,12 @@ class ModelConfig:
   parallel_residual: bool = False  # attention and MLP both read the block's input, their outputs added to it
   quantization: Quantization = 'none'  # int8: the attention and MLP projections' forward matmuls in int8
   # (GPT-J, GPT-NeoX's use_parallel_residual)
-  tie_embeddings: bool = True
+  tie_embeddings: bool = True  # the output layer is the token embedding transposed
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale
-  dropout: float = 0.0
-  attention_dropout: float = 0.0
-  init_std: float = 0.02
+  dropout: float = 0.0  # dropout on the embeddings and each branch's output
+  attention_dropout: float = 0.0  # dropout on the attention weights (the xla path only)
+  init_std: float = 0.02  # the normal init's standard deviation
   param_dtype: ParamDtype = 'float32'  # the params' (and their optimizer state's); compute in execution.dtype
   execution: ExecutionConfig = field(default_factory=ExecutionConfig)  # how the step computes
   parametrization: Parametrization = 'standard'
@@ -319,12 +320,12 @@ class DataConfig:
   # the dataset's folder
   data_dir: str | None = None  # tfds: a local path or a gs:// URI, passed through untouched
   train_split: str = 'train'  # tfds splits, and an hf DatasetDict's (a single hf Dataset splits by val_fraction)
-  val_split: str = 'validation'
+  val_split: str = 'validation'  # the held-out split of a tfds or hf source
   text_key: str = 'text'  # the feature (tfds), field (jsonl) or column (parquet, hf) holding the text
   skip_bad_records: bool = False  # jsonl: a line that is not JSON or UTF-8, or lacks text_key, is skipped and logged
   # (with a count) instead of stopping the run
   tokenizer: str = 'byte'  # byte | sentencepiece:PATH | hf:PATH (tokenizer.json or an HF model directory)
-  seq_len: int = 256
+  seq_len: int = 256  # tokens per row
   val_fraction: float = 0.02  # held out by a hash of each document's name (seed-independent); text files too few to
   # split that way hold out their last pieces instead; 0: no validation split
   max_chars: int = 2048  # embedded/text: documents cut at line breaks into records of at most this many characters
@@ -339,7 +340,7 @@ class DataConfig:
   # split by data.val_fraction, tfds: the split named), each packed into its own rows, rows drawn by data.weights
   mixture: tuple[str, ...] = ()
   # Each source's share of training tokens per stage, a stage from a step on: [a=0.7 b=0.3, 1000 a=0.5 b=0.5]
-  weights: tuple[str, ...] = ()
+  weights: tuple[str, ...] = ()  # data.mixture's shares in stages: [a=0.5 b=0.5, STEP a=0.2 b=0.8]
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,7 @@ def mixture_stages(data: DataConfig) -> tuple[tuple[int, tuple[float, ...]], ...
 class OptimConfig:
   name: OptimizerName = 'adamw'
   learning_rate: float = 1e-3  # peak
-  warmup_steps: int = 100
+  warmup_steps: int = 100  # linear warmup from 0 to the peak rate
   schedule: Schedule = 'cosine'  # after warmup
   decay_steps: int | None = None  # the schedule's length; default: train.steps
   min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
@@ -460,7 +461,7 @@ class OptimConfig:
   decay_shape: DecayShape = 'linear'  # wsd: the decay's shape
   b1: float = 0.9  # adamw, lion, muon's AdamW part, schedule_free_adamw (its interpolation)
   b2: float = 0.95  # adamw, lion, muon's AdamW part, schedule_free_adamw
-  eps: float = 1e-8
+  eps: float = 1e-8  # Adam-like optimizers' epsilon
   weight_decay: float = 0.1  # decoupled; adafactor's weight_decay_rate
   decay_exclude: tuple[str, ...] = ('bias', 'scale', 'embedding')  # param-name parts never decayed
   grad_clip: float = 1.0  # global norm; 0 disables
@@ -497,9 +498,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class WandbConfig:
   """The Weights & Biases run of `train.trackers=[..., wandb]` (its mode from WANDB_MODE: online, offline)."""
-  project: str = 'lm'
+  project: str = 'lm'  # the W&B project
   entity: str | None = None  # a team or user; None: the API key's default
-  tags: tuple[str, ...] = ()
+  tags: tuple[str, ...] = ()  # the W&B run's tags
 
 
 @dataclass(frozen=True)
@@ -519,21 +520,21 @@ class HarnessConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 1000
+  steps: int = 1000  # optimizer steps in all (a resume continues to this)
   global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
   microbatches: int = 1  # gradient accumulation
-  seed: int = 0
-  z_loss: float = 0.0
-  log_every: int = 10
-  eval_every: int = 100
+  seed: int = 0  # params init, data order and masking
+  z_loss: float = 0.0  # weight of log(Z)^2 in the training loss (PaLM's z-loss)
+  log_every: int = 10  # steps between logged records
+  eval_every: int = 100  # steps between held-out evaluations (and at step 0 and the end)
   eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when checkpoints are written, kept
   local_checkpoint_dir: str | None = None  # a directory on each host's own disk: the fast local checkpoint tier
   local_checkpoint_every: int = 0  # steps between local checkpoints (with train.local_checkpoint_dir)
   optimizer_offload: bool = False  # optimizer state in host memory (pinned_host) between steps, moved in to update
   param_offload: bool = False  # params in host memory between steps, moved in for the step (and for evaluation)
-  run_dir: str = 'runs/{name}'
-  resume: bool = False
+  run_dir: str = 'runs/{name}'  # where everything goes; {name} is the config's name; a gs:// URI works
+  resume: bool = False  # continue from the run dir's latest checkpoint (--resume)
   progress: bool = True  # progress bar when stdout is a terminal
   peak_flops: float | None = None  # per device, for MFU; default from the device kind
   causal_attention_flops: CausalFlops = 'half'  # count the masked half of causal attention in MFU (full) or not
@@ -560,7 +561,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Config:
-  name: str = 'gpt_tiny'
+  name: str = 'gpt_tiny'  # the run's name: a preset's file name unless set; train.run_dir's {name}
   model: ModelConfig = field(default_factory=ModelConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
   data: DataConfig = field(default_factory=DataConfig)

@@ -60,8 +60,8 @@ def _chat(args: argparse.Namespace, overrides: list[str], grid: list[tuple[str, 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-  finetune = sub.add_parser('finetune', help='fine-tune on a GLUE task (or all of GLUE) from a run dir or an HF '
-                                             'model directory; writes eval results, predictions, leaderboard files')
+  finetune = sub.add_parser('finetune', help='fine-tune a run dir or an HF model directory: a GLUE task (or all of '
+                                             'GLUE), chat SFT or DPO')
   finetune.add_argument('--task', required=True, help='cola sst2 mrpc stsb qqp mnli qnli rte wnli, glue for all, '
                                                       'sft (chat data, --data) or dpo (preference pairs, --data)')
   finetune.add_argument('--data-dir', default=None, help='GLUE as its download script lays it out (CoLA/, SST-2/, '

@@ -4,8 +4,9 @@ When no step has completed for the timeout (counted from the first step's end, s
 hang), it writes every thread's Python stack to RUN/hang-<process>.txt, prints one line naming the process that
 hung first, and exits the process with `lm.distributed.STALLED`; a launcher then stops the others. Which process
 hung first comes from heartbeats: each watchdog rewrites RUN/heartbeats/<process>.json with its last completed step
-whenever that step changes (within a tick) and every few seconds besides. A process whose heartbeat stopped (stopped, frozen, its host gone) is the one; if all still
-beat, the one with the oldest last step (the others wait for it in a collective).
+whenever that step changes (within a tick) and every few seconds besides. A process whose heartbeat stopped
+(stopped, frozen, its host gone) is the one; if all still beat, the one with the oldest last step (the others
+wait for it in a collective).
 """
 from __future__ import annotations
 

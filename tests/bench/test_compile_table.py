@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.long(0.5)
 def test_a_row_is_the_preset_compiled_for_its_slice_and_it_fits(tmp_path):
   """gpt_tiny's row (the table's quickest compile, ~13 s of TPU compiling against transformer_base's ~100 s): the
-  table's mechanics. Whether each preset fits its slice is docs/scaling_table.json's (the check below) and, for
+  table's mechanics. Whether each preset fits its slice is docs/results/scaling_table.json's (the check below) and, for
   the presets compiled in CI (FITS_IN_CI), tests/planning/test_compile.py's, through the same compile_report."""
   table, result = tmp_path / 'table.md', tmp_path / 'table.json'
   done = subprocess.run([sys.executable, str(ROOT / 'bench/compile_table.py'), '--only', 'gpt_tiny',
@@ -58,15 +58,16 @@ def test_the_table_covers_every_preset():
 
 
 def test_the_docs_table_holds_every_preset_compiled_for_its_slice_and_each_fits():
-  """docs/scaling_table.md is written from docs/scaling_table.json: a preset added or renamed since that run, or one
+  """docs/results/scaling_table.md is written from docs/results/scaling_table.json: a preset added or renamed since
+  that run, or one
   that did not fit, fails here until the table is run again (`python bench/compile_table.py --resume`)."""
   sys.path.insert(0, str(ROOT / 'bench'))
   try:
     import compile_table
   finally:
     sys.path.remove(str(ROOT / 'bench'))
-  reports = json.loads((ROOT / 'docs/scaling_table.json').read_text())['table']
+  reports = json.loads((ROOT / 'docs/results/scaling_table.json').read_text())['table']
   assert sorted(reports) == sorted(compile_table.PLAN)
   assert [name for name, r in reports.items() if not (r['fits'] and r['topology'] == preset_slice(name))] == []
-  table = (ROOT / 'docs/scaling_table.md').read_text()
+  table = (ROOT / 'docs/results/scaling_table.md').read_text()
   assert all(f'\n| {name} | ' in table for name in reports)

@@ -176,7 +176,8 @@ def test_a_saved_executable_loads_back_and_runs_the_same_step(tmp_path):
       np.testing.assert_array_equal(np.asarray(shard), np.asarray(expected)[index])
 
 
-# Every preset names its slice (bench/compile_table.py compiles them all: docs/scaling_table.md); CI compiles these
+# Every preset names its slice (bench/compile_table.py compiles them all: docs/results/scaling_table.md); CI compiles
+# these
 # as written: Llama 2 7B (fsdp, full remat, the tiled loss) and the largest GPT (fsdp x tensor, microbatches). The
 # others (Llama 3 8B's 128256-token vocabulary, Llama 2 70B's fsdp 256, Llama 3.1 405B's fsdp x tensor on v5p-2048,
 # the Qwen, Mistral and Gemma 2 presets and bert_large's data parallelism among them) are the full table's, run
@@ -243,7 +244,8 @@ def test_on_tpu_bf16_dots_write_bf16_activations_and_float32_gradients_of_weight
   result type directly: bf16 for activations and their gradients, float32 for weight gradients and logits. On CPU
   every dot writes float32 (tests/ops/test_mixed.py). Float32-output forward projections aborted libtpu's compiler
   (SIGABRT, 'TransformWindow: split of a padded window dim is not supported') on Llama 2 7B at 4, 8 and 16 rows per
-  device, v5p-8 and v5p-64, and bf16 forward results alone made it compile (docs/tpu_step.md): this is that check,
+  device, v5p-8 and v5p-64, and bf16 forward results alone made it compile (docs/results/tpu_step.md): this is that
+  check,
   without the minute each such compile takes."""
   config = load_config('llama_tiny', TPU_TINY + ['train.global_batch=8', 'mesh.data=1', 'mesh.fsdp=-1',
                                                   'model.num_kv_heads=2'])

@@ -4,7 +4,7 @@ machine that drew it. Each row is a passage whose last word (letters only, 4 or 
 target, so the harness's `lambada_openai` scores it unchanged (context: the text up to the last space; target:
 the last word; greedy match and perplexity).
 
-  python docs/cloze_set.py --out eval_data [data.source=embedded ...]
+  python docs/results/cloze_set.py --out eval_data [data.source=embedded ...]
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# docs/suite.png: a checkpoint suite as Pythia publishes one, made on this machine and read back as a user reads
+# docs/results/suite.png: a checkpoint suite as Pythia publishes one, made on this machine and read back as a user reads
 # Pythia's. Three widths of pythia_tiny (GPT-NeoX) are trained on the embedded corpus; each keeps checkpoints at
 # Pythia's log-spaced steps (1, 2, 4, ..., 512); every checkpoint is exported as an HF revision folder `step<N>`;
 # then the commands of the README's "Public checkpoint suites": `lm convert --from-hf-series` per size,
 # `lm scaling collect --evaluate --metric bpb` over the three runs, and `lm scaling plot --suite`.
-#   bash docs/mini_suite.sh [WORK_DIR]      (about 15 minutes on 2 cores; WORK_DIR is replaced)
+#   bash docs/results/mini_suite.sh [WORK_DIR]      (about 15 minutes on 2 cores; WORK_DIR is replaced)
 set -euo pipefail
 work=${1:-/tmp/lm_mini_suite}
 docs=$(cd "$(dirname "$0")" && pwd)
@@ -23,4 +23,4 @@ for width in 64 128 256; do
     --tokens-per-step $((rows * seq))
 done
 lm scaling collect "$work"/pythia_tiny_d* --evaluate --metric bpb --out "$work/suite.csv"
-lm scaling plot "$work/suite.csv" --suite --out "$docs/suite.png"
+lm scaling plot "$work/suite.csv" --suite --out "$docs/results/suite.png"

@@ -1,13 +1,16 @@
-"""Every fenced command of the README, run in order as a new user would, in a fresh working directory.
+"""Every fenced command of the README and the docs/ pages, run in order as a new user would, in a fresh working
+directory; and the pages' own checks: every command fence is tagged, every relative link and anchor resolves, every
+page is reachable from the README's map.
 
-The directory holds what the README's commands name and a user would bring (a YAML config, text and JSONL
+The pages are read in the docs' order: the README, then the pages of its map in the map's order, then any other
+page they link to. The directory holds what the commands name and a user would bring (a YAML config, text and JSONL
 files, an HF GPT-2 and BERT saved by transformers, GLUE files, evaluation task files), with `launch/` and `bench/`
-copied from this checkout. Commands run as written, with `lm` and `python` from this venv (an `lm` command
-as bash would hand it its words, in a fork of a process that imported lm once: tests/lm_forks.py); the only
-changes are SHORTER's (fewer steps and smaller sweeps, so the whole README runs in minutes) and `--dry-run`
-on the cloud launchers. What cannot run offline is in OFFLINE_ONLY with the reason; what another test runs
-and checks (a minute of compiling each, not repeated here) is in ELSEWHERE with that test's name; each entry
-must still match a README command, so no list outlives the README.
+copied from this checkout. Commands run as written, with `lm` and `python` from this venv (an `lm` command as bash
+would hand it its words, in a fork of a process that imported lm once: tests/lm_forks.py); the only changes are
+SHORTER's (fewer steps and smaller sweeps, so every page runs in minutes) and `--dry-run` on the cloud launchers.
+What cannot run offline is in OFFLINE_ONLY with the reason; what another test runs and checks (a minute of
+compiling each, not repeated here) is in ELSEWHERE with that test's name; each entry must still match a documented
+command, so no list outlives the docs.
 """
 import gzip
 import json
@@ -36,6 +39,71 @@ from tests.lm_forks import Forks
 from tests.storage.convert.test_series import hub_cache, save_revisions
 
 ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r'^(\s*)```(\S*)\s*$')
+LINK = re.compile(r'!?\[(?:[^\]`]|`[^`]*`)*\]\(([^)\s]+)\)')
+COMMAND = re.compile(r'^\s*(?:\$ )?(?:lm |python bench/|python launch/)')  # a line a reader would run
+
+
+def fences(markdown: str) -> list[tuple[str, list[str]]]:
+  """Each fenced block of a page: its tag (`bash`, `text`, ``) and its lines (fences inside lists are indented)."""
+  blocks, tag, lines = [], None, []
+  for line in markdown.splitlines():
+    fence = FENCE.match(line)
+    if fence and tag is None:
+      tag, lines = fence[2], []
+    elif fence and not fence[2]:
+      blocks.append((tag, lines))
+      tag = None
+    elif tag is not None:
+      lines.append(line)
+  return blocks
+
+
+def links_in(markdown: str) -> list[str]:
+  """The targets of Markdown links and images, outside fences and inline code."""
+  text, inside = [], False
+  for line in markdown.splitlines():
+    if FENCE.match(line):
+      inside = not inside
+    elif not inside:
+      text.append(re.sub(r'(?<!\[)`[^`]*`(?!\])', '', line))
+  return LINK.findall('\n'.join(text))
+
+
+def links(page: Path) -> list[str]:
+  return links_in(page.read_text())
+
+
+def local_target(page: Path, target: str) -> tuple[Path, str] | None:
+  """The file and anchor a relative link names, or None for a URL."""
+  if re.match(r'^[a-z]+:', target):
+    return None
+  path, _, anchor = target.partition('#')
+  return (page.parent / path).resolve() if path else page, anchor
+
+
+def doc_pages() -> list[Path]:
+  """The README, the pages of its map (its `## Documentation` section) in the map's order, then every other page
+  under docs/ reached by following links, breadth first."""
+  readme = ROOT / 'README.md'
+  order, queue = [readme], [readme]
+  while queue:
+    page = queue.pop(0)
+    targets = links(page)
+    if page == readme:
+      in_map = links_in(readme.read_text().split('\n## Documentation\n')[1].split('\n## ')[0])
+      targets = in_map + [t for t in targets if t not in in_map]
+    for target in targets:
+      found = local_target(page, target)
+      if (found and found[0].suffix == '.md' and found[0].is_file() and found[0] not in order
+          and (ROOT / 'docs') in found[0].parents):
+        order.append(found[0])
+        queue.append(found[0])
+  return order
+
+
+def docs_text() -> str:
+  return '\n'.join(page.read_text() for page in doc_pages())
 TRAINING = ['train.steps=2', 'train.eval_every=2', 'train.eval_batches=1', 'train.checkpoint.every=2',
             'train.log_every=1', 'optim.warmup_steps=1', 'train.global_batch=4']  # batch 4: a 2-step run ~20% less CPU
 # (a regex on the command, what replaces each match): shorter runs, same commands.
@@ -45,7 +113,7 @@ SHORTER = [
   (r'^lm scaling sweep (.*)$', lambda m: 'lm scaling sweep ' + re.sub(r' --budgets \S+', '', m[1])
    + (' --sizes 64x1,128x1 --budgets 2e9,4e9' if '--budgets' in m[1]
       else ' --sizes 64x1,128x1,192x1 --tokens 4096,8192')),
-  (r'^(lm tokenizer train .*) --vocab-size 16000(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 5000{m[2]}'),
+  (r'^(lm tokenizer train .*) --vocab-size \d+(.*)$', lambda m: f'{m[1]} --vocab-size 1000 --max-lines 5000{m[2]}'),
   (r'^(lm train .*data\.tokenizer=sentencepiece:.*) model\.vocab_size=16000(.*)$',
    lambda m: f'{m[1]} model.vocab_size=1000{m[2]}'),
   (r'^(python launch/(tpu|slurm)\.py .*?)( -- .*)?$', lambda m: f'{m[1]} --dry-run{m[3] or ""}'),
@@ -75,6 +143,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python launch/local.py --processes 2 --devices-per-process 4 -- lm train --config gpt_tiny mesh.data=2 mesh.fsdp=4':
     'tests/launch/test_local.py::test_two_processes_train_like_one_process_with_all_devices',
   'lm compile --config gpt3_175b': 'tests/planning/test_compile.py::test_each_preset_fits_its_slice_as_written',
+  'lm compile --config llama2_7b': 'tests/planning/test_compile.py::test_each_preset_fits_its_slice_as_written',
   'lm scaling coord-check --config gpt_tiny --widths 64,128,256,512':  # to 512 there, 1024 here
     'tests/jobs/scaling/test_coord_check.py::test_mup_is_flat_in_width_and_standard_is_not',
   'python bench/compile_table.py':
@@ -87,6 +156,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
     'tests/jobs/chat/test_dpo.py::test_dpo_learns_to_prefer_and_the_reference_is_data',
   'python bench/rows_per_device.py --levers': ROWS_TEST,  # llama2_7b and llama3_8b: each compile a minute or two
   'python bench/rows_per_device.py --config llama3_8b': ROWS_TEST,
+  'python bench/rows_per_device.py --rows ': ROWS_TEST,  # docs/results/tpu_step.md's reproductions
   'lm compile --config llama2_7b train.global_batch=':
     'tests/planning/test_compile.py::test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
@@ -97,12 +167,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
 def logical_lines(markdown: str) -> list[str]:
   """The commands of the ```bash blocks as written (bash expands `~` and globs as it would for a user):
   continuation lines joined, comments and blank lines dropped, `a; b` and `a && b` split."""
-  lines, block = [], None
-  for line in markdown.splitlines():
-    if line.startswith('```'):
-      block = (line == '```bash') if block is None else None
-    elif block:
-      lines.append(line)
+  lines = [line.strip() for tag, block in fences(markdown) if tag == 'bash' for line in block]
   joined = re.sub(r'\\\n\s*', ' ', '\n'.join(lines))
   uncommented = (re.sub(r'(^|\s)#.*$', '', line).strip() for line in joined.splitlines())
   return [part.strip() for line in uncommented for part in re.split(r';|&&', line) if part.strip()]
@@ -117,7 +182,7 @@ def as_run(command: str) -> str:
 
 
 def user_files(cwd: Path, home: Path) -> None:
-  """What the README's commands expect a user to have in their working directory and home."""
+  """What the documented commands expect a user to have in their working directory and home."""
   for folder in ('launch', 'bench'):
     shutil.copytree(ROOT / folder, cwd / folder, ignore=shutil.ignore_patterns('results', '__pycache__'))
   (cwd / 'docs').mkdir()
@@ -175,21 +240,107 @@ def user_files(cwd: Path, home: Path) -> None:
   releases.write_both(cwd / 'eval_data', cwd / 'eval_data_hub_layout')  # the seven tasks' release files
 
 
+def slugs(page: Path) -> set[str]:
+  """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, a repeat
+  numbered."""
+  seen, out, inside = {}, set(), False
+  for line in page.read_text().splitlines():
+    if FENCE.match(line):
+      inside = not inside
+      continue
+    heading = re.match(r'^#{1,6} (.+)$', line)
+    if heading and not inside:
+      slug = re.sub(r'[^\w\- ]', '', heading[1].replace('`', '').lower()).replace(' ', '-')
+      out.add(slug if slug not in seen else f'{slug}-{seen[slug]}')
+      seen[slug] = seen.get(slug, 0) + 1
+  return out
+
+
+def test_every_command_fence_is_tagged():
+  """A fence holding a command a reader would run is `bash` (run here) or `text` (a synopsis with placeholders)."""
+  for page in doc_pages():
+    for tag, lines in fences(page.read_text()):
+      command = next((line for line in lines if COMMAND.match(line)), None)
+      assert command is None or tag in ('bash', 'text'), \
+        f'{page.relative_to(ROOT)}: the fence holding `{command.strip()}` is tagged {tag!r}: tag it bash or text'
+
+
+def test_every_link_and_anchor_resolves():
+  for page in doc_pages():
+    for target in links(page):
+      found = local_target(page, target)
+      if found is None:
+        continue
+      path, anchor = found
+      assert path.exists(), f'{page.relative_to(ROOT)}: the link {target} names no file'
+      if anchor and path.suffix == '.md':
+        assert anchor in slugs(path), f'{page.relative_to(ROOT)}: the link {target} names no heading of {path.name}'
+
+
+def test_every_page_is_reachable_from_the_readme():
+  pages = {p.resolve() for p in (ROOT / 'docs').rglob('*.md')} - {ROOT / 'docs/index.md'}  # the site's README
+  unreachable = sorted(str(p.relative_to(ROOT)) for p in pages - set(doc_pages()))
+  assert not unreachable, f'no link from the README reaches {unreachable}: add each to a page that is reached'
+
+
+def generator():
+  """docs/generate.py as a module (a script beside the pages, not part of the package)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('docs_generate', ROOT / 'docs/generate.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_generated_references_are_current():
+  done = subprocess.run([sys.executable, 'docs/generate.py', '--check'], cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+
+
+def test_a_config_field_added_without_regenerating_is_caught(monkeypatch, capsys):
+  """The reference is made from the dataclasses themselves: a new field of train differs from the committed page,
+  and the check names the page and the command that rewrites it."""
+  import dataclasses
+  from lm import config
+  extended = dataclasses.make_dataclass('TrainConfig', [('new_knob', int, dataclasses.field(default=7))],
+                                        bases=(config.TrainConfig,), frozen=True)
+  monkeypatch.setattr(config, 'TrainConfig', extended)
+  generate = generator()
+  assert '| `train.new_knob` | int | `7` |' in generate.config_reference()
+  assert generate.main(['--check']) == 1
+  assert 'docs/reference/config.md differs from what the code gives: run `python docs/generate.py`' in \
+    capsys.readouterr().err
+
+
+def test_the_site_builds(tmp_path):
+  """mkdocs (the docs extra) builds the pages with the generated navigation, in the README map's order."""
+  pytest.importorskip('mkdocs')
+  nav = yaml.safe_load((ROOT / 'mkdocs.yml').read_text())['nav']
+  pages = [next(iter(item.values())) for item in nav]
+  mapped = [str(p.relative_to(ROOT / 'docs')) for p in doc_pages()[1:]]
+  assert pages[0] == 'index.md' and pages[1:] == [p for p in mapped if p in pages[1:]], (pages, mapped)
+  done = subprocess.run([str(Path(sys.executable).parent / 'mkdocs'), 'build', '-q', '-f', str(ROOT / 'mkdocs.yml'),
+                         '-d', str(tmp_path / 'site')], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, 'NO_MKDOCS_2_WARNING': '1'})
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert (tmp_path / 'site/getting-started/index.html').is_file()
+
+
 def test_commands_name_every_exception():
-  """Each SHORTER, OFFLINE_ONLY and ELSEWHERE entry still matches a README command; ELSEWHERE's tests exist."""
-  commands = logical_lines((ROOT / 'README.md').read_text())
+  """Each SHORTER, OFFLINE_ONLY and ELSEWHERE entry still matches a documented command; ELSEWHERE's tests exist."""
+  commands = logical_lines(docs_text())
   for pattern, _ in SHORTER:
-    assert any(re.search(pattern, c) for c in commands), f'SHORTER {pattern!r} matches no README command'
+    assert any(re.search(pattern, c) for c in commands), f'SHORTER {pattern!r} matches no documented command'
   for start in OFFLINE_ONLY:
-    assert any(c.startswith(start) for c in commands), f'OFFLINE_ONLY {start!r} matches no README command'
+    assert any(c.startswith(start) for c in commands), f'OFFLINE_ONLY {start!r} matches no documented command'
   for start, test in ELSEWHERE.items():
-    assert any(c.startswith(start) for c in commands), f'ELSEWHERE {start!r} matches no README command'
+    assert any(c.startswith(start) for c in commands), f'ELSEWHERE {start!r} matches no documented command'
     path, name = test.split('::')
     assert f'def {name}(' in (ROOT / path).read_text(), f'ELSEWHERE names {test}, which does not exist'
 
 
 # Commands run in groups, each in its own working directory, so the groups run side by side (xdist). A group holds
-# the commands (regexes on the command as run) that need an earlier one's output, in README order (a command that
+# the commands (regexes on the command as run) that need an earlier one's output, in the docs' order (a command that
 # two groups need runs in both); a command no group names runs in the first CATCH_ALL group whose regex matches.
 GROUPS = {
   'gpt_tiny': (r'lm train --config gpt_tiny (--resume )?train\.steps=2 ',
@@ -200,17 +351,19 @@ GROUPS = {
   'tfds': (r'lm data build ', r'lm train .*my_corpus'),
   # `collect --evaluate` reads the built dataset; `collect --eval code` the run with held-out sets
   'scaling': (r'lm scaling (?!.*\bsuite\b)', r'lm data build ', r'lm train .*runs/sets '),
-  'tokenizer': (r'lm tokenizer train ', r'lm train .*sentencepiece:'),
+  'tokenizer': (r'lm tokenizer train --config gpt_tiny ', r'lm train .*sentencepiece:'),
   'suite': (r'lm convert --from-hf-series ', r'lm scaling (collect|plot) .*suite'),
-  'shards': (r'lm data tokenize ', r'lm train .*tokenized:shards/'),
+  'shards': (r'lm data tokenize .*--tokenizer byte ', r'lm train .*tokenized:shards/'),
+  'pod': (r'lm tokenizer train --config llama2_7b ', r'lm data tokenize .*tokenizers/pod',
+          r'python launch/local\.py .*shards/pod'),
 }
 CATCH_ALL = {'trains': r'lm train ', 'others': r''}
 
 
 def group_commands() -> dict[str, list[str]]:
-  """Each group's commands as run, in README order (a command once per group; skipped ones left out)."""
+  """Each group's commands as run, in the docs' order (a command once per group; skipped ones left out)."""
   groups = {name: [] for name in (*GROUPS, *CATCH_ALL)}
-  for command in logical_lines((ROOT / 'README.md').read_text()):
+  for command in logical_lines(docs_text()):
     if any(command.startswith(start) for start in (*OFFLINE_ONLY, *ELSEWHERE)):
       continue
     run = as_run(command)
@@ -222,7 +375,7 @@ def group_commands() -> dict[str, list[str]]:
 
 
 def test_every_group_runs_commands():
-  """No group outlives the README."""
+  """No group outlives the docs."""
   assert all(group_commands().values()), {name: runs for name, runs in group_commands().items() if not runs}
 
 
@@ -234,12 +387,12 @@ def user_template() -> Path:
     (template / 'work').mkdir()
     (template / 'home').mkdir()
     user_files(template / 'work', template / 'home')
-  return built_once('readme_user', build)
+  return built_once('docs_user', build)
 
 
 @pytest.mark.long(3)
 @pytest.mark.parametrize('group', [*GROUPS, *CATCH_ALL])
-def test_every_readme_command_runs(tmp_path, group, user_template):
+def test_every_documented_command_runs(tmp_path, group, user_template):
   cwd, home = tmp_path / 'work', tmp_path / 'home'
   shutil.copytree(user_template / 'work', cwd, symlinks=True)
   shutil.copytree(user_template / 'home', home, symlinks=True)
