@@ -256,25 +256,55 @@ def slugs(page: Path) -> set[str]:
   return out
 
 
+def fence_problems(page: Path) -> list[str]:
+  """A fence holding a command a reader would run must be `bash` (run here) or `text` (a synopsis with
+  placeholders)."""
+  problems = []
+  for tag, lines in fences(page.read_text()):
+    command = next((line for line in lines if COMMAND.match(line)), None)
+    if command is not None and tag not in ('bash', 'text'):
+      problems.append(f'{page.name}: the fence holding `{command.strip()}` is tagged {tag!r}: tag it bash or text')
+  return problems
+
+
+def link_problems(page: Path) -> list[str]:
+  """Every relative link names a file, and an anchor into a page names one of its headings."""
+  problems = []
+  for target in links(page):
+    found = local_target(page, target)
+    if found is None:
+      continue
+    path, anchor = found
+    if not path.exists():
+      problems.append(f'{page.name}: the link {target} names no file')
+    elif anchor and path.suffix == '.md' and anchor not in slugs(path):
+      problems.append(f'{page.name}: the link {target} names no heading of {path.name}')
+  return problems
+
+
 def test_every_command_fence_is_tagged():
-  """A fence holding a command a reader would run is `bash` (run here) or `text` (a synopsis with placeholders)."""
-  for page in doc_pages():
-    for tag, lines in fences(page.read_text()):
-      command = next((line for line in lines if COMMAND.match(line)), None)
-      assert command is None or tag in ('bash', 'text'), \
-        f'{page.relative_to(ROOT)}: the fence holding `{command.strip()}` is tagged {tag!r}: tag it bash or text'
+  assert not [p for page in doc_pages() for p in fence_problems(page)]
 
 
 def test_every_link_and_anchor_resolves():
-  for page in doc_pages():
-    for target in links(page):
-      found = local_target(page, target)
-      if found is None:
-        continue
-      path, anchor = found
-      assert path.exists(), f'{page.relative_to(ROOT)}: the link {target} names no file'
-      if anchor and path.suffix == '.md':
-        assert anchor in slugs(path), f'{page.relative_to(ROOT)}: the link {target} names no heading of {path.name}'
+  assert not [p for page in doc_pages() for p in link_problems(page)]
+
+
+def test_the_checks_catch_an_untagged_fence_and_broken_links(tmp_path):
+  """The checks above on a page made to fail them: an untagged command fence (indented in a list too), a link to
+  a missing file, an anchor no heading makes; and what passes: tagged fences, an output block, a heading's anchor
+  with code and punctuation in it, a URL."""
+  (tmp_path / 'other.md').write_text('# Other\n\n## The `lm train` loop: step by step\n')
+  page = tmp_path / 'page.md'
+  page.write_text('# Page\n\n```\nlm train --config gpt_tiny\n```\n\n1. A step:\n\n   ```\n   python bench/peers.py\n'
+                  '   ```\n\n```bash\nlm eval --model RUN\n```\n\n```text\nlm eval --model RUN_DIR\n```\n\n```\nsteps 60\n```\n\n'
+                  '[gone](missing.md) [anchor](other.md#no-such-part) [fine](other.md#the-lm-train-loop-step-by-step) '
+                  '[here](#page) [web](https://example.com/x.md) `[not a link](nowhere.md)`\n')
+  assert fence_problems(page) == [
+    "page.md: the fence holding `lm train --config gpt_tiny` is tagged '': tag it bash or text",
+    "page.md: the fence holding `python bench/peers.py` is tagged '': tag it bash or text"]
+  assert link_problems(page) == ['page.md: the link missing.md names no file',
+                                 'page.md: the link other.md#no-such-part names no heading of other.md']
 
 
 def test_every_page_is_reachable_from_the_readme():
