@@ -123,6 +123,7 @@ SHORTER = [
   (r' --bootstrap 1000 ', lambda m: ' --bootstrap 100 '),
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),  # the cooldown branches at the shortened stable run's end (step 2) and decays over its own last 2 steps
+  (r'^lm train .*train\.run_dir=runs/stable( .*)?$', lambda m: m[0] + ' train.steps=4'),  # losses after 2 updates
   (r'^(lm train .*train\.branch_from=runs/stable/checkpoints/)800(.*)$',
    lambda m: f'{m[1]}2{m[2]} train.steps=4 optim.decay_fraction=0.5'),
 ]
@@ -380,7 +381,8 @@ GROUPS = {
   't5': (r'lm train --config t5_tiny ', r'lm finetune .*runs/t5_tiny'),
   'tfds': (r'lm data build ', r'lm train .*my_corpus'),
   # `collect --evaluate` reads the built dataset; `collect --eval code` the run with held-out sets
-  'scaling': (r'lm scaling (?!.*\bsuite\b)', r'lm data build ', r'lm train .*runs/sets '),
+  'scaling': (r'lm scaling (?!.*\bsuite\b)(?!.*--law curve)(?!predict )', r'lm data build ', r'lm train .*runs/sets '),
+  'curves': (r'lm train .*runs/(stable|cooldown_1000)', r'lm scaling (fit .*--law curve|predict )'),
   'tokenizer': (r'lm tokenizer train --config gpt_tiny ', r'lm train .*sentencepiece:'),
   'suite': (r'lm convert --from-hf-series ', r'lm scaling (collect|plot) .*suite'),
   'shards': (r'lm data tokenize .*--tokenizer byte ', r'lm train .*tokenized:shards/'),

@@ -1,4 +1,4 @@
-"""`lm scaling sweep | coord-check | collect | fit | plot` (`lm.jobs.scaling`)."""
+"""`lm scaling sweep | coord-check | collect | fit | predict | plot` (`lm.jobs.scaling`)."""
 from __future__ import annotations
 
 import argparse
@@ -77,7 +77,18 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
   from lm.jobs.scaling.laws import fit
   from lm.jobs.scaling.points import read_points
-  from lm.jobs.scaling.report import format_fit
+  from lm.jobs.scaling.report import format_curve_fit, format_fit
+  if args.law == 'curve':
+    from lm.jobs.scaling.curves import fit_runs
+    result = fit_runs(args.points, args.form)
+    print(json.dumps(result, indent=2) if args.json else format_curve_fit(result))
+    if args.out:
+      Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+    return 0
+  if len(args.points) != 1:
+    raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run dirs '
+                      f'are --law curve')
+  args.points = args.points[0]
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
   if any(not c > 0 for c in args.budget):
@@ -98,14 +109,46 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
     result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
   print(json.dumps(result, indent=2) if args.json else format_fit(result))
   if args.out:
-    from pathlib import Path
     Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
   return 0
 
 
-def cmd_scaling_plot(args: argparse.Namespace) -> int:
-  from pathlib import Path
+def cmd_scaling_predict(args: argparse.Namespace) -> int:
+  from lm.config import load_config
+  from lm.jobs.scaling.curves import curve_steps, model_of, predict, schedule_rates, search_grid
+  from lm.report import format_lines
+  try:
+    fit = json.loads(Path(args.fit).read_text())
+  except (OSError, ValueError):
+    fit = None
+  if not isinstance(fit, dict) or fit.get('law') != 'curve':
+    raise ConfigError(f'--fit {args.fit} is not a curve fit; write one with lm scaling fit RUN... --law curve '
+                      f'--out {args.fit}')
+  if args.points < 2:
+    raise ConfigError(f'--points {args.points} must be at least 2')
+  rows = []
+  for combo in search_grid(args.search) if args.search else [[]]:
+    config = load_config(args.config, [*args.overrides, *combo])
+    model = model_of(config)
+    if 'model' in fit and model != fit['model']:
+      field = next(k for k in sorted(set(model) | set(fit['model'])) if model.get(k) != fit['model'].get(k))
+      raise ConfigError(f'{args.config}: model.{field} is {model.get(field)}, the fitted runs\' is '
+                        f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
+    rates = schedule_rates(config)
+    steps = curve_steps(rates, args.points)
+    loss = predict(fit['form'], fit['params'], rates, steps - 1)  # step s follows s - 1 updates
+    rows.append((' '.join(combo) or 'as configured', steps, loss))
+  if len(rows) == 1:
+    print(format_lines([(f'step {s}', f'{value:.4f}') for s, value in zip(rows[0][1], rows[0][2])]))
+    print(f'predicted final training loss (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}', flush=True)
+    return 0
+  best = min(rows, key=lambda row: row[2][-1])
+  print(format_lines([(name, f'{loss[-1]:.4f}' + ('  best' if name == best[0] else '')) for name, _, loss in rows]))
+  print(f'best: {best[0]} (predicted final training loss {best[2][-1]:.4f})', flush=True)
+  return 0
 
+
+def cmd_scaling_plot(args: argparse.Namespace) -> int:
   from lm.jobs.scaling.plot import plot
   from lm.jobs.scaling.points import loss_of, read_column, read_points, task_accuracies
   fit = None
@@ -205,12 +248,17 @@ def _collect(scaling: argparse._SubParsersAction) -> None:
 
 
 def _fit(scaling: argparse._SubParsersAction) -> None:
-  fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops])')
-  fit.add_argument('points', help='CSV of lm scaling collect, or any with params,tokens,loss columns')
-  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task'), default='chinchilla',
+  fit = scaling.add_parser('fit', help='fit a scaling law to a points CSV (params,tokens,loss[,flops]), or whole '
+                                      'loss curves to one size\'s run dirs (--law curve)')
+  fit.add_argument('points', nargs='+', metavar='POINTS_OR_RUNS',
+                   help='CSV of lm scaling collect, or any with params,tokens,loss columns; --law curve: run dirs')
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve'), default='chinchilla',
                    help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
                    'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
-                   'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024)')
+                   'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024); curve: each step\'s training '
+                   'loss from the learning rates before it (--form)')
+  fit.add_argument('--form', choices=('mpl', 'tissue'), default='mpl',
+                   help='--law curve: the multi-power law (Luo et al. 2025) or the momentum form (Tissue et al. 2024)')
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
   fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
   fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
@@ -224,6 +272,19 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')
   fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
   fit.set_defaults(fn=cmd_scaling_fit)
+
+
+def _predict(scaling: argparse._SubParsersAction) -> None:
+  predict = scaling.add_parser('predict', help='a config\'s training-loss curve under its schedule, from a curve fit '
+                                               '(lm scaling fit RUN... --law curve --out FIT)')
+  predict.add_argument('--fit', required=True, help='the curve fit\'s JSON')
+  predict.add_argument('--config', required=True, help='the preset or YAML whose schedule to predict')
+  predict.add_argument('--search', nargs='+', default=None, metavar='KEY=V1,V2',
+                       help='predict every combination (a bare key is optim.KEY, e.g. decay_fraction=0.1,0.2 '
+                            'decay_shape=linear,sqrt) and name the lowest final loss')
+  predict.add_argument('--points', type=int, default=11, help='steps of the curve to print')
+  predict.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the config')
+  predict.set_defaults(fn=cmd_scaling_predict)
 
 
 def _plot(scaling: argparse._SubParsersAction) -> None:
@@ -241,5 +302,5 @@ def _plot(scaling: argparse._SubParsersAction) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
   scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
-  for add in (_sweep, _coord_check, _collect, _fit, _plot):
+  for add in (_sweep, _coord_check, _collect, _fit, _predict, _plot):
     add(scaling)

@@ -188,8 +188,10 @@ def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
 @pytest.mark.long(0.5)
 def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   """`--schedule wsd`: one constant-rate run to the last decay start, each budget a cooldown branched off it; every
-  point's final val_loss is the independent WSD run's of its budget (to float32 rounding), for 12 of the 15 steps."""
-  base = [*BASE, 'optim.decay_fraction=0.4']  # 5 steps decay from step 3, 10 from step 6
+  point's final val_loss is the independent WSD run's of its budget (to float32 rounding), for 12 of the 15 steps.
+  Its cooldowns' whole curves fit (`fit --law curve`), and `predict` on a cooldown's config gives the fit's own
+  curve there (the schedule rebuilt from the config, against the rates the run logged)."""
+  base = [*BASE, 'optim.decay_fraction=0.4', 'train.log_every=1']  # 5 steps decay from step 3, 10 from step 6
   out = tmp_path / 'sweep'
   argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '1280,2560', '--evals', '2',
           '--schedule', 'wsd', *base]
@@ -219,3 +221,38 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   assert cli.main(['scaling', 'collect', str(out), '--out', str(points)]) == 0
   with open(points, newline='') as f:
     assert {r['run'] for r in csv.DictReader(f)} == {str(out / p['label']) for p in listing['points']}
+
+  cooldowns = [str(out / p['label']) for p in listing['points']]
+  for form in ('tissue', 'mpl'):
+    capsys.readouterr()
+    assert cli.main(['scaling', 'fit', *cooldowns, '--law', 'curve', '--form', form, '--out',
+                     str(tmp_path / f'{form}.json')]) == 0
+    fit = json.loads((tmp_path / f'{form}.json').read_text())
+    assert fit['law'] == 'curve' and fit['form'] == form and set(fit['curves']) == set(cooldowns)
+    assert f'curve ({form}) on 2 runs' in capsys.readouterr().out
+    assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / f'{form}.json'), '--config',
+                     f'{cooldowns[1]}/config.yaml']) == 0
+    said = capsys.readouterr().out
+    assert f'predicted final training loss (step 10, {form}): {fit["curves"][cooldowns[1]]["final_predicted"]:.4f}' \
+      in said, said
+  assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', f'{cooldowns[1]}/config.yaml',
+                   '--search', 'decay_fraction=0.2,0.4', 'decay_shape=linear,sqrt']) == 0
+  said = capsys.readouterr().out
+  assert said.count('optim.decay_fraction=') == 5 and 'best: optim.decay_fraction=' in said, said
+
+  other = tmp_path / 'wider'  # another size's run, as config.yaml and metrics.jsonl say
+  other.mkdir()
+  (other / 'config.yaml').write_text((out / listing['points'][1]['label'] / 'config.yaml').read_text().replace(
+    'd_model: 16', 'd_model: 32'))
+  (other / 'metrics.jsonl').write_text((out / listing['points'][1]['label'] / 'metrics.jsonl').read_text())
+  no_rates = tmp_path / 'no_rates'
+  no_rates.mkdir()
+  (no_rates / 'config.yaml').write_text((other / 'config.yaml').read_text())
+  (no_rates / 'metrics.jsonl').write_text(''.join(
+    json.dumps({k: v for k, v in r.items() if k != 'learning_rate'}) + '\n' for r in read_metrics(other)))
+  for runs, message in [([cooldowns[0], str(other)], 'is another model than'),
+                        ([str(no_rates)], 'has losses without learning rates (step 1)')]:
+    assert cli.main(['scaling', 'fit', *runs, '--law', 'curve']) == 2
+    assert message in capsys.readouterr().err
+  assert cli.main(['scaling', 'fit', cooldowns[0], cooldowns[1]]) == 2
+  assert '--law chinchilla fits one points CSV, not 2 files' in capsys.readouterr().err

@@ -1,0 +1,275 @@
+"""Whole training-loss curves under any learning-rate schedule, from one size's runs.
+
+Two forms, each predicting the training loss after n updates from the rates eta_0, eta_1, ... of the updates:
+- the multi-power law (Luo et al. 2025, arXiv:2503.12811; thu-yao-01-luo/MultiPowerLaw):
+    L(n) = L0 + A S1^-alpha - B sum_{k=1}^{n-1} (eta_{k-1} - eta_k) G(eta_k^-gamma S_k(n)),  G(x) = 1 - (1 + C x)^-beta,
+  with S1 = sum_{i<n} eta_i (the warmup's area included) and S_k(n) = sum_{k<=i<n} eta_i;
+- the momentum form of Tissue et al. 2024 (arXiv:2408.11029):
+    L(n) = L0 + A S1^-alpha - C S2,  S2 = sum_{i=1}^{n-1} m_i,  m_i = lambda m_{i-1} + (eta_{i-1} - eta_i).
+Both are fitted as the papers fit them: Huber (delta 1e-3) on log loss summed over the logged points of every
+curve, here by L-BFGS-B on the logs of the positive parameters with exact gradients, from the MultiPowerLaw
+repository's starting point (a power law of the loss in S1, then the loss drop's parameters). NumPy and SciPy only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from scipy import optimize, signal, stats
+
+from lm.config import ConfigError
+
+HUBER_DELTA = 1e-3
+FORMS = {'mpl': ('L0', 'A', 'alpha', 'B', 'C', 'beta', 'gamma'), 'tissue': ('L0', 'A', 'alpha', 'C', 'lambda')}
+BOUNDS = {'L0': (1e-3, 1e3), 'A': (1e-4, 1e3), 'alpha': (0.01, 3.0), 'B': (1e-2, 1e5), 'C': (1e-4, 1e4),
+          'beta': (0.01, 3.0), 'gamma': (0.01, 3.0)}  # where the fit searches (the papers' fits lie well inside)
+LAMBDAS = (0.99, 0.995, 0.999, 0.9995)  # Tissue et al.'s decay factor: the fit keeps the best of these
+CHUNK = 1 << 21  # points x rate changes held at once
+COARSE = 512  # the fit's first pass merges a curve's rate changes into this many runs
+REFINE = 40  # L-BFGS iterations on every change after it
+
+
+@dataclass(frozen=True)
+class Curve:
+  """One run's schedule and measured losses: `rates[i]` is update i's learning rate, `updates[j]` how many
+  updates preceded the loss `loss[j]`."""
+  name: str
+  rates: np.ndarray
+  updates: np.ndarray
+  loss: np.ndarray
+
+  def __post_init__(self) -> None:
+    if len(self.updates) != len(self.loss) or not len(self.loss):
+      raise ConfigError(f'{self.name}: a curve needs losses, one per logged step')
+    if self.updates.min() < 1 or self.updates.max() > len(self.rates):
+      raise ConfigError(f'{self.name}: a loss after {self.updates.max()} updates lies beyond its schedule of '
+                        f'{len(self.rates)} steps')
+
+
+def _areas(rates: np.ndarray) -> np.ndarray:
+  """cum[n] = sum_{i<n} eta_i."""
+  return np.concatenate([[0.0], np.cumsum(rates, dtype=np.float64)])
+
+
+def _changes(rates: np.ndarray, most: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """The updates k whose rate differs from the one before, and each change eta_{k-1} - eta_k; with `most`, the
+  changes merged into at most that many runs of consecutive ones, each at its last k (a fit's coarse pass)."""
+  k = np.flatnonzero(np.diff(rates)) + 1
+  drop = rates[k - 1] - rates[k]
+  if most and len(k) > most:
+    groups = np.arange(len(k)) * most // len(k)
+    last = np.flatnonzero(np.diff(groups, append=most))
+    drop, k = np.add.reduceat(drop, np.concatenate([[0], last[:-1] + 1])), k[last]
+  return k, drop
+
+
+def _loss_drop(rates: np.ndarray, updates: np.ndarray, C: float, beta: float, gamma: float, grads: bool = False,
+               most: int | None = None):
+  """sum_k (eta_{k-1} - eta_k) G(eta_k^-gamma S_k(n)) at each n of `updates`, over the k where the rate changes
+  (`_changes`); with `grads`, also its derivatives in C, beta and gamma."""
+  cum = _areas(rates)
+  k, drop = _changes(rates, most)
+  scale, log_rate = rates[k] ** -gamma, np.log(rates[k])
+  out = np.zeros((4 if grads else 1, len(updates)))
+  step = max(1, CHUNK // max(len(k), 1))
+  for start in range(0, len(updates), step):
+    n = updates[start:start + step]
+    inside = k[None, :] < n[:, None]
+    u = scale[None, :] * np.maximum(cum[n][:, None] - cum[k][None, :], 0.0)
+    w = 1.0 + C * u
+    w_beta = w ** -beta
+    weighted = np.where(inside, drop[None, :], 0.0)
+    out[0, start:start + step] = weighted @ np.ones(len(k)) - (weighted * w_beta).sum(1)
+    if grads:
+      common = weighted * beta * w_beta / w  # d G / d (C u)
+      out[1, start:start + step] = (common * u).sum(1)  # d / dC
+      out[2, start:start + step] = (weighted * w_beta * np.log(w)).sum(1)  # d / dbeta
+      out[3, start:start + step] = -(common * C * u * log_rate[None, :]).sum(1)  # d / dgamma
+  return out if grads else out[0]
+
+
+def _momentum(rates: np.ndarray, updates: np.ndarray, lam: float) -> np.ndarray:
+  """Tissue et al.'s S2 after each n of `updates`: the sum of m_1 .. m_{n-1}."""
+  m = signal.lfilter([1.0], [1.0, -lam], np.concatenate([[0.0], rates[:-1] - rates[1:]]))
+  return np.concatenate([[0.0], np.cumsum(m)])[updates]
+
+
+def predict(form: str, params: dict[str, float], rates: np.ndarray, updates: np.ndarray) -> np.ndarray:
+  """The form's training loss after each n of `updates` under the schedule `rates`."""
+  rates, updates = np.asarray(rates, np.float64), np.asarray(updates)
+  p = params
+  base = p['L0'] + p['A'] * _areas(rates)[updates] ** -p['alpha']
+  if form == 'mpl':
+    return base - p['B'] * _loss_drop(rates, updates, p['C'], p['beta'], p['gamma'])
+  return base - p['C'] * _momentum(rates, updates, p['lambda'])
+
+
+def curve_steps(rates: np.ndarray, count: int) -> np.ndarray:
+  """About `count` steps s, evenly from the first whose loss follows some rate above 0 to the last (the loss
+  logged at step s follows s - 1 updates)."""
+  first = int(np.argmax(_areas(rates)[1:] > 0)) + 2
+  return np.unique(np.linspace(first, len(rates), count).round().astype(int))
+
+
+def _huber(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  small = np.abs(r) <= HUBER_DELTA
+  value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA))
+  return value, np.where(small, r, HUBER_DELTA * np.sign(r))
+
+
+def _objective(theta: np.ndarray, form: str, curves: Sequence[Curve], fixed: dict[str, float],
+               most: int | None = None) -> tuple[float, np.ndarray]:
+  """Summed Huber of log(pred) - log(loss), and its gradient in theta = the logs of the fitted parameters;
+  scaled by 1/delta^2 so that L-BFGS sees O(1) numbers near the optimum."""
+  names = [n for n in FORMS[form] if n not in fixed]
+  p = {**dict(zip(names, np.exp(theta))), **fixed}
+  total, grad = 0.0, np.zeros(len(names))
+  for c in curves:
+    s1 = _areas(c.rates)[c.updates]
+    power = s1 ** -p['alpha']
+    parts = {'L0': np.ones_like(s1), 'A': power, 'alpha': -p['A'] * power * np.log(s1)}
+    pred = p['L0'] + p['A'] * power
+    if form == 'mpl':
+      drop, d_c, d_beta, d_gamma = _loss_drop(c.rates, c.updates, p['C'], p['beta'], p['gamma'], True, most)
+      pred = pred - p['B'] * drop
+      parts.update(B=-drop, C=-p['B'] * d_c, beta=-p['B'] * d_beta, gamma=-p['B'] * d_gamma)
+    else:
+      s2 = _momentum(c.rates, c.updates, p['lambda'])
+      pred = pred - p['C'] * s2
+      parts['C'] = -s2
+    if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
+      return 1e30, np.zeros(len(names))
+    value, slope = _huber(np.log(pred) - np.log(c.loss))
+    total += value.sum()
+    weight = slope / pred
+    grad += np.array([(weight * parts[n]).sum() * p[n] for n in names])
+  return total / HUBER_DELTA ** 2, grad / HUBER_DELTA ** 2
+
+
+def _start(curves: Sequence[Curve]) -> dict[str, float]:
+  """The MultiPowerLaw repository's start: L0 near the lowest loss, A and alpha from a line through
+  log(loss - min + 0.01) against log S1."""
+  lowest = min(c.loss.min() for c in curves)
+  x = np.concatenate([np.log(_areas(c.rates)[c.updates]) for c in curves])
+  y = np.concatenate([np.log(c.loss - lowest + 0.01) for c in curves])
+  line = stats.linregress(x, y)
+  return {'L0': max(lowest - 0.1, 1e-3), 'A': float(np.exp(line.intercept)), 'alpha': max(-line.slope, 0.05)}
+
+
+def fit_curves(curves: Sequence[Curve], form: str = 'mpl') -> dict[str, Any]:
+  """The form's parameters fitted to every curve at once (one model size), with each curve's mean relative
+  error."""
+  if form not in FORMS:
+    raise ConfigError(f'--form {form} is not a curve law; choose one of: {", ".join(FORMS)}')
+  start = _start(curves)
+  if form == 'mpl':
+    starts = [({**start, 'B': b, 'C': 1.0, 'beta': 0.5, 'gamma': 0.5}, {}) for b in (100.0, 300.0, 1000.0)]
+  else:
+    scale = max(float(c.rates.max()) for c in curves)
+    starts = [({**start, 'C': 1.0 / scale}, {'lambda': lam}) for lam in LAMBDAS]
+  best = None
+  with np.errstate(all='ignore'):  # a trial point may overflow; its objective is then the largest
+    for params, fixed in starts:  # the multi-power law's loss drop on at most COARSE merged changes a curve first
+      names = [n for n in FORMS[form] if n not in fixed]
+      bounds = [tuple(np.log(BOUNDS.get(n, (1e-8, 1e8)))) for n in names]
+      theta = np.clip(np.log([params[n] for n in names]), *np.array(bounds).T)
+      result = optimize.minimize(_objective, theta, args=(form, curves, fixed, COARSE), jac=True,
+                                 method='L-BFGS-B', bounds=bounds, options={'maxiter': 2000})
+      if best is None or result.fun < best[0]:
+        best = (result.fun, result.x, fixed, bounds)
+    _, theta, fixed, bounds = best
+    if form == 'mpl':  # then every change, from there
+      refined = optimize.minimize(_objective, theta, args=(form, curves, fixed), jac=True, method='L-BFGS-B',
+                                  bounds=bounds, options={'maxiter': REFINE})
+      best, theta = (refined.fun, refined.x, fixed, bounds), refined.x
+  names = [n for n in FORMS[form] if n not in fixed]
+  params = {**dict(zip(names, np.exp(theta).tolist())), **fixed}
+  return {'law': 'curve', 'form': form, 'params': params, 'objective': float(best[0]),
+          'curves': {c.name: relative_error(form, params, c) for c in curves}}
+
+
+def relative_error(form: str, params: dict[str, float], curve: Curve) -> dict[str, float]:
+  """The mean and largest |pred - loss| / loss over a curve's points, and its final loss against the
+  prediction."""
+  pred = predict(form, params, curve.rates, curve.updates)
+  error = np.abs(pred - curve.loss) / curve.loss
+  return {'mean': float(error.mean()), 'max': float(error.max()), 'final_loss': float(curve.loss[-1]),
+          'final_predicted': float(pred[-1])}
+
+
+# ---------------------------------------------------------------- lm's runs and configs
+
+def schedule_rates(config: Any) -> np.ndarray:
+  """The learning rate of each of a config's `train.steps` updates, from its schedule (`lm.assembly.optim`)."""
+  from lm.assembly.optim import learning_rate_schedule
+  schedule = learning_rate_schedule(config.optim, config.train.steps)
+  return np.asarray(schedule(np.arange(config.train.steps)), np.float64)
+
+
+def model_of(config: Any) -> dict[str, Any]:
+  """What makes two runs the same size: the model section without how the step computes."""
+  model = config.to_dict()['model']
+  model.pop('execution', None)
+  return model
+
+
+def run_curve(run_dir: str) -> tuple[Curve, dict[str, Any]]:
+  """A run's training loss against the updates before it (the loss logged at step s follows s - 1 updates), on
+  its schedule rebuilt from config.yaml and checked against the learning rates metrics.jsonl logged."""
+  import json
+
+  from etils import epath
+
+  from lm.storage.run_dir import read_config
+  config = read_config(run_dir)
+  path = epath.Path(run_dir) / 'metrics.jsonl'
+  records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  logged = [r for r in records if 'loss' in r and 'step' in r]
+  if not logged:
+    raise ConfigError(f'{run_dir} has no training losses in metrics.jsonl; a curve fit needs a run lm train wrote')
+  if any('learning_rate' not in r for r in logged):
+    raise ConfigError(f'{run_dir}: metrics.jsonl has losses without learning rates (step '
+                      f'{next(r["step"] for r in logged if "learning_rate" not in r)}); a curve fit needs each '
+                      f'logged step\'s rate, as lm train logs it')
+  rates = schedule_rates(config)
+  steps = np.array([r['step'] for r in logged])
+  logged_rates = np.array([r['learning_rate'] for r in logged])
+  wrong = ~np.isclose(rates[np.minimum(steps, len(rates)) - 1], logged_rates, rtol=1e-5, atol=1e-12)
+  if wrong.any():
+    step = int(steps[wrong][0])
+    raise ConfigError(f'{run_dir}: the rate logged at step {step} ({logged_rates[wrong][0]:.6g}) is not its '
+                      f'schedule\'s ({rates[step - 1]:.6g}); the curve needs the schedule the run trained with')
+  keep = _areas(rates)[np.minimum(steps, len(rates)) - 1] > 0  # the laws start once some rate has been applied
+  if not keep.any():
+    raise ConfigError(f'{run_dir}: every logged loss precedes the first update with a rate above 0; log more steps')
+  curve = Curve(str(run_dir), rates, steps[keep] - 1, np.array([r['loss'] for r in logged])[keep])
+  return curve, model_of(config)
+
+
+def fit_runs(runs: Sequence[str], form: str) -> dict[str, Any]:
+  """One size's runs fitted together; runs of different models are refused."""
+  pairs = [run_curve(run) for run in runs]
+  first = pairs[0][1]
+  for run, (_, model) in zip(runs, pairs):
+    if model != first:
+      field = next(k for k in sorted(set(first) | set(model)) if first.get(k) != model.get(k))
+      raise ConfigError(f'{run} is another model than {runs[0]} (model.{field}: {model.get(field)} against '
+                        f'{first.get(field)}); a curve fit takes one size\'s runs')
+  fit = fit_curves([c for c, _ in pairs], form)
+  fit['model'] = first
+  return fit
+
+
+def search_grid(options: Sequence[str]) -> list[list[str]]:
+  """`['optim.decay_fraction=0.1,0.2', 'optim.decay_shape=linear,sqrt']` -> every combination as overrides; a
+  bare field name is read as an `optim.` one."""
+  import itertools
+  axes = []
+  for option in options:
+    key, sep, values = option.partition('=')
+    if not sep or not values:
+      raise ConfigError(f'--search {option}: write key=v1,v2 (e.g. decay_fraction=0.1,0.2,0.3)')
+    key = key if '.' in key else f'optim.{key}'
+    axes.append([f'{key}={v}' for v in values.split(',') if v])
+  return [list(combo) for combo in itertools.product(*axes)]

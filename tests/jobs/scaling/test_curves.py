@@ -1,0 +1,95 @@
+"""Whole loss curves (lm.jobs.scaling.curves) on the MultiPowerLaw repository's published curves: its published
+parameters give its published held-out error, and lm's own fits of both forms on its three training schedules
+predict the six others."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lm.jobs.scaling.curves import Curve, fit_curves, predict, relative_error
+
+DATA = Path(__file__).resolve().parents[2] / 'fixtures/multipowerlaw'
+TRAIN = ('cosine_24000', 'constant_24000', 'wsdcon_9')  # the repository's src/config.py
+HELD_OUT = ('constant_72000', 'cosine_72000', 'wsd_20000_24000', 'wsdld_20000_24000', 'wsdcon_3', 'wsdcon_18')
+WARMUP, PEAK, END = 2160, 3e-4, 3e-5
+# The repository's published 100M parameters (src/config.py PARAMS['100']) and its held-out error (README: PredE
+# 0.00142; logs/100.log: 0.0014248385942192765).
+PUBLISHED = dict(zip(('L0', 'A', 'alpha', 'B', 'C', 'beta', 'gamma'),
+                     (2.6514477, 0.60115152, 0.45295811, 437.9464276, 2.13245612, 0.59785199, 0.65523644)))
+PUBLISHED_ERROR = 0.0014248385942192765
+
+
+def schedule(name: str) -> np.ndarray:
+  """The repository's schedules (src/lr_schedules.py, as src/data_loader.py names them), written out here."""
+  warmup = np.linspace(0, PEAK, WARMUP)
+  kind, *numbers = name.split('_')
+  if kind in ('cosine', 'constant'):
+    total = int(numbers[0])
+    step = np.arange(WARMUP, total)
+    rest = (END + 0.5 * (PEAK - END) * (1 + np.cos(np.pi * (step - WARMUP) / (total - WARMUP))) if kind == 'cosine'
+            else np.full(total - WARMUP, PEAK))
+    return np.concatenate([warmup, rest])
+  if kind == 'wsdcon':  # two stages: the peak to step 8000, then a lower constant
+    return np.concatenate([warmup, np.full(8000 - WARMUP, PEAK), np.full(16000 - 8000, int(numbers[0]) * 1e-5)])
+  total, decay = 24000, 20000
+  step = np.arange(decay, total)
+  t = (step - decay) / (total - decay)
+  tail = PEAK ** (1 - t) * END ** t if kind == 'wsd' else PEAK * (1 - t) + END * t  # wsd: exponential; wsdld: linear
+  return np.concatenate([warmup, np.full(decay - WARMUP, PEAK), tail])
+
+
+def curves(size: int, names: tuple[str, ...]) -> list[Curve]:
+  """The repository's curves: the loss at its index `step` follows updates 0..step (step + 1 of them); a
+  24,000-step run's last point is dropped, as its loader drops it."""
+  out = []
+  for name in names:
+    table = np.genfromtxt(DATA / f'csv_{size}/{name}.csv', delimiter=',', skip_header=1)
+    steps, loss = table[:, 0].astype(int), table[:, 2]
+    keep = steps < 24000 if steps.max() == 24000 else np.ones(len(steps), bool)
+    out.append(Curve(name, schedule(name), steps[keep] + 1, loss[keep]))
+  return out
+
+
+def test_the_published_parameters_give_the_published_held_out_error():
+  held_out = curves(100, HELD_OUT)
+  errors = [relative_error('mpl', PUBLISHED, c)['mean'] for c in held_out]
+  assert np.mean(errors) == pytest.approx(PUBLISHED_ERROR, abs=1e-4), errors
+  # and the schedules are the repository's: its file's lr column is the rate of the update at that step
+  for c, name in zip(held_out, HELD_OUT):
+    table = np.genfromtxt(DATA / f'csv_100/{name}.csv', delimiter=',', skip_header=1)
+    steps = table[:, 0].astype(int)
+    inside = steps < len(c.rates)
+    np.testing.assert_allclose(c.rates[steps[inside]], table[inside, 1], rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize('form', ['mpl', 'tissue'])
+def test_a_fit_on_three_schedules_predicts_the_six_others(form):
+  """Fitted by lm on the repository's three training schedules (100M), each form predicts every held-out schedule:
+  mean relative error at most 0.3% over the six, every final loss within 1%."""
+  fit = fit_curves(curves(100, TRAIN), form)
+  held_out = [relative_error(form, fit['params'], c) for c in curves(100, HELD_OUT)]
+  assert np.mean([e['mean'] for e in held_out]) <= 0.003, (fit['params'], held_out)
+  for e in held_out:
+    assert abs(e['final_predicted'] - e['final_loss']) / e['final_loss'] <= 0.01, e
+  assert all(e['mean'] < 0.003 for e in fit['curves'].values())  # and it fits what it saw
+
+
+def test_the_forms_agree_with_a_direct_sum():
+  """predict against the formulas summed term by term in float64 on a short, irregular schedule."""
+  rng = np.random.default_rng(0)
+  rates = np.concatenate([np.linspace(0, 1e-3, 5), rng.uniform(2e-4, 1e-3, 40)])
+  updates = np.array([3, 10, 27, 45])
+  p = {'L0': 2.0, 'A': 0.5, 'alpha': 0.4, 'B': 300.0, 'C': 2.0, 'beta': 0.6, 'gamma': 0.6, 'lambda': 0.9}
+  mpl, tissue = [], []
+  for n in updates:
+    s1 = rates[:n].sum()
+    drop = sum((rates[k - 1] - rates[k]) * (1 - (1 + p['C'] * rates[k] ** -p['gamma'] * rates[k:n].sum()) ** -p['beta'])
+               for k in range(1, n))
+    m, s2 = 0.0, 0.0
+    for i in range(1, n):
+      m = p['lambda'] * m + rates[i - 1] - rates[i]
+      s2 += m
+    mpl.append(p['L0'] + p['A'] * s1 ** -p['alpha'] - p['B'] * drop)
+    tissue.append(p['L0'] + p['A'] * s1 ** -p['alpha'] - p['C'] * s2)
+  np.testing.assert_allclose(predict('mpl', p, rates, updates), mpl, rtol=1e-12)
+  np.testing.assert_allclose(predict('tissue', p, rates, updates), tissue, rtol=1e-12)
