@@ -381,8 +381,9 @@ GROUPS = {
   't5': (r'lm train --config t5_tiny ', r'lm finetune .*runs/t5_tiny'),
   'tfds': (r'lm data build ', r'lm train .*my_corpus'),
   # `collect --evaluate` reads the built dataset; `collect --eval code` the run with held-out sets
-  'scaling': (r'lm scaling (?!.*\bsuite\b)(?!.*--law curve)(?!predict )', r'lm data build ', r'lm train .*runs/sets '),
-  'curves': (r'lm train .*runs/(stable|cooldown_1000)', r'lm scaling (fit .*--law curve|predict )'),
+  'scaling': (r'lm scaling (?!.*\bsuite\b)(?!.*--law curve)(?!.*--curves)(?!predict )', r'lm data build ',
+              r'lm train .*runs/sets '),
+  'curves': (r'lm train .*runs/(stable|cooldown_1000)', r'lm scaling (fit .*--law curve|predict |plot .*--curves)'),
   'tokenizer': (r'lm tokenizer train --config gpt_tiny ', r'lm train .*sentencepiece:'),
   'suite': (r'lm convert --from-hf-series ', r'lm scaling (collect|plot) .*suite'),
   'shards': (r'lm data tokenize .*--tokenizer byte ', r'lm train .*tokenized:shards/'),

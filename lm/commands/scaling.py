@@ -159,9 +159,19 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
       fit = None
     if not isinstance(fit, dict) or not {'law', 'params'} <= fit.keys():
       raise ConfigError(f'--fit {args.fit} is not a fit written by lm scaling fit --out; write one with '
-                        f'lm scaling fit {args.points} --out FIT.json')
-  if args.lr and args.suite:
-    raise ConfigError('--lr and --suite are two figures; pass one')
+                        f'lm scaling fit {" ".join(args.points)} --out FIT.json')
+  if sum(map(bool, (args.lr, args.suite, args.curves))) > 1:
+    raise ConfigError('--lr, --suite and --curves are separate figures; pass one')
+  if args.curves:
+    from lm.jobs.scaling.plot import plot_curves
+    if fit is None or fit['law'] != 'curve':
+      raise ConfigError('--curves draws run dirs against a curve fit: pass --fit FIT.json from lm scaling fit RUN... '
+                        '--law curve --out FIT.json')
+    print(f'wrote {plot_curves(fit, args.points, args.out)}', flush=True)
+    return 0
+  if len(args.points) != 1:
+    raise ConfigError(f'lm scaling plot draws one points CSV, not {len(args.points)} files; run dirs are for --curves')
+  args.points = args.points[0]
   if args.lr:
     from lm.jobs.scaling.plot import plot_learning_rates
     best = plot_learning_rates(args.points, args.out)
@@ -288,13 +298,16 @@ def _predict(scaling: argparse._SubParsersAction) -> None:
 
 
 def _plot(scaling: argparse._SubParsersAction) -> None:
-  plot = scaling.add_parser('plot', help='loss against compute, IsoFLOP profiles, compute-optimal N and D')
-  plot.add_argument('points', help='points CSV')
+  plot = scaling.add_parser('plot', help='loss against compute, IsoFLOP profiles, compute-optimal N and D; or run '
+                                        'dirs\' curves against a curve fit (--curves)')
+  plot.add_argument('points', nargs='+', metavar='POINTS_OR_RUNS', help='points CSV; with --curves, run dirs')
   plot.add_argument('--out', required=True, help='the PNG to write')
   plot.add_argument('--fit', default=None, help='a fit of lm scaling fit --out, drawn over the points')
   plot.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total', help='which N to plot')
   plot.add_argument('--suite', action='store_true', help='a checkpoint suite\'s figure: loss and task accuracy '
                                                          'against tokens and compute, a line per model size')
+  plot.add_argument('--curves', action='store_true', help='each run\'s measured training loss against step with '
+                                                          'the curve fit\'s prediction (--fit of --law curve)')
   plot.add_argument('--lr', action='store_true', help='final loss against learning rate, a curve per width '
                                                       '(a sweep with --lr-grid)')
   plot.set_defaults(fn=cmd_scaling_plot)

@@ -72,7 +72,7 @@ def test_a_suites_figure_has_a_line_per_size_against_tokens_and_compute(tmp_path
   assert (tmp_path / 'suite.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert (size_label(70_426_624), size_label(1_011_781_632), size_label(11_846_072_320)) == ('70.4M', '1.01B', '11.8B')
   assert cli.main(['scaling', 'plot', str(points), '--suite', '--lr', '--out', str(tmp_path / 'x.png')]) == 2
-  assert '--lr and --suite are two figures' in capsys.readouterr().err
+  assert '--lr, --suite and --curves are separate figures' in capsys.readouterr().err
 
 
 @pytest.mark.long(2)
@@ -239,6 +239,9 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
                    '--search', 'decay_fraction=0.2,0.4', 'decay_shape=linear,sqrt']) == 0
   said = capsys.readouterr().out
   assert said.count('optim.decay_fraction=') == 5 and 'best: optim.decay_fraction=' in said, said
+  assert cli.main(['scaling', 'plot', *cooldowns, '--curves', '--fit', str(tmp_path / 'mpl.json'), '--out',
+                   str(tmp_path / 'curves.png')]) == 0
+  assert (tmp_path / 'curves.png').stat().st_size > 10_000
 
   other = tmp_path / 'wider'  # another size's run, as config.yaml and metrics.jsonl say
   other.mkdir()
