@@ -89,6 +89,18 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
     raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run dirs '
                       f'are --law curve')
   args.points = args.points[0]
+  if args.law == 'data_constrained':
+    from lm.jobs.scaling.points import read_column
+    from lm.jobs.scaling.repeated import fit_data_constrained, optimal_allocation
+    if len(args.allocate) % 2 or any(not x > 0 for x in args.allocate):
+      raise ConfigError('--allocate takes pairs of positive C U (FLOPs and unique tokens), e.g. --allocate 1e22 25e9')
+    result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'))
+    result['allocations'] = [optimal_allocation(result['params'], c, u)
+                             for c, u in zip(args.allocate[::2], args.allocate[1::2])]
+    print(json.dumps(result, indent=2) if args.json else format_fit(result))
+    if args.out:
+      Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+    return 0
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
   if any(not c > 0 for c in args.budget):
@@ -262,11 +274,16 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                                       'loss curves to one size\'s run dirs (--law curve)')
   fit.add_argument('points', nargs='+', metavar='POINTS_OR_RUNS',
                    help='CSV of lm scaling collect, or any with params,tokens,loss columns; --law curve: run dirs')
-  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve'), default='chinchilla',
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve', 'data_constrained'),
+                   default='chinchilla',
                    help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
                    'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
                    'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024); curve: each step\'s training '
-                   'loss from the learning rates before it (--form)')
+                   'loss from the learning rates before it (--form); data_constrained: Chinchilla\'s law with '
+                   'repeated tokens and excess params decaying (Muennighoff et al. 2023; a unique_tokens column)')
+  fit.add_argument('--allocate', type=float, nargs='+', default=[], metavar='C U',
+                   help='--law data_constrained: the optimal params, tokens and epochs for compute C and U unique '
+                        'tokens')
   fit.add_argument('--form', choices=('mpl', 'tissue'), default='mpl',
                    help='--law curve: the multi-power law (Luo et al. 2025) or the momentum form (Tissue et al. 2024)')
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
