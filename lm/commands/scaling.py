@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from lm.commands.common import checked_config
 from lm.config import ConfigError
@@ -19,12 +20,15 @@ def cmd_scaling_sweep(args: argparse.Namespace) -> int:
   budgets = parse_numbers(args.budgets, '--budgets') if args.budgets else ()
   tokens = parse_numbers(args.tokens, '--tokens') if args.tokens else (() if budgets else DEFAULT_TOKENS)
   rates = parse_numbers(args.lr_grid, '--lr-grid') if args.lr_grid else ()
+  batches = parse_numbers(args.batch_grid, '--batch-grid') if args.batch_grid else ()
+  if any(b != int(b) for b in batches):
+    raise ConfigError(f'--batch-grid {args.batch_grid}: batches are whole rows (train.global_batch), e.g. 8,16,32')
   experts = parse_experts(args.experts) if args.experts else ()
-  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates, experts)
+  points = plan(base, sizes, tokens, budgets, args.evals, args.schedule, rates, experts, [int(b) for b in batches])
   print(format_lines([(p.label, f'N {size_of(p)}  D {p.tokens:,}  C {6 * p.active * p.tokens:.3g}  {p.steps} steps'
                        + (f' (the decay from step {p.branch_at})' if p.branch_at else '')) for p in points]),
         flush=True)
-  trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
+  trained, alone = tokens_trained(points)
   print(f'tokens to train: {trained:,} ({trained / alone:.0%} of the {alone:,} of independent runs)', flush=True)
   if not args.dry_run:
     sweep(base, args.out, points, args.evals)
@@ -74,52 +78,69 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
   return 0
 
 
-def cmd_scaling_fit(args: argparse.Namespace) -> int:
+def _fitted_curve(args: argparse.Namespace) -> tuple[dict, Any]:
+  from lm.jobs.scaling.curves import fit_runs
+  from lm.jobs.scaling.report import format_curve_fit
+  return fit_runs(args.points, args.form), format_curve_fit
+
+
+def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
+  from lm.jobs.scaling.hparams import fit_points_file
+  from lm.jobs.scaling.report import format_hparams
+  width = 1 if args.by == 'compute' else 2
+  if not args.target or len(args.target) % width or any(not x > 0 for x in args.target):
+    raise ConfigError('--law hparams --by compute takes compute budgets, --target C [C ...]; --by nd pairs of N D, '
+                      '--target N D [N D ...]' if args.target else '--law hparams needs --target: a compute budget '
+                      'C (--by compute) or N D (--by nd) to give the learning rate and batch for')
+  targets = [args.target[i:i + width] for i in range(0, len(args.target), width)]
+  return fit_points_file(args.points, args.params, args.by, targets, args.bootstrap), format_hparams
+
+
+def _fitted_data_constrained(args: argparse.Namespace) -> tuple[dict, Any]:
+  from lm.jobs.scaling.points import read_column, read_points
+  from lm.jobs.scaling.report import format_fit
+  from lm.jobs.scaling.repeated import fit_data_constrained, optimal_allocation
+  if len(args.allocate) % 2 or any(not x > 0 for x in args.allocate):
+    raise ConfigError('--allocate takes pairs of positive C U (FLOPs and unique tokens), e.g. --allocate 1e22 25e9')
+  result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'))
+  result['allocations'] = [optimal_allocation(result['params'], c, u)
+                           for c, u in zip(args.allocate[::2], args.allocate[1::2])]
+  return result, format_fit
+
+
+def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
+  """Chinchilla, Kaplan, IsoFLOP and the task law: one loss per run."""
   from lm.jobs.scaling.laws import fit
-  from lm.jobs.scaling.points import read_points
-  from lm.jobs.scaling.report import format_curve_fit, format_fit
-  if args.law == 'curve':
-    from lm.jobs.scaling.curves import fit_runs
-    result = fit_runs(args.points, args.form)
-    print(json.dumps(result, indent=2) if args.json else format_curve_fit(result))
-    if args.out:
-      Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
-    return 0
-  if len(args.points) != 1:
-    raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run dirs '
-                      f'are --law curve')
-  args.points = args.points[0]
-  if args.law == 'data_constrained':
-    from lm.jobs.scaling.points import read_column
-    from lm.jobs.scaling.repeated import fit_data_constrained, optimal_allocation
-    if len(args.allocate) % 2 or any(not x > 0 for x in args.allocate):
-      raise ConfigError('--allocate takes pairs of positive C U (FLOPs and unique tokens), e.g. --allocate 1e22 25e9')
-    result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'))
-    result['allocations'] = [optimal_allocation(result['params'], c, u)
-                             for c, u in zip(args.allocate[::2], args.allocate[1::2])]
-    print(json.dumps(result, indent=2) if args.json else format_fit(result))
-    if args.out:
-      Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
-    return 0
-  if args.bootstrap < 0:
-    raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
+  from lm.jobs.scaling.points import read_column, read_points
+  from lm.jobs.scaling.report import format_fit
   if any(not c > 0 for c in args.budget):
     raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
-  if args.law == 'task':
-    from lm.jobs.scaling.laws import fit_task
-    from lm.jobs.scaling.points import read_column
-    if not args.task:
-      raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
-                        '--metric (default acc)')
-    if len(args.target) % 2 or any(not x > 0 for x in args.target):
-      raise ConfigError('--target takes pairs of positive N D (params and tokens), e.g. --target 7e9 1.4e11')
-    targets = list(zip(args.target[::2], args.target[1::2]))
-    result = fit_task(read_points(args.points, args.params, f'{args.task}/task_loss'),
-                      read_column(args.points, f'{args.task}/{args.metric}'), targets, args.bootstrap)
-    result.update(task=args.task, metric=args.metric)
-  else:
-    result = fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget)
-  print(json.dumps(result, indent=2) if args.json else format_fit(result))
+  if args.law != 'task':
+    return fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget), format_fit
+  from lm.jobs.scaling.laws import fit_task
+  if not args.task:
+    raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
+                      '--metric (default acc)')
+  if len(args.target) % 2 or any(not x > 0 for x in args.target):
+    raise ConfigError('--target takes pairs of positive N D (params and tokens), e.g. --target 7e9 1.4e11')
+  targets = list(zip(args.target[::2], args.target[1::2]))
+  result = fit_task(read_points(args.points, args.params, f'{args.task}/task_loss'),
+                    read_column(args.points, f'{args.task}/{args.metric}'), targets, args.bootstrap)
+  result.update(task=args.task, metric=args.metric)
+  return result, format_fit
+
+
+def cmd_scaling_fit(args: argparse.Namespace) -> int:
+  if args.bootstrap < 0:
+    raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
+  if args.law != 'curve':
+    if len(args.points) != 1:
+      raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run '
+                        f'dirs are --law curve')
+    args.points = args.points[0]
+  fitted = {'curve': _fitted_curve, 'hparams': _fitted_hparams, 'data_constrained': _fitted_data_constrained}
+  result, formatter = fitted.get(args.law, _fitted_endpoints)(args)
+  print(json.dumps(result, indent=2) if args.json else formatter(result))
   if args.out:
     Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
   return 0
@@ -226,6 +247,9 @@ def _sweep(scaling: argparse._SubParsersAction) -> None:
   sweep.add_argument('--evals', type=int, default=4, help='evaluations (and checkpoints) per run')
   sweep.add_argument('--lr-grid', default=None, metavar='LR1,LR2',
                      help='peak learning rates: every point at each (learning-rate transfer; see plot --lr)')
+  sweep.add_argument('--batch-grid', default=None, metavar='B1,B2',
+                     help='global batches (rows): every point at each, its steps its tokens over the batch\'s '
+                          '(the learning rate and batch for a budget: fit --law hparams)')
   sweep.add_argument('--schedule', choices=('cosine', 'wsd'), default='cosine',
                      help='cosine: each point its own run; wsd: warmup-stable-decay, each size one stable run with '
                           'each point a cooldown branched off it')
@@ -274,13 +298,16 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                                       'loss curves to one size\'s run dirs (--law curve)')
   fit.add_argument('points', nargs='+', metavar='POINTS_OR_RUNS',
                    help='CSV of lm scaling collect, or any with params,tokens,loss columns; --law curve: run dirs')
-  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve', 'data_constrained'),
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve', 'data_constrained', 'hparams'),
                    default='chinchilla',
                    help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
                    'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
                    'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024); curve: each step\'s training '
                    'loss from the learning rates before it (--form); data_constrained: Chinchilla\'s law with '
-                   'repeated tokens and excess params decaying (Muennighoff et al. 2023; a unique_tokens column)')
+                   'repeated tokens and excess params decaying (Muennighoff et al. 2023; a unique_tokens column); '
+                   'hparams: the near-optimal learning rate and batch as power laws (--by)')
+  fit.add_argument('--by', choices=('compute', 'nd'), default='compute',
+                   help='--law hparams: in compute C (DeepSeek LLM) or in N and D (Step Law)')
   fit.add_argument('--allocate', type=float, nargs='+', default=[], metavar='C U',
                    help='--law data_constrained: the optimal params, tokens and epochs for compute C and U unique '
                         'tokens')
@@ -289,11 +316,12 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
   fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
   fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
-                   help='--law task: models (params, tokens) to predict task loss and accuracy for')
+                   help='--law task: models (params, tokens) to predict task loss and accuracy for; --law hparams: '
+                        'compute budgets C (--by compute) or N D pairs (--by nd) to give the optimum for')
   fit.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total',
                    help='which N to fit (active: the params a token runs, for routed experts)')
   fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
-                   help='chinchilla, task: N resamples for 95%% intervals')
+                   help='chinchilla, task, hparams: N resamples for 95%% intervals')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')

@@ -54,7 +54,9 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
   return {'run': run, 'size': size_label(sizes['params']), 'step': step,
           **{k: v for k, v in sizes.items() if k != 'flops_per_token'}, 'tokens': tokens,
           'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['active_params'] * tokens,
-          'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate}
+          'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate,
+          'global_batch': config.train.global_batch,
+          'batch_tokens': config.train.global_batch * config.data.seq_len}
 
 
 def loss_column(eval_set: str | None = None, metric: str = 'loss') -> str:

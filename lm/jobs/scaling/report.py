@@ -47,3 +47,17 @@ def format_curve_fit(fit: dict[str, Any]) -> str:
   for run, e in fit['curves'].items():
     lines.append((run, f'mean error {e["mean"]:.2%}, final loss {e["final_loss"]:.4f} (fit {e["final_predicted"]:.4f})'))
   return format_lines(lines)
+
+
+def format_hparams(fit: dict[str, Any]) -> str:
+  """The learning-rate and batch laws, and each target's optimum beside the published rule's."""
+  lines = [('law', f'hparams by {fit["by"]}: {fit["near_optimal"]} near-optimal of {fit["points"]} runs '
+                   f'(within {fit["band"]:.2%} of each of {fit["budgets"]} budgets\' best)')]
+  lines += [(name, f'{value:.6g}') for name, value in fit['params'].items()]
+  for t in fit['targets']:
+    ci = lambda key: (f' [{t[key + "_ci"][0]:.3g}, {t[key + "_ci"][1]:.3g}]' if key + '_ci' in t else '')
+    rule = ('DeepSeek LLM', t['deepseek']) if 'deepseek' in t else ('Step Law', t['step_law'])
+    lines.append((' '.join(f'{x:g}' for x in t['target']),
+                  f'learning rate {t["learning_rate"]:.4g}{ci("learning_rate")}, batch {t["batch_tokens"]:.4g} '
+                  f'tokens{ci("batch_tokens")} ({rule[0]}: {rule[1][0]:.4g}, {rule[1][1]:.4g} tokens)'))
+  return format_lines(lines)

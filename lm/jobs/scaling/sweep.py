@@ -52,6 +52,7 @@ class Point:
   overrides: tuple[str, ...]
   branch_at: int = 0  # wsd: the decay's first step, where it branches off its size's stable run (0: trained alone)
   learning_rate: float = 0.0  # --lr-grid: this point's peak rate (0: the base config's)
+  batch: int = 0  # --batch-grid: this point's train.global_batch (0: the base config's)
   experts: tuple[int, int, int] = ()  # routed experts: (E, k, G) as `plan` reads them; () the base's own MLP
   active: int = 0  # the params one token runs (`params` without routed experts)
 
@@ -123,17 +124,20 @@ def _sized(base: Config, width: int, depth: int, experts: tuple[int, int, int] =
 
 def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float] = (),
          budgets: Sequence[float] = (), evals: int = 4, schedule: str = 'cosine',
-         learning_rates: Sequence[float] = (), experts: Sequence[tuple[int, int, int]] = ()) -> list[Point]:
+         learning_rates: Sequence[float] = (), experts: Sequence[tuple[int, int, int]] = (),
+         batches: Sequence[int] = ()) -> list[Point]:
   """The sweep's points: sizes (each at every expert layout of `experts`) x `tokens`, or for each compute budget
   every size at D = C / 6N (N active); with `schedule` 'wsd', each a warmup-stable-decay run (a size's points warm
-  up alike, so they share a stable phase); each at every one of `learning_rates` (labels `..._lr<rate>`). Under μP
+  up alike, so they share a stable phase); each at every one of `batches` (labels `..._b<batch>`; a budget's steps
+  are its tokens over that batch's) and of `learning_rates` (labels `..._lr<rate>`). Under μP
   every width scales its init and per-param rates from `model.mup.base_width`; its base head dim is the one the
   sizes keep."""
   if bool(tokens) == bool(budgets):
     raise ConfigError('a sweep takes token budgets (--tokens) or compute budgets (--budgets), one of the two')
-  per_step = base.train.global_batch * base.data.seq_len
   points = []
-  for (width, depth), layout in ((size, layout) for size in sizes for layout in experts or ((),)):
+  for (width, depth), layout, batch in ((size, layout, batch) for size in sizes for layout in experts or ((),)
+                                        for batch in batches or (0,)):
+    per_step = (batch or base.train.global_batch) * base.data.seq_len
     config, counts = _sized(base, width, depth, layout)
     n, active = counts['total'], counts.get('active', counts['total'])
     shape = f'd{width}_l{depth}' + ('_e{}k{}g{}'.format(*layout) if layout else '')
@@ -144,7 +148,7 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       if steps < 1:
         print(f'{label}: {d:.3g} tokens is less than one batch of {per_step}; skipped', flush=True)
         continue
-      budgeted.append((label, steps))
+      budgeted.append((label + (f'_b{batch}' if batch else ''), steps))
     if not budgeted:
       continue
     shortest = min(steps for _, steps in budgeted)
@@ -154,6 +158,8 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       overrides = (f'model.d_model={width}', f'model.num_layers={depth}', f'model.num_heads={config.model.num_heads}',
                    f'train.steps={steps}', f'optim.decay_steps={steps}', f'optim.warmup_steps={warmup}',
                    f'train.eval_every={every}', f'train.checkpoint.every={every}', 'train.resume=true')
+      if batch:
+        overrides += (f'train.global_batch={batch}',)
       if layout:
         m = config.model.moe
         overrides += (f'model.moe.num_experts={m.num_experts}', f'model.moe.experts_per_token={m.experts_per_token}',
@@ -167,8 +173,8 @@ def plan(base: Config, sizes: Sequence[tuple[int, int]], tokens: Sequence[float]
       for lr in learning_rates or (0.0,):
         points.append(Point(label.replace('+', '') + (f'_lr{lr:g}' if lr else ''), width, depth,
                             config.model.num_heads, n, steps, steps * per_step,
-                            overrides + ((f'optim.learning_rate={lr:g}',) if lr else ()), branch_at, lr, layout,
-                            active))
+                            overrides + ((f'optim.learning_rate={lr:g}',) if lr else ()), branch_at, lr, batch,
+                            layout, active))
   if not points:
     raise ConfigError('every point of the sweep is shorter than one batch; raise the token or compute budgets')
   return sorted(points, key=lambda p: (p.tokens * p.active, p.label))
@@ -181,22 +187,24 @@ def size_of(point: Point) -> str:
 
 def stable_label(point: Point) -> str:
   return (f'd{point.width}_l{point.depth}' + ('_e{}k{}g{}'.format(*point.experts) if point.experts else '')
-          + (f'_lr{point.learning_rate:g}' if point.learning_rate else '') + '_stable')
+          + (f'_b{point.batch}' if point.batch else '') + (f'_lr{point.learning_rate:g}' if point.learning_rate else '')
+          + '_stable')
 
 
 def _stable_key(point: Point) -> tuple:
-  return point.width, point.depth, point.experts, point.learning_rate
+  return point.width, point.depth, point.experts, point.learning_rate, point.batch
 
 
 def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple, Stable]:
-  """(width, depth, expert layout, learning rate) -> its stable run, for the sizes whose points branch (wsd)."""
+  """(width, depth, expert layout, learning rate, batch) -> its stable run, for the sizes whose points branch
+  (wsd)."""
   stable = {}
   for key in dict.fromkeys(_stable_key(p) for p in points if p.branch_at):
     mine = [p for p in points if _stable_key(p) == key and p.branch_at]
     steps, every = max(p.branch_at for p in mine), -(-max(p.branch_at for p in mine) // evals)
     shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
                                                                      'model.num_heads', 'optim.warmup_steps',
-                                                                     'optim.learning_rate',
+                                                                     'optim.learning_rate', 'train.global_batch',
                                                                      'model.mup.base_head_dim',
                                                                      'model.moe.num_experts',
                                                                      'model.moe.experts_per_token',
@@ -208,11 +216,13 @@ def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple, Stable]:
   return stable
 
 
-def tokens_trained(points: Sequence[Point], per_step: int) -> tuple[int, int]:
+def tokens_trained(points: Sequence[Point]) -> tuple[int, int]:
   """(tokens the sweep trains, tokens its points would train as independent runs)."""
+  per_step = {_stable_key(p): p.tokens // p.steps for p in points}
   stable = stable_runs(points)
-  shared = sum(s.steps for s in stable.values()) + sum(p.steps - p.branch_at for p in points)
-  return shared * per_step, sum(p.steps for p in points) * per_step
+  shared = (sum(s.steps * per_step[key] for key, s in stable.items())
+            + sum((p.steps - p.branch_at) * (p.tokens // p.steps) for p in points))
+  return shared, sum(p.tokens for p in points)
 
 
 def finished(run_dir: epath.Path, steps: int) -> bool:
@@ -242,7 +252,7 @@ def sweep(base: Config, out: str, points: Sequence[Point], evals: int = 4) -> li
   from lm.distributed import is_main_process
   root = epath.Path(out)
   stable = stable_runs(points, evals)
-  trained, alone = tokens_trained(points, base.train.global_batch * base.data.seq_len)
+  trained, alone = tokens_trained(points)
   if is_main_process():
     root.mkdir(parents=True, exist_ok=True)
     (root / SWEEP).write_text(json.dumps({

@@ -7,7 +7,7 @@ import pytest
 
 from lm import cli
 from lm.config import load_config
-from lm.jobs.scaling.sweep import plan, stable_runs
+from lm.jobs.scaling.sweep import plan, stable_runs, tokens_trained
 from lm.train.logging import read_metrics
 
 BASE = ['data.seq_len=32', 'train.global_batch=8', 'train.eval_batches=1', 'train.log_every=5',
@@ -40,8 +40,28 @@ def test_an_lr_grid_runs_every_point_at_every_rate_and_mup_keeps_the_base_head_d
     assert 'model.mup.base_head_dim=64' in p.overrides  # the sizes keep gpt_tiny's head dim of 64
   stable = stable_runs(points)
   assert len(stable) == 4  # one per width and rate: cooldowns branch off their own rate's stable run
-  for (width, _, _, lr), run in stable.items():
+  for (width, _, _, lr, _), run in stable.items():
     assert run.label == f'd{width}_l2_lr{lr:g}_stable' and f'optim.learning_rate={lr:g}' in run.overrides
+
+
+def test_a_batch_grid_runs_every_point_at_every_batch_on_its_own_steps():
+  """`--batch-grid`: each point at each global batch, its steps the budget over that batch's tokens; a wsd size's
+  cooldowns branch off the stable run of their own batch, and the tokens trained count each batch's steps."""
+  base = load_config('gpt_tiny', BASE)  # rows of 32 tokens
+  points = plan(base, [(64, 2)], tokens=[2560, 7680], evals=2, schedule='wsd', batches=[4, 16])
+  assert sorted((p.label, p.steps, p.tokens) for p in points) == [
+    ('d64_l2_t2.56e03_b16', 5, 2560), ('d64_l2_t2.56e03_b4', 20, 2560),
+    ('d64_l2_t7.68e03_b16', 15, 7680), ('d64_l2_t7.68e03_b4', 60, 7680)]
+  for p in points:
+    assert f'train.global_batch={p.batch}' in p.overrides and load_config('gpt_tiny', [*BASE, *p.overrides]
+                                                                          ).train.global_batch == p.batch
+  stable = stable_runs(points)
+  assert sorted(run.label for run in stable.values()) == ['d64_l2_b16_stable', 'd64_l2_b4_stable']
+  assert all(f'train.global_batch={key[4]}' in run.overrides for key, run in stable.items())
+  trained, alone = tokens_trained(points)
+  assert alone == 2 * (2560 + 7680)
+  assert trained == sum((s.steps * b * 32) for s, b in ((stable[k], k[4]) for k in stable)) + sum(
+    (p.steps - p.branch_at) * p.batch * 32 for p in points)
 
 
 def test_plot_lr_stars_each_widths_lowest_final_loss(tmp_path, capsys):
