@@ -105,6 +105,10 @@ def _fitted_data_constrained(args: argparse.Namespace) -> tuple[dict, Any]:
   result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'))
   result['allocations'] = [optimal_allocation(result['params'], c, u)
                            for c, u in zip(args.allocate[::2], args.allocate[1::2])]
+  if args.holdout:
+    from lm.jobs.scaling.repeated import holdout_largest
+    result['holdout'] = holdout_largest(read_points(args.points, args.params), read_column(args.points,
+                                                                                          'unique_tokens'))
   return result, format_fit
 
 
@@ -116,7 +120,12 @@ def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
   if any(not c > 0 for c in args.budget):
     raise ConfigError('--budget takes positive compute budgets in FLOPs, e.g. --budget 1e21 5.76e23')
   if args.law != 'task':
-    return fit(read_points(args.points, args.params), args.law, args.bootstrap, args.budget), format_fit
+    from lm.jobs.scaling.laws import holdout_largest
+    points = read_points(args.points, args.params)
+    result = fit(points, args.law, args.bootstrap, args.budget)
+    if args.holdout:
+      result['holdout'] = holdout_largest(points, args.law)
+    return result, format_fit
   from lm.jobs.scaling.laws import fit_task
   if not args.task:
     raise ConfigError('--law task fits one task: name it with --task (e.g. --task piqa) and its metric with '
@@ -133,6 +142,8 @@ def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
+  if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained'):
+    raise ConfigError(f'--holdout applies to chinchilla, kaplan and data_constrained, not --law {args.law}')
   if args.law != 'curve':
     if len(args.points) != 1:
       raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run '
@@ -324,6 +335,9 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                    help='chinchilla, task, hparams: N resamples for 95%% intervals')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
+  fit.add_argument('--holdout', choices=('largest',), default=None,
+                   help='chinchilla, kaplan, data_constrained: fit again without the largest size\'s runs and print '
+                        'how far its loss is from that fit\'s prediction')
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')
   fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
   fit.set_defaults(fn=cmd_scaling_fit)

@@ -262,6 +262,29 @@ def fit_task(points: Points, accuracy: np.ndarray, targets: Sequence[tuple[float
   return out
 
 
+def holdout_largest(points: Points, law: str) -> dict[str, Any]:
+  """The law fitted without the largest size's runs, and its prediction of their (final) loss: how far it
+  extrapolates in N."""
+  largest = points.params.max()
+  rest = points.take(np.flatnonzero(points.params < largest))
+  held = points.take(np.flatnonzero(points.params == largest))
+  if len(np.unique(rest.params)) < 2:
+    raise ConfigError(f'--holdout largest leaves {len(np.unique(rest.params))} size to fit; add runs of more sizes')
+  if law == 'chinchilla':
+    fitted, held = fit_chinchilla(rest.final())['params'], held.final()
+    predicted = fitted['E'] + fitted['A'] / held.params ** fitted['alpha'] + fitted['B'] / held.tokens ** fitted['beta']
+    measured, runs = held.loss, list(held.run)
+  elif law == 'kaplan':
+    fitted = fit_kaplan(rest)['params']
+    measured, runs = np.array([held.loss.min()]), [held.run[int(np.argmin(held.loss))]]
+    predicted = np.array([(fitted['N_c'] / largest) ** fitted['alpha_N']])
+  else:
+    raise ConfigError(f'--holdout applies to chinchilla, kaplan and data_constrained, not --law {law}')
+  error = np.abs(predicted - measured) / measured
+  return {'params': float(largest), 'runs': runs, 'predicted': predicted.tolist(), 'measured': measured.tolist(),
+          'mean_error': float(error.mean()), 'max_error': float(error.max())}
+
+
 def _enough(points: Points, count: int, what: str) -> None:
   if len(points) < count:
     raise ConfigError(f'{what} has {count} parameters but the points number {len(points)}; collect at least '

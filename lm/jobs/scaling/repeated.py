@@ -103,3 +103,17 @@ def fit_data_constrained(points: Points, unique: np.ndarray, base: dict[str, flo
     'xatol': 1e-9, 'fatol': 1e-12, 'maxiter': 20000, 'maxfev': 20000}) for s in starts), key=lambda r: r.fun)
   law.update({k: float(v) for k, v in zip(names, np.exp(best.x))})
   return {'law': 'data_constrained', 'params': law, 'points': len(final), 'repeated': int(repeated.sum())}
+
+
+def holdout_largest(points: Points, unique: np.ndarray) -> dict[str, Any]:
+  """The law fitted without the largest size's runs, and its prediction of their final loss."""
+  largest = points.params.max()
+  keep, held = np.flatnonzero(points.params < largest), np.flatnonzero(points.params == largest)
+  fitted = fit_data_constrained(points.take(keep), np.asarray(unique)[keep])['params']
+  final = points.take(held).final()
+  index = {(r, s): i for i, (r, s) in zip(held, zip(points.take(held).run, points.take(held).step))}
+  u = np.asarray(unique, np.float64)[[index[r, s] for r, s in zip(final.run, final.step)]]
+  predicted = loss(fitted, final.params, final.tokens, u)
+  error = np.abs(predicted - final.loss) / final.loss
+  return {'params': float(largest), 'runs': list(final.run), 'predicted': predicted.tolist(),
+          'measured': final.loss.tolist(), 'mean_error': float(error.mean()), 'max_error': float(error.max())}

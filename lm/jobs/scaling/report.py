@@ -29,6 +29,10 @@ def format_fit(fit: dict[str, Any]) -> str:
     lines.append((f'optimal at C {opt["flops"]:.3g}',
                   f'N {opt["params"]:.4g}, D {opt["tokens"]:.4g}, {opt["tokens_per_param"]:.1f} tokens/param'
                   + (f', loss {opt["loss"]:.4f}' if 'loss' in opt else '')))
+  if 'holdout' in fit:
+    h = fit['holdout']
+    lines.append((f'held out N {h["params"]:.4g}', f'{len(h["runs"])} runs, loss predicted without them: mean error '
+                                                 f'{h["mean_error"]:.2%}, largest {h["max_error"]:.2%}'))
   for a in fit.get('allocations', []):
     lines.append((f'C {a["flops"]:.3g}, U {a["unique_tokens"]:.3g}',
                   f'N {a["params"]:.4g}, D {a["tokens"]:.4g} ({a["epochs"]:.2f} epochs), loss {a["loss"]:.4f}'))

@@ -143,6 +143,28 @@ def test_cli_fit_json_matches_the_library(tmp_path, capsys):
   assert capsys.readouterr().out == format_fit(printed) + '\n'
 
 
+def test_holding_out_the_largest_size_reports_its_prediction_error(tmp_path, capsys):
+  """`--holdout largest`: Chinchilla fitted to the six smaller sizes of the 7 x 7 grid predicts the largest's seven
+  runs as the true law does (to 0.5% with 0.5% noise), and the same without noise to 1e-6; Kaplan names the size
+  and its best run."""
+  for sigma, tolerance in ((0.0, 1e-6), (0.005, 0.005)):
+    points = grid_points(sigma, 3)
+    csv_path = write_csv(tmp_path / 'p.csv', 'run,params,tokens,loss',
+                         zip(points.run, points.params, points.tokens, points.loss))
+    assert cli.main(['scaling', 'fit', csv_path, '--holdout', 'largest', '--out', str(tmp_path / 'fit.json')]) == 0
+    held = json.loads((tmp_path / 'fit.json').read_text())['holdout']
+    largest = points.params == points.params.max()
+    assert held['params'] == points.params.max() and len(held['runs']) == 7
+    np.testing.assert_allclose(held['predicted'], law(points.params[largest], points.tokens[largest]),
+                               rtol=tolerance)
+    assert 'held out N 1e+10' in capsys.readouterr().out
+  assert cli.main(['scaling', 'fit', csv_path, '--law', 'kaplan', '--holdout', 'largest', '--json']) == 0
+  held = json.loads(capsys.readouterr().out)['holdout']
+  assert len(held['runs']) == 1 and held['measured'][0] == points.loss[largest].min()
+  assert cli.main(['scaling', 'fit', csv_path, '--law', 'isoflop', '--holdout', 'largest']) == 2
+  assert '--holdout applies to chinchilla, kaplan and data_constrained' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('header, rows, argv, message', [
   ('params,loss', [(1e7, 3.0)] * 6, [], 'has no column tokens'),
   ('params,tokens,loss', [(1e7, 1e9, 3.0)] * 4, [], 'has 5 parameters but the points number 4'),

@@ -21,7 +21,8 @@ def test_the_formula_gives_the_datablations_readmes_values():
 def test_a_refit_recovers_the_decay_constants(tmp_path, capsys):
   """`lm scaling fit --law data_constrained` on losses from the law (datablations's constants) with 0.2% noise,
   over unique budgets, epochs and sizes beyond the data's optimum: R_D* and R_N* refitted within 10%, the base
-  fitted to the single-epoch runs and refined with them; and the allocation it prints is the law's."""
+  fitted to the single-epoch runs and refined with them; the allocation it prints is the law's; and fitted without
+  the largest size it predicts that size's runs within 2% of the law."""
   rng = np.random.default_rng(0)
   rows = [(n, u * e, u) for u in (1e9, 4e9, 1.6e10) for n in (1e8, 3e8, 1e9, 3e9, 1e10)
           for e in (1, 2, 4, 8, 16, 40)]
@@ -31,11 +32,15 @@ def test_a_refit_recovers_the_decay_constants(tmp_path, capsys):
   points.write_text('run,params,tokens,unique_tokens,loss\n' + ''.join(
     f'run{i},{float(n[i])!r},{float(d[i])!r},{float(u[i])!r},{float(observed[i])!r}\n' for i in range(len(n))))
   assert cli.main(['scaling', 'fit', str(points), '--law', 'data_constrained', '--allocate', '1e22', '25e9',
-                   '--out', str(tmp_path / 'fit.json')]) == 0
+                   '--holdout', 'largest', '--out', str(tmp_path / 'fit.json')]) == 0
   fit = json.loads((tmp_path / 'fit.json').read_text())
   assert fit['params']['R_D'] == pytest.approx(DATABLATIONS['R_D'], rel=0.1), fit
   assert fit['params']['R_N'] == pytest.approx(DATABLATIONS['R_N'], rel=0.1), fit
   assert fit['allocations'][0] == optimal_allocation(fit['params'], 1e22, 25e9)
+  held = fit['holdout']  # the 1e10-parameter runs, predicted by a fit without them
+  largest = n == n.max()
+  assert held['params'] == 1e10 and len(held['runs']) == largest.sum()
+  np.testing.assert_allclose(held['predicted'], loss(DATABLATIONS, n[largest], d[largest], u[largest]), rtol=0.02)
   assert 'C 1e+22, U 2.5e+10' in capsys.readouterr().out
 
   (tmp_path / 'plain.csv').write_text('run,params,tokens,loss\nr,1e8,1e9,3.0\n')
