@@ -552,6 +552,7 @@ class TrainConfig:
   ema_decay: float = 0.0  # a moving average of the params (e.g. 0.999), evaluated beside them; 0: none
   slow_step_factor: float = 3.0  # say when an interval's step time is this many times the median (0: never)
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
+  noise_scale: bool = False  # the gradient noise scale B_simple from the microbatches' gradients (gns/*)
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
@@ -997,6 +998,9 @@ def _check_train(config: Config) -> None:
     raise ConfigError(f'train.slow_step_factor={t.slow_step_factor} must be >= 0 (0: never)')
   if t.watch_every < 0:
     raise ConfigError(f'train.watch_every={t.watch_every} must be >= 0 (0: off)')
+  if t.noise_scale and t.microbatches < 2:
+    raise ConfigError(f'train.noise_scale=true compares each microbatch\'s gradient with the batch\'s, and '
+                      f'train.microbatches={t.microbatches}; set train.microbatches=2 or more')
   if t.spike_window < 2:
     raise ConfigError(f'train.spike_window={t.spike_window} must be >= 2 (steps in the running mean and deviation)')
   if not t.spike_threshold > 0:

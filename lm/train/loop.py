@@ -28,6 +28,7 @@ from lm.storage.run_dir import CHECKPOINTS, CONFIG, PROFILE
 from lm.train.callbacks import After, Callback, Checkpoint, FiniteGuard, Interval, Record, Throughput
 from lm.train.local_tier import LocalCheckpoint, LocalTier, restore_newest
 from lm.train.logging import MetricsLogger, read_metrics
+from lm.train.noise_scale import NoiseScale
 from lm.train.preemption import ask_requeue, preemption
 from lm.train.profiler import Profile
 from lm.train.spikes import Rollback, SpikeGuard, count_rollbacks, describe
@@ -91,6 +92,8 @@ class Trainer:
       Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
                  peak),
       SlowSteps(t.slow_step_factor if is_main_process() else 0.0), FiniteGuard(t.on_nonfinite)]
+    if t.noise_scale:
+      self.monitors.insert(0, NoiseScale(t.global_batch, t.microbatches, self.config.data.seq_len, t.watch_every))
     check_trackers(self.config)  # a tracker that is not installed stops the run before it starts
     self.spike_guard = SpikeGuard(t, 0, is_main_process()) if t.on_spike != 'off' else None
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after

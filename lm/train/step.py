@@ -23,6 +23,9 @@ from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain,
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
 
+MICRO_SQUARES = 'micro_squares'  # the microbatches' squared gradient norms, added (train.noise_scale)
+GNS_SMALL, GNS_BIG = 'gns/small_sq', 'gns/big_sq'  # a microbatch's and the batch's: lm.train.noise_scale reads them
+
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 AUX_SUM = 'aux:'  # the sums of auxiliary terms, logged under the rest of their name
@@ -126,9 +129,10 @@ class PretrainingLoss:
     return metrics
 
 
-def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array], k: int
-               ) -> tuple[Any, dict[str, jax.Array]]:
-  """The batch's gradients and loss sums, added over `k` microbatches (a scan) when k > 1."""
+def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array], k: int,
+               squares: bool = False) -> tuple[Any, dict[str, jax.Array]]:
+  """The batch's gradients and loss sums, added over `k` microbatches (a scan) when k > 1; with `squares`, the sums
+  also hold the microbatches' squared gradient norms, added (`train.noise_scale`)."""
   if k == 1:
     (_, sums), grads = grad_fn(params, batch, rng, totals)
     return grads, sums
@@ -136,10 +140,13 @@ def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, tot
   def accumulate(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
     micro, i = inputs
     (_, sums), grads = grad_fn(params, micro, jax.random.fold_in(rng, i), totals)
+    if squares:
+      sums = {**sums, MICRO_SQUARES: optax.tree.norm(grads, squared=True)}
     return jax.tree.map(jnp.add, carry, (grads, sums)), None
   micro = _split_microbatches(batch, k)
   shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng, totals)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+  sums_shape = {**shapes[0][1], **({MICRO_SQUARES: jax.ShapeDtypeStruct((), jnp.float32)} if squares else {})}
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], sums_shape))
   (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
   return grads, sums
 
@@ -157,6 +164,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
+  noise_scale = config.train.noise_scale
   resting = assembly.abstract_state
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -167,8 +175,9 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
       batch = lay_out_sequences(batch, mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
       totals = loss.totals(batch)
-      grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k)
+      grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k, noise_scale)
       counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
+      micro_squares = sums.pop(MICRO_SQUARES, None)
       logged = loss.metrics(sums, totals)
       with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
         grad_norm = optax.tree.norm(grads)
@@ -187,6 +196,8 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
     # the rate this step's update used: the optimizer's count (and schedule) stops at skipped steps
     metrics = {**logged, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step - state.skipped),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped, **spike_metrics}
+    if micro_squares is not None:  # a microbatch's mean gradient is k times its share of the batch's
+      metrics.update({GNS_SMALL: k * micro_squares, GNS_BIG: grad_norm ** 2})
     if watch_every:  # off, the step's program is as without it
       metrics.update(_watched(state.step + 1, watch_every, {'params': params, 'grads': grads, 'updates': updates},
                               axes))
