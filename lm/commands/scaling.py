@@ -332,7 +332,7 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total',
                    help='which N to fit (active: the params a token runs, for routed experts)')
   fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
-                   help='chinchilla, task, hparams: N resamples for 95%% intervals')
+                   help='chinchilla, isoflop, task, hparams: N resamples for 95%% intervals')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--holdout', choices=('largest',), default=None,

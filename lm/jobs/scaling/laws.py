@@ -166,11 +166,10 @@ def budget_groups(flops: np.ndarray, gap: float = 1.25) -> list[np.ndarray]:
   return groups
 
 
-def fit_isoflop(points: Points, budgets: Sequence[float] = ()) -> dict[str, Any]:
-  """Per budget a parabola of loss in log N, its vertex N_opt(C); then N_opt = k_N C^a and D_opt = k_D C^b
-  by least squares in log-log (D_opt = C / 6 N_opt)."""
+def _parabolas(points: Points, groups: Sequence[np.ndarray]) -> list[dict[str, Any]]:
+  """Each budget's parabola of loss in log N and its vertex."""
   fits = []
-  for rows in budget_groups(points.flops):
+  for rows in groups:
     n, loss = points.params[rows], points.loss[rows]
     c = float(np.exp(np.mean(np.log(points.flops[rows]))))
     if len(np.unique(n)) < 3:
@@ -184,16 +183,50 @@ def fit_isoflop(points: Points, budgets: Sequence[float] = ()) -> dict[str, Any]
     fits.append({'flops': c, 'params_opt': float(np.exp(x)), 'tokens_opt': float(c / (6 * np.exp(x))),
                  'loss_opt': float(p0 - p1 ** 2 / (4 * p2)), 'parabola': [float(p2), float(p1), float(p0)],
                  'points': len(rows)})
-  if len(fits) < 2:
-    raise ConfigError(f'isoflop regresses N_opt on compute across budgets, and the points hold {len(fits)}; '
-                      f'sweep at least two budgets')
+  return fits
+
+
+def _allocation_laws(fits: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+  """(a, log k_N, b, log k_D) of N_opt = k_N C^a and D_opt = k_D C^b over the budgets' vertices."""
   c = np.array([f['flops'] for f in fits])
   a, log_k_n = np.polyfit(np.log(c), np.log([f['params_opt'] for f in fits]), 1)
   b, log_k_d = np.polyfit(np.log(c), np.log([f['tokens_opt'] for f in fits]), 1)
+  return float(a), float(log_k_n), float(b), float(log_k_d)
+
+
+def fit_isoflop(points: Points, budgets: Sequence[float] = (), bootstrap: int = 0, seed: int = 0) -> dict[str, Any]:
+  """Per budget a parabola of loss in log N, its vertex N_opt(C); then N_opt = k_N C^a and D_opt = k_D C^b
+  by least squares in log-log (D_opt = C / 6 N_opt). With `bootstrap`, each budget's runs resampled: 95%
+  intervals of a, b, every vertex and each budget's optimum (resamples that leave a budget no parabola are
+  dropped)."""
+  groups = budget_groups(points.flops)
+  fits = _parabolas(points, groups)
+  if len(fits) < 2:
+    raise ConfigError(f'isoflop regresses N_opt on compute across budgets, and the points hold {len(fits)}; '
+                      f'sweep at least two budgets')
+  a, log_k_n, b, log_k_d = _allocation_laws(fits)
   optimal = [{'flops': float(x), 'params': float(np.exp(log_k_n) * x ** a), 'tokens': float(np.exp(log_k_d) * x ** b),
               'tokens_per_param': float(np.exp(log_k_d - log_k_n) * x ** (b - a))} for x in budgets]
-  return {'law': 'isoflop', 'params': {'k_N': float(np.exp(log_k_n)), 'k_D': float(np.exp(log_k_d))},
-          'a': float(a), 'b': float(b), 'budgets': fits, 'optimal': optimal, 'points': len(points)}
+  out = {'law': 'isoflop', 'params': {'k_N': float(np.exp(log_k_n)), 'k_D': float(np.exp(log_k_d))},
+         'a': a, 'b': b, 'budgets': fits, 'optimal': optimal, 'points': len(points)}
+  if bootstrap:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(bootstrap):
+      try:
+        again = _parabolas(points, [g[rng.integers(0, len(g), len(g))] for g in groups])
+      except ConfigError:
+        continue
+      sa, sn, sb, sd = _allocation_laws(again)
+      sample = {'a': sa, 'b': sb, **{f'params_opt@{f["flops"]:.3g}': s['params_opt'] for f, s in zip(fits, again)}}
+      sample.update({f'params@{x:g}': float(np.exp(sn) * x ** sa) for x in budgets})
+      sample.update({f'tokens@{x:g}': float(np.exp(sd) * x ** sb) for x in budgets})
+      samples.append(sample)
+    if samples:
+      out['ci'] = {key: [float(np.percentile([s[key] for s in samples], q)) for q in (2.5, 97.5)]
+                   for key in samples[0]}
+      out['bootstrap'] = len(samples)
+  return out
 
 
 # ---------------------------------------------------------------- task accuracy (Bhagia et al. 2024)
@@ -299,5 +332,5 @@ def fit(points: Points, law: str, bootstrap: int = 0, budgets: Sequence[float] =
   if law == 'kaplan':
     return fit_kaplan(points)
   if law == 'isoflop':
-    return fit_isoflop(points.final(), budgets)
+    return fit_isoflop(points.final(), budgets, bootstrap)
   raise ConfigError(f'--law {law} is not a law; choose chinchilla, kaplan or isoflop')

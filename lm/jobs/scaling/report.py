@@ -21,7 +21,9 @@ def format_fit(fit: dict[str, Any]) -> str:
       lines.append((key, f'{fit[key]:.4f}{_interval(fit, key)}  (' +
                     ('N_opt' if key == 'a' else 'D_opt') + f' grows as C^{key})'))
   for budget in fit.get('budgets', []):
-    lines.append((f'C {budget["flops"]:.3g}', f'N_opt {budget["params_opt"]:.4g}, D_opt {budget["tokens_opt"]:.4g}, '
+    lines.append((f'C {budget["flops"]:.3g}', f'N_opt {budget["params_opt"]:.4g}'
+                                              f'{_interval(fit, "params_opt@" + format(budget["flops"], ".3g"))}, '
+                                              f'D_opt {budget["tokens_opt"]:.4g}, '
                                               f'loss {budget["loss_opt"]:.4f} ({budget["points"]} runs)'))
   for point in fit.get('frontier', []):
     lines.append(('frontier', f'C {point["flops"]:.4g}  loss {point["loss"]:.4f}  {point["run"]}'))

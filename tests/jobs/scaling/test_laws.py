@@ -114,6 +114,21 @@ def test_isoflop_exponent(seed):
   assert fit['a'] + fit['b'] == pytest.approx(1.0, abs=0.03)  # D_opt = C/6N_opt, C within 2% of 6ND
 
 
+def test_isoflop_bootstrap_intervals_cover_the_true_exponent():
+  """Each budget's runs resampled (100 times): over 20 noisy simulations the 95% interval of a holds the true
+  exponent in at least 17, every vertex has an interval around it, and a target's optimum has one too."""
+  covered = 0
+  for seed in range(20):
+    fit = laws.fit_isoflop(isoflop_points(0.005, seed), budgets=[1e22], bootstrap=100, seed=seed)
+    low, high = fit['ci']['a']
+    covered += low <= A_TRUE <= high
+    for budget in fit['budgets']:
+      low, high = fit['ci'][f'params_opt@{budget["flops"]:.3g}']
+      assert low <= budget['params_opt'] <= high
+    assert fit['ci']['params@1e+22'][0] < fit['optimal'][0]['params'] < fit['ci']['params@1e+22'][1]
+  assert covered >= 17, covered
+
+
 def test_isoflop_without_noise_is_unbiased_in_the_exponent():
   """The parabola's vertex is off by a constant factor (the notes' +1.4% at 4x), which the exponent ignores."""
   fit = laws.fit_isoflop(isoflop_points(0.0, 0))
