@@ -112,6 +112,29 @@ def _fitted_data_constrained(args: argparse.Namespace) -> tuple[dict, Any]:
   return result, format_fit
 
 
+def _fitted_loss2loss(args: argparse.Namespace) -> tuple[dict, Any]:
+  import numpy as np
+
+  from lm.jobs.scaling.loss2loss import fit_loss2loss, predict
+  from lm.jobs.scaling.points import read_column, read_points
+  from lm.jobs.scaling.report import format_fit
+  if not args.y:
+    raise ConfigError('--law loss2loss maps one held-out loss to another: name the second with --y (e.g. --y '
+                      'val/code/loss; collect writes every data.evals set\'s columns)')
+  x, y = read_column(args.points, args.x), read_column(args.points, args.y)
+  points = read_points(args.points, args.params, args.x)
+  result = {**fit_loss2loss(x, y, points), 'x': args.x, 'y': args.y}
+  if args.holdout:
+    params = points.params
+    rest, held = params < params.max(), params == params.max()
+    fitted = fit_loss2loss(x[rest], y[rest], points.take(np.flatnonzero(rest)))['params']
+    error = np.abs(predict(fitted, x[held]) - y[held]) / y[held]
+    result['holdout'] = {'params': float(params.max()), 'runs': [f'row {i + 2}' for i in np.flatnonzero(held)],
+                         'predicted': predict(fitted, x[held]).tolist(), 'measured': y[held].tolist(),
+                         'mean_error': float(error.mean()), 'max_error': float(error.max())}
+  return result, format_fit
+
+
 def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
   """Chinchilla, Kaplan, IsoFLOP and the task law: one loss per run."""
   from lm.jobs.scaling.laws import fit
@@ -142,14 +165,16 @@ def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
-  if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained'):
-    raise ConfigError(f'--holdout applies to chinchilla, kaplan and data_constrained, not --law {args.law}')
+  if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained', 'loss2loss'):
+    raise ConfigError(f'--holdout applies to chinchilla, kaplan, data_constrained and loss2loss, not --law '
+                      f'{args.law}')
   if args.law != 'curve':
     if len(args.points) != 1:
       raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run '
                         f'dirs are --law curve')
     args.points = args.points[0]
-  fitted = {'curve': _fitted_curve, 'hparams': _fitted_hparams, 'data_constrained': _fitted_data_constrained}
+  fitted = {'curve': _fitted_curve, 'hparams': _fitted_hparams, 'data_constrained': _fitted_data_constrained,
+            'loss2loss': _fitted_loss2loss}
   result, formatter = fitted.get(args.law, _fitted_endpoints)(args)
   print(json.dumps(result, indent=2) if args.json else formatter(result))
   if args.out:
@@ -309,14 +334,18 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                                       'loss curves to one size\'s run dirs (--law curve)')
   fit.add_argument('points', nargs='+', metavar='POINTS_OR_RUNS',
                    help='CSV of lm scaling collect, or any with params,tokens,loss columns; --law curve: run dirs')
-  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve', 'data_constrained', 'hparams'),
+  fit.add_argument('--law', choices=('chinchilla', 'kaplan', 'isoflop', 'task', 'curve', 'data_constrained', 'hparams',
+                                     'loss2loss'),
                    default='chinchilla',
                    help='chinchilla: E + A/N^alpha + B/D^beta (approach 3); kaplan: power laws in N and on the '
                    'compute frontier; isoflop: parabolas per budget (approach 2); task: a task\'s loss in N and D, '
                    'then its accuracy as a sigmoid of that loss (Bhagia et al. 2024); curve: each step\'s training '
                    'loss from the learning rates before it (--form); data_constrained: Chinchilla\'s law with '
                    'repeated tokens and excess params decaying (Muennighoff et al. 2023; a unique_tokens column); '
-                   'hparams: the near-optimal learning rate and batch as power laws (--by)')
+                   'hparams: the near-optimal learning rate and batch as power laws (--by); loss2loss: one '
+                   'held-out loss as a shifted power law of another (--x, --y; Brandfonbrener et al. 2024)')
+  fit.add_argument('--x', default='val_loss', help='--law loss2loss: the column mapped from (default val_loss)')
+  fit.add_argument('--y', default=None, help='--law loss2loss: the column mapped to, e.g. val/code/loss')
   fit.add_argument('--by', choices=('compute', 'nd'), default='compute',
                    help='--law hparams: in compute C (DeepSeek LLM) or in N and D (Step Law)')
   fit.add_argument('--allocate', type=float, nargs='+', default=[], metavar='C U',
@@ -336,8 +365,8 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--holdout', choices=('largest',), default=None,
-                   help='chinchilla, kaplan, data_constrained: fit again without the largest size\'s runs and print '
-                        'how far its loss is from that fit\'s prediction')
+                   help='chinchilla, kaplan, data_constrained, loss2loss: fit again without the largest size\'s '
+                        'runs and print how far its loss is from that fit\'s prediction')
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')
   fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
   fit.set_defaults(fn=cmd_scaling_fit)

@@ -64,6 +64,18 @@ def loss_column(eval_set: str | None = None, metric: str = 'loss') -> str:
   return f'val_{metric}' if eval_set is None else f'val/{eval_set}/{metric}'
 
 
+def held_out_columns(run_dir: epath.Path) -> dict[int, dict[str, float]]:
+  """step -> every held-out metric metrics.jsonl records at it (val_loss, val_bpb, val/NAME/loss, val/NAME/bpb):
+  what a loss-to-loss law pairs."""
+  columns: dict[int, dict[str, float]] = {}
+  for r in read_metrics(run_dir):
+    held = {k: float(v) for k, v in r.items()
+            if (k in ('val_loss', 'val_bpb') or k.startswith('val/')) and v is not None}
+    if held and r['step'] > 0:
+      columns.setdefault(int(r['step']), {}).update(held)
+  return columns
+
+
 def recorded_losses(run_dir: epath.Path, column: str = 'val_loss') -> dict[int, float]:
   """step -> `column` of metrics.jsonl (the last record of a step wins: a resumed run rewrites it)."""
   return {int(r['step']): float(r[column]) for r in read_metrics(run_dir) if column in r and r['step'] > 0}
@@ -152,7 +164,9 @@ def collect(run_dirs: Sequence[str], evaluate: bool = False, overrides: Sequence
                           f'--evaluate{held}, or train it with train.eval_batches > 0{held}')
     sizes = _sizes(config)
     extra = {} if tasks is None else task_columns(run_dir, sorted(losses), tasks)
+    held = {} if evaluate else held_out_columns(run_dir)
     series = read_series(run_dir).get('steps', {})
     rows += [{**_row(str(run_dir), step, config, sizes, loss, series.get(str(step), {}).get('tokens')),
-              'loss_of': column, **extra.get(step, {})} for step, loss in sorted(losses.items())]
+              'loss_of': column, **held.get(step, {}), **extra.get(step, {})}
+             for step, loss in sorted(losses.items())]
   return rows
