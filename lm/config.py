@@ -330,6 +330,7 @@ class DataConfig:
   # split that way hold out their last pieces instead; 0: no validation split
   max_chars: int = 2048  # embedded/text: documents cut at line breaks into records of at most this many characters
   streams: int = 16  # record streams read, tokenized and packed side by side, interleaved row by row
+  unique_tokens: int = 0  # > 0: train on the source's first documents up to this many tokens, repeated in epochs
   workers: int = 0  # grain worker processes packing and masking; 0: one background thread
   prefetch: int = 8  # batches buffered ahead of the train step
   # Further held-out sets, each read whole (tokenizer, text_key, max_chars and data_dir as above), logged as
@@ -1094,6 +1095,12 @@ def _check_data(config: Config) -> None:
     raise ConfigError('data.evals needs train.eval_batches > 0 (batches per set and evaluation) or -1 (whole sets)')
   if d.streams < 1 or d.workers < 0 or d.prefetch < 1:
     raise ConfigError('data.streams and data.prefetch must be >= 1, data.workers >= 0')
+  if d.unique_tokens and d.unique_tokens < d.seq_len:
+    raise ConfigError(f'data.unique_tokens={d.unique_tokens} is less than one sequence (data.seq_len={d.seq_len}); '
+                      f'cap the data at {d.seq_len} tokens or more, or 0 for no cap')
+  if d.unique_tokens and d.mixture:
+    raise ConfigError('data.unique_tokens caps data.source, and data.mixture draws from several; cap a single '
+                      'source, or drop data.unique_tokens')
 
 
 def _check_mesh(config: Config) -> None:

@@ -395,6 +395,10 @@ def training_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, pr
   d, seed = config.data, config.train.seed
   mixture = Mixture.of(d)
   sources = _documents(d, 'train') if mixture is None else mixture_documents(d)
+  if d.unique_tokens:
+    sources, total = capped(sources, tokenizer, d.unique_tokens)
+    print(f'data: data.unique_tokens={d.unique_tokens:,}: the first {len(sources):,} documents of data.source '
+          f'({total:,} tokens), repeated in epochs, each in a new order', flush=True)
   return tokenizer, Batches(batch_dataset(sources, tokenizer, objective, shuffle_seed=seed, key_seed=seed,
                                           global_batch=config.train.global_batch, streams=d.streams,
                                           process_index=process[0], process_count=process[1], mixture=mixture),
@@ -410,6 +414,35 @@ def validation_batches(config: Config, mesh: Mesh, objective_for: ObjectiveFor, 
   process = _process(mesh, config.train.global_batch, process_index, process_count)
   return _evaluation_batches(_documents(config.data, 'validation'), config, mesh, tokenizer, objective_for(tokenizer),
                              process)
+
+
+class Capped:
+  """The first `count` documents of a source (`data.unique_tokens`)."""
+
+  def __init__(self, documents: Documents, count: int):
+    self.documents, self.count = documents, count
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> Any:
+    if not 0 <= index < self.count:
+      raise IndexError(index)
+    return self.documents[index]
+
+
+def capped(documents: Documents, tokenizer: Tokenizer, unique_tokens: int) -> tuple[Capped, int]:
+  """The shortest run of the source's first documents that holds `unique_tokens` tokens (each with its EOS), and
+  how many it holds; the whole source when it holds fewer."""
+  total = 0
+  for count in range(len(documents)):
+    text = documents[count]
+    if text is None:
+      continue
+    total += (len(text[0]) if isinstance(text, tuple) else len(tokenizer.encode(text))) + 1
+    if total >= unique_tokens:
+      return Capped(documents, count + 1), total
+  return Capped(documents, len(documents)), total
 
 
 def _documents(d: DataConfig, split: Split) -> Documents:

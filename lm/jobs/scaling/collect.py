@@ -56,7 +56,10 @@ def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: flo
           'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['active_params'] * tokens,
           'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate,
           'global_batch': config.train.global_batch,
-          'batch_tokens': config.train.global_batch * config.data.seq_len}
+          'batch_tokens': config.train.global_batch * config.data.seq_len,
+          # data.unique_tokens: the cap; without one every token trained on is new
+          'unique_tokens': min(config.data.unique_tokens or tokens, tokens),
+          'epochs': tokens / min(config.data.unique_tokens or tokens, tokens) if tokens else 0.0}
 
 
 def loss_column(eval_set: str | None = None, metric: str = 'loss') -> str:

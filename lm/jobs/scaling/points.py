@@ -19,7 +19,7 @@ from lm.config import ConfigError
 
 COLUMNS = ('run', 'size', 'step', 'params', 'non_embedding_params', 'active_params', 'active_non_embedding_params',
            'tokens', 'flops', 'flops_6nd', 'loss', 'loss_of', 'width', 'learning_rate', 'global_batch', 'batch_tokens',
-           'experts', 'experts_per_token', 'granularity')
+           'unique_tokens', 'epochs', 'experts', 'experts_per_token', 'granularity')
 PARAM_COLUMNS = {'total': 'params', 'non_embedding': 'non_embedding_params', 'active': 'active_params',
                  'active_non_embedding': 'active_non_embedding_params'}  # read_points' choices of N
 REQUIRED = ('params', 'tokens', 'loss')

@@ -60,6 +60,11 @@ def test_points_carry_hand_derived_sizes_tokens_and_flops(runs, tmp_path):
     assert float(row['flops_6nd']) == 6 * int(row['params']) * tokens
     records = [json.loads(line) for line in (runs / str(d) / 'metrics.jsonl').read_text().splitlines()]
     assert float(row['loss']) == [r['val_loss'] for r in records if r.get('step') == step and 'val_loss' in r][-1]
+    # every held-out column of that step beside it, for loss-to-loss laws; the batch; no cap: every token new
+    held = [r for r in records if r.get('step') == step and 'val/code/loss' in r][-1]
+    assert float(row['val/code/loss']) == held['val/code/loss'] and float(row['val/copy/bpb']) == held['val/copy/bpb']
+    assert (int(row['global_batch']), int(row['batch_tokens'])) == (BATCH, BATCH * SEQ)
+    assert int(row['unique_tokens']) == tokens and float(row['epochs']) == 1.0
 
 
 @pytest.mark.long(0.2)  # with its sibling: the runs fixture (~35 s) stays out of the fast tier
