@@ -142,8 +142,7 @@ def fit_points_file(path: str, params: str = 'total', by: str = 'compute', targe
   """`fit_hparams` on a points CSV's final point of each run, with its learning_rate and batch_tokens columns."""
   from lm.jobs.scaling.points import read_column, read_points
   points = read_points(path, params)
-  index = {(r, s): i for i, (r, s) in enumerate(zip(points.run, points.step))}
-  final = points.final()
-  rows = [index[r, s] for r, s in zip(final.run, final.step)]
+  rows = points.final_rows()
+  final = points.take(rows)
   rate, batch = (read_column(path, c)[rows] for c in ('learning_rate', 'batch_tokens'))
   return fit_hparams(final.params, final.tokens, final.flops, final.loss, rate, batch, by, targets, bootstrap)

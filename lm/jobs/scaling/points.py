@@ -42,14 +42,18 @@ class Points:
     return Points(self.params[rows], self.tokens[rows], self.flops[rows], self.loss[rows],
                   tuple(self.run[i] for i in rows), self.step[rows])
 
-  def final(self) -> Points:
-    """Each run's last evaluation: the one its schedule was fitted to (a point mid-way through a decaying
-    schedule is no model trained for that many tokens). Rows without a run name are each their own run."""
+  def final_rows(self) -> np.ndarray:
+    """The rows of each run's last evaluation, in order (`final`'s; a column read apart takes them too)."""
     last: dict[str, int] = {}
     for i, (run, step) in enumerate(zip(self.run, self.step)):
       if run not in last or step >= self.step[last[run]]:
         last[run] = i
-    return self.take(np.array(sorted(last.values()), int))
+    return np.array(sorted(last.values()), int)
+
+  def final(self) -> Points:
+    """Each run's last evaluation: the one its schedule was fitted to (a point mid-way through a decaying
+    schedule is no model trained for that many tokens). Rows without a run name are each their own run."""
+    return self.take(self.final_rows())
 
 
 def size_label(params: float) -> str:

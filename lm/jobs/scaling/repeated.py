@@ -68,9 +68,8 @@ def fit_data_constrained(points: Points, unique: np.ndarray, base: dict[str, flo
                          ) -> dict[str, Any]:
   """R_D* and R_N* fitted (Huber on log loss, as the base) to every run's final point, on a Chinchilla base fitted
   to the runs that saw each token at most once (or given)."""
-  final = points.final()
-  index = {(r, s): i for i, (r, s) in enumerate(zip(points.run, points.step))}
-  unique = np.asarray(unique, np.float64)[[index[r, s] for r, s in zip(final.run, final.step)]]
+  rows = points.final_rows()
+  final, unique = points.take(rows), np.asarray(unique, np.float64)[rows]
   if np.any(unique <= 0):
     raise ConfigError('unique_tokens must be positive in every row: the unique tokens each run could see')
   repeated = final.tokens > unique * (1 + 1e-9)
@@ -110,9 +109,8 @@ def holdout_largest(points: Points, unique: np.ndarray) -> dict[str, Any]:
   largest = points.params.max()
   keep, held = np.flatnonzero(points.params < largest), np.flatnonzero(points.params == largest)
   fitted = fit_data_constrained(points.take(keep), np.asarray(unique)[keep])['params']
-  final = points.take(held).final()
-  index = {(r, s): i for i, (r, s) in zip(held, zip(points.take(held).run, points.take(held).step))}
-  u = np.asarray(unique, np.float64)[[index[r, s] for r, s in zip(final.run, final.step)]]
+  rows = held[points.take(held).final_rows()]
+  final, u = points.take(rows), np.asarray(unique, np.float64)[rows]
   predicted = loss(fitted, final.params, final.tokens, u)
   error = np.abs(predicted - final.loss) / final.loss
   return {'params': float(largest), 'runs': list(final.run), 'predicted': predicted.tolist(),
