@@ -50,6 +50,9 @@ CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
 OnSpike = Literal['off', 'skip', 'rollback']
 Tracker = Literal['tensorboard', 'wandb']
+RampUnit = Literal['steps', 'tokens']
+RampRate = Literal['sqrt', 'linear', 'none']  # the learning rate times (batch / train.global_batch)^(1/2 | 1 | 0)
+RampGrowth = Literal['accumulate', 'rows']  # more microbatches of the same rows, or more rows per microbatch
 OptimizerName = Literal['adamw', 'adafactor', 'lion', 'muon', 'schedule_free_adamw']
 RouterScore = Literal['softmax', 'sigmoid']  # sigmoid: DeepSeek-V3
 MoeCompute = Literal['dropless', 'capacity', 'dense']  # dense: every expert on every token (a reference)
@@ -554,6 +557,10 @@ class TrainConfig:
   slow_step_factor: float = 3.0  # say when an interval's step time is this many times the median (0: never)
   watch_every: int = 0  # N > 0: RMS of params, grads and updates per layer group every N steps (watch/...)
   noise_scale: bool = False  # the gradient noise scale B_simple from the microbatches' gradients (gns/*)
+  batch_ramp: tuple[str, ...] = ()  # 'BATCH@AT' points, e.g. [32@1000,64@3000]: BATCH sequences a step after AT
+  batch_ramp_unit: RampUnit = 'steps'  # what a batch_ramp point's AT counts: optimizer steps or training tokens
+  batch_ramp_lr: RampRate = 'sqrt'  # the learning rate times (batch / global_batch)^(1/2 | 1 | 0); sqrt suits Adam
+  batch_ramp_growth: RampGrowth = 'accumulate'  # a larger batch as more microbatches of the same rows, or more rows
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
@@ -1019,6 +1026,74 @@ def _check_train(config: Config) -> None:
   t.checkpoint.check()
   t.harness.check()
   _check_local_tier(t)
+  batch_schedule(config)
+
+
+# ---------------------------------------------------------------- batch ramps (train.batch_ramp)
+
+def batch_schedule(config: Config) -> tuple[tuple[int, int], ...]:
+  """(after step, batch) of each stage of the run's batch, the first (0, train.global_batch), the rest
+  `train.batch_ramp`'s points with token counts turned into the first step that reaches them; a ConfigError naming
+  the point and the fix for a malformed, decreasing or indivisible one."""
+  t = config.train
+  stages = [(0, t.global_batch)]
+  for point in t.batch_ramp:
+    batch, sep, at = str(point).partition('@')
+    try:
+      batch, at = int(batch), int(float(at))
+    except ValueError:
+      sep = ''
+    if not sep:
+      raise ConfigError(f'train.batch_ramp point {point!r} is not BATCH@AT, e.g. 32@1000: 32 sequences a step '
+                        f'after step 1000 (or token 1000 with train.batch_ramp_unit=tokens)')
+    if t.batch_ramp_unit == 'tokens':
+      done, tokens = stages[-1][0], tokens_after(stages, stages[-1][0], config.data.seq_len)
+      at = done + max(0, -(-(at - tokens) // (stages[-1][1] * config.data.seq_len)))
+    if batch <= stages[-1][1] or at <= stages[-1][0]:
+      raise ConfigError(f'train.batch_ramp point {point!r} does not increase both the batch and the step (or token) '
+                        f'past the stage before ({stages[-1][1]} after step {stages[-1][0]}); list larger batches '
+                        f'at later points')
+    if batch % t.global_batch:
+      raise ConfigError(f'train.batch_ramp point {point!r}: {batch} is not a multiple of train.global_batch='
+                        f'{t.global_batch}, the rows the mesh and the data split; ramp to whole multiples of it')
+    if at >= t.steps:
+      raise ConfigError(f'train.batch_ramp point {point!r} starts after step {at}, at or past train.steps='
+                        f'{t.steps}; drop it or raise train.steps')
+    stages.append((at, batch))
+  return tuple(stages)
+
+
+def batch_at(stages: tuple[tuple[int, int], ...], step: int) -> int:
+  """The batch step `step` (counted from 1) takes."""
+  return next(batch for after, batch in reversed(stages) if step > after)
+
+
+def tokens_after(stages: tuple[tuple[int, int], ...], step: int, seq_len: int) -> int:
+  """Training tokens of the steps up to and including `step`."""
+  ends = [after for after, _ in stages[1:]] + [max(step, stages[-1][0])]
+  return seq_len * sum(batch * max(0, min(step, end) - after) for (after, batch), end in zip(stages, ends))
+
+
+def microbatches_at(config: Config, batch: int) -> int:
+  """The microbatch count of a step of `batch` rows: train.microbatches, times the batch's growth under
+  train.batch_ramp_growth=accumulate (each microbatch keeps its rows)."""
+  t = config.train
+  grown = t.batch_ramp_growth == 'accumulate'
+  return t.microbatches * batch // t.global_batch if grown else t.microbatches
+
+
+def ramp_rates(config: Config) -> tuple[tuple[int, float], ...]:
+  """(after step, learning-rate factor) of each ramp stage after the first (train.batch_ramp_lr)."""
+  power = {'sqrt': 0.5, 'linear': 1.0, 'none': 0.0}[config.train.batch_ramp_lr]
+  return tuple((after, (batch / config.train.global_batch) ** power) for after, batch in batch_schedule(config)[1:])
+
+
+def largest_batch(config: Config) -> Config:
+  """`config` at its ramp's largest batch (no ramp): what a step's memory and a plan must fit."""
+  batch = batch_schedule(config)[-1][1]
+  t = dataclasses.replace(config.train, global_batch=batch, microbatches=microbatches_at(config, batch),
+                          batch_ramp=())
+  return dataclasses.replace(config, train=t)
 
 
 def _check_local_tier(t: TrainConfig) -> None:

@@ -124,6 +124,7 @@ SHORTER = [
   (r' train\.seed=0,1,2', lambda m: ' train.seed=0'),  # a 3-point GLUE sweep
   (r'^python bench/attention_memory\.py.*$', lambda m: m[0] + ' --lengths 512'),  # the cooldown branches at the shortened stable run's end (step 2) and decays over its own last 2 steps
   (r'^lm train .*train\.run_dir=runs/stable( .*)?$', lambda m: m[0] + ' train.steps=4'),  # losses after 2 updates
+  (r'train\.batch_ramp=\[[^\]]*\]', lambda m: 'train.batch_ramp=[8@1]'),  # within the 2 steps, twice batch 4
   (r'^(lm train .*train\.branch_from=runs/stable/checkpoints/)800(.*)$',
    lambda m: f'{m[1]}2{m[2]} train.steps=4 optim.decay_fraction=0.5'),
 ]
@@ -160,6 +161,10 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python bench/rows_per_device.py --rows ': ROWS_TEST,  # docs/results/tpu_step.md's reproductions
   'lm compile --config llama2_7b train.global_batch=':
     'tests/planning/test_compile.py::test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3',
+  'lm train --config gpt_tiny optim.schedule=constant train.steps=2000 \'train.checkpoint.at=[200,2000]\'':
+    'tests/jobs/scaling/test_cbs.py::test_the_same_command_gives_the_same_table_and_a_late_cbs_is_at_least_an_early_one',
+  'lm scaling cbs runs/cbs_base':
+    'tests/jobs/scaling/test_cbs.py::test_the_same_command_gives_the_same_table_and_a_late_cbs_is_at_least_an_early_one',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
     'tests/jobs/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
 }

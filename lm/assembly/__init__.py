@@ -20,7 +20,7 @@ from lm.assembly import accounting
 from lm.assembly.optim import ParamsView, check_param_groups, make_optimizer, params_views
 from lm.assembly.state import HOST, TrainState, abstract_state, abstract_window, in_memory, is_offloaded, \
   make_init_fn, offloaded, shardings_of, to_device, with_fresh_window
-from lm.config import Config, ConfigError
+from lm.config import Config, ConfigError, ramp_rates
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
 from lm.models.moe import fixed_params
@@ -111,7 +111,8 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
   params = abstract_params(model, mesh)
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
-                                optimizer_multipliers(axes, config.model, config.optim), fixed_params(params))
+                                optimizer_multipliers(axes, config.model, config.optim), fixed_params(params),
+                                ramp_rates(config))
   state = offloaded(abstract_state(params, tx, mesh), config.train).replace(
     spike_window=abstract_window(config.train, mesh))
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,

@@ -4,7 +4,7 @@ average of the params."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,10 +29,25 @@ def decay_schedule(shape: str, peak: float, ratio: float, steps: int) -> optax.S
   return lambda count: end + (peak - end) * (1 - jnp.sqrt(jnp.clip(count / steps, 0.0, 1.0)))
 
 
-def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int, ramp: Sequence[tuple[int, float]] = ()
+                           ) -> optax.Schedule:
   """Linear warmup from 0 to the peak, then a cosine or linear decay to `min_lr_ratio` x peak at the schedule's
   length (`decay_steps`, default `total_steps`), or constant; `wsd` stays at the peak until the last
-  `decay_fraction` of the length, then decays in `decay_shape`."""
+  `decay_fraction` of the length, then decays in `decay_shape`. `ramp`: (after count, factor) points of a batch
+  ramp (`lm.config.ramp_rates`); from each, the rate is the schedule's times its factor."""
+  schedule = _base_schedule(cfg, total_steps)
+  if not ramp:
+    return schedule
+
+  def ramped(count: Any) -> Any:
+    factor = jnp.ones_like(jnp.asarray(count), jnp.float32)
+    for after, value in ramp:
+      factor = jnp.where(count >= after, value, factor)
+    return schedule(count) * factor
+  return ramped
+
+
+def _base_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   peak, warmup, length = cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps or total_steps
   if cfg.schedule == 'wsd':
     decay = max(round(cfg.decay_fraction * length), 1)
@@ -173,12 +188,14 @@ OPTIMIZED, FIXED = 'optimized', 'fixed'  # make_optimizer's labels
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, ema_decay: float = 0.0, axes: Any = None,
-                   multipliers: Any = None, fixed: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   multipliers: Any = None, fixed: Any = None, ramp: Sequence[tuple[int, float]] = ()
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """`optim.name` on the schedule, after global-norm clipping; with `ema_decay`, the params' moving average kept
   in the optimizer state (sharded like the params, checkpointed with it). `axes`: the params' logical axes
   (Muon's hidden matrices); `multipliers`: per-param (lr, eps, weight decay) factors (`grouped_optimizer`);
-  `fixed`: True for params the optimizer leaves alone and keeps no state of (the step moves them)."""
-  schedule = learning_rate_schedule(cfg, total_steps)
+  `fixed`: True for params the optimizer leaves alone and keeps no state of (the step moves them); `ramp`: a
+  batch ramp's learning-rate factors (`learning_rate_schedule`)."""
+  schedule = learning_rate_schedule(cfg, total_steps, ramp)
   base = grouped_optimizer(cfg, schedule, axes, multipliers)
   parts = ([optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []) + [base] + \
     ([params_ema(ema_decay)] if ema_decay else [])

@@ -1,5 +1,5 @@
 """`lm info` (params, FLOPs, mesh and memory of a config) and `lm compile` (ahead of time for a TPU slice, or
-`--plan`: the mesh, remat and microbatch search)."""
+`--plan`: the mesh, remat and microbatch search), each at a batch ramp's largest batch (what must fit)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from lm.commands.common import add_config, checked_config
-from lm.config import ConfigError, parse_overrides, preset_slice
+from lm.config import ConfigError, largest_batch, parse_overrides, preset_slice
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -27,7 +27,7 @@ def cmd_info(args: argparse.Namespace) -> int:
       if args.devices:
         raise
   from lm.planning.compile import model_report
-  report = model_report(checked_config(args), args.compile)
+  report = model_report(largest_batch(checked_config(args)), args.compile)
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -58,8 +58,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from lm.planning.plan import best_preset, format_plan, plan, plan_json
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else \
         (lambda line: print(line, flush=True))
-    result = plan(checked_config(args), topology, args.plan_top, args.num_slices, args.plan_max_compiles, log=log,
-                  int8=args.plan_int8)
+    result = plan(largest_batch(checked_config(args)), topology, args.plan_top, args.num_slices,
+                  args.plan_max_compiles, log=log, int8=args.plan_int8)
     print(json.dumps(plan_json(result), indent=2) if args.json else format_plan(result), flush=True)
     if args.write and result['plan']:
       Path(args.write).write_text(best_preset(result, args.config, parse_overrides(args.overrides)))
@@ -69,7 +69,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             file=sys.stderr, flush=True)
       return 3
     return 0
-  report = compile_report(checked_config(args), topology, args.mfu, args.save, args.num_slices)
+  report = compile_report(largest_batch(checked_config(args)), topology, args.mfu, args.save, args.num_slices)
   print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
   if not report['fits']:
     print(does_not_fit_message(report), file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""`lm scaling sweep | coord-check | collect | fit | predict | plot` (`lm.jobs.scaling`)."""
+"""`lm scaling sweep | coord-check | collect | fit | predict | plot | cbs` (`lm.jobs.scaling`)."""
 from __future__ import annotations
 
 import argparse
@@ -265,6 +265,23 @@ def cmd_scaling_plot(args: argparse.Namespace) -> int:
   return 0
 
 
+def cmd_scaling_cbs(args: argparse.Namespace) -> int:
+  from lm.jobs.scaling.cbs import Request, measure, table, write
+  from lm.jobs.scaling.sweep import parse_numbers
+  at = parse_numbers(args.at, '--at')
+  multipliers = parse_numbers(args.multipliers, '--multipliers')
+  if any(x != int(x) for x in (*at, *multipliers)):
+    raise ConfigError(f'--at {args.at} --multipliers {args.multipliers}: steps and multipliers are whole numbers')
+  out = args.out or f'{args.run.rstrip("/")}/cbs'
+  request = Request(run=args.run.rstrip('/'), at=tuple(int(s) for s in at),
+                    multipliers=tuple(int(k) for k in multipliers), tokens=int(float(args.tokens)), out=out,
+                    lr_rule=args.lr_rule, tolerance=args.tolerance, metric=args.metric)
+  result = measure(request)
+  print(table(result), end='', flush=True)
+  print(f'wrote {", ".join(map(str, write(result, out)))}', flush=True)
+  return 0
+
+
 def _sweep(scaling: argparse._SubParsersAction) -> None:
   sweep = scaling.add_parser('sweep', help='train a ladder of sizes x token budgets, or IsoFLOP budgets '
                                             '(resumable: finished runs are skipped)')
@@ -401,7 +418,25 @@ def _plot(scaling: argparse._SubParsersAction) -> None:
   plot.set_defaults(fn=cmd_scaling_plot)
 
 
+def _cbs(scaling: argparse._SubParsersAction) -> None:
+  cbs = scaling.add_parser('cbs', help='the critical batch size at a run\'s checkpoints: branches with k times the '
+                                       'batch for the same tokens (Merrill et al. 2025)')
+  cbs.add_argument('run', help='a run dir lm trained (its checkpoints hold the optimizer state)')
+  cbs.add_argument('--at', required=True, help='checkpoint steps to branch at, e.g. 200,2000')
+  cbs.add_argument('--multipliers', default='1,2,4,8', help='batch multipliers, from 1')
+  cbs.add_argument('--tokens', required=True, help='tokens each branch trains, e.g. 2e6')
+  cbs.add_argument('--lr-rule', choices=('sqrt', 'linear', 'none'), default='sqrt',
+                   help='the learning rate times k^(1/2) (Adam), k, or unchanged')
+  cbs.add_argument('--tolerance', type=float, default=0.01,
+                   help='a batch is within the critical size while its loss is at most this much (relative) above '
+                        'the smallest batch\'s')
+  cbs.add_argument('--metric', choices=('val_loss', 'loss'), default='val_loss',
+                   help='the held-out loss at the end, or the training loss over the last quarter of the steps')
+  cbs.add_argument('--out', default=None, help='where the branches, cbs.json, cbs.md and cbs.png go (RUN/cbs)')
+  cbs.set_defaults(fn=cmd_scaling_cbs)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
   scaling = sub.add_parser('scaling', help='scaling-law studies').add_subparsers(dest='action', required=True)
-  for add in (_sweep, _coord_check, _collect, _fit, _predict, _plot):
+  for add in (_sweep, _coord_check, _collect, _fit, _predict, _plot, _cbs):
     add(scaling)

@@ -31,7 +31,7 @@ class Pretraining:
   """The assembly (mesh, model, sharded abstract state), data and loop of one Config."""
 
   def __init__(self, config: Config, devices: Sequence[jax.Device] | None = None):
-    self.config = config
+    self.config = config = resolve_branch(config)  # the checkpoint a branch starts from, named; its batch ramp
     self.assembly = assemble(config, devices)
     self.mesh, self.model = self.assembly.mesh, self.assembly.model
     # The loop first: its step checks the batch against the mesh, before any batch is laid out on it.
@@ -98,7 +98,7 @@ class Pretraining:
 
   def run(self) -> list[Record]:
     """Trains to `train.steps`, resuming if asked; returns the logged records."""
-    self.config = cfg = resolve_branch(self.config)  # the checkpoint a branch starts from, named
+    cfg = self.config
     t = cfg.train
     validation = [Evaluate(lambda params, _: self.held_out(params), t.eval_every, at_start=True,
                            params_of=self.assembly.params_of)]

@@ -154,16 +154,16 @@ class KeepBest(Callback):
 class Throughput(Callback):
   """tokens/s of each logging interval and, where the chip's peak is known, MFU, on the interval's last record."""
 
-  def __init__(self, tokens_per_step: int, flops_per_token: float, devices: int, peak: float | None):
-    self.tokens_per_step, self.flops_per_token, self.devices, self.peak = tokens_per_step, flops_per_token, \
-      devices, peak
+  def __init__(self, tokens_at: Callable[[int], int], flops_per_token: float, devices: int, peak: float | None):
+    """`tokens_at(step)`: the tokens step `step` trains on (a batch ramp changes them)."""
+    self.tokens_at, self.flops_per_token, self.devices, self.peak = tokens_at, flops_per_token, devices, peak
 
   def due(self, step, final, stopping):
     return False
 
   def annotate(self, interval):
     record = interval.records[-1]
-    record['tokens_per_sec'] = len(interval.records) * self.tokens_per_step / interval.elapsed
+    record['tokens_per_sec'] = sum(self.tokens_at(r['step']) for r in interval.records) / interval.elapsed
     utilisation = mfu(record['tokens_per_sec'], self.flops_per_token, self.devices, self.peak)
     if utilisation is not None:
       record['mfu'] = utilisation

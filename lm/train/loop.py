@@ -16,11 +16,12 @@ import time
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 from etils import epath
 
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState, with_fresh_window
-from lm.config import Config, ConfigError
+from lm.config import Config, ConfigError, batch_at, batch_schedule, microbatches_at
 from lm.distributed import all_processes, barrier, is_main_process
 from lm.parallel.chips import peak_flops
 from lm.storage.checkpoint import UNRESTORABLE, Checkpointer
@@ -88,12 +89,16 @@ class Trainer:
     self.train_step = make_train_step(assembly, loss)
     t = self.config.train
     peak = t.peak_flops or peak_flops(assembly.mesh.devices.flat[0], self.config.model.quantization)
+    self.stages = stages = batch_schedule(self.config)  # train.batch_ramp's stages (one without)
+    rows_at = lambda step: batch_at(stages, step)
     self.monitors: list[Callback] = [
-      Throughput(t.global_batch * self.config.data.seq_len, assembly.flops_per_token(), assembly.mesh.devices.size,
-                 peak),
-      SlowSteps(t.slow_step_factor if is_main_process() else 0.0), FiniteGuard(t.on_nonfinite)]
+      Throughput(lambda step: rows_at(step) * self.config.data.seq_len, assembly.flops_per_token(),
+                 assembly.mesh.devices.size, peak),
+      SlowSteps(t.slow_step_factor if is_main_process() else 0.0, rows_at), FiniteGuard(t.on_nonfinite)]
     if t.noise_scale:
-      self.monitors.insert(0, NoiseScale(t.global_batch, t.microbatches, self.config.data.seq_len, t.watch_every))
+      self.monitors.insert(0, NoiseScale(lambda step: (rows_at(step), microbatches_at(self.config, rows_at(step))),
+                                         self.config.data.seq_len, t.watch_every))
+    self._concatenate = jax.jit(lambda batches: jax.tree.map(lambda *rows: jnp.concatenate(rows), *batches))
     check_trackers(self.config)  # a tracker that is not installed stops the run before it starts
     self.spike_guard = SpikeGuard(t, 0, is_main_process()) if t.on_spike != 'off' else None
     self.stopped_at: int | None = None  # the step a SIGTERM stopped the run after
@@ -203,7 +208,8 @@ class Trainer:
       timer = time.perf_counter()
       with preemption(checkpoint.checkpointer) as reached:
         for done in range(start + 1, t.steps + 1):
-          state, step_metrics = self._take_step(state, batches, done, done == start + 1, position, clock, watchdog)
+          compiles = done == start + 1 or any(after == done - 1 for after, _ in self.stages[1:])  # a ramp's stage
+          state, step_metrics = self._take_step(state, batches, done, compiles, position, clock, watchdog)
           pending.append((done, step_metrics))
           preempted = reached(done)
           last = done == t.steps or preempted
@@ -234,10 +240,11 @@ class Trainer:
   def _take_step(self, state: TrainState, batches: Iterator[Batch], done: int, first: bool, position: Resumable,
                  clock: Clock, watchdog: Watchdog) -> tuple[TrainState, Any]:
     """Dispatches step `done` on the next batch (under on_spike=rollback, the data position after it is kept); the
-    process's first step, which compiles the program, is waited for."""
+    process's `first` step, and a batch ramp stage's, which compile the program, are waited for."""
     with jax.profiler.StepTraceAnnotation('train', step_num=done):  # a step to profilers (train.profile)
       waited = time.perf_counter()
-      batch = next(batches)
+      parts = batch_at(self.stages, done) // self.config.train.global_batch  # a batch ramp's stage: that many
+      batch = next(batches) if parts == 1 else self._concatenate([next(batches) for _ in range(parts)])  # batches
       if self.config.train.on_spike == 'rollback':
         self._positions[done] = position.get_state()
       stepped = time.perf_counter()

@@ -10,7 +10,7 @@ rows (`gns/b_simple`) and tokens (`gns/b_simple_tokens`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from lm.train.callbacks import Callback, Interval
 from lm.train.step import GNS_BIG as BIG, GNS_SMALL as SMALL
@@ -29,8 +29,9 @@ class NoiseScale(Callback):
   """Turns each step's squared norms into the smoothed estimates, logged every `every` steps (each interval's last
   record when 0)."""
 
-  def __init__(self, rows: int, microbatches: int, seq_len: int, every: int):
-    self.b_big, self.b_small, self.seq_len, self.watch = rows, rows / microbatches, seq_len, every
+  def __init__(self, rows_at: Callable[[int], tuple[int, int]], seq_len: int, every: int):
+    """`rows_at(step)`: (the batch's rows, its microbatches) at `step` (a batch ramp changes them)."""
+    self.rows_at, self.seq_len, self.watch = rows_at, seq_len, every
     self.g2 = self.trace = 0.0
     self.seen = 0
 
@@ -38,7 +39,8 @@ class NoiseScale(Callback):
     for record in interval.records:
       if SMALL not in record:
         continue
-      g2, trace = two_batch(record.pop(SMALL), record.pop(BIG), self.b_small, self.b_big)
+      rows, microbatches = self.rows_at(record['step'])
+      g2, trace = two_batch(record.pop(SMALL), record.pop(BIG), rows / microbatches, rows)
       self.g2, self.trace = DECAY * self.g2 + (1 - DECAY) * g2, DECAY * self.trace + (1 - DECAY) * trace
       self.seen += 1
       if (self.watch and record['step'] % self.watch == 0) or (not self.watch and record is interval.records[-1]):

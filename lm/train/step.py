@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState, to_device
+from lm.config import largest_batch, microbatches_at
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
 from lm.models.family import AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
@@ -156,9 +157,10 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
   selection biases (`model.moe.bias_rate`) move after the update, from the step's token counts."""
   config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
-  k, seed = config.train.microbatches, config.train.seed
+  seed = config.train.seed
   stop_at_nonfinite = config.train.on_nonfinite == 'stop'
-  check_batch(mesh, config.train.global_batch, k)
+  for t in (config.train, largest_batch(config).train):  # the first batch and a batch ramp's last
+    check_batch(mesh, t.global_batch, t.microbatches)
   schedule = assembly.schedule
   grad_fn = jax.value_and_grad(loss, has_aux=True)
   watch_every = config.train.watch_every
@@ -171,6 +173,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
     # offloaded params and optimizer state come in for the step; the out-shardings put them back
     state = state.replace(params=to_device(state.params, resting.params),
                           opt_state=to_device(state.opt_state, resting.opt_state))
+    k = microbatches_at(config, jax.tree.leaves(batch)[0].shape[0])  # a batch ramp's stages differ
     with sharding_context(mesh):
       batch = lay_out_sequences(batch, mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -196,6 +199,8 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
     # the rate this step's update used: the optimizer's count (and schedule) stops at skipped steps
     metrics = {**logged, 'grad_norm': grad_norm, 'learning_rate': schedule(state.step - state.skipped),
                'nonfinite': (~finite).astype(jnp.float32), 'skipped_steps': skipped, **spike_metrics}
+    if config.train.batch_ramp:
+      metrics['batch'] = jnp.asarray(jax.tree.leaves(batch)[0].shape[0], jnp.int32)
     if micro_squares is not None:  # a microbatch's mean gradient is k times its share of the batch's
       metrics.update({GNS_SMALL: k * micro_squares, GNS_BIG: grad_norm ** 2})
     if watch_every:  # off, the step's program is as without it

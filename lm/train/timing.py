@@ -19,11 +19,11 @@ import statistics
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from etils import epath
 
-from lm.config import ConfigError
+from lm.config import ConfigError, batch_schedule, tokens_after
 from lm.report import format_lines
 from lm.train.callbacks import Callback, Interval
 
@@ -140,10 +140,11 @@ class Clock:
 
 class SlowSteps(Callback):
   """Says when an interval's mean step time exceeds `factor` times the median of the intervals before it (three
-  or more; `factor` 0: never), and gives each interval's last record its mean (`time/per_step_s`)."""
+  or more; `factor` 0: never), each per row of its batch (`rows_at(step)`: a batch ramp's grow), and gives each
+  interval's last record its mean (`time/per_step_s`)."""
 
-  def __init__(self, factor: float):
-    self.factor, self.means = factor, []
+  def __init__(self, factor: float, rows_at: Callable[[int], int] = lambda step: 1):
+    self.factor, self.rows_at, self.means = factor, rows_at, []
 
   def due(self, step, final, stopping):
     return False
@@ -151,12 +152,13 @@ class SlowSteps(Callback):
   def annotate(self, interval: Interval) -> None:
     record, steps = interval.records[-1], len(interval.records)
     mean = record['time/per_step_s'] = record['time/device_s'] / steps
+    rows = self.rows_at(record['step'])
     if self.factor and len(self.means) >= 3:
-      median = statistics.median(self.means)
+      median = statistics.median(self.means) * rows  # at this interval's batch
       if mean > self.factor * median:
         print(f'step {record["step"]}: {mean:.3g} s per step over the last {steps}, {mean / median:.1f}x the '
               f'median {median:.3g} s of the intervals before', flush=True)
-    self.means.append(mean)
+    self.means.append(mean / rows)
 
 
 def run_report(run_dir: str | epath.PathLike, slowest: int = 5) -> dict[str, Any]:
@@ -173,7 +175,7 @@ def run_report(run_dir: str | epath.PathLike, slowest: int = 5) -> dict[str, Any
   steps = attempts[-1].last['step']
   mfu = [r['mfu'] for r in records if 'mfu' in r]
   timed = sorted((r for r in records if 'time/per_step_s' in r), key=lambda r: -r['time/per_step_s'])[:slowest]
-  return {'steps': steps, 'tokens': steps * config.train.global_batch * config.data.seq_len, **summary,
+  return {'steps': steps, 'tokens': tokens_after(batch_schedule(config), steps, config.data.seq_len), **summary,
           'mfu': sum(mfu) / len(mfu) if mfu else None,
           'slowest': [{'step': r['step'], 'seconds_per_step': r['time/per_step_s']} for r in timed]}
 

@@ -68,6 +68,7 @@ def stable():
   (['train.seed=1'], 'differs in train.seed)'),
   (['train.steps=8', 'optim.decay_fraction=0.5'], 'learning rate differs from the source\'s from step 6'),
   (['train.steps=6'], 'starts at step 6, not before train.steps=6'),
+  (['train.global_batch=24'], 'train.global_batch=24 must be a multiple of the source\'s 16'),
   (['BRANCH/checkpoints/4'], 'holds no step 4 (it holds 3, 6)'),
   (['BRANCH/nothing'], 'is neither a training run dir'),
   (['EMPTY'], 'holds no checkpoint yet; train it first'),

@@ -19,7 +19,7 @@ from typing import Any
 from etils import epath
 
 from lm.assembly import accounting, assemble
-from lm.config import Config, ConfigError, from_dict, merge, parse_overrides
+from lm.config import Config, ConfigError, batch_at, batch_schedule, from_dict, merge, parse_overrides, tokens_after
 from lm.models import abstract_params, build_model
 from lm.storage.run_dir import CONFIG, read_series
 from lm.storage.source import ModelSource
@@ -49,14 +49,16 @@ def _sizes(config: Config) -> dict[str, float]:
 
 def _row(run: str, step: int, config: Config, sizes: dict[str, float], loss: float, tokens: int | None = None
          ) -> dict[str, Any]:
-  """`tokens`: those behind the step where the run says (an imported series), else step x batch x length."""
-  tokens = step * config.train.global_batch * config.data.seq_len if tokens is None else tokens
+  """`tokens`: those behind the step where the run says (an imported series), else its batches' (a batch ramp's
+  stages each at their own batch)."""
+  stages = batch_schedule(config)
+  tokens = tokens_after(stages, step, config.data.seq_len) if tokens is None else tokens
+  batch = batch_at(stages, max(step, 1))  # the batch the step was taken at
   return {'run': run, 'size': size_label(sizes['params']), 'step': step,
           **{k: v for k, v in sizes.items() if k != 'flops_per_token'}, 'tokens': tokens,
           'flops': sizes['flops_per_token'] * tokens, 'flops_6nd': 6 * sizes['active_params'] * tokens,
           'loss': loss, 'width': config.model.d_model, 'learning_rate': config.optim.learning_rate,
-          'global_batch': config.train.global_batch,
-          'batch_tokens': config.train.global_batch * config.data.seq_len,
+          'global_batch': batch, 'batch_tokens': batch * config.data.seq_len,
           # data.unique_tokens: the cap; without one every token trained on is new
           'unique_tokens': min(config.data.unique_tokens or tokens, tokens),
           'epochs': tokens / min(config.data.unique_tokens or tokens, tokens) if tokens else 0.0}
