@@ -33,7 +33,14 @@ def step_law(params: float, tokens: float) -> tuple[float, float]:
   return 1.79 * params ** -0.713 * tokens ** 0.307, 0.58 * tokens ** 0.571
 
 
-PUBLISHED = {'deepseek': deepseek, 'step_law': step_law}
+def porian(params: float) -> tuple[float, float]:
+  """Porian et al. 2024 (arXiv:2406.19146), AdamW at 2,048-token sequences: eta_opt = 0.0047 (N / 108M)^-1/3,
+  B_opt = 160 (N / 108M)^2/3 sequences (as OLMo-core's ladder transcribes them), returned in tokens."""
+  scale = params / 108e6
+  return 0.0047 * scale ** (-1 / 3), 2048 * 160 * scale ** (2 / 3)
+
+
+PUBLISHED = {'deepseek': deepseek, 'step_law': step_law, 'porian': porian}
 
 
 def near_optimal(groups: Sequence[np.ndarray], loss: np.ndarray, band: float = BAND) -> np.ndarray:
@@ -133,6 +140,7 @@ def fit_hparams(params: np.ndarray, tokens: np.ndarray, flops: np.ndarray, loss:
       entry['deepseek'] = list(deepseek(target[0]))
     else:
       entry['step_law'] = list(step_law(*target))
+      entry['porian'] = list(porian(target[0]))
     out['targets'].append(entry)
   return out
 

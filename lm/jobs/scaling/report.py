@@ -62,8 +62,10 @@ def format_hparams(fit: dict[str, Any]) -> str:
   lines += [(name, f'{value:.6g}') for name, value in fit['params'].items()]
   for t in fit['targets']:
     ci = lambda key: (f' [{t[key + "_ci"][0]:.3g}, {t[key + "_ci"][1]:.3g}]' if key + '_ci' in t else '')
-    rule = ('DeepSeek LLM', t['deepseek']) if 'deepseek' in t else ('Step Law', t['step_law'])
+    rules = [(name, t[key]) for key, name in (('deepseek', 'DeepSeek LLM'), ('step_law', 'Step Law'),
+                                              ('porian', 'Porian et al.')) if key in t]
     lines.append((' '.join(f'{x:g}' for x in t['target']),
                   f'learning rate {t["learning_rate"]:.4g}{ci("learning_rate")}, batch {t["batch_tokens"]:.4g} '
-                  f'tokens{ci("batch_tokens")} ({rule[0]}: {rule[1][0]:.4g}, {rule[1][1]:.4g} tokens)'))
+                  f'tokens{ci("batch_tokens")} (' + '; '.join(f'{name}: {lr:.4g}, {batch:.4g} tokens'
+                                                             for name, (lr, batch) in rules) + ')'))
   return format_lines(lines)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lm import cli
-from lm.jobs.scaling.hparams import deepseek, step_law
+from lm.jobs.scaling.hparams import deepseek, porian, step_law
 
 
 def bowl(tmp_path, noise=0.002, seed=0):
@@ -48,9 +48,12 @@ def test_the_laws_of_a_bowl_are_recovered(tmp_path, capsys):
 
 
 def test_the_published_rules_and_bad_grids():
-  """The built-in rules are the papers' formulas (DeepSeek LLM eq. 1; Step Law's fit)."""
+  """The built-in rules are the papers' formulas (DeepSeek LLM eq. 1; Step Law's fit; Porian et al.'s, printed at
+  108M params: 0.0047 and 160 sequences of 2,048 tokens, the rate down 2x and the batch up 4x at 8x the params)."""
   assert deepseek(1e20) == pytest.approx((0.3118 * 1e20 ** -0.125, 0.2920 * 1e20 ** 0.3271), rel=1e-12)
   assert step_law(1e9, 1e11) == pytest.approx((1.79 * 1e9 ** -0.713 * 1e11 ** 0.307, 0.58 * 1e11 ** 0.571), rel=1e-12)
+  assert porian(108e6) == pytest.approx((0.0047, 160 * 2048), rel=1e-12)
+  assert porian(8 * 108e6) == pytest.approx((0.0047 / 2, 4 * 160 * 2048), rel=1e-12)
 
 
 def test_one_batch_size_or_one_budget_is_one_line(tmp_path, capsys):
