@@ -201,9 +201,11 @@ def relative_error(form: str, params: dict[str, float], curve: Curve) -> dict[st
 # ---------------------------------------------------------------- lm's runs and configs
 
 def schedule_rates(config: Any) -> np.ndarray:
-  """The learning rate of each of a config's `train.steps` updates, from its schedule (`lm.assembly.optim`)."""
+  """The learning rate of each of a config's `train.steps` updates, from its schedule (`lm.assembly.optim`), a batch
+  ramp's factors included."""
   from lm.assembly.optim import learning_rate_schedule
-  schedule = learning_rate_schedule(config.optim, config.train.steps)
+  from lm.config import ramp_rates
+  schedule = learning_rate_schedule(config.optim, config.train.steps, ramp_rates(config))
   return np.asarray(schedule(np.arange(config.train.steps)), np.float64)
 
 

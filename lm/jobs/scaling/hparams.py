@@ -118,7 +118,9 @@ def fit_hparams(params: np.ndarray, tokens: np.ndarray, flops: np.ndarray, loss:
              np.array([v[1] for v in vertices]))
   law = _laws(by, *columns)
   out: dict[str, Any] = {'law': 'hparams', 'by': by, 'params': law, 'points': len(loss), 'budgets': len(groups),
-                         'near_optimal': len(rows), 'band': band, 'targets': []}
+                         'near_optimal': len(rows), 'band': band, 'targets': [],
+                         'optima': [{'params': float(n), 'tokens': float(d), 'flops': float(c), 'learning_rate': lr,
+                                     'batch_tokens': b} for n, d, c, lr, b in zip(*columns)]}
   samples = []
   if bootstrap:  # the runs resampled within each budget, each budget's optimum found again
     rng = np.random.default_rng(seed)
@@ -129,6 +131,8 @@ def fit_hparams(params: np.ndarray, tokens: np.ndarray, flops: np.ndarray, loss:
         samples.append(_laws(by, *columns[:3], np.array([v[0] for v in again]), np.array([v[1] for v in again])))
       except np.linalg.LinAlgError:
         continue
+  if samples:  # 95% intervals of each coefficient and exponent
+    out['params_ci'] = {k: np.percentile([s[k] for s in samples], [2.5, 97.5]).tolist() for k in law}
   for target in targets:
     lr, b = optimum(law, target)
     entry = {'target': list(target), 'learning_rate': lr, 'batch_tokens': b}

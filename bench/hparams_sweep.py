@@ -1,0 +1,72 @@
+"""The learning rate and batch for a budget, measured on CPU: a gpt_tiny sweep of token budgets x peak learning rates
+x batches (`lm scaling sweep --lr-grid --batch-grid`), collected and fitted by compute (`lm scaling fit --law hparams
+--by compute`): each budget's optimum and the fitted exponents with bootstrap intervals, to a Markdown table and JSON.
+Rerunning skips the finished runs.
+
+  python bench/hparams_sweep.py [--runs runs/hparams_sweep] [--sizes 64x2] [--tokens 3e4,1e5,3e5]
+      [--lr-grid 1e-3,3e-3,1e-2,3e-2] [--batch-grid 4,8,16] [--bootstrap 200]
+      [--out docs/results/hparams-sweep.md] [--json docs/results/hparams_sweep.json]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lm import cli
+from lm.jobs.scaling.hparams import deepseek, fit_points_file
+from lm.report import write_json
+
+
+def table(fit: dict, args: argparse.Namespace) -> str:
+  """Each budget's optimum, then the laws with their intervals and what they say."""
+  p, ci = fit['params'], fit.get('params_ci', {})
+  interval = lambda key: f' [{ci[key][0]:.3f}, {ci[key][1]:.3f}]' if key in ci else ''
+  # a trend only where its whole interval (without bootstrap, the estimate) lies on one side of zero
+  falls = (ci['lr_C'][1] if 'lr_C' in ci else p['lr_C']) < 0
+  rises = (ci['batch_C'][0] if 'batch_C' in ci else p['batch_C']) > 0
+  lines = [
+    f'# The learning rate and batch for a budget, on CPU', '',
+    f'gpt_tiny at sizes {args.sizes}, token budgets {args.tokens}, peak learning rates {args.lr_grid}, batches '
+    f'{args.batch_grid} sequences ({fit["points"]} runs): each budget\'s optimum is the vertex of a paraboloid of log '
+    f'loss over its grid; the laws are least squares in logs over the budgets, 95% intervals from '
+    f'{args.bootstrap} bootstrap resamples of each budget\'s runs.', '',
+    '| budget C (FLOPs) | tokens | optimal learning rate | optimal batch (tokens) | DeepSeek LLM\'s rule |',
+    '|---|---|---|---|---|']
+  for o in fit['optima']:
+    lr, batch = deepseek(o['flops'])
+    lines.append(f'| {o["flops"]:.3g} | {o["tokens"]:,.0f} | {o["learning_rate"]:.4g} | {o["batch_tokens"]:,.0f} | '
+                 f'{lr:.3g}, {batch:,.0f} |')
+  lines += ['', f'- eta_opt = {p["lr_coef"]:.4g} C^{p["lr_C"]:.3f}{interval("lr_C")}: the optimal learning rate '
+                f'{"falls" if falls else "does not fall"} with compute.',
+            f'- B_opt = {p["batch_coef"]:.4g} C^{p["batch_C"]:.3f}{interval("batch_C")} tokens: the optimal batch '
+            f'{"rises" if rises else "does not rise"} with compute.', '',
+            'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.runs, 'runs/hparams_sweep') + '`', '']
+  return '\n'.join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--runs', default='runs/hparams_sweep', help='the sweep\'s directory')
+  parser.add_argument('--sizes', default='64x2')
+  parser.add_argument('--tokens', default='3e4,1e5,3e5')
+  parser.add_argument('--lr-grid', default='1e-3,3e-3,1e-2,3e-2')
+  parser.add_argument('--batch-grid', default='4,8,16')
+  parser.add_argument('--bootstrap', type=int, default=200)
+  parser.add_argument('--out', default='docs/results/hparams-sweep.md')
+  parser.add_argument('--json', default='docs/results/hparams_sweep.json')
+  args = parser.parse_args()
+  sweep = ['scaling', 'sweep', '--config', 'gpt_tiny', '--out', args.runs, '--sizes', args.sizes, '--tokens',
+           args.tokens, '--lr-grid', args.lr_grid, '--batch-grid', args.batch_grid]
+  points = f'{args.runs}/points.csv'
+  for argv in (sweep, ['scaling', 'collect', args.runs, '--out', points]):
+    if cli.main(argv):
+      raise SystemExit(f'lm {" ".join(argv)} failed')
+  fit = fit_points_file(points, by='compute', bootstrap=args.bootstrap)  # each run's final loss
+  Path(args.out).write_text(table(fit, args))
+  write_json(args.json, {'command': sys.argv, 'fit': fit})
+  print(Path(args.out).read_text(), end='')
+
+
+if __name__ == '__main__':
+  main()
