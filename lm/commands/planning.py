@@ -69,7 +69,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             file=sys.stderr, flush=True)
       return 3
     return 0
-  report = compile_report(largest_batch(checked_config(args)), topology, args.mfu, args.save, args.num_slices)
+  report = compile_report(largest_batch(checked_config(args)), topology, args.mfu, args.save, args.num_slices,
+                          args.memory_breakdown)
   print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
   if not report['fits']:
     print(does_not_fit_message(report), file=sys.stderr, flush=True)
@@ -96,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
   aot.add_argument('--num-slices', type=int, default=1, help='slices joined by the data-center network (multislice)')
   aot.add_argument('--save', metavar='PATH', help='write the serialized executable (and PATH.json with the report)')
   aot.add_argument('--json', action='store_true', help='print the report as JSON')
+  aot.add_argument('--memory-breakdown', type=int, nargs='?', const=15, default=0, metavar='N',
+                   help='what is live at the step\'s peak, by part (params, optimizer state, experts, attention, '
+                        '...) and its N largest paths by named scope (default 15)')
   aot.add_argument('--plan', action='store_true', help='search meshes, remat and microbatches; compile the '
                                                         'fastest-predicted that may fit and list those that fit')
   aot.add_argument('--plan-top', type=int, default=5, metavar='N', help='--plan stops when N candidates fit (5)')

@@ -25,7 +25,8 @@ from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, host_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
-from lm.train.step import compile_train_step
+from lm.planning.breakdown import compile_with_breakdown, format_breakdown
+from lm.train.step import compile_train_step, lower_train_step
 
 
 def _unfitted_memory(assembly: Any, error: str | None) -> tuple[dict[str, int], dict[str, int]]:
@@ -40,9 +41,10 @@ def _unfitted_memory(assembly: Any, error: str | None) -> tuple[dict[str, int], 
 
 
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
-                   num_slices: int = 1) -> dict[str, Any]:
+                   num_slices: int = 1, breakdown: int = 0) -> dict[str, Any]:
   """Compiles the train step for `num_slices` slices of `topology` (joined by the data-center network, data
-  parallel across them: mesh.slices) and returns memory, FLOPs and predicted speed per step."""
+  parallel across them: mesh.slices) and returns memory, FLOPs and predicted speed per step; with `breakdown`,
+  what is live at the step's peak and its `breakdown` largest paths (`lm.planning.breakdown`)."""
   if not 0 < assumed_mfu <= 1:
     raise ConfigError(f'--mfu {assumed_mfu} must lie in (0, 1]')
   if num_slices < 1:
@@ -57,14 +59,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   assembly = assemble(config, devices)
   sizes = dict(assembly.mesh.shape)
   t0 = time.perf_counter()
-  compiled, error = None, None
-  try:
-    with _not_persistently_cached():
-      compiled = compile_train_step(assembly)
-  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a step that cannot fit in HBM
-    if 'RESOURCE_EXHAUSTED' not in str(e):
-      raise
-    error = str(e).splitlines()[0]
+  compiled, live, error = _compile(assembly, breakdown)
   compile_s = time.perf_counter() - t0
   memory, host = _unfitted_memory(assembly, error) if compiled is None else \
       (compiled_memory(compiled), compiled_memory(compiled, 'host_'))
@@ -93,9 +88,25 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     report['cost_per_device'] = cost
   if error is not None:
     report['compile_error'] = error
+  if live is not None:
+    report['memory_breakdown'] = live
   if save and compiled is not None:
     report['saved'] = save_executable(compiled, save, report)
   return report
+
+
+def _compile(assembly: Any, breakdown: int) -> tuple[Any, dict[str, Any] | None, str | None]:
+  """(the compiled step, what is live at its peak with `breakdown`, the compiler's refusal): a step that cannot
+  fit in HBM is refused by the TPU compiler, which names the bytes."""
+  try:
+    with _not_persistently_cached():
+      if breakdown:
+        return *compile_with_breakdown(lower_train_step(assembly), breakdown), None
+      return compile_train_step(assembly), None, None
+  except jax.errors.JaxRuntimeError as e:
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    return None, None, str(e).splitlines()[0]
 
 
 @contextlib.contextmanager
@@ -185,7 +196,8 @@ def format_report(r: dict[str, Any]) -> str:
   ]
   if 'saved' in r:
     lines.append(('executable', r['saved']))
-  return format_lines(lines)
+  text = format_lines(lines)
+  return text + '\n' + format_breakdown(r['memory_breakdown']) if 'memory_breakdown' in r else text
 
 
 def does_not_fit_message(r: dict[str, Any]) -> str:
