@@ -111,8 +111,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, out_dtype: 
   # blocks must divide them, and its backward swaps the roles of K and N
   lhs = jnp.pad(lhs, ((0, -m % 128), (0, -k % 128)))
   rhs = jnp.pad(rhs.astype(lhs.dtype), ((0, 0), (0, -k % 128), (0, -n % 128)))
-  out = megablox.gmm(lhs, rhs, sizes, jnp.float32, (128, 128, 128), None, None, False, target_platform() != 'tpu')
-  return out[:m, :n].astype(out_dtype)
+  # The kernel accumulates in float32 and writes `out_dtype` once, as a float32 result cast after would: the same
+  # values, without the float32 [M, N] buffers (twice a bf16 one's bytes) the backward pass and remat would keep.
+  out = megablox.gmm(lhs, rhs, sizes, out_dtype, (128, 128, 128), None, None, False, target_platform() != 'tpu')
+  return out[:m, :n]
 
 
 def tiled_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile: int = 128) -> jax.Array:
