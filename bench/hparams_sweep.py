@@ -3,8 +3,8 @@ x batches (`lm scaling sweep --lr-grid --batch-grid`), collected and fitted by c
 --by compute`): each budget's optimum and the fitted exponents with bootstrap intervals, to a Markdown table and JSON.
 Rerunning skips the finished runs.
 
-  python bench/hparams_sweep.py [--runs runs/hparams_sweep] [--sizes 64x2] [--tokens 3e4,1e5,3e5]
-      [--lr-grid 1e-3,3e-3,1e-2,3e-2] [--batch-grid 4,8,16] [--bootstrap 200]
+  python bench/hparams_sweep.py [--runs runs/hparams_sweep] [--sizes 64x2] [--tokens 1e5,3e5,1e6]
+      [--lr-grid 3e-4,1e-3,3e-3,1e-2] [--batch-grid 1,2,4] [--bootstrap 200]
       [--out docs/results/hparams-sweep.md] [--json docs/results/hparams_sweep.json]
 """
 from __future__ import annotations
@@ -22,11 +22,16 @@ def table(fit: dict, args: argparse.Namespace) -> str:
   """Each budget's optimum, then the laws with their intervals and what they say."""
   p, ci = fit['params'], fit.get('params_ci', {})
   interval = lambda key: f' [{ci[key][0]:.3f}, {ci[key][1]:.3f}]' if key in ci else ''
-  # a trend only where its whole interval (without bootstrap, the estimate) lies on one side of zero
-  falls = (ci['lr_C'][1] if 'lr_C' in ci else p['lr_C']) < 0
-  rises = (ci['batch_C'][0] if 'batch_C' in ci else p['batch_C']) > 0
+  def trend(key: str, sign: int, verb: str) -> str:
+    """`verb` where the whole interval lies on that side of zero; in the estimate only where it does not."""
+    if sign * p[key] <= 0:
+      return f'does not {verb}'
+    if key not in ci or all(sign * v > 0 for v in ci[key]):
+      return f'{verb}s'
+    return f'{verb}s in the estimate, but its interval includes no trend'
+
   lines = [
-    f'# The learning rate and batch for a budget, on CPU', '',
+    '# The learning rate and batch for a budget, on CPU', '',
     f'gpt_tiny at sizes {args.sizes}, token budgets {args.tokens}, peak learning rates {args.lr_grid}, batches '
     f'{args.batch_grid} sequences ({fit["points"]} runs): each budget\'s optimum is the vertex of a paraboloid of log '
     f'loss over its grid; the laws are least squares in logs over the budgets, 95% intervals from '
@@ -38,9 +43,9 @@ def table(fit: dict, args: argparse.Namespace) -> str:
     lines.append(f'| {o["flops"]:.3g} | {o["tokens"]:,.0f} | {o["learning_rate"]:.4g} | {o["batch_tokens"]:,.0f} | '
                  f'{lr:.3g}, {batch:,.0f} |')
   lines += ['', f'- eta_opt = {p["lr_coef"]:.4g} C^{p["lr_C"]:.3f}{interval("lr_C")}: the optimal learning rate '
-                f'{"falls" if falls else "does not fall"} with compute.',
+                f'{trend("lr_C", -1, "fall")} with compute.',
             f'- B_opt = {p["batch_coef"]:.4g} C^{p["batch_C"]:.3f}{interval("batch_C")} tokens: the optimal batch '
-            f'{"rises" if rises else "does not rise"} with compute.', '',
+            f'{trend("batch_C", 1, "rise")} with compute.', '',
             'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.runs, 'runs/hparams_sweep') + '`', '']
   return '\n'.join(lines)
 
@@ -49,9 +54,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--runs', default='runs/hparams_sweep', help='the sweep\'s directory')
   parser.add_argument('--sizes', default='64x2')
-  parser.add_argument('--tokens', default='3e4,1e5,3e5')
-  parser.add_argument('--lr-grid', default='1e-3,3e-3,1e-2,3e-2')
-  parser.add_argument('--batch-grid', default='4,8,16')
+  parser.add_argument('--tokens', default='1e5,3e5,1e6')
+  parser.add_argument('--lr-grid', default='3e-4,1e-3,3e-3,1e-2')
+  parser.add_argument('--batch-grid', default='1,2,4')
   parser.add_argument('--bootstrap', type=int, default=200)
   parser.add_argument('--out', default='docs/results/hparams-sweep.md')
   parser.add_argument('--json', default='docs/results/hparams_sweep.json')

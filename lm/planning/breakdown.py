@@ -25,6 +25,7 @@ PARTS = (
   ('optimizer state', r'^state[./]opt_state'),
   ('other state', r'^state\b'),
   ('batch', r'^batch\b'),
+  ('saved layer inputs', r'^[^{]*/while\{\d+\}$'),  # the layer scan's stacked outputs: what remat keeps
   ('all-to-all', r'all.to.all'),
   ('routing', r'router|routing|top_k|sort'),
   ('experts', r'expert|gmm|/moe\b'),

@@ -13,7 +13,7 @@ from tests.conftest import SMALL
 DUMP = """\
   Live ranges at 1697 (peak):
     pad.286{}: 1048576 bytes (cumulative: 1048576 bytes)
-  Stack trace breakdown for peak usage: 5 771 776 bytes
+  Stack trace breakdown for peak usage: 5 772 800 bytes
     main.312_spmd (100.0%, total: 5 771 776 bytes, current: 0 bytes, remaining: 5 771 776 bytes)
       ├── state (25.0%, total: 1 441 792 bytes, current: 0 bytes, remaining: 5 771 776 bytes)
       │   └── params (25.0%, total: 1 441 792 bytes, current: 0 bytes, remaining: 5 771 776 bytes)
@@ -28,18 +28,20 @@ DUMP = """\
 (63.6%, total: 3 670 016 bytes, current: 3 670 016 bytes, remaining: 659 968 bytes)
       ├── jit(step)/transpose(jvp(CausalDecoder))/CausalDecoder._decode/decoder/layers_1/attention/sub{1} \
 (5.7%, total: 327 680 bytes, current: 327 680 bytes, remaining: 332 288 bytes)
-      └── state.opt_state[1][0].mu['decoder']['layers_0']['mlp']['wi_0'] \
+      ├── state.opt_state[1][0].mu['decoder']['layers_0']['mlp']['wi_0'] \
 (5.8%, total: 332 288 bytes, current: 332 288 bytes, remaining: 0 bytes)
+      └── jit(step)/jvp(CausalDecoder)/CausalDecoder._decode/decoder/while{5} \
+(0.0%, total: 1 024 bytes, current: 1 024 bytes, remaining: 0 bytes)
 """
 
 
 def test_the_dumps_tree_is_read_as_paths_and_summed_by_part_and_by_layer_stack():
   peak, entries = read_peak(DUMP)
-  assert peak == 5_771_776 and sum(size for _, size in entries) == peak
+  assert peak == 5_772_800 and sum(size for _, size in entries) == peak
   assert entries[0] == ('state/params/decoder/layers_0/mlp/wi_0', 720_896)
   summary = summarize(peak, entries, top=3)
   assert summary['parts'] == {'experts': 3_670_016, 'params': 1_441_792, 'optimizer state': 332_288,
-                              'attention': 327_680}
+                              'attention': 327_680, 'saved layer inputs': 1_024}
   assert summary['largest'][:2] == [
     {'path': 'decoder/layers_*/mlp/mlp._experts/shard_map/jit(_pad)/pad', 'bytes': 3_670_016, 'buffers': 1},
     {'path': 'state/params/decoder/layers_*/mlp/wi_0', 'bytes': 1_441_792, 'buffers': 2}]
