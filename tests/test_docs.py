@@ -159,6 +159,8 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'python bench/rows_per_device.py --levers': ROWS_TEST,  # llama2_7b and llama3_8b: each compile a minute or two
   'python bench/rows_per_device.py --config llama3_8b': ROWS_TEST,
   'python bench/rows_per_device.py --rows ': ROWS_TEST,  # docs/results/tpu_step.md's reproductions
+  'lm compile --config mixtral_8x7b --memory-breakdown':
+    'tests/planning/test_compile.py::test_mixtral_8x7b_fits_its_slice_on_the_dropless_and_the_capacity_path',
   'lm compile --config llama2_7b train.global_batch=':
     'tests/planning/test_compile.py::test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3',
   'lm train --config gpt_tiny optim.schedule=constant train.steps=2000 \'train.checkpoint.at=[200,2000]\'':
