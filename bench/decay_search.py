@@ -37,6 +37,8 @@ def main() -> None:
   parser.add_argument('--ladder', required=True, help='a lm scaling sweep --schedule wsd directory')
   parser.add_argument('--size', required=True, help='its size label, e.g. d64_l2')
   parser.add_argument('--form', choices=('mpl', 'tissue'), default='mpl')
+  parser.add_argument('--cooldown', type=int, default=0, help='which budget\'s cooldown to fit on, from the '
+                                                             'smallest (0) up; the largest budget is predicted')
   parser.add_argument('--search', nargs='+', default=['decay_fraction=0.1,0.2,0.3,0.5',
                                                       'decay_shape=linear,sqrt,cosine'])
   parser.add_argument('--out', default='docs/results/decay-search.md')
@@ -45,7 +47,7 @@ def main() -> None:
   ladder = Path(args.ladder)
   sweep = json.loads((ladder / 'sweep.json').read_text())
   points = sorted((p for p in sweep['points'] if p['label'].startswith(args.size + '_')), key=lambda p: p['tokens'])
-  fitted_on = [str(ladder / f'{args.size}_stable'), str(ladder / points[0]['label'])]
+  fitted_on = [str(ladder / f'{args.size}_stable'), str(ladder / points[args.cooldown]['label'])]
   fit = fit_runs(fitted_on, args.form)
   target = points[-1]
   config_of = lambda extra: from_dict(merge(sweep['base'], parse_overrides([*target['overrides'], *extra])))
@@ -68,7 +70,7 @@ def main() -> None:
   lines = [f'# A decay chosen by `lm scaling predict --search`, trained for real', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
            f'(scaling-ladder.md) (`lm scaling sweep --schedule wsd --out runs/ladder_wsd`). The {args.form} curve law '
-           f'fitted on {", ".join(Path(r).name for r in fitted_on)} (the stable run and the smallest cooldown) predicts '
+           f'fitted on {", ".join(Path(r).name for r in fitted_on)} (the stable run and a cooldown) predicts '
            f'{target["label"]} ({target["steps"]} steps) under each decay; the best is trained for real beside the '
            f'ladder\'s own run of that budget (`optim.decay_fraction=0.2`, linear).', '',
            '| decay | predicted final training loss |', '|---|---|']
