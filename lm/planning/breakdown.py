@@ -9,11 +9,12 @@ copies of one path counted together (`layers_*`).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -94,10 +95,25 @@ def summarize(peak: int, entries: list[tuple[str, int]], top: int = 15) -> dict[
           'largest': [{'path': path, 'bytes': size, 'buffers': count} for path, (size, count) in largest]}
 
 
+@contextlib.contextmanager
+def _compiled_afresh() -> Iterator[None]:
+  """JAX's persistent cache off: a hit would bring the executable back without compiling it, so without the dump
+  (its key leaves the dump options out). The cache is set up again, as configured, at the next compile."""
+  from jax.experimental.compilation_cache import compilation_cache
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update('jax_enable_compilation_cache', enabled)
+    compilation_cache.reset_cache()
+
+
 def compile_with_breakdown(lowered: jax.stages.Lowered, top: int = 15
                            ) -> tuple[jax.stages.Compiled, dict[str, Any]]:
   """`lowered` compiled with the dump, and the summary of what is live at its peak."""
-  with tempfile.TemporaryDirectory(prefix='lm_breakdown_') as directory:
+  with tempfile.TemporaryDirectory(prefix='lm_breakdown_') as directory, _compiled_afresh():
     compiled = lowered.compile(compiler_options=dump_options(directory))
     dumps = sorted(Path(directory).glob('*jit_step*live-range.txt'))
     if not dumps:

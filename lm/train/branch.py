@@ -74,8 +74,9 @@ def resolve_branch(config: Config) -> Config:
     saved = with_defaults(source.saved_config(step))
   finally:
     source.close()
-  config = with_new_batch(config, from_dict(saved), step)
-  _check_same(config, saved, run, step)
+  source_config = from_dict(saved)
+  config = with_new_batch(config, source_config, step)
+  _check_same(config, saved, source_config, run, step)
   return _with_branch(config, str(run / CHECKPOINTS / str(step)))
 
 
@@ -111,15 +112,15 @@ def _as_recorded(config: Config, recorded: Config) -> Config:
   return dataclasses.replace(config, train=dataclasses.replace(t, branch_from=kept.branch_from))
 
 
-def _check_same(config: Config, saved: dict, run: epath.Path, step: int) -> None:
-  """The branch shares its source's model, data order, seed, optimizer and batch, and its learning rate before the
-  branch step."""
+def _check_same(config: Config, saved: dict, source: Config, run: epath.Path, step: int) -> None:
+  """The branch shares its source's (`saved`, as a dict and as `source`) model, data order, seed, optimizer and
+  batch, and its learning rate before the branch step."""
   ours = config.to_dict()
   mismatch = config_mismatch(saved, ours)
   differ = [f'optim.{k}' for k in sorted(set(ours['optim']) - SCHEDULE_FIELDS) if saved['optim'][k] != ours['optim'][k]]
   differ += [f'train.{k}' for k in STEP_FIELDS if saved['train'][k] != ours['train'][k]]
   taken = lambda c: [stage for stage in batch_schedule(c) if stage[0] < step]  # the batches of the steps taken
-  differ += ['train.global_batch or train.batch_ramp'] if taken(config) != taken(from_dict(saved)) else []
+  differ += ['train.global_batch or train.batch_ramp'] if taken(config) != taken(source) else []
   if mismatch or differ:
     fields = (mismatch[1] if mismatch else []) + differ
     raise ConfigError(f'train.branch_from={run}/{CHECKPOINTS}/{step} was trained with other settings (differs in '
@@ -127,7 +128,7 @@ def _check_same(config: Config, saved: dict, run: epath.Path, step: int) -> None
                       f'and what a resume may')
   # Every other optimizer field is the source's (checked above).
   source_optim = dataclasses.replace(config.optim, **{k: saved['optim'][k] for k in SCHEDULE_FIELDS})
-  theirs = learning_rate_schedule(source_optim, saved['train']['steps'], ramp_rates(from_dict(saved)))
+  theirs = learning_rate_schedule(source_optim, saved['train']['steps'], ramp_rates(source))
   mine = learning_rate_schedule(config.optim, config.train.steps, ramp_rates(config))
   counts = jnp.arange(step)
   applied = lambda schedule: np.broadcast_to(np.asarray(schedule(counts), np.float32), counts.shape)  # as the step
