@@ -121,5 +121,6 @@ def test_bad_files_are_one_line_naming_the_file(corpus, tmp_path):
     open_documents(data(tmp_path), 'train')
   with pytest.raises(ConfigError, match=r'data.source=parquet needs data.paths .* data.paths=\[corpus/\*.parquet\]'):
     load_config('gpt_tiny', ['data.source=parquet'])
-  with pytest.raises(ConfigError, match=r'data.val_fraction=0.9999 leaves'):
-    open_documents(data(root, 'data.val_fraction=0.9999'), 'train')
+  # Above 0.9999 every row's hash (mod 10,000) is held out, whatever the file's path: no training rows, always.
+  with pytest.raises(ConfigError, match=r'data.val_fraction=0.99999 leaves 0 training'):
+    open_documents(data(root, 'data.val_fraction=0.99999'), 'train')
