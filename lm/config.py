@@ -196,8 +196,13 @@ class ExecutionConfig:
   offload: tuple[str, ...] = ()  # activations remat saves in host memory (pinned_host) until the backward pass
   loss_chunk: int = 0  # > 0: output layer and token loss in tiles of this many positions, the [tokens, vocab]
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
+  mlp_chunks: int = 1  # > 1: each dense MLP runs over this many interleaved slices of the positions in turn, each
+  # rematerialised, so one slice's [tokens, d_ff] intermediates are live at a time (same values; lengths it divides)
 
   def check(self) -> None:
+    if self.mlp_chunks < 1:
+      raise ConfigError(f'model.execution.mlp_chunks={self.mlp_chunks} must be >= 1 (1: the MLP over all positions '
+                        f'at once)')
     if self.loss_chunk < 0:
       raise ConfigError(f'model.execution.loss_chunk={self.loss_chunk} must be >= 0 (0: the output layer untiled)')
     unknown = [name for name in self.offload if name not in OFFLOADABLE]

@@ -229,6 +229,21 @@ class Mlp(nn.Module):
     return checkpoint_name(out, 'mlp_out')
 
 
+def in_chunks(mlp: nn.Module, x: jax.Array, chunks: int) -> jax.Array:
+  """`mlp(x)` for a position-wise `mlp`, scanned over `chunks` interleaved slices of x's positions (slice j holds
+  positions j, j + chunks, ...: a length sharded over devices stays sharded) with each slice rematerialised, so only
+  one slice's intermediates are live, in the forward and the backward pass. Lengths it does not divide (a decode
+  step) run whole."""
+  batch, length, features = x.shape
+  if chunks == 1 or length % chunks:
+    return mlp(x)
+  slices = jnp.moveaxis(x.reshape(batch, length // chunks, chunks, features), 2, 0)
+  step = nn.remat(lambda module, carry, h: (carry, module(h)), prevent_cse=False)
+  _, out = nn.scan(step, variable_broadcast='params', split_rngs={'params': False, 'dropout': True},
+                   length=chunks)(mlp, None, slices)
+  return jnp.moveaxis(out, 0, 2).reshape(batch, length, out.shape[-1])
+
+
 class Attention(nn.Module):
   """Multi-head attention (self or cross) with per-head projections; the kernel comes from `impl`.
 

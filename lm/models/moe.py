@@ -83,7 +83,8 @@ class RoutedMlp(nn.Module):
     up = self._kernel('wi_1' if gated else 'wi', 'mlp_in', up_axes, (e, d, f))
     down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
     if m.compute == 'dropless':
-      y, dropped = moe.dropless_on_mesh(x, routing, up, down, gate, act, buffer=m.expert_buffer)
+      y, dropped = moe.dropless_on_mesh(x, routing, up, down, gate, act, buffer=m.expert_buffer,
+                                        chunks=cfg.execution.mlp_chunks)
       if dropped is not None:
         self.sow('intermediates', DROPPED, dropped)
       return y

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ExecutionConfig, ModelConfig
-from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, make_norm
+from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, in_chunks, make_norm
 from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
@@ -86,8 +86,9 @@ class Block(nn.Module):
       experts = RoutedMlp(cfg, inits, dtype=dtype, param_dtype=param_dtype, name='mlp')
       branches.append(('mlp', lambda h: experts(h, mask)))
     else:
-      branches.append(('mlp', Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
-                                  param_dtype=param_dtype, quantized=quantized, name='mlp')))
+      mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
+                param_dtype=param_dtype, quantized=quantized, name='mlp')
+      branches.append(('mlp', lambda h: in_chunks(mlp, h, cfg.execution.mlp_chunks)))
 
     if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it
       x = x + sum(drop(branch(norm(f'{name}_norm')(x))) for name, branch in branches)

@@ -221,16 +221,32 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
   return y, dropped
 
 
+def in_slices(fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]], chunks: int,
+              tokens: jax.Array, experts: jax.Array, combine: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`fn(tokens [T, D], experts [T, k], combine [T, k])` -> (outputs [T, D], the share dropped), run over `chunks`
+  contiguous slices of the tokens in turn, each rematerialized: one slice's [T k / chunks, d_ff] expert activations
+  are live at a time, in the forward and the backward pass. Dropless, a token's output depends on its own choices
+  only, so the outputs are the same; T that `chunks` does not divide runs whole."""
+  t = tokens.shape[0]
+  if chunks == 1 or t % chunks:
+    return fn(tokens, experts, combine)
+  split = lambda a: a.reshape(chunks, t // chunks, *a.shape[1:])
+  step = jax.checkpoint(lambda carry, s: (carry, fn(*s)), prevent_cse=False)
+  _, (y, dropped) = jax.lax.scan(step, None, (split(tokens), split(experts), split(combine)))
+  return y.reshape(t, -1), dropped.mean()
+
+
 def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-                     act: Activation, kernel: str | None = None, buffer: float = 0.0
+                     act: Activation, kernel: str | None = None, buffer: float = 0.0, chunks: int = 1
                      ) -> tuple[jax.Array, jax.Array | None]:
   """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. Where the experts shard over mesh
   devices (the `expert` axis), expert parallelism: each device's token copies go to the devices holding their
   experts and come back (`expert_parallel`). Else XLA partitions ragged_dot and the tiles itself; a Pallas kernel
   (gmm) cannot be partitioned automatically, so it runs per shard: each shard's tokens through every expert. Either
   way, the expert weights' other sharded dims are all-gathered in per shard (their gradients reduce-scattered back,
-  as FSDP's). Off a mesh, `dropless` as it is. Returns (outputs, the share of the token copies dropped: None
-  unless `buffer` > 0 caps expert parallelism's receive buffers)."""
+  as FSDP's). Off a mesh, `dropless` as it is. `chunks` > 1: each shard's tokens `in_slices`, unless `buffer`
+  caps the receive buffers (a cap per slice would drop other copies). Returns (outputs, the share of the token
+  copies dropped: None unless `buffer` > 0 caps expert parallelism's receive buffers)."""
   batch, length, d = x.shape
   kernel = kernel or default_kernel()
   active = active_sharding()
@@ -238,8 +254,11 @@ def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Ar
   axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
   weight_specs = active and [spec_for(a, w.shape, *active) for a, w in zip(axes, weights)]
   expert_axis = weight_specs and weight_specs[0][0]
+  chunks = 1 if buffer else chunks
   if active is None or expert_axis is None and kernel != 'gmm':
-    return dropless(x.reshape(-1, d), routing, up, down, gate, act, kernel).reshape(x.shape), None
+    whole = lambda t, e, c: (dropless(t, Routing(c, e, None), up, down, gate, act, kernel), jnp.zeros(()))
+    y, _ = in_slices(whole, chunks, x.reshape(-1, d), routing.experts, routing.weights)
+    return y.reshape(x.shape), None
   mesh, rules = active
   k = routing.experts.shape[-1]
   token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
@@ -255,12 +274,11 @@ def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Ar
       whole.append(w)
     up, down, *rest = whole
     gate = rest[0] if rest else None
-    tokens, experts, combine = x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k)
-    if expert_axis is None:
-      y, dropped = dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel), jnp.zeros(())
-    else:
-      y, dropped = expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices,
-                                   buffer)
+    def compute(tokens, experts, combine):
+      if expert_axis is None:
+        return dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel), jnp.zeros(())
+      return expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices, buffer)
+    y, dropped = in_slices(compute, chunks, x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k))
     return y.reshape(x.shape), dropped.reshape(1)
   shaped = lambda a: a.reshape(batch, length, k)
   every = P(mesh.axis_names)  # one value per device
