@@ -21,15 +21,19 @@ import jax
 from lm.report import format_bytes, format_lines
 
 # (part, pattern on a buffer's path): the first that matches names its part.
+# MaxText's step (bench/maxtext_breakdown.py) names its state `state/model/...` and `state['optimizer']...`.
 PARTS = (
-  ('params', r'^state/params|^state\.params'),
-  ('optimizer state', r'^state[./]opt_state'),
+  ('params', r'^state/params|^state\.params|^state/model/'),
+  ('optimizer state', r'^state[./]opt_state|^state\[.optimizer.\]'),
   ('other state', r'^state\b'),
   ('batch', r'^batch\b'),
-  ('saved layer inputs', r'^[^{]*/while\{\d+\}$'),  # the layer scan's stacked outputs: what remat keeps
+  # the layer scan's stacked outputs, what full remat keeps: the loop's result (CPU, MaxText), or on TPU where the
+  # forward loop's body writes them (a backward pass's stacking is the weights' gradients)
+  ('saved layer inputs', r'^[^{]*/while\{\d+\}$|^(?!.*transpose\().*/while/.*dynamic_update_index_in_dim\)/'
+                         r'dynamic_update_slice$'),
   ('all-to-all', r'all.to.all'),
   ('routing', r'router|routing|top_k|sort'),
-  ('experts', r'expert|gmm|/moe\b'),
+  ('experts', r'expert|gmm|/moe\b|MoeBlock|ffn_act'),
   ('attention', r'/attention\b|flash|splash'),
   ('mlp', r'/mlp\b'),
   ('loss and output layer', r'loss|unembed|lm_head|logits'),

@@ -1,11 +1,12 @@
 """`lm compile --memory-breakdown`: the compiler's account of what is live at the step's peak, read back and summed
 by part and by path."""
 import jax
+import pytest
 
 from lm.assembly import assemble
 from lm.assembly.accounting import shard_bytes
 from lm.config import load_config
-from lm.planning.breakdown import compile_with_breakdown, format_breakdown, read_peak, summarize
+from lm.planning.breakdown import compile_with_breakdown, format_breakdown, part_of, read_peak, summarize
 from lm.train.step import lower_train_step
 from tests.conftest import SMALL
 
@@ -47,6 +48,22 @@ def test_the_dumps_tree_is_read_as_paths_and_summed_by_part_and_by_layer_stack()
     {'path': 'state/params/decoder/layers_*/mlp/wi_0', 'bytes': 1_441_792, 'buffers': 2}]
   assert any(row['path'] == 'backward: decoder/layers_*/attention/sub{1}' for row in summarize(peak, entries)['largest'])
   assert 'state/params/decoder/layers_*/mlp/wi_0 (x2)' in format_breakdown(summary)
+
+
+@pytest.mark.parametrize('path, part', [
+  # llama2_7b's TPU step: the forward scan's body writes each layer's input into the stack full remat keeps ...
+  ('decoder/while/wide.region_0.5_spmd.clone.clone.sunk/decoder/while/body/jit(dynamic_update_index_in_dim)/'
+   'dynamic_update_slice', 'saved layer inputs'),
+  # ... and a backward scan's stacking is the weights' gradients
+  ('jit(step)/transpose(jvp(CausalDecoder))/decoder/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice',
+   'other'),
+  # MaxText's mixtral-8x7b step (bench/maxtext_breakdown.py)
+  ('jit(train_step)/while{3}', 'saved layer inputs'),
+  ('state/model/decoder/layers/MoeBlock_0/wi_0/value', 'params'),
+  ("state['optimizer']['opt_state'][0]['mu']['decoder']['layers']['MoeBlock_0']['wo'].value", 'optimizer state'),
+  ('jit(train_step)/while/body/eval_jaxpr/checkpoint/shard_map/ffn_act/jit(silu)/add_any', 'experts')])
+def test_tpu_and_maxtext_paths_fall_in_their_parts(path, part):
+  assert part_of(path) == part
 
 
 def test_a_compiled_steps_peak_holds_the_params_whole():
