@@ -136,6 +136,7 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
     'C4 in a cloud bucket; the same path runs on a local TFDS dataset below',
   'lm finetune --task sst2 --source tfds': 'TFDS glue/sst2 must be downloaded to be prepared',
   'python -m maxtext.trainers.pre_train.train_compile': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
+  'python bench/maxtext_breakdown.py': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
 }
 
 ROWS_TEST = ('tests/bench/test_rows_per_device.py::'

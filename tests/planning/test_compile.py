@@ -216,8 +216,8 @@ def test_each_preset_fits_its_slice_as_written(name, capsys):
 @pytest.mark.long(3)
 def test_mixtral_8x7b_fits_its_slice_on_the_dropless_and_the_capacity_path(capsys, one_core):
   """mixtral_8x7b as written (dropless: megablox gmm on TPU) and on GShard's capacity path (factor 1.25), each
-  compiled for v5p-128: its per-device memory is within HBM, and as written within MaxText 0.2.5's 52.2 GiB for
-  the same step (docs/results/moe.md has the figures). The capacity program runs every expert's slots, padding included, and its dispatch and combine
+  compiled for v5p-128: its per-device memory is within HBM, and as written within 0.9x MaxText 0.2.5's 52.2 GiB
+  for the same step (docs/results/moe.md has the figures). The capacity program runs every expert's slots, padding included, and its dispatch and combine
   einsums: it counts more FLOPs than the dropless one, which shows the two compiles took different paths. On one
   core (one_core): ~15% fewer CPU-s than the compiler's threads spread over the suite's busy cores."""
   reports = {}
@@ -231,10 +231,11 @@ def test_mixtral_8x7b_fits_its_slice_on_the_dropless_and_the_capacity_path(capsy
     assert report['params']['total'] == 46_702_792_704 and report['params']['active'] == 12_879_925_248
   assert reports['capacity']['cost_per_device']['flops'] > reports['dropless']['cost_per_device']['flops']
   dropless = reports['dropless']
-  assert dropless['memory_per_device']['total'] <= 52.2 * 2 ** 30  # 51.39 GiB (58.88 with the kernel writing
-  # float32); at its peak the experts' buffers 16.75 GiB (27.25)
+  # At most 0.9x MaxText's 52.2 GiB: 41.04 GiB with the experts in 8 slices of the tokens (51.39 whole, 58.88 with
+  # the kernel writing float32); at its peak the experts' buffers 2.25 GiB (16.75 whole, 27.25 float32)
+  assert dropless['memory_per_device']['total'] <= 0.9 * 52.2 * 2 ** 30
   live = dropless['memory_breakdown']
-  assert live['peak'] <= dropless['memory_per_device']['total'] and live['parts']['experts'] <= 17 * 2 ** 30
+  assert live['peak'] <= dropless['memory_per_device']['total'] and live['parts']['experts'] <= 4 * 2 ** 30
 
 def test_compile_without_a_topology_needs_a_preset_that_names_one(tmp_path, capsys):
   mine = tmp_path / 'mine.yaml'
