@@ -13,6 +13,7 @@ from lm.models import get_family
 from lm.models.family import KernelSizes
 from lm.models.layers import GATED
 from lm.models.moe import BIAS, EXPERT_PARAMS, ROUTER, active_share
+from lm.ops.attention.capabilities import config_needs, pick_impl
 from lm.parallel.rules import axis_size, check_batch, path_names
 
 
@@ -122,37 +123,76 @@ def saved_per_token(cfg: ModelConfig, tensor: int) -> dict[str, float]:
   return {}
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int) -> int:
+def _mlp_per_token(cfg: ModelConfig) -> float:
+  """Elements per token of one layer's MLP activations (its widest kind, dense or routed): the hidden before and
+  after the activation (2 or 3 widths), a K-th of it with `model.execution.mlp_chunks=K`; a routed layer's k copies
+  of the token and their outputs besides."""
+  gates = 3 if cfg.activation in GATED else 2
+  chunks = cfg.execution.mlp_chunks
+  dense = cfg.resolved_d_ff * gates / chunks
+  m = cfg.moe
+  if not m.num_experts:
+    return dense
+  width = m.expert_d_ff or cfg.resolved_d_ff
+  shared = m.shared_d_ff or m.shared_experts * width
+  routed = (m.experts_per_token * width + shared) * gates / chunks + 2 * m.experts_per_token * cfg.d_model
+  return max(routed, dense if any(not m.routed(i) for i in range(cfg.num_layers)) else 0)
+
+
+def keeps_probabilities(cfg: ModelConfig, platform: str) -> bool:
+  """Whether attention holds the [heads, queries, keys] probabilities: the XLA path does; the kernels (flash,
+  splash, cuDNN; `auto` on TPU and GPU) never hold them whole."""
+  impl = cfg.execution.attention_impl
+  if impl == 'auto':
+    impl = pick_impl(platform, config_needs(cfg))
+  return impl == 'xla'
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int, platform: str = 'tpu') -> int:
   """Rough bytes of activations kept for the backward pass by one device, for `tokens` local tokens (those that
   model.execution.offload moves to the host not counted: `offloaded_bytes`).
 
   Per layer and token, a pre-LN block keeps its norm inputs/outputs (4d), q, k, v and the attention
-  output (2 h dh + 2 kv_heads dh), the MLP hidden before and after the activation (2 or 3 d_ff) and
-  the float32 attention probabilities (heads * seq). Remat keeps less but recomputes one layer at a time.
+  output (2 h dh + 2 kv_heads dh), the MLP's activations (`_mlp_per_token`) and, on the XLA attention path, the
+  float32 attention probabilities (heads * seq). Remat keeps less but recomputes one layer at a time. With
+  `gathered_layer_bytes` and the state, against compiles for v5p: mixtral_8x7b at 8 to 27 rows within 6%,
+  llama2_7b at 32 to 68 within 6% (tests/planning/test_compile.py).
   """
   width = 4 if cfg.execution.dtype == 'float32' else 2
   hd = cfg.num_heads * cfg.resolved_head_dim
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
-  d_ff = cfg.resolved_d_ff * (3 if cfg.activation in GATED else 2)
-  full_layer = (4 * cfg.d_model + (2 * hd + 2 * kv + d_ff) / tensor) * width + cfg.num_heads * seq_len * 4 / tensor
+  probabilities = cfg.num_heads * seq_len * 4 / tensor if keeps_probabilities(cfg, platform) else 0
+  full_layer = (4 * cfg.d_model + (2 * hd + 2 * kv + _mlp_per_token(cfg)) / tensor) * width + probabilities
   saved = saved_per_token(cfg, tensor)
   kept = {
     'none': full_layer,
     'dots': (2 * cfg.d_model + (hd + 2 * kv + cfg.resolved_d_ff) / tensor) * width,
   }.get(cfg.execution.remat, sum(v for name, v in saved.items() if name not in cfg.execution.offload))
-  per_token = kept * cfg.num_layers + (0 if cfg.execution.remat == 'none' else full_layer)
   logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient, per token
   if cfg.execution.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
-    output = tokens * (min(cfg.execution.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4)
+    output = min(cfg.execution.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4
   else:
-    output = tokens * logits
-  return int(tokens * per_token + output)
+    output = logits
+  if cfg.execution.remat == 'none':  # every layer's activations are live when the backward pass starts at the loss
+    return int(tokens * (kept * cfg.num_layers + output))
+  # with remat, what the layers keep, then one layer recomputed or the output layer, not both at once
+  return int(tokens * (kept * cfg.num_layers + max(full_layer, output)))
 
 
 def offloaded_bytes(cfg: ModelConfig, tokens: int, tensor: int) -> int:
   """Bytes of saved activations model.execution.offload keeps in host memory for one device's `tokens`."""
   saved = saved_per_token(cfg, tensor)
   return int(tokens * cfg.num_layers * sum(v for name, v in saved.items() if name in cfg.execution.offload))
+
+
+def gathered_layer_bytes(cfg: ModelConfig, params: Any, mesh: Mesh) -> int:
+  """Where the parameters shard over the batch's devices (fsdp), one layer's weights gathered whole in the compute
+  dtype and its float32 gradient before the reduce-scatter: a layer's share of the non-embedding parameters."""
+  if axis_size(mesh, 'embed') == 1:
+    return 0
+  width = 4 if cfg.execution.dtype == 'float32' else 2
+  per_layer = count_params(params)['non_embedding'] / cfg.num_layers / axis_size(mesh, 'heads')
+  return int(per_layer * (width + 4))
 
 
 def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str, int]:
@@ -168,7 +208,9 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
     'params': params,
     'optimizer': shard_bytes(abstract_state.opt_state),  # none where train.optimizer_offload keeps it on the host
     'gradients': params,
-    'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads')),
+    'one layer gathered': gathered_layer_bytes(config.model, abstract_state.params, mesh),
+    'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads'),
+                                               mesh.devices.flat[0].platform),
   }
   out['total (estimate)'] = sum(out.values())
   host = shard_bytes(abstract_state, HOST) + offloaded_bytes(config.model, tokens, axis_size(mesh, 'heads'))

@@ -78,6 +78,7 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'microbatches': t.microbatches, 'seq_len': config.data.seq_len,
     'params': count_params(assembly.abstract_params, config.model),
     'memory_per_device': memory, 'hbm_per_device': hbm, 'host_memory_per_device': host,
+    'estimated_memory': estimate_memory(config, assembly.abstract_state, assembly.mesh)['total (estimate)'],
     'host_per_device': host_per_chip,
     'fits': error is None and memory['total'] <= hbm and (host_per_chip is None or host['total'] <= host_per_chip),
     'flops_per_step': flops, 'flops_per_token': flops_per_token, 'peak_flops_per_device': peak,
@@ -176,6 +177,8 @@ def format_report(r: dict[str, Any]) -> str:
     ('batch', f'{r["global_batch"]} x {r["seq_len"]} tokens in {r["microbatches"]} microbatch(es)'),
   ]
   lines += [(f'memory/device: {k}', format_bytes(mem[k])) for k in ('arguments', 'outputs', 'aliased', 'temp', 'total')]
+  lines.append(('memory/device: planned', f'{format_bytes(r["estimated_memory"])} (--plan\'s estimate, '
+                                          f'{r["estimated_memory"] / mem["total"]:.2f}x)'))
   host, per_chip = r['host_memory_per_device'], r['host_per_device']
   if host['total']:
     lines += [(f'host memory/device: {k}', format_bytes(host[k])) for k in ('arguments', 'temp', 'total')]
