@@ -42,6 +42,11 @@ class Table:
   repeats: int
   ticks: tuple[tuple[tuple[Slot, ...], ...], ...]
 
+  @property
+  def forward_ticks(self) -> int:
+    """Ticks in which some stage runs a forward: the forward tick loop's trip count (GPipe, circular)."""
+    return sum(any(x.kind == 'F' for slots in tick for x in slots) for tick in self.ticks)
+
   def cost(self, forward: float = 1.0, backward: float = 2.0) -> float:
     """The step's time in units of one stage's forward of one microbatch (a backward costing `backward`)."""
     return sum(forward * any(x.kind == 'F' for slots in tick for x in slots) +

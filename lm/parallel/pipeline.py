@@ -1,0 +1,61 @@
+"""The layer stack split over the `stage` mesh axis, run as one SPMD program: GPipe and circular schedules.
+
+`pipelined(layer, params, xs, mesh)` equals applying the stack's layers in turn to each microbatch. Params carry a
+leading [repeats, stages] layout (layer j p + s of the stack is repeat j's stage s; its stages dim shards over
+`stage`); the microbatches xs [m, ...] go in whole and come out whole. Each tick is `lm.parallel.schedules`' table:
+stage s runs work item t - s (microbatch i mod m of repeat i // m), hands its output to stage s + 1 by a `ppermute`
+(the last stage's to stage 0: a circular repeat re-enters there, parked until its tick), and the last stage of the
+last repeat writes the result. A bubble tick (no item) computes on `bubble` (zeros) and its output is dropped, so
+nothing of it reaches the outputs or the gradients; the backward pass is the tick loop's transpose (GPipe's order,
+reversed).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from lm.parallel.schedules import table
+
+Layer = Callable[[Any, jax.Array], jax.Array]
+
+
+def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, axis: str = 'stage',
+              bubble: float = 0.0) -> jax.Array:
+  """`layer(params of one layer, x)` over the [repeats, stages, ...] `params` for each microbatch of xs [m, ...],
+  pipelined over mesh `axis` (GPipe for one repeat, circular for more: m >= stages)."""
+  repeats, stages = jax.tree.leaves(params)[0].shape[:2]
+  m = xs.shape[0]
+  ticks = table('circular' if repeats > 1 else 'gpipe', stages, m, repeats).forward_ticks  # m r + p - 1
+  param_specs = jax.tree.map(lambda a: P(None, axis), params)
+
+  def per_stage(params, xs):
+    params = jax.tree.map(lambda a: a[:, 0], params)  # [repeats, ...]: this stage's layers
+    stage = jax.lax.axis_index(axis)
+    work = m * repeats
+
+    def tick(carry, t):
+      received, parked, out = carry
+      item = t - stage
+      valid = (item >= 0) & (item < work)
+      i, repeat = item % m, jnp.clip(item // m, 0, repeats - 1)
+      first = jnp.where(repeat == 0, xs[i], parked[i])
+      x = jnp.where(valid, jnp.where(stage == 0, first, received), bubble)
+      # a bubble skips the layer: neither its values nor its gradients (0 x NaN would be NaN) reach anything
+      y = jax.lax.cond(valid, lambda: layer(jax.tree.map(lambda a: a[repeat], params), x), lambda: jnp.zeros_like(x))
+      out = jnp.where(valid & (stage == stages - 1) & (repeat == repeats - 1), out.at[i].set(y), out)
+      received = jax.lax.ppermute(y, axis, [(s, (s + 1) % stages) for s in range(stages)])
+      # stage 0 parks the last stage's output of the item finished last tick until that microbatch's next repeat
+      done = t - (stages - 1)
+      parked = jnp.where((stage == 0) & (done >= 0) & (done < work - m), parked.at[done % m].set(received), parked)
+      return (received, parked, out), None
+
+    zeros = jnp.zeros_like(xs)
+    init = (jnp.zeros_like(xs[0]), zeros, zeros)
+    (_, _, out), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+    return jax.lax.psum(out, axis)  # only the last stage wrote
+
+  return jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()), out_specs=P(), axis_names={axis},
+                       check_vma=False)(params, xs)
