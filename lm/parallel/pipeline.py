@@ -19,19 +19,21 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from lm.parallel.schedules import table
 
-Layer = Callable[[Any, jax.Array], jax.Array]
+Layer = Callable[[Any, jax.Array, Any], jax.Array]
 
 
-def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, axis: str = 'stage',
+def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any = None, axis: str = 'stage',
               bubble: float = 0.0) -> jax.Array:
-  """`layer(params of one layer, x)` over the [repeats, stages, ...] `params` for each microbatch of xs [m, ...],
-  pipelined over mesh `axis` (GPipe for one repeat, circular for more: m >= stages)."""
+  """`layer(params of one (repeat, stage), x, sides of x's microbatch)` over the [repeats, stages, ...] `params` for
+  each microbatch of xs [m, ...], pipelined over mesh `axis` (GPipe for one repeat, circular for more: m >= stages).
+  `sides` [m, ...] (a pytree: segment ids, positions) are read by every stage for the microbatch it runs; a stage
+  holding several layers scans them inside `layer`."""
   repeats, stages = jax.tree.leaves(params)[0].shape[:2]
   m = xs.shape[0]
   ticks = table('circular' if repeats > 1 else 'gpipe', stages, m, repeats).forward_ticks  # m r + p - 1
   param_specs = jax.tree.map(lambda a: P(None, axis), params)
 
-  def per_stage(params, xs):
+  def per_stage(params, xs, sides):
     params = jax.tree.map(lambda a: a[:, 0], params)  # [repeats, ...]: this stage's layers
     stage = jax.lax.axis_index(axis)
     work = m * repeats
@@ -44,12 +46,14 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, axis: str = 
       first = jnp.where(repeat == 0, xs[i], parked[i])
       x = jnp.where(valid, jnp.where(stage == 0, first, received), bubble)
       # a bubble skips the layer: neither its values nor its gradients (0 x NaN would be NaN) reach anything
-      y = jax.lax.cond(valid, lambda: layer(jax.tree.map(lambda a: a[repeat], params), x), lambda: jnp.zeros_like(x))
-      out = jnp.where(valid & (stage == stages - 1) & (repeat == repeats - 1), out.at[i].set(y), out)
+      y = jax.lax.cond(valid, lambda: layer(jax.tree.map(lambda a: a[repeat], params), x,
+                                            jax.tree.map(lambda a: a[i], sides)), lambda: jnp.zeros_like(x))
+      out = out.at[i].set(jnp.where(valid & (stage == stages - 1) & (repeat == repeats - 1), y, out[i]))
       received = jax.lax.ppermute(y, axis, [(s, (s + 1) % stages) for s in range(stages)])
       # stage 0 parks the last stage's output of the item finished last tick until that microbatch's next repeat
       done = t - (stages - 1)
-      parked = jnp.where((stage == 0) & (done >= 0) & (done < work - m), parked.at[done % m].set(received), parked)
+      parks = (stage == 0) & (done >= 0) & (done < work - m)
+      parked = parked.at[done % m].set(jnp.where(parks, received, parked[done % m]))
       return (received, parked, out), None
 
     zeros = jnp.zeros_like(xs)
@@ -57,5 +61,5 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, axis: str = 
     (_, _, out), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
     return jax.lax.psum(out, axis)  # only the last stage wrote
 
-  return jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()), out_specs=P(), axis_names={axis},
-                       check_vma=False)(params, xs)
+  return jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P(), P()), out_specs=P(), axis_names={axis},
+                       check_vma=False)(params, xs, sides)
