@@ -48,7 +48,7 @@ def widest_mlp_buffer(compiled, width: int) -> int:
   return max(np.prod(s) for s in shapes if len(s) > 1 and s[-1] == width and s[-2] != 64)
 
 
-@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('case', [c if c == 'dense' else pytest.param(c, marks=pytest.mark.long(0.2)) for c in CASES])
 def test_mlp_in_chunks_equals_the_whole_mlp_and_holds_one_chunk(case):
   whole, args = compiled_step(case, 1)
   chunked, _ = compiled_step(case, 4)
