@@ -37,6 +37,7 @@ ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
+PipelineSchedule = Literal['gpipe', 'circular']
 Quantization = Literal['none', 'int8']
 # The activations a layer names for remat (`jax.ad_checkpoint.checkpoint_name`): its input, and the projection
 # outputs remat=projections keeps; model.execution.offload moves any of them to host memory instead.
@@ -183,6 +184,21 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+  """The layer stack split over the `stage` mesh axis (mesh.stage > 1): each train step runs its
+  `train.microbatches` through the stages in one fill and drain."""
+  schedule: PipelineSchedule = 'gpipe'  # gpipe | circular: the stages passed `repeats` times (a smaller bubble)
+  repeats: int = 1  # circular: passes through the stages, each stage holding that many runs of layers
+
+  def check(self) -> None:
+    if self.repeats < 1:
+      raise ConfigError(f'model.execution.pipeline.repeats={self.repeats} must be >= 1')
+    if self.schedule == 'gpipe' and self.repeats != 1:
+      raise ConfigError(f'model.execution.pipeline.repeats={self.repeats} needs schedule=circular (gpipe passes the '
+                        f'stages once); set model.execution.pipeline.schedule=circular or repeats=1')
+
+
+@dataclass(frozen=True)
 class ExecutionConfig:
   """How the step computes, not which params it trains: a resume may change any of these (another slice, a memory
   fix), while every other model field must match the checkpoint's."""
@@ -198,8 +214,10 @@ class ExecutionConfig:
   # logits never whole (their gradients computed tile by tile in the forward pass); 0: untiled
   mlp_chunks: int = 1  # > 1: each dense MLP runs over this many interleaved slices of the positions in turn, each
   # rematerialised, so one slice's [tokens, d_ff] intermediates are live at a time (same values; lengths it divides)
+  pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # with mesh.stage > 1: the stages' schedule
 
   def check(self) -> None:
+    self.pipeline.check()
     if self.mlp_chunks < 1:
       raise ConfigError(f'model.execution.mlp_chunks={self.mlp_chunks} must be >= 1 (1: the MLP over all positions '
                         f'at once)')
@@ -1183,6 +1201,31 @@ def _check_data(config: Config) -> None:
                       'source, or drop data.unique_tokens')
 
 
+def _check_pipeline(config: Config) -> None:
+  """A mesh with stages: a scanned stack of dense layers that the stages split evenly, enough microbatches."""
+  stages, m, t = config.mesh.stage, config.model, config.train
+  if stages <= 1:
+    return
+  p = m.execution.pipeline
+  fix = 'or set mesh.stage=1'
+  if not m.execution.scan_layers:
+    raise ConfigError(f'mesh.stage={stages} pipelines the scanned layer stack; set model.execution.scan_layers=true '
+                      f'{fix}')
+  if m.moe.num_experts:
+    raise ConfigError(f'mesh.stage={stages} does not yet pipeline routed experts (model.moe.num_experts='
+                      f'{m.moe.num_experts}); shard them with mesh.expert {fix}')
+  if m.num_layers % (stages * p.repeats):
+    raise ConfigError(f'model.num_layers={m.num_layers} does not split into mesh.stage={stages} x model.execution.'
+                      f'pipeline.repeats={p.repeats} equal runs of layers; choose stages and repeats whose product '
+                      f'divides it')
+  if p.schedule == 'circular' and t.microbatches < stages:
+    raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: the circular schedule '
+                      f'feeds a microbatch back to the first stage; use at least {stages} microbatches')
+  if t.noise_scale:
+    raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which mesh.stage={stages} '
+                      f'never forms (the stages run them together); set train.noise_scale=false {fix}')
+
+
 def _check_mesh(config: Config) -> None:
   """Mesh sizes: positive or -1 (one axis at most) within a slice, positive slices."""
   within = [a.key for a in in_slice_axes()]
@@ -1208,6 +1251,7 @@ def validate(config: Config) -> None:
   _check_sequence_split(config)
   _check_data(config)
   _check_mesh(config)
+  _check_pipeline(config)
   check_tokenizer_spec(config.data.tokenizer)
 
 

@@ -29,6 +29,7 @@ class MeshAxis:
 
 MESH_AXES: tuple[MeshAxis, ...] = (
   MeshAxis('slice', 'multislice', field='slices', across_slices=True),  # the batch, across TPU slices
+  MeshAxis('stage', 'pp'),  # the layer stack's stages (pipelining); outside the stack the batch, as data
   MeshAxis('data', 'dp', default=-1),  # the batch
   MeshAxis('fsdp', 'fsdp'),  # the batch, parameters and optimizer state
   MeshAxis('expert', 'ep'),  # the routed experts; outside them the batch, parameters and optimizer state as fsdp

@@ -100,7 +100,7 @@ def test_parse_overrides_nested():
   (['model.norm=batchnorm'], "model.norm='batchnorm' is not supported"),
   (['train.steps'], 'is not of the form key.sub=value'),
   (['mesh.data=-1', 'mesh.fsdp=-1'],
-   'only one of mesh.data, mesh.fsdp, mesh.expert, mesh.sequence, mesh.tensor may be -1'),
+   'only one of mesh.stage, mesh.data, mesh.fsdp, mesh.expert, mesh.sequence, mesh.tensor may be -1'),
   (['data.evals=[c4]'], "data.evals entry 'c4': write NAME=embedded, NAME=text:GLOB"),
   (['data.evals=[c4=tfds:c4/en:3.1.0]'], "data.evals entry 'c4=tfds:c4/en:3.1.0': write"),
   (['data.evals=[c4=csv:x]'], "data.evals entry 'c4=csv:x': write"),
@@ -162,7 +162,7 @@ def test_missing_config_file():
 def test_mesh_product_must_equal_device_count():
   cfg = load_config('gpt_tiny', ['mesh.data=3', 'mesh.fsdp=1'])
   with pytest.raises(ConfigError,
-                     match=r'data\*fsdp\*expert\*sequence\*tensor = 3\*1\*1\*1\*1 = 3 but there are 8 devices'):
+                     match=r'stage\*data\*fsdp\*expert\*sequence\*tensor = 1\*3\*1\*1\*1\*1 = 3 but there are 8 devices'):
     make_mesh(cfg.mesh, jax.devices())
 
 

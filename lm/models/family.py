@@ -209,6 +209,9 @@ class EncoderDecoder(Family):
     if config.mesh.sequence > 1:  # ring attention is self-attention; cross-attention would gather the encoder
       raise ConfigError(f'{self.name} does not split its sequences over a mesh axis (its decoder cross-attends to '
                         f'encoder tokens of another length): set mesh.sequence=1 and shard with data, fsdp, tensor')
+    if config.mesh.stage > 1:
+      raise ConfigError(f'{self.name} does not pipeline its two stacks over mesh.stage: set mesh.stage=1 and shard '
+                        f'with data, fsdp, tensor')
 
   def init_inputs(self, length):
     tokens = jnp.zeros((1, length), jnp.int32)

@@ -17,7 +17,8 @@ from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, in_ch
 from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
-from lm.parallel.rules import constrain
+from lm.parallel.pipeline import active_pipelining, join_rows, pipelined, split_rows
+from lm.parallel.rules import active_sharding, constrain
 
 PROJECTIONS = ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
 REMAT_POLICIES = {
@@ -112,6 +113,9 @@ class Stack(nn.Module):
   stacks whose residual stream is not normalised after each addition, the final norm. A scanned stack scans each
   run of consecutive layers of one kind (dense, or routed: `model.moe`) on its own: `layers` when one run is the
   whole stack, else `layers_from_<first>` per run (DeepSeek's dense first layers, then the routed ones).
+
+  While a train step pipelines (`lm.parallel.pipeline.pipelining` on a mesh with stages) each run's params, kept
+  in that [layers, ...] layout, are read as [repeats, stages, layers per stage, ...] and the run is `pipelined`.
   """
   cfg: ModelConfig
   causal: bool
@@ -141,8 +145,11 @@ class Stack(nn.Module):
         scanned = nn.scan(block, variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
                           split_rngs={'params': True, 'dropout': True}, in_axes=(nn.broadcast,) * len(args) + (0,),
                           length=n, metadata_params={nn.PARTITION_NAME: 'layers'})
-        layers = scanned(cfg, self.causal, self.num_layers, self.cross, routed[start],
-                         name=scanned_name(start, len(runs) == 1))
+        name = scanned_name(start, len(runs) == 1)
+        if self._stages(decode) > 1:
+          x = self._pipelined(name, routed[start], x, start, n, segment_ids, positions, deterministic)
+          continue
+        layers = scanned(cfg, self.causal, self.num_layers, self.cross, routed[start], name=name)
         x, _ = layers(x, *args, jnp.arange(start, start + n, dtype=jnp.int32))
     else:
       for i in range(self.num_layers):
@@ -151,6 +158,39 @@ class Stack(nn.Module):
       x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype], 'final_norm',
                     cfg.norm_plus_one)(x)
     return x
+
+  def _stages(self, decode: bool) -> int:
+    """The stages the layers run on: the mesh's while a train step pipelines them, else 1."""
+    active = active_sharding()
+    if decode or active is None or active_pipelining() is None or self.is_initializing():
+      return 1
+    return active[0].shape.get('stage', 1)
+
+  def _pipelined(self, name: str, routed: bool, x: jax.Array, start: int, n: int, segment_ids: jax.Array | None,
+                 positions: jax.Array | None, deterministic: bool) -> jax.Array:
+    """The run of `n` layers from `start` (params `name`) over the mesh's stages, the batch in microbatches."""
+    cfg, plan = self.cfg, active_pipelining()
+    mesh = active_sharding()[0]
+    stages, repeats, m = mesh.shape['stage'], cfg.execution.pipeline.repeats, plan.microbatches
+    staged = lambda a: a.reshape(repeats, stages, n // (repeats * stages), *a.shape[1:])
+    params = {'block': jax.tree.map(staged, self.variables['params'][name]),
+              'layer': staged(jnp.arange(start, start + n, dtype=jnp.int32))}
+    block = Block(cfg, self.causal, self.num_layers, self.cross, routed, parent=None)
+    rng = jax.random.split(self.make_rng('dropout'), m) if not deterministic else None
+
+    def layer(h: jax.Array, p: Any, sides: dict[str, Any]) -> jax.Array:
+      rngs = {} if deterministic else {'dropout': jax.random.fold_in(sides['rng'], p['layer'])}
+      return block.apply({'params': p['block']}, h, sides['segment_ids'], sides['positions'], None, None, None,
+                         deterministic, False, p['layer'], rngs=rngs)[0]
+    if cfg.execution.remat != 'none':
+      layer = jax.checkpoint(layer, policy=remat_policy(cfg.execution), prevent_cse=False)
+
+    def stage(p: Any, h: jax.Array, sides: dict[str, Any]) -> jax.Array:
+      return jax.lax.scan(lambda h, p: (layer(h, p, sides), None), h, p)[0]
+    split = lambda a: None if a is None else split_rows(a, m)
+    sides = {'segment_ids': split(segment_ids), 'positions': split(positions), 'rng': rng}
+    out = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
+    return constrain(join_rows(out), ('batch', 'length', 'embed'))
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:
     """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""

@@ -5,21 +5,65 @@ leading [repeats, stages] layout (layer j p + s of the stack is repeat j's stage
 `stage`); the microbatches xs [m, ...] go in whole and come out whole. Each tick is `lm.parallel.schedules`' table:
 stage s runs work item t - s (microbatch i mod m of repeat i // m), hands its output to stage s + 1 by a `ppermute`
 (the last stage's to stage 0: a circular repeat re-enters there, parked until its tick), and the last stage of the
-last repeat writes the result. A bubble tick (no item) computes on `bubble` (zeros) and its output is dropped, so
-nothing of it reaches the outputs or the gradients; the backward pass is the tick loop's transpose (GPipe's order,
-reversed).
+last repeat writes the result. A bubble tick (no item) computes on zeros, whatever its buffers hold (`bubble`
+before the first send), and its output is dropped, so nothing of it reaches the outputs or the gradients; the
+backward pass is the tick loop's transpose (GPipe's order, reversed). Inside the stages `lm.parallel.rules.constrain` shards over the other mesh axes (the rules without
+`stage`), so data, fsdp, tensor and sequence splits compose with it.
+
+A train step on a mesh with stages hands its microbatches to the stack through `pipelining(m)`: one fill and drain
+a step, rather than one per accumulated microbatch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from lm.parallel.rules import active_sharding, sharding_context, without
 from lm.parallel.schedules import table
 
 Layer = Callable[[Any, jax.Array, Any], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipelining:
+  """What a pipelined stack runs while tracing a train step: `microbatches` in flight; `bubble`, what the stages'
+  buffers hold before the first send (a test fills them with NaN to show none of it reaches anything)."""
+  microbatches: int
+  bubble: float = 0.0
+
+
+_ACTIVE: contextvars.ContextVar[Pipelining | None] = contextvars.ContextVar('lm_pipelining', default=None)
+
+
+@contextlib.contextmanager
+def pipelining(microbatches: int, bubble: float = 0.0) -> Iterator[None]:
+  """Makes a stack on a mesh with stages pipeline its layers over `microbatches` of the batch while a step is
+  traced; without it (evaluation, scoring, decoding) the stack runs its layers in turn, gathered from the stages."""
+  token = _ACTIVE.set(Pipelining(microbatches, bubble))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active_pipelining() -> Pipelining | None:
+  return _ACTIVE.get()
+
+
+def split_rows(x: jax.Array, m: int) -> jax.Array:
+  """[B, ...] -> [m, B/m, ...], microbatch i taking rows i, i + m, ... (each spans every data shard)."""
+  return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def join_rows(x: jax.Array) -> jax.Array:
+  """`split_rows` undone: [m, B/m, ...] -> [B, ...]."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
 def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any = None, axis: str = 'stage',
@@ -27,13 +71,19 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any =
   """`layer(params of one (repeat, stage), x, sides of x's microbatch)` over the [repeats, stages, ...] `params` for
   each microbatch of xs [m, ...], pipelined over mesh `axis` (GPipe for one repeat, circular for more: m >= stages).
   `sides` [m, ...] (a pytree: segment ids, positions) are read by every stage for the microbatch it runs; a stage
-  holding several layers scans them inside `layer`."""
+  holding several layers scans them inside `layer`. `bubble`: what the buffers hold before the first send."""
   repeats, stages = jax.tree.leaves(params)[0].shape[:2]
   m = xs.shape[0]
   ticks = table('circular' if repeats > 1 else 'gpipe', stages, m, repeats).forward_ticks  # m r + p - 1
   param_specs = jax.tree.map(lambda a: P(None, axis), params)
+  active = active_sharding()
+  inside = (lambda: sharding_context(active[0], without(axis, active[1]))) if active else contextlib.nullcontext
 
   def per_stage(params, xs, sides):
+    with inside():
+      return run(params, xs, sides)
+
+  def run(params, xs, sides):
     params = jax.tree.map(lambda a: a[:, 0], params)  # [repeats, ...]: this stage's layers
     stage = jax.lax.axis_index(axis)
     work = m * repeats
@@ -44,10 +94,11 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any =
       valid = (item >= 0) & (item < work)
       i, repeat = item % m, jnp.clip(item // m, 0, repeats - 1)
       first = jnp.where(repeat == 0, xs[i], parked[i])
-      x = jnp.where(valid, jnp.where(stage == 0, first, received), bubble)
-      # a bubble skips the layer: neither its values nor its gradients (0 x NaN would be NaN) reach anything
-      y = jax.lax.cond(valid, lambda: layer(jax.tree.map(lambda a: a[repeat], params), x,
-                                            jax.tree.map(lambda a: a[i], sides)), lambda: jnp.zeros_like(x))
+      # a bubble's input is whatever its buffers hold (stale, or `bubble` before any send): it computes on zeros
+      # instead, and its output is dropped, so neither its values nor its gradients reach anything. (Skipping it by
+      # a `lax.cond` would save no time, as the stages run in step, and would hide collectives from some devices.)
+      x = jnp.where(valid, jnp.where(stage == 0, first, received), jnp.zeros_like(received))
+      y = layer(jax.tree.map(lambda a: a[repeat], params), x, jax.tree.map(lambda a: a[i], sides))
       out = out.at[i].set(jnp.where(valid & (stage == stages - 1) & (repeat == repeats - 1), y, out[i]))
       received = jax.lax.ppermute(y, axis, [(s, (s + 1) % stages) for s in range(stages)])
       # stage 0 parks the last stage's output of the item finished last tick until that microbatch's next repeat
@@ -56,8 +107,7 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any =
       parked = parked.at[done % m].set(jnp.where(parks, received, parked[done % m]))
       return (received, parked, out), None
 
-    zeros = jnp.zeros_like(xs)
-    init = (jnp.zeros_like(xs[0]), zeros, zeros)
+    init = (jnp.full_like(xs[0], bubble), jnp.full_like(xs, bubble), jnp.zeros_like(xs))
     (_, _, out), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
     return jax.lax.psum(out, axis)  # only the last stage wrote
 

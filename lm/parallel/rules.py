@@ -30,7 +30,7 @@ from lm.mesh_axes import MESH_AXES
 LogicalRules = tuple[tuple[str, Any], ...]
 
 RULES: LogicalRules = (
-  ('batch', ('slice', 'data', 'fsdp', 'expert')),
+  ('batch', ('slice', 'stage', 'data', 'fsdp', 'expert')),  # inside a pipelined stack, without stage
   ('vocab', 'tensor'),
   ('heads', 'tensor'),
   ('kv_heads', 'tensor'),
@@ -42,8 +42,17 @@ RULES: LogicalRules = (
   ('kv', None),
   ('length', 'sequence'),
   ('position', None),  # a table indexed by position (learned positions): a parameter, never split by sequence
-  ('layers', None),
+  ('layers', 'stage'),  # a scanned stack's layers, stage s holding the s-th run of them (pipelining)
 )
+
+def without(axis: str, rules: LogicalRules = RULES) -> LogicalRules:
+  """`rules` with mesh `axis` taken out of every entry: the rules inside a `shard_map` that is manual over it."""
+  def drop(entry: Any) -> Any:
+    if isinstance(entry, str) or entry is None:
+      return None if entry == axis else entry
+    return tuple(a for a in entry if a != axis) or None
+  return tuple((name, drop(entry)) for name, entry in rules)
+
 
 # Grouped-query attention may have fewer key/value heads than tensor devices: those stay replicated.
 REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads'})
@@ -139,14 +148,18 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = RULES) -> NamedS
 
 
 def check_batch(mesh: Mesh, global_batch: int, microbatches: int, rules: LogicalRules = RULES) -> None:
-  """A microbatch's rows must split evenly over the data-parallel axes."""
+  """A microbatch's rows must split evenly over the data-parallel axes; on a mesh with stages (pipelined) over
+  those within a stage, and the whole batch over all of them (outside the layer stack)."""
   rows = global_batch // microbatches
-  try:
-    spec_for(('batch',), (rows,), mesh, rules)
-  except UnevenShardingError as e:
-    raise ConfigError(f'train.global_batch={global_batch} over {microbatches} microbatch(es) gives {rows} rows, '
-                      f'not divisible by the data-parallel size {e.mesh_product}; use a global batch that is a '
-                      f'multiple of {e.shards * microbatches}') from None
+  pipelined = mesh.shape.get('stage', 1) > 1
+  for size, count, axes in ((rows, microbatches, without('stage', rules) if pipelined else rules),
+                            (global_batch, 1, rules)):
+    try:
+      spec_for(('batch',), (size,), mesh, axes)
+    except UnevenShardingError as e:
+      raise ConfigError(f'train.global_batch={global_batch} over {microbatches} microbatch(es) gives {rows} rows, '
+                        f'not divisible by the data-parallel size {e.mesh_product}; use a global batch that is a '
+                        f'multiple of {e.shards * count}') from None
 
 
 def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRules = RULES) -> Any:
@@ -166,6 +179,17 @@ def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRu
   return jax.tree_util.tree_map_with_path(resolve, logical_specs, shapes, is_leaf=is_spec)
 
 
+def shard_map(f: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+  """`jax.shard_map(f)` over every axis of `mesh`, or, traced inside a shard_map manual over some of them (a
+  pipeline's stages), over the others (on the context's mesh, as JAX requires)."""
+  context = jax.sharding.get_abstract_mesh()
+  manual = set() if context.empty else set(context.manual_axes)
+  if not manual:
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return jax.shard_map(f, mesh=context, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                       axis_names=set(mesh.axis_names) - manual)
+
+
 def path_names(path: tuple) -> list[str]:
   """A tree path's keys as names (dict keys, attribute names), e.g. ['decoder', 'layers', 'mlp', 'kernel']."""
   return [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
@@ -177,4 +201,8 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if active is None:
     return x
   mesh, rules = active
-  return jax.lax.with_sharding_constraint(x, sharding_for(axes, x.shape, mesh, rules))
+  sharding = sharding_for(axes, x.shape, mesh, rules)
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and context.manual_axes:  # inside a pipeline's stages: on the mesh whose stage is manual
+    sharding = NamedSharding(context, sharding.spec)
+  return jax.lax.with_sharding_constraint(x, sharding)

@@ -20,6 +20,7 @@ from lm.models.moe import update_bias
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
+from lm.parallel.pipeline import pipelining
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
@@ -131,9 +132,14 @@ class PretrainingLoss:
 
 
 def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array], k: int,
-               squares: bool = False) -> tuple[Any, dict[str, jax.Array]]:
+               squares: bool = False, stages: int = 1, bubble: float = 0.0) -> tuple[Any, dict[str, jax.Array]]:
   """The batch's gradients and loss sums, added over `k` microbatches (a scan) when k > 1; with `squares`, the sums
-  also hold the microbatches' squared gradient norms, added (`train.noise_scale`)."""
+  also hold the microbatches' squared gradient norms, added (`train.noise_scale`). On a mesh with `stages` the k
+  microbatches go through them in one fill and drain instead (their buffers holding `bubble` before the first
+  send)."""
+  if stages > 1:
+    with pipelining(k, bubble):
+      return _gradients(grad_fn, params, batch, rng, totals, 1)
   if k == 1:
     (_, sums), grads = grad_fn(params, batch, rng, totals)
     return grads, sums
@@ -154,7 +160,7 @@ def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, tot
 
 def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """jit(step): gradients of `loss` (the family's pretraining objective: `PretrainingLoss`; a task's) over
-  `train.microbatches`, one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
+  `train.microbatches` (accumulated, or on a mesh with stages pipelined), one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
   selection biases (`model.moe.bias_rate`) move after the update, from the step's token counts."""
   config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
   seed = config.train.seed
@@ -178,7 +184,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
       batch = lay_out_sequences(batch, mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
       totals = loss.totals(batch)
-      grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k, noise_scale)
+      grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k, noise_scale, mesh.shape['stage'])
       counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
       micro_squares = sums.pop(MICRO_SQUARES, None)
       logged = loss.metrics(sums, totals)

@@ -12,7 +12,7 @@ from lm.parallel.rules import MESH_FIELDS
 THROWAWAY = textwrap.dedent('''
   import contextlib, io
   import lm.mesh_axes as axes
-  axes.MESH_AXES += (axes.MeshAxis('pipeline', 'pp'),)  # the one edit
+  axes.MESH_AXES += (axes.MeshAxis('replica', 'rp'),)  # the one edit
 
   from lm import cli
   from lm.config import ConfigError, load_config
@@ -25,24 +25,24 @@ THROWAWAY = textwrap.dedent('''
       return str(e)
     raise AssertionError(f'{overrides} raised nothing')
 
-  config = load_config('gpt_tiny', ['mesh.pipeline=2', 'mesh.data=-1', 'mesh.fsdp=2'])
-  assert config.mesh.pipeline == 2 and 'pipeline: 2' in config.to_yaml()
+  config = load_config('gpt_tiny', ['mesh.replica=2', 'mesh.data=-1', 'mesh.fsdp=2'])
+  assert config.mesh.replica == 2 and 'replica: 2' in config.to_yaml()
   mesh = make_mesh(config.mesh)
-  want = {'slice': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'sequence': 1, 'tensor': 1, 'pipeline': 2}
+  want = {'slice': 1, 'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'sequence': 1, 'tensor': 1, 'replica': 2}
   assert dict(mesh.shape) == want, dict(mesh.shape)
-  assert strategy_name(dict(mesh.shape)) == 'dp+fsdp+pp'
-  assert error(['mesh.pipeline=0']) == 'mesh.pipeline=0 must be a positive size or -1 (fill the remaining devices)'
-  assert error(['mesh.pipeline=-1']) == (
-    'only one of mesh.data, mesh.fsdp, mesh.expert, mesh.sequence, mesh.tensor, mesh.pipeline may be -1')
-  assert error(['mesh.data=1', 'mesh.pipeline=4']) == (
-    'mesh data*fsdp*expert*sequence*tensor*pipeline = 1*1*1*1*1*4 = 4 but there are 8 devices; make the product '
+  assert strategy_name(dict(mesh.shape)) == 'dp+fsdp+rp'
+  assert error(['mesh.replica=0']) == 'mesh.replica=0 must be a positive size or -1 (fill the remaining devices)'
+  assert error(['mesh.replica=-1']) == (
+    'only one of mesh.stage, mesh.data, mesh.fsdp, mesh.expert, mesh.sequence, mesh.tensor, mesh.replica may be -1')
+  assert error(['mesh.data=1', 'mesh.replica=4']) == (
+    'mesh stage*data*fsdp*expert*sequence*tensor*replica = 1*1*1*1*1*1*4 = 4 but there are 8 devices; make the product '
     'equal 8 or set one size to -1')
-  assert 'choose mesh.data/mesh.fsdp/mesh.expert/mesh.sequence/mesh.tensor/mesh.pipeline whose' in error(
-    ['mesh.pipeline=3'])
+  assert 'choose mesh.stage/mesh.data/mesh.fsdp/mesh.expert/mesh.sequence/mesh.tensor/mesh.replica whose' in error(
+    ['mesh.replica=3'])
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    assert cli.main(['info', '--config', 'gpt_tiny', 'mesh.pipeline=4']) == 0
-  assert 'slice=1 data=2 fsdp=1 expert=1 sequence=1 tensor=1 pipeline=4 (dp+pp, 8 cpu devices)' in out.getvalue(), \
+    assert cli.main(['info', '--config', 'gpt_tiny', 'mesh.replica=4']) == 0
+  assert 'slice=1 stage=1 data=2 fsdp=1 expert=1 sequence=1 tensor=1 replica=4 (dp+rp, 8 cpu devices)' in out.getvalue(), \
       out.getvalue()
   print('seen everywhere')
 ''')
@@ -54,8 +54,8 @@ def test_an_axis_declared_in_one_place_is_seen_everywhere():
 
 
 def test_the_declaration_is_what_the_config_the_rules_and_the_mesh_use():
-  assert [f for f in MeshConfig.__dataclass_fields__] == ['slices', 'data', 'fsdp', 'expert', 'sequence', 'tensor']
-  assert MESH_FIELDS == {'slice': 'mesh.slices', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp', 'expert': 'mesh.expert',
+  assert [f for f in MeshConfig.__dataclass_fields__] == ['slices', 'stage', 'data', 'fsdp', 'expert', 'sequence', 'tensor']
+  assert MESH_FIELDS == {'slice': 'mesh.slices', 'stage': 'mesh.stage', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp', 'expert': 'mesh.expert',
                          'sequence': 'mesh.sequence', 'tensor': 'mesh.tensor'}
   assert make_mesh(MeshConfig(data=2, fsdp=1, sequence=2, tensor=2)).axis_names == tuple(a.name for a in MESH_AXES)
   sizes = {'slice': 2, 'data': 1, 'fsdp': 4, 'sequence': 2, 'tensor': 1}

@@ -21,7 +21,7 @@ from lm.ops.attention import capabilities, vendor
 from lm.ops.attention.flash import flash_attention
 from lm.ops.attention.ring import QUERY_CHUNK, ring_attention, ring_flash_attention, zigzag_order
 from lm.ops.attention.xla import _causal_blocks, attention_mask, blocked_causal_attention, xla_attention
-from lm.parallel.rules import active_sharding, axis_size, spec_for, target_platform
+from lm.parallel.rules import active_sharding, axis_size, shard_map, spec_for, target_platform
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 
@@ -69,7 +69,7 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
 
   def per_shard(q, k, v, *rest):
     return kernel(q, k, v, **dict(zip(names, rest, strict=True)), **options)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
+  return shard_map(per_shard, mesh, tuple(specs), q_spec)(*args)
 
 
 def sequence_shards() -> int:
@@ -112,7 +112,7 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
       return ring_flash_attention(ring_axes, causal, scale, block_q, block_k, platform == 'cpu', q, k, v, seg, seg,
                                   pos, rows)
     return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, window, softcap, q, k, v, pos, pos, seg, seg, rows)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
+  return shard_map(per_shard, mesh, tuple(specs), q_spec)(*args)
 
 
 def _check(name: str, needs: set[str]) -> None:

@@ -1,0 +1,119 @@
+"""A train step on a mesh with stages pipelines the layer stack (`model.execution.pipeline`) over its
+`train.microbatches` in one fill and drain, composed with the other mesh axes: its loss and every gradient equal the
+one-device step's with the same microbatches (accumulated), whatever the stages' buffers hold before the first send
+(NaN); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
+"""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from lm.config import ConfigError, load_config
+from lm.jobs.pretraining import Pretraining
+from lm.parallel.rules import sharding_context
+from lm.train.logging import read_metrics
+from lm.train.step import PretrainingLoss, _gradients, lay_out_sequences, make_train_step
+from tests.conftest import SMALL, computed_once
+
+MICROBATCHES = 4
+COMMON = ['model.num_layers=8', 'model.num_kv_heads=4', f'train.microbatches={MICROBATCHES}',
+          'train.run_dir=/tmp/unused']
+MESHES = {
+  'stage 4 x fsdp 2': ['mesh.stage=4', 'mesh.fsdp=2'],
+  'stage 2 x data 2 x tensor 2': ['mesh.stage=2', 'mesh.data=2', 'mesh.tensor=2'],
+  'stage 2 x sequence 2 x fsdp 2': ['mesh.stage=2', 'mesh.sequence=2', 'mesh.fsdp=2'],
+}
+SCHEDULES = {
+  'gpipe': ['model.execution.pipeline.schedule=gpipe'],
+  'circular': ['model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
+               'model.execution.remat=full'],
+}
+
+
+def gradients(overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
+  """The batch's loss sums and gradients, by the step's own code: pipelined over the stages (a mesh with them), or
+  accumulated."""
+  trainer = Pretraining(load_config('llama_tiny', SMALL + COMMON + overrides), devices)
+  state, batch = trainer.init_state(), next(trainer.train_batches)
+  loss = PretrainingLoss(trainer.assembly)
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+  @jax.jit
+  def run(params, batch):
+    with sharding_context(trainer.mesh):
+      batch = lay_out_sequences(batch, trainer.mesh, trainer.config.data.seq_len)
+      totals = loss.totals(batch)
+      return _gradients(grad_fn, params, batch, jax.random.key(0), totals, MICROBATCHES,
+                        stages=trainer.mesh.shape['stage'], bubble=bubble)
+  grads, sums = jax.device_get(run(state.params, batch))
+  return {'grads': grads, 'sums': sums}
+
+
+def reference() -> dict:
+  return computed_once('pipelined_step_reference', lambda: gradients([], jax.devices()[:1]))
+
+
+@pytest.mark.parametrize('schedule', [s if s == 'gpipe' else pytest.param(s, marks=pytest.mark.long(0.3))
+                                      for s in SCHEDULES])
+@pytest.mark.parametrize('mesh', MESHES)
+def test_the_pipelined_step_equals_the_accumulated_one(mesh, schedule):
+  want = reference()
+  got = gradients(MESHES[mesh] + SCHEDULES[schedule], jax.devices())
+  np.testing.assert_allclose(got['sums']['nll'], want['sums']['nll'], rtol=1e-6)
+  flat = jax.tree_util.tree_flatten_with_path(want['grads'])[0]
+  scale = max(np.abs(g).max() for _, g in flat)
+  for (path, w), g in zip(flat, jax.tree.leaves(got['grads'])):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+  nan = gradients(MESHES[mesh] + SCHEDULES[schedule], jax.devices(), bubble=float('nan'))
+  assert nan['sums']['nll'] == got['sums']['nll']
+  for g, n in zip(jax.tree.leaves(got['grads']), jax.tree.leaves(nan['grads'])):
+    np.testing.assert_array_equal(n, g)
+
+
+def test_the_train_step_runs_its_microbatches_through_one_tick_loop():
+  """The compiled step holds the forward and backward tick loops, m + p - 1 ticks each, and no accumulation loop."""
+  config = load_config('llama_tiny', SMALL + COMMON + MESHES['stage 4 x fsdp 2'])
+  trainer = Pretraining(config, jax.devices())
+  step = make_train_step(trainer.assembly, PretrainingLoss(trainer.assembly))
+  text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
+  trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', text)]
+  assert trips.count(MICROBATCHES + 4 - 1) == 2 and MICROBATCHES not in trips, trips
+
+
+@pytest.mark.long(0.5)
+def test_a_pipelined_run_resumes_on_other_stage_counts(tmp_path):
+  run = lambda name, *extra: Pretraining(load_config('llama_tiny', SMALL + COMMON + [
+    'train.steps=4', 'train.checkpoint.every=2', 'optim.decay_steps=4', 'train.global_batch=32', 'mesh.fsdp=-1',
+    f'train.run_dir={tmp_path}/{name}', *extra]), jax.devices()).run()
+  losses = lambda name: {r['step']: r['loss'] for r in read_metrics(tmp_path / name) if 'loss' in r}
+  run('straight', 'mesh.stage=4')
+  for stages in (1, 2):
+    run(f'to_{stages}', 'mesh.stage=4', 'train.steps=2')
+    run(f'to_{stages}', f'mesh.stage={stages}', 'train.resume=true')
+    a, b = losses('straight'), losses(f'to_{stages}')
+    assert sorted(b) == [1, 2, 3, 4]
+    np.testing.assert_allclose([b[s] for s in (3, 4)], [a[s] for s in (3, 4)], rtol=1e-6)
+
+
+@pytest.mark.parametrize('overrides, message', [
+  (['mesh.stage=3', 'mesh.data=1'], r'model.num_layers=8 does not split into mesh.stage=3 x '
+                                    r'model.execution.pipeline.repeats=1 equal runs of layers'),
+  (['mesh.stage=4', 'model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
+    'train.microbatches=2'], r'train.microbatches=2 is below mesh.stage=4: the circular schedule'),
+  (['mesh.stage=2', 'model.execution.scan_layers=false'], r'mesh.stage=2 pipelines the scanned layer stack'),
+  (['mesh.stage=2', 'model.execution.pipeline.repeats=2'], r'repeats=2 needs schedule=circular'),
+  (['mesh.stage=2', 'train.noise_scale=true'], r'train.noise_scale=true needs each microbatch\'s own gradient'),
+])
+def test_what_the_stages_cannot_run_is_one_line(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config('llama_tiny', SMALL + COMMON + overrides)
+
+
+@pytest.mark.parametrize('preset, message', [
+  ('t5_tiny', r'does not pipeline its two stacks over mesh.stage'),
+  ('moe_tiny', r'mesh.stage=2 does not yet pipeline routed experts'),
+])
+def test_families_the_stages_cannot_run_are_one_line(preset, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(preset, ['mesh.stage=2', 'model.execution.scan_layers=true'])
