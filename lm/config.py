@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import re
 import types
@@ -1202,7 +1203,7 @@ def _check_data(config: Config) -> None:
 
 
 def _check_pipeline(config: Config) -> None:
-  """A mesh with stages: a scanned stack of dense layers that the stages split evenly, enough microbatches."""
+  """A mesh with stages: a scanned stack that the stages split evenly, enough microbatches."""
   stages, m, t = config.mesh.stage, config.model, config.train
   if stages <= 1:
     return
@@ -1211,13 +1212,15 @@ def _check_pipeline(config: Config) -> None:
   if not m.execution.scan_layers:
     raise ConfigError(f'mesh.stage={stages} pipelines the scanned layer stack; set model.execution.scan_layers=true '
                       f'{fix}')
-  if m.moe.num_experts:
-    raise ConfigError(f'mesh.stage={stages} does not yet pipeline routed experts (model.moe.num_experts='
-                      f'{m.moe.num_experts}); shard them with mesh.expert {fix}')
   if m.num_layers % (stages * p.repeats):
     raise ConfigError(f'model.num_layers={m.num_layers} does not split into mesh.stage={stages} x model.execution.'
                       f'pipeline.repeats={p.repeats} equal runs of layers; choose stages and repeats whose product '
                       f'divides it')
+  runs = [len(list(run)) for _, run in itertools.groupby(m.moe.routed(i) for i in range(m.num_layers))]
+  if any(n % (stages * p.repeats) for n in runs):
+    raise ConfigError(f'the runs of dense and routed layers ({" and ".join(map(str, runs))} layers: model.moe) are '
+                      f'pipelined one after the other, and mesh.stage={stages} x model.execution.pipeline.repeats='
+                      f'{p.repeats} does not divide each; choose stages and repeats that do')
   if p.schedule == 'circular' and t.microbatches < stages:
     raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: the circular schedule '
                       f'feeds a microbatch back to the first stage; use at least {stages} microbatches')

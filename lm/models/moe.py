@@ -113,27 +113,35 @@ def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, j
   """(the weighted sum for the training loss, each term by name: 'moe/balance_loss', 'moe/z_loss',
   'moe/max_load' (the busiest expert's share of the choices over an even share, averaged over layers: 1 when
   balanced, E / k at worst) and, where copies can drop, 'moe/dropped') from what the routed layers sowed, scanned (a
-  leading layer axis) or not."""
+  leading layer axis) or not. A pipelined stack's have a leading microbatch axis too: the terms are then each
+  microbatch's, averaged, as accumulating the microbatches would give."""
   sown: dict[str, list[jax.Array]] = {LOAD: [], PROB: [], Z_LOSS: [], DROPPED: []}
   for path, values in flatten_dict(intermediates).items():
     if path[-1] in sown:
       sown[path[-1]].extend(values)
-  per_layer = lambda name, *shape: jnp.concatenate([v.reshape(-1, *shape) for v in sown[name]])
   experts = m.num_experts
-  load = per_layer(LOAD, experts)
-  terms = {'moe/balance_loss': moe.balance_loss(load, per_layer(PROB, experts), m.balance_over),
-           'moe/z_loss': per_layer(Z_LOSS).mean(),
-           'moe/max_load': (load.max(-1) * experts / m.experts_per_token).mean()}
-  if sown[DROPPED]:
-    terms['moe/dropped'] = per_layer(DROPPED).mean()
+
+  def per_layer(name: str, *shape: int) -> jax.Array:  # [microbatches (1 unless pipelined), layers, *shape]
+    micro = lambda v: v.shape[0] if v.ndim == len(shape) + 2 else 1
+    return jnp.concatenate([v.reshape(micro(v), -1, *shape) for v in sown[name]], axis=1)
+
+  def terms_of(load: jax.Array, prob: jax.Array, z: jax.Array, dropped: jax.Array | None) -> dict[str, jax.Array]:
+    terms = {'moe/balance_loss': moe.balance_loss(load, prob, m.balance_over), 'moe/z_loss': z.mean(),
+             'moe/max_load': (load.max(-1) * experts / m.experts_per_token).mean()}
+    if dropped is not None:
+      terms['moe/dropped'] = dropped.mean()
+    return terms
+  dropped = per_layer(DROPPED) if sown[DROPPED] else None
+  terms = jax.tree.map(lambda t: t.mean(0), jax.vmap(terms_of)(per_layer(LOAD, experts), per_layer(PROB, experts),
+                                                               per_layer(Z_LOSS), dropped))
   return m.balance_loss * terms['moe/balance_loss'] + m.z_loss * terms['moe/z_loss'], terms
 
 
 def expert_counts(intermediates: Any) -> dict[str, Any]:
   """Each routed layer's token counts per expert (padding left out), in a tree shaped as the `router_bias` params
-  they update (a scanned stack's as [layers, experts])."""
-  return unflatten_dict({(*path[:-1], BIAS): values[0] for path, values in flatten_dict(intermediates).items()
-                         if path[-1] == COUNTS})
+  they update (a scanned stack's as [layers, experts]; a pipelined one's microbatches added)."""
+  return unflatten_dict({(*path[:-1], BIAS): values[0].sum(0) if values[0].ndim == 3 else values[0]
+                         for path, values in flatten_dict(intermediates).items() if path[-1] == COUNTS})
 
 
 def update_bias(params: Any, counts: Any, rate: float) -> Any:

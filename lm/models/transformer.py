@@ -178,18 +178,21 @@ class Stack(nn.Module):
     block = Block(cfg, self.causal, self.num_layers, self.cross, routed, parent=None)
     rng = jax.random.split(self.make_rng('dropout'), m) if not deterministic else None
 
-    def layer(h: jax.Array, p: Any, sides: dict[str, Any]) -> jax.Array:
+    def layer(h: jax.Array, p: Any, sides: dict[str, Any]) -> tuple[jax.Array, Any]:
       rngs = {} if deterministic else {'dropout': jax.random.fold_in(sides['rng'], p['layer'])}
-      return block.apply({'params': p['block']}, h, sides['segment_ids'], sides['positions'], None, None, None,
-                         deterministic, False, p['layer'], rngs=rngs)[0]
+      (y, _), sown = block.apply({'params': p['block']}, h, sides['segment_ids'], sides['positions'], None, None,
+                                 None, deterministic, False, p['layer'], rngs=rngs, mutable=['intermediates'])
+      return y, sown.get('intermediates', {})  # a routed layer's statistics
     if cfg.execution.remat != 'none':
       layer = jax.checkpoint(layer, policy=remat_policy(cfg.execution), prevent_cse=False)
 
-    def stage(p: Any, h: jax.Array, sides: dict[str, Any]) -> jax.Array:
-      return jax.lax.scan(lambda h, p: (layer(h, p, sides), None), h, p)[0]
+    def stage(p: Any, h: jax.Array, sides: dict[str, Any]) -> tuple[jax.Array, Any]:
+      return jax.lax.scan(lambda h, p: layer(h, p, sides), h, p)
     split = lambda a: None if a is None else split_rows(a, m)
     sides = {'segment_ids': split(segment_ids), 'positions': split(positions), 'rng': rng}
-    out = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
+    out, sown = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
+    # [microbatches, repeats, stages, layers per stage, ...] -> [microbatches, layers, ...], as the scan sows them
+    Sown(name=name)(jax.tree.map(lambda a: a.reshape(m, n, *a.shape[4:]), sown))
     return constrain(join_rows(out), ('batch', 'length', 'embed'))
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:
@@ -208,6 +211,20 @@ class Stack(nn.Module):
     offset = position.value
     position.value = offset + length
     return relpos(length, slots.value.shape[0], offset)
+
+
+class Sown(nn.Module):
+  """Sows `values` (intermediates as a run of layers sowed them: a tree of tuples) under its name, for a run whose
+  layers ran outside it (pipelined)."""
+
+  @nn.compact
+  def __call__(self, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+      if isinstance(value, Mapping):
+        Sown(name=key)(value)
+      else:
+        for v in value:
+          self.sow('intermediates', key, v)
 
 
 def _runs(kinds: list[bool]) -> list[tuple[int, int]]:

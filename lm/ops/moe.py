@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lm.parallel.rules import active_sharding, spec_for, target_platform
+from lm.parallel.rules import active_sharding, manual_axes, shard_map, spec_for, target_platform
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -281,9 +281,8 @@ def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Ar
     y, dropped = in_slices(compute, chunks, x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k))
     return y.reshape(x.shape), dropped.reshape(1)
   shaped = lambda a: a.reshape(batch, length, k)
-  every = P(mesh.axis_names)  # one value per device
-  y, dropped = jax.shard_map(per_shard, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, *weight_specs),
-                             out_specs=(token_spec, every), check_vma=False)(
+  every = P(tuple(a for a in mesh.axis_names if a not in manual_axes()))  # one value per device (of a stage)
+  y, dropped = shard_map(per_shard, mesh, (token_spec, token_spec, token_spec, *weight_specs), (token_spec, every))(
     x, shaped(routing.experts), shaped(routing.weights), *weights)
   return y, dropped.mean() if buffer and expert_axis is not None else None
 

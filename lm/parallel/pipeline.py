@@ -67,21 +67,29 @@ def join_rows(x: jax.Array) -> jax.Array:
 
 
 def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any = None, axis: str = 'stage',
-              bubble: float = 0.0) -> jax.Array:
+              bubble: float = 0.0) -> jax.Array | tuple[jax.Array, Any]:
   """`layer(params of one (repeat, stage), x, sides of x's microbatch)` over the [repeats, stages, ...] `params` for
   each microbatch of xs [m, ...], pipelined over mesh `axis` (GPipe for one repeat, circular for more: m >= stages).
   `sides` [m, ...] (a pytree: segment ids, positions) are read by every stage for the microbatch it runs; a stage
-  holding several layers scans them inside `layer`. `bubble`: what the buffers hold before the first send."""
+  holding several layers scans them inside `layer`. `bubble`: what the buffers hold before the first send.
+
+  A `layer` that returns (y, aux) (a pytree: a routed layer's statistics) gets (ys, each aux leaf as
+  [m, repeats, stages, ...]) back, bubbles' left out."""
   repeats, stages = jax.tree.leaves(params)[0].shape[:2]
   m = xs.shape[0]
   ticks = table('circular' if repeats > 1 else 'gpipe', stages, m, repeats).forward_ticks  # m r + p - 1
   param_specs = jax.tree.map(lambda a: P(None, axis), params)
   active = active_sharding()
   inside = (lambda: sharding_context(active[0], without(axis, active[1]))) if active else contextlib.nullcontext
+  one = jax.tree.map(lambda a: a[0, 0], params), xs[0], jax.tree.map(lambda a: a[0], sides)
+  with inside():
+    shapes = jax.eval_shape(layer, *one)
+  with_aux = isinstance(shapes, tuple)
 
   def per_stage(params, xs, sides):
     with inside():
-      return run(params, xs, sides)
+      out, aux = run(params, xs, sides)
+    return (out, jax.tree.map(lambda a: a[:, :, None], aux)) if with_aux else out
 
   def run(params, xs, sides):
     params = jax.tree.map(lambda a: a[:, 0], params)  # [repeats, ...]: this stage's layers
@@ -89,7 +97,7 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any =
     work = m * repeats
 
     def tick(carry, t):
-      received, parked, out = carry
+      received, parked, out, aux = carry
       item = t - stage
       valid = (item >= 0) & (item < work)
       i, repeat = item % m, jnp.clip(item // m, 0, repeats - 1)
@@ -99,17 +107,22 @@ def pipelined(layer: Layer, params: Any, xs: jax.Array, mesh: Mesh, sides: Any =
       # a `lax.cond` would save no time, as the stages run in step, and would hide collectives from some devices.)
       x = jnp.where(valid, jnp.where(stage == 0, first, received), jnp.zeros_like(received))
       y = layer(jax.tree.map(lambda a: a[repeat], params), x, jax.tree.map(lambda a: a[i], sides))
+      if with_aux:
+        y, a = y
+        aux = jax.tree.map(lambda b, a: b.at[i, repeat].set(jnp.where(valid, a, b[i, repeat])), aux, a)
       out = out.at[i].set(jnp.where(valid & (stage == stages - 1) & (repeat == repeats - 1), y, out[i]))
       received = jax.lax.ppermute(y, axis, [(s, (s + 1) % stages) for s in range(stages)])
       # stage 0 parks the last stage's output of the item finished last tick until that microbatch's next repeat
       done = t - (stages - 1)
       parks = (stage == 0) & (done >= 0) & (done < work - m)
       parked = parked.at[done % m].set(jnp.where(parks, received, parked[done % m]))
-      return (received, parked, out), None
+      return (received, parked, out, aux), None
 
-    init = (jnp.full_like(xs[0], bubble), jnp.full_like(xs, bubble), jnp.zeros_like(xs))
-    (_, _, out), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
-    return jax.lax.psum(out, axis)  # only the last stage wrote
+    aux = jax.tree.map(lambda s: jnp.zeros((m, repeats, *s.shape), s.dtype), shapes[1]) if with_aux else None
+    init = (jnp.full_like(xs[0], bubble), jnp.full_like(xs, bubble), jnp.zeros_like(xs), aux)
+    (_, _, out, aux), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+    return jax.lax.psum(out, axis), aux  # only the last stage wrote the outputs; each stage its layers' aux
 
-  return jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P(), P()), out_specs=P(), axis_names={axis},
-                       check_vma=False)(params, xs, sides)
+  out_specs = (P(), jax.tree.map(lambda a: P(None, None, axis), shapes[1])) if with_aux else P()
+  return jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P(), P()), out_specs=out_specs,
+                       axis_names={axis}, check_vma=False)(params, xs, sides)

@@ -179,11 +179,16 @@ def tree_shardings(logical_specs: Any, shapes: Any, mesh: Mesh, rules: LogicalRu
   return jax.tree_util.tree_map_with_path(resolve, logical_specs, shapes, is_leaf=is_spec)
 
 
+def manual_axes() -> set[str]:
+  """The mesh axes a `shard_map` being traced is manual over (a pipeline's stages); empty outside one."""
+  context = jax.sharding.get_abstract_mesh()
+  return set() if context.empty else set(context.manual_axes)
+
+
 def shard_map(f: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
   """`jax.shard_map(f)` over every axis of `mesh`, or, traced inside a shard_map manual over some of them (a
   pipeline's stages), over the others (on the context's mesh, as JAX requires)."""
-  context = jax.sharding.get_abstract_mesh()
-  manual = set() if context.empty else set(context.manual_axes)
+  context, manual = jax.sharding.get_abstract_mesh(), manual_axes()
   if not manual:
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
   return jax.shard_map(f, mesh=context, in_specs=in_specs, out_specs=out_specs, check_vma=False,
@@ -202,7 +207,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return x
   mesh, rules = active
   sharding = sharding_for(axes, x.shape, mesh, rules)
-  context = jax.sharding.get_abstract_mesh()
-  if not context.empty and context.manual_axes:  # inside a pipeline's stages: on the mesh whose stage is manual
-    sharding = NamedSharding(context, sharding.spec)
+  if manual_axes():  # inside a pipeline's stages: on the mesh whose stage is manual
+    sharding = NamedSharding(jax.sharding.get_abstract_mesh(), sharding.spec)
   return jax.lax.with_sharding_constraint(x, sharding)

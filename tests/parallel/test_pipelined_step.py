@@ -1,13 +1,15 @@
 """A train step on a mesh with stages pipelines the layer stack (`model.execution.pipeline`) over its
 `train.microbatches` in one fill and drain, composed with the other mesh axes: its loss and every gradient equal the
 one-device step's with the same microbatches (accumulated), whatever the stages' buffers hold before the first send
-(NaN); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
+(NaN), routed experts' statistics and token counts included; a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
 """
 import re
 
 import jax
 import numpy as np
 import pytest
+
+from flax.traverse_util import flatten_dict
 
 from lm.config import ConfigError, load_config
 from lm.jobs.pretraining import Pretraining
@@ -18,11 +20,14 @@ from tests.conftest import SMALL, computed_once
 
 MICROBATCHES = 4
 COMMON = ['model.num_layers=8', 'model.num_kv_heads=4', f'train.microbatches={MICROBATCHES}',
-          'train.run_dir=/tmp/unused']
-MESHES = {
-  'stage 4 x fsdp 2': ['mesh.stage=4', 'mesh.fsdp=2'],
-  'stage 2 x data 2 x tensor 2': ['mesh.stage=2', 'mesh.data=2', 'mesh.tensor=2'],
-  'stage 2 x sequence 2 x fsdp 2': ['mesh.stage=2', 'mesh.sequence=2', 'mesh.fsdp=2'],
+          'train.run_dir=/tmp/unused', 'model.execution.scan_layers=true']
+MESHES = {  # (preset, mesh)
+  'stage 4 x fsdp 2': ('llama_tiny', ['mesh.stage=4', 'mesh.fsdp=2']),
+  'stage 2 x data 2 x tensor 2': ('llama_tiny', ['mesh.stage=2', 'mesh.data=2', 'mesh.tensor=2']),
+  'stage 2 x sequence 2 x fsdp 2': ('llama_tiny', ['mesh.stage=2', 'mesh.sequence=2', 'mesh.fsdp=2']),
+  # routed experts inside the stages: balance and z losses, and the token counts that move the selection biases
+  'stage 2 x expert 2 x fsdp 2': ('moe_tiny', ['mesh.stage=2', 'mesh.expert=2', 'mesh.fsdp=2', 'model.num_layers=4',
+                                               'model.moe.bias_rate=0.001', 'model.moe.balance_over=model']),
 }
 SCHEDULES = {
   'gpipe': ['model.execution.pipeline.schedule=gpipe'],
@@ -31,10 +36,10 @@ SCHEDULES = {
 }
 
 
-def gradients(overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
+def gradients(preset: str, overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
   """The batch's loss sums and gradients, by the step's own code: pipelined over the stages (a mesh with them), or
   accumulated."""
-  trainer = Pretraining(load_config('llama_tiny', SMALL + COMMON + overrides), devices)
+  trainer = Pretraining(load_config(preset, SMALL + COMMON + overrides), devices)
   state, batch = trainer.init_state(), next(trainer.train_batches)
   loss = PretrainingLoss(trainer.assembly)
   grad_fn = jax.value_and_grad(loss, has_aux=True)
@@ -50,30 +55,34 @@ def gradients(overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
   return {'grads': grads, 'sums': sums}
 
 
-def reference() -> dict:
-  return computed_once('pipelined_step_reference', lambda: gradients([], jax.devices()[:1]))
+def reference(preset: str, overrides: list[str]) -> dict:
+  """One device's, the microbatches accumulated (shared by the meshes and schedules)."""
+  same = [o for o in overrides if not o.startswith('mesh.')]
+  return computed_once(f'pipelined_step_reference_{preset}',
+                       lambda: gradients(preset, same, jax.devices()[:1]))
 
 
 @pytest.mark.parametrize('schedule', [s if s == 'gpipe' else pytest.param(s, marks=pytest.mark.long(0.3))
                                       for s in SCHEDULES])
 @pytest.mark.parametrize('mesh', MESHES)
 def test_the_pipelined_step_equals_the_accumulated_one(mesh, schedule):
-  want = reference()
-  got = gradients(MESHES[mesh] + SCHEDULES[schedule], jax.devices())
-  np.testing.assert_allclose(got['sums']['nll'], want['sums']['nll'], rtol=1e-6)
+  preset, overrides = MESHES[mesh]
+  want = reference(preset, overrides)
+  got = gradients(preset, overrides + SCHEDULES[schedule], jax.devices())
+  for key, value in flatten_dict(want['sums'], sep='/').items():  # the token loss, and routed the aux terms, counts
+    np.testing.assert_allclose(flatten_dict(got['sums'], sep='/')[key], value, rtol=1e-6, err_msg=key)
   flat = jax.tree_util.tree_flatten_with_path(want['grads'])[0]
   scale = max(np.abs(g).max() for _, g in flat)
   for (path, w), g in zip(flat, jax.tree.leaves(got['grads'])):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
-  nan = gradients(MESHES[mesh] + SCHEDULES[schedule], jax.devices(), bubble=float('nan'))
-  assert nan['sums']['nll'] == got['sums']['nll']
-  for g, n in zip(jax.tree.leaves(got['grads']), jax.tree.leaves(nan['grads'])):
+  nan = gradients(preset, overrides + SCHEDULES[schedule], jax.devices(), bubble=float('nan'))
+  for g, n in zip(jax.tree.leaves(got), jax.tree.leaves(nan)):
     np.testing.assert_array_equal(n, g)
 
 
 def test_the_train_step_runs_its_microbatches_through_one_tick_loop():
   """The compiled step holds the forward and backward tick loops, m + p - 1 ticks each, and no accumulation loop."""
-  config = load_config('llama_tiny', SMALL + COMMON + MESHES['stage 4 x fsdp 2'])
+  config = load_config('llama_tiny', SMALL + COMMON + MESHES['stage 4 x fsdp 2'][1])
   trainer = Pretraining(config, jax.devices())
   step = make_train_step(trainer.assembly, PretrainingLoss(trainer.assembly))
   text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
@@ -110,10 +119,11 @@ def test_what_the_stages_cannot_run_is_one_line(overrides, message):
     load_config('llama_tiny', SMALL + COMMON + overrides)
 
 
-@pytest.mark.parametrize('preset, message', [
-  ('t5_tiny', r'does not pipeline its two stacks over mesh.stage'),
-  ('moe_tiny', r'mesh.stage=2 does not yet pipeline routed experts'),
+@pytest.mark.parametrize('preset, overrides, message', [
+  ('t5_tiny', [], r'does not pipeline its two stacks over mesh.stage'),
+  ('moe_tiny', ['model.moe.first_dense=1'], r'the runs of dense and routed layers \(1 and 3 layers: model.moe\) are pipelined one after the '
+               r'other, and mesh.stage=2 x model.execution.pipeline.repeats=1 does not divide each'),
 ])
-def test_families_the_stages_cannot_run_are_one_line(preset, message):
+def test_families_the_stages_cannot_run_are_one_line(preset, overrides, message):
   with pytest.raises(ConfigError, match=message):
-    load_config(preset, ['mesh.stage=2', 'model.execution.scan_layers=true'])
+    load_config(preset, ['mesh.stage=2', 'model.execution.scan_layers=true', *overrides])
