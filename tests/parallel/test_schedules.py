@@ -62,6 +62,19 @@ def test_1f1b_holds_a_bound_in_p_and_gpipe_holds_every_microbatch():
   assert table('circular', 4, 8, 2).in_flight() == [16] * 4
 
 
+@pytest.mark.parametrize('p, m', [(p, m) for p in range(1, 9) for m in (1, 2, 3, p, 2 * p + 1, 4 * p)])
+def test_each_1f1b_input_arrives_the_tick_before_it_is_used(p, m):
+  """So the tick loop (lm.parallel.one_f_one_b) needs one receive buffer each way, no inbox; the last stage's
+  backward takes the gradient of its own forward of that tick."""
+  when = {(x.kind, s, x.microbatch): t for t, tick in enumerate(table('1f1b', p, m).ticks)
+          for s, slots in enumerate(tick) for x in slots}
+  for (kind, s, i), t in when.items():
+    if kind == 'F' and s > 0:
+      assert when['F', s - 1, i] == t - 1
+    if kind == 'B':
+      assert when['B', s + 1, i] == t - 1 if s < p - 1 else when['F', s, i] == t
+
+
 @pytest.mark.parametrize('schedule, p, m, r', CASES)
 def test_ticks_and_sends(schedule, p, m, r):
   t = table(schedule, p, m, r)
