@@ -190,6 +190,8 @@ class PipelineConfig:
   `train.microbatches` through the stages in one fill and drain."""
   schedule: PipelineSchedule = 'gpipe'  # gpipe | circular: the stages passed `repeats` times (a smaller bubble)
   repeats: int = 1  # circular: passes through the stages, each stage holding that many runs of layers
+  gather_once: bool = False  # a stage's weights gathered whole over fsdp once a step, before the tick loop, rather
+  # than each layer's at each tick (a stage's params whole on each of its devices: for models whose stages fit)
 
   def check(self) -> None:
     if self.repeats < 1:

@@ -18,7 +18,7 @@ from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.pipeline import active_pipelining, join_rows, pipelined, split_rows
-from lm.parallel.rules import active_sharding, constrain
+from lm.parallel.rules import active_sharding, constrain, sharding_for, unsharded
 
 PROJECTIONS = ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
 REMAT_POLICIES = {
@@ -176,6 +176,8 @@ class Stack(nn.Module):
     params = {'block': jax.tree.map(staged, self.variables['params'][name]),
               'layer': staged(jnp.arange(start, start + n, dtype=jnp.int32))}
     block = Block(cfg, self.causal, self.num_layers, self.cross, routed, parent=None)
+    if cfg.execution.pipeline.gather_once:
+      params['block'] = _gathered(block, params['block'], x)
     rng = jax.random.split(self.make_rng('dropout'), m) if not deterministic else None
 
     def layer(h: jax.Array, p: Any, sides: dict[str, Any]) -> tuple[jax.Array, Any]:
@@ -211,6 +213,20 @@ class Stack(nn.Module):
     offset = position.value
     position.value = offset + length
     return relpos(length, slots.value.shape[0], offset)
+
+
+def _gathered(block: Block, params: Any, x: jax.Array) -> Any:
+  """A pipelined run's params ([repeats, stages, layers per stage, ...]) constrained whole over the mesh axes that
+  shard their `embed` dims (fsdp), so that they are gathered once, before the tick loop, and their gradients
+  reduce-scattered once after it; heads, MLP units and experts stay split."""
+  mesh, rules = active_sharding()
+  with unsharded():
+    boxed = jax.eval_shape(lambda: block.init(jax.random.key(0), x[:1], None, None, None, None, None, True, False, 0))
+  whole = tuple((name, None if name == 'embed' else entry) for name, entry in rules)
+  constrain_to = lambda names, a: jax.lax.with_sharding_constraint(
+    a, sharding_for((None, 'layers', None, *names), a.shape, mesh, whole))
+  return jax.tree.map(constrain_to, nn.get_partition_spec(boxed)['params'], params,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 class Sown(nn.Module):

@@ -91,6 +91,16 @@ def sharding_context(mesh: Mesh, rules: LogicalRules = RULES) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+  """No `sharding_context` while tracing what needs none (the shapes of a layer's params)."""
+  token = _ACTIVE.set(None)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
 def active_sharding() -> tuple[Mesh, LogicalRules] | None:
   """The (mesh, rules) of the enclosing `sharding_context`, if any."""
   return _ACTIVE.get()

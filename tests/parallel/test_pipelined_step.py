@@ -1,7 +1,8 @@
 """A train step on a mesh with stages pipelines the layer stack (`model.execution.pipeline`) over its
 `train.microbatches` in one fill and drain, composed with the other mesh axes: its loss and every gradient equal the
 one-device step's with the same microbatches (accumulated), whatever the stages' buffers hold before the first send
-(NaN), routed experts' statistics and token counts included; a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
+(NaN), routed experts' statistics and token counts included, also with a stage's weights gathered once (no
+all-gather left in the loops); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
 """
 import re
 
@@ -33,7 +34,12 @@ SCHEDULES = {
   'gpipe': ['model.execution.pipeline.schedule=gpipe'],
   'circular': ['model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
                'model.execution.remat=full'],
+  'circular, gathered once': ['model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
+                              'model.execution.pipeline.gather_once=true'],
 }
+CASES = [pytest.param(mesh, schedule, marks=() if schedule == 'gpipe' else pytest.mark.long(0.3))
+         for mesh in MESHES for schedule in SCHEDULES
+         if schedule != 'circular, gathered once' or 'fsdp' in mesh and 'stage 4' not in mesh]
 
 
 def gradients(preset: str, overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
@@ -62,9 +68,7 @@ def reference(preset: str, overrides: list[str]) -> dict:
                        lambda: gradients(preset, same, jax.devices()[:1]))
 
 
-@pytest.mark.parametrize('schedule', [s if s == 'gpipe' else pytest.param(s, marks=pytest.mark.long(0.3))
-                                      for s in SCHEDULES])
-@pytest.mark.parametrize('mesh', MESHES)
+@pytest.mark.parametrize('mesh, schedule', CASES)
 def test_the_pipelined_step_equals_the_accumulated_one(mesh, schedule):
   preset, overrides = MESHES[mesh]
   want = reference(preset, overrides)
@@ -88,6 +92,21 @@ def test_the_train_step_runs_its_microbatches_through_one_tick_loop():
   text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
   trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', text)]
   assert trips.count(MICROBATCHES + 4 - 1) == 2 and MICROBATCHES not in trips, trips
+
+
+@pytest.mark.parametrize('once', [False, True])
+def test_gathering_once_takes_the_weights_all_gathers_out_of_the_loops(once):
+  """Gathered once, a stage's fsdp-sharded weights are gathered before the tick loop; else each layer's at each tick
+  (inside the layers' loop, inside the tick loop)."""
+  config = load_config('llama_tiny', SMALL + COMMON + ['mesh.stage=2', 'mesh.fsdp=4', 'model.num_layers=4',
+                                                       f'model.execution.pipeline.gather_once={once}'])
+  trainer = Pretraining(config, jax.devices())
+  step = make_train_step(trainer.assembly, PretrainingLoss(trainer.assembly))
+  text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
+  bodies = [re.search(rf'^{re.escape(body)} .*?^}}', text, re.M | re.S)[0]
+            for body in re.findall(r'while\(.*body=(%[\w.-]+)', text)]
+  gathers = [body.count('all-gather(') for body in bodies]
+  assert (sum(gathers) == 0) == once, gathers
 
 
 @pytest.mark.long(0.5)
