@@ -109,7 +109,7 @@ def shard_bytes(tree: Any, memory: str = 'device') -> int:
   return total
 
 
-def _compute_bytes(cfg: ModelConfig) -> int:
+def compute_bytes(cfg: ModelConfig) -> int:
   """Bytes of one activation element in the compute dtype."""
   return 4 if cfg.execution.dtype == 'float32' else 2
 
@@ -117,7 +117,7 @@ def _compute_bytes(cfg: ModelConfig) -> int:
 def saved_per_token(cfg: ModelConfig, tensor: int) -> dict[str, float]:
   """Bytes per token and layer of the tensors remat saves by name (what model.execution.offload can move to the
   host): full remat's layer input, projections' five outputs; empty for the other policies."""
-  width = _compute_bytes(cfg)
+  width = compute_bytes(cfg)
   hd = cfg.num_heads * cfg.resolved_head_dim
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
   if cfg.execution.remat == 'full':
@@ -163,7 +163,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int, p
   `gathered_layer_bytes` and the state, against compiles for v5p: mixtral_8x7b at 8 to 27 rows within 6%,
   llama2_7b at 32 to 68 within 6% (tests/planning/test_compile.py).
   """
-  width = _compute_bytes(cfg)
+  width = compute_bytes(cfg)
   hd = cfg.num_heads * cfg.resolved_head_dim
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
   probabilities = cfg.num_heads * seq_len * 4 / tensor if keeps_probabilities(cfg, platform) else 0
@@ -195,7 +195,7 @@ def gathered_layer_bytes(cfg: ModelConfig, params: Any, mesh: Mesh) -> int:
   dtype and its float32 gradient before the reduce-scatter: a layer's share of the non-embedding parameters."""
   if axis_size(mesh, 'embed') == 1:
     return 0
-  width = _compute_bytes(cfg)
+  width = compute_bytes(cfg)
   per_layer = count_params(params)['non_embedding'] / cfg.num_layers / axis_size(mesh, 'heads')
   return int(per_layer * (width + 4))
 

@@ -41,6 +41,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]}, '
              f'{mesh["devices"]} {mesh["platform"]} devices)'),
   ]
+  if 'pipeline' in report:
+    from lm.planning.stages import stages_lines
+    lines += stages_lines(report['pipeline'])
   lines += [(f'memory/device: {k}', format_bytes(v)) for k, v in mem.items()]
   for k, v in report.get('compiled_memory_per_device', {}).items():
     lines.append((f'compiled memory/device: {k}', format_bytes(v)))

@@ -71,8 +71,12 @@ class Table:
 
   def sends(self) -> int:
     """Stage-to-stage transfers of one microbatch's activations or gradients over the step."""
-    return sum(1 for tick in self.ticks for s, slots in enumerate(tick) for x in slots
-               if not _last_hop(x, s, self.stages, self.repeats))
+    return sum(self.stage_sends())
+
+  def stage_sends(self) -> list[int]:
+    """Per stage, the transfers it sends over the step."""
+    return [sum(1 for tick in self.ticks for x in tick[s] if not _last_hop(x, s, self.stages, self.repeats))
+            for s in range(self.stages)]
 
 
 def _last_hop(slot: Slot, stage: int, stages: int, repeats: int) -> bool:

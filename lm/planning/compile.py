@@ -26,6 +26,7 @@ from lm.parallel.chips import hbm_bytes, host_bytes, peak_flops, physical_topolo
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
 from lm.planning.breakdown import compile_with_breakdown, format_breakdown
+from lm.planning.stages import stages_lines, stages_report
 from lm.train.step import compile_train_step, lower_train_step
 
 
@@ -85,6 +86,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'step_seconds_at_peak': at_peak, 'assumed_mfu': assumed_mfu, 'step_seconds': at_peak / assumed_mfu,
     'tokens_per_sec': tokens * assumed_mfu / at_peak, 'compile_seconds': compile_s,
   }
+  if (stages := stages_report(config, assembly.mesh)) is not None:
+    report['pipeline'] = stages
   if cost is not None:
     report['cost_per_device'] = cost
   if error is not None:
@@ -175,6 +178,7 @@ def format_report(r: dict[str, Any]) -> str:
     ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]})'),
     ('remat / scan / attention', f'{r["remat"]} / {r["scan_layers"]} / {r["attention_impl"]}, {r["dtype"]}'),
     ('batch', f'{r["global_batch"]} x {r["seq_len"]} tokens in {r["microbatches"]} microbatch(es)'),
+    *(stages_lines(r['pipeline']) if 'pipeline' in r else []),
   ]
   lines += [(f'memory/device: {k}', format_bytes(mem[k])) for k in ('arguments', 'outputs', 'aliased', 'temp', 'total')]
   lines.append(('memory/device: planned', f'{format_bytes(r["estimated_memory"])} (--plan\'s estimate, '
@@ -228,6 +232,8 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
              'platform': jax.default_backend()},
     'memory_per_device': estimate_memory(config, assembly.abstract_state, assembly.mesh),
   }
+  if (stages := stages_report(config, assembly.mesh)) is not None:
+    report['pipeline'] = stages
   if compile_step:
     report['compiled_memory_per_device'] = compiled_memory(compile_train_step(assembly))
   return report
