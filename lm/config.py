@@ -1205,7 +1205,8 @@ def _check_data(config: Config) -> None:
 
 
 def _check_pipeline(config: Config) -> None:
-  """A mesh with stages: a scanned stack that the stages split evenly, enough microbatches."""
+  """A mesh with stages: a scanned stack with a layer for every stage (of each run of dense and routed layers),
+  enough microbatches."""
   stages, m, t = config.mesh.stage, config.model, config.train
   if stages <= 1:
     return
@@ -1214,15 +1215,13 @@ def _check_pipeline(config: Config) -> None:
   if not m.execution.scan_layers:
     raise ConfigError(f'mesh.stage={stages} pipelines the scanned layer stack; set model.execution.scan_layers=true '
                       f'{fix}')
-  if m.num_layers % (stages * p.repeats):
-    raise ConfigError(f'model.num_layers={m.num_layers} does not split into mesh.stage={stages} x model.execution.'
-                      f'pipeline.repeats={p.repeats} equal runs of layers; choose stages and repeats whose product '
-                      f'divides it')
-  runs = [len(list(run)) for _, run in itertools.groupby(m.moe.routed(i) for i in range(m.num_layers))]
-  if any(n % (stages * p.repeats) for n in runs):
-    raise ConfigError(f'the runs of dense and routed layers ({" and ".join(map(str, runs))} layers: model.moe) are '
-                      f'pipelined one after the other, and mesh.stage={stages} x model.execution.pipeline.repeats='
-                      f'{p.repeats} does not divide each; choose stages and repeats that do')
+  runs = [(routed, len(list(run))) for routed, run in itertools.groupby(m.moe.routed(i) for i in range(m.num_layers))]
+  routed, shortest = min(runs, key=lambda run: run[1])
+  if shortest < stages * p.repeats:
+    what = f'model.num_layers={m.num_layers}' if len(runs) == 1 else \
+        f'a run of {shortest} {"routed" if routed else "dense"} layer(s) (model.moe), pipelined on its own,'
+    raise ConfigError(f'{what} cannot fill mesh.stage={stages} x model.execution.pipeline.repeats={p.repeats} '
+                      f'stages: each needs a layer; use fewer stages or repeats')
   if p.schedule == 'circular' and t.microbatches < stages:
     raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: the circular schedule '
                       f'feeds a microbatch back to the first stage; use at least {stages} microbatches')

@@ -172,9 +172,14 @@ class Stack(nn.Module):
     cfg, plan = self.cfg, active_pipelining()
     mesh = active_sharding()[0]
     stages, repeats, m = mesh.shape['stage'], cfg.execution.pipeline.repeats, plan.microbatches
-    staged = lambda a: a.reshape(repeats, stages, n // (repeats * stages), *a.shape[1:])
+    # a count the stages do not divide runs padded at the end by layers that pass their input on (the last stages'
+    # share is smaller), whose params are zeros and whose statistics are dropped
+    per_stage = -(-n // (repeats * stages))
+    padded = per_stage * repeats * stages
+    staged = lambda a: jnp.pad(a, [(0, padded - n)] + [(0, 0)] * (a.ndim - 1)).reshape(
+      repeats, stages, per_stage, *a.shape[1:])
     params = {'block': jax.tree.map(staged, self.variables['params'][name]),
-              'layer': staged(jnp.arange(start, start + n, dtype=jnp.int32))}
+              'layer': jnp.arange(start, start + padded, dtype=jnp.int32).reshape(repeats, stages, per_stage)}
     block = Block(cfg, self.causal, self.num_layers, self.cross, routed, parent=None)
     if cfg.execution.pipeline.gather_once:
       params['block'] = _gathered(block, params['block'], x)
@@ -184,7 +189,7 @@ class Stack(nn.Module):
       rngs = {} if deterministic else {'dropout': jax.random.fold_in(sides['rng'], p['layer'])}
       (y, _), sown = block.apply({'params': p['block']}, h, sides['segment_ids'], sides['positions'], None, None,
                                  None, deterministic, False, p['layer'], rngs=rngs, mutable=['intermediates'])
-      return y, sown.get('intermediates', {})  # a routed layer's statistics
+      return jnp.where(p['layer'] < start + n, y, h), sown.get('intermediates', {})  # a routed layer's statistics
     if cfg.execution.remat != 'none':
       layer = jax.checkpoint(layer, policy=remat_policy(cfg.execution), prevent_cse=False)
 
@@ -194,7 +199,7 @@ class Stack(nn.Module):
     sides = {'segment_ids': split(segment_ids), 'positions': split(positions), 'rng': rng}
     out, sown = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
     # [microbatches, repeats, stages, layers per stage, ...] -> [microbatches, layers, ...], as the scan sows them
-    Sown(name=name)(jax.tree.map(lambda a: a.reshape(m, n, *a.shape[4:]), sown))
+    Sown(name=name)(jax.tree.map(lambda a: a.reshape(m, padded, *a.shape[4:])[:, :n], sown))
     return constrain(join_rows(out), ('batch', 'length', 'embed'))
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:

@@ -54,8 +54,9 @@ def without(axis: str, rules: LogicalRules = RULES) -> LogicalRules:
   return tuple((name, drop(entry)) for name, entry in rules)
 
 
-# Grouped-query attention may have fewer key/value heads than tensor devices: those stay replicated.
-REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads'})
+# Grouped-query attention may have fewer key/value heads than tensor devices: those stay replicated; so do the layers
+# of a stack the pipeline stages do not split evenly (each stage runs its share, padded: `lm.models.transformer`).
+REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads', 'layers'})
 
 # The config field that sets each logical dimension, so an uneven split names what to change.
 AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
