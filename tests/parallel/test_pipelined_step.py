@@ -5,6 +5,7 @@ one-device step's with the same microbatches (accumulated), whatever the stages'
 all-gather left in the loops); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
 """
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -39,6 +40,10 @@ SCHEDULES = {
   'circular, gathered once': ['model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
                               'model.execution.pipeline.gather_once=true'],
 }
+# NaN in the buffers, on a case of each kind: bubbles with collectives inside a stage (ring attention), routed
+# statistics, several bubbles a stage (4 stages)
+NAN_FILLED = {('stage 4 x fsdp 2', 'gpipe'), ('stage 2 x sequence 2 x fsdp 2', 'gpipe'),
+              ('stage 2 x expert 2 x fsdp 2', 'circular')}
 CASES = [pytest.param(mesh, schedule, marks=() if schedule == 'gpipe' else pytest.mark.long(0.3))
          for mesh in MESHES for schedule in SCHEDULES
          if schedule == 'gpipe' or 'layers' not in mesh and (schedule == 'circular' or 'stage 2' in mesh and 'fsdp' in mesh)]
@@ -81,6 +86,8 @@ def test_the_pipelined_step_equals_the_accumulated_one(mesh, schedule):
   scale = max(np.abs(g).max() for _, g in flat)
   for (path, w), g in zip(flat, jax.tree.leaves(got['grads'])):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+  if (mesh, schedule) not in NAN_FILLED:
+    return
   nan = gradients(preset, overrides + SCHEDULES[schedule], jax.devices(), bubble=float('nan'))
   for g, n in zip(jax.tree.leaves(got), jax.tree.leaves(nan)):
     np.testing.assert_array_equal(n, g)
@@ -118,8 +125,9 @@ def test_a_pipelined_run_resumes_on_other_stage_counts(tmp_path):
     f'train.run_dir={tmp_path}/{name}', *extra]), jax.devices()).run()
   losses = lambda name: {r['step']: r['loss'] for r in read_metrics(tmp_path / name) if 'loss' in r}
   run('straight', 'mesh.stage=4')
+  run('half', 'mesh.stage=4', 'train.steps=2')
   for stages in (1, 2):
-    run(f'to_{stages}', 'mesh.stage=4', 'train.steps=2')
+    shutil.copytree(tmp_path / 'half', tmp_path / f'to_{stages}')
     run(f'to_{stages}', f'mesh.stage={stages}', 'train.resume=true')
     a, b = losses('straight'), losses(f'to_{stages}')
     assert sorted(b) == [1, 2, 3, 4]
