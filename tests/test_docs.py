@@ -137,6 +137,7 @@ OFFLINE_ONLY = {  # a command's start -> why this machine cannot run it
   'lm finetune --task sst2 --source tfds': 'TFDS glue/sst2 must be downloaded to be prepared',
   'python -m maxtext.trainers.pre_train.train_compile': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
   'python bench/maxtext_breakdown.py': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
+  'python bench/pipeline_side_by_side.py': 'MaxText 0.2.5 needs Python 3.12 and an environment of its own',
 }
 
 ROWS_TEST = ('tests/bench/test_rows_per_device.py::'
