@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from lm.config import load_config, preset_slice
-from lm.planning.breakdown import read_peak, summarize
+from lm.planning.breakdown import printed_memory, read_peak, summarize
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.planning.compile import compile_report
 from lm.report import format_bytes, format_lines, write_json
@@ -31,7 +30,6 @@ MAXTEXT = {
                    'sparse_matmul=True', 'megablox=True', 'num_vocab_tiling=8', 'load_balance_loss_weight=0.001'],
   'llama2_7b': ['model_name=llama2-7b', 'max_target_length=4096', 'num_vocab_tiling=16'],
 }
-_STATS = re.compile(r'Memory analysis: CompiledMemoryStats\((.*?)\)')
 
 
 def maxtext_side(venv: Path, preset: str, rows: int, top: int) -> dict[str, Any]:
@@ -47,14 +45,11 @@ def maxtext_side(venv: Path, preset: str, rows: int, top: int) -> dict[str, Any]
                'run_name=breakdown', f'base_output_directory={directory}/out', 'enable_checkpointing=false',
                *MAXTEXT[preset]]
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-    stats = _STATS.search(out.stdout + out.stderr)
-    if stats is None:
+    memory = printed_memory(out.stdout + out.stderr)
+    if memory is None:
       raise SystemExit(f'MaxText printed no memory analysis (exit {out.returncode}):\n{out.stderr[-2000:]}')
-    fields = {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', stats.group(1))}
-    total = (fields['argument_size_in_bytes'] + fields['output_size_in_bytes'] - fields['alias_size_in_bytes']
-             + fields['temp_size_in_bytes'] + fields['generated_code_size_in_bytes'])
     live = sorted(dump.glob('*jit_train_step*live-range.txt'))[-1].read_text()
-    return {'total': total, 'temp': fields['temp_size_in_bytes'], 'breakdown': summarize(*read_peak(live), top)}
+    return {**memory, 'breakdown': summarize(*read_peak(live), top)}
 
 
 def lm_side(preset: str, rows: int, top: int, overrides: list[str]) -> dict[str, Any]:

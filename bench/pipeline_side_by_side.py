@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lm.parallel.chips import physical_topology, topology_devices
+from lm.planning.breakdown import printed_memory
 from lm.report import format_bytes, format_lines, write_json
 
 STAGES, MICROBATCHES, LAYERS = 4, 16, 32
@@ -29,7 +29,6 @@ CASES = {  # name: (lm's overrides, MaxText's)
   'circular': (['model.execution.pipeline.schedule=circular', f'model.execution.pipeline.repeats={LAYERS // STAGES}'],
                ['num_layers_per_pipeline_stage=1']),
 }
-_STATS = re.compile(r'Memory analysis: CompiledMemoryStats\((.*?)\)')
 
 
 def lm_side(case: str, topology: str, rows: int) -> dict[str, Any]:
@@ -60,13 +59,10 @@ def maxtext_side(venv: Path, case: str, topology: str, rows: int) -> dict[str, A
     start = time.perf_counter()
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - start
-  stats = _STATS.search(out.stdout + out.stderr)
-  if stats is None:
+  memory = printed_memory(out.stdout + out.stderr)
+  if memory is None:
     raise SystemExit(f'MaxText printed no memory analysis (exit {out.returncode}):\n{out.stderr[-2000:]}')
-  fields = {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', stats.group(1))}
-  total = (fields['argument_size_in_bytes'] + fields['output_size_in_bytes'] - fields['alias_size_in_bytes']
-           + fields['temp_size_in_bytes'] + fields['generated_code_size_in_bytes'])
-  return {'total': total, 'compile_seconds': seconds}
+  return {'total': memory['total'], 'compile_seconds': seconds}
 
 
 def main() -> None:

@@ -73,6 +73,18 @@ def read_peak(text: str) -> tuple[int, list[tuple[str, int]]]:
   return peak, entries
 
 
+def printed_memory(output: str) -> dict[str, int] | None:
+  """The total a device needs (arguments + outputs - aliased + temporaries + code, as lm counts) and the temporaries,
+  from the `CompiledMemoryStats(...)` a process printed (MaxText's train_compile); None when it printed none."""
+  stats = re.search(r'CompiledMemoryStats\((.*?)\)', output)
+  if stats is None:
+    return None
+  f = {k: int(v) for k, v in re.findall(r'(\w+)=(\d+)', stats.group(1))}
+  total = (f['argument_size_in_bytes'] + f['output_size_in_bytes'] - f['alias_size_in_bytes']
+           + f['temp_size_in_bytes'] + f['generated_code_size_in_bytes'])
+  return {'total': total, 'temp': f['temp_size_in_bytes']}
+
+
 def part_of(path: str) -> str:
   return next((part for part, pattern in PARTS if re.search(pattern, path)), 'other')
 
