@@ -38,7 +38,7 @@ ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
 Remat = Literal['none', 'full', 'dots', 'projections']
-PipelineSchedule = Literal['gpipe', 'circular']
+PipelineSchedule = Literal['gpipe', 'circular', '1f1b']
 Quantization = Literal['none', 'int8']
 # The activations a layer names for remat (`jax.ad_checkpoint.checkpoint_name`): its input, and the projection
 # outputs remat=projections keeps; model.execution.offload moves any of them to host memory instead.
@@ -188,7 +188,9 @@ class MoeConfig:
 class PipelineConfig:
   """The layer stack split over the `stage` mesh axis (mesh.stage > 1): each train step runs its
   `train.microbatches` through the stages in one fill and drain."""
-  schedule: PipelineSchedule = 'gpipe'  # gpipe | circular: the stages passed `repeats` times (a smaller bubble)
+  # gpipe | circular: the stages passed `repeats` times (a smaller bubble) | 1f1b: each microbatch's backward as soon
+  # as it leaves the last stage, which takes the loss, so a stage holds at most p microbatches' inputs, not m
+  schedule: PipelineSchedule = 'gpipe'
   repeats: int = 1  # circular: passes through the stages, each stage holding that many runs of layers
   gather_once: bool = False  # a stage's weights gathered whole over fsdp once a step, before the tick loop, rather
   # than each layer's at each tick (a stage's params whole on each of its devices: for models whose stages fit)
@@ -196,9 +198,10 @@ class PipelineConfig:
   def check(self) -> None:
     if self.repeats < 1:
       raise ConfigError(f'model.execution.pipeline.repeats={self.repeats} must be >= 1')
-    if self.schedule == 'gpipe' and self.repeats != 1:
-      raise ConfigError(f'model.execution.pipeline.repeats={self.repeats} needs schedule=circular (gpipe passes the '
-                        f'stages once); set model.execution.pipeline.schedule=circular or repeats=1')
+    if self.schedule != 'circular' and self.repeats != 1:
+      raise ConfigError(f'model.execution.pipeline.repeats={self.repeats} needs schedule=circular '
+                        f'({self.schedule} passes the stages once); set model.execution.pipeline.schedule=circular '
+                        f'or repeats=1')
 
 
 @dataclass(frozen=True)
@@ -1225,6 +1228,12 @@ def _check_pipeline(config: Config) -> None:
   if p.schedule == 'circular' and t.microbatches < stages:
     raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: the circular schedule '
                       f'feeds a microbatch back to the first stage; use at least {stages} microbatches')
+  if p.schedule == '1f1b' and t.microbatches < stages:
+    raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: 1f1b then holds as many '
+                      f'microbatches as gpipe, in more ticks; use at least {stages} microbatches or schedule=gpipe')
+  if p.schedule == '1f1b' and m.moe.num_experts:
+    raise ConfigError('model.execution.pipeline.schedule=1f1b does not run routed experts (model.moe) yet: their '
+                      'auxiliary losses are taken after the stack; use schedule=gpipe or circular')
   if t.noise_scale:
     raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which mesh.stage={stages} '
                       f'never forms (the stages run them together); set train.noise_scale=false {fix}')

@@ -42,6 +42,10 @@ def check_config(config: Config) -> Config:
     routed = ', '.join(n for n, f in FAMILIES.items() if f.routed_mlp) or 'none yet'
     raise ConfigError(f'model.moe.num_experts={config.model.moe.num_experts}: the {family.name} family builds no '
                       f'routed experts (families that do: {routed}); set model.moe.num_experts=0')
+  if config.mesh.stage > 1 and config.model.execution.pipeline.schedule == '1f1b' and not family.loss_in_last_stage:
+    raise ConfigError(f'model.execution.pipeline.schedule=1f1b takes the loss in the last stage, which the '
+                      f'{family.name} family\'s stack cannot (its output layers read more than its last hidden '
+                      f'states); use schedule=gpipe or circular')
   family.validate(config)
   check_attention(config)
   return config

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, LMHead, sinusoidal_positions
 from lm.models.parametrization import Init, readout_input
-from lm.models.transformer import Stack, default_positions
+from lm.models.transformer import Readout, Stack, default_positions
 from lm.ops.unembed import Unembedding
+from lm.parallel.pipeline import loss_taker
 from lm.parallel.rules import constrain
 
 
@@ -54,9 +55,16 @@ class CausalDecoder(nn.Module):
       x = x + pos
     x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
     x = constrain(x, ('batch', 'length', 'embed'))
+    readout = None
+    if not self.is_initializing() and loss_taker(cfg.execution.pipeline.schedule, decode):
+      # 1F1B: the stack applies the output layer and takes the loss in its last stage (the outputs made here are
+      # never read)
+      outputs = head(x[:, :0], embed)
+      readout = Readout(outputs.replace(hidden=None),
+                        lambda p, h: {'logits': p.replace(hidden=readout_input(h, cfg))})
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
-      x, segment_ids, deterministic=deterministic, decode=decode, positions=positions)
-    return head(x, embed)
+      x, segment_ids, deterministic=deterministic, decode=decode, positions=positions, readout=readout)
+    return head(x, embed) if readout is None else outputs
 
 
 def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:

@@ -78,6 +78,8 @@ class Family:
   # None: no such norm
   readout_norm: ClassVar[tuple[str, ...] | None] = None
   routed_mlp: ClassVar[bool] = False  # whether its blocks build routed experts (model.moe)
+  # whether its module hands a pipelined stack its output layer, so that the last stage takes the loss (1F1B)
+  loss_in_last_stage: ClassVar[bool] = False
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
@@ -161,6 +163,7 @@ class DecoderOnly(Family):
   scoring = CAUSAL
   task_head = Classifier(params=('score',))
   readout_norm = ('decoder', 'final_norm')
+  loss_in_last_stage = True
 
   def init(self, model, rng, length):
     """A classifier's params (`model.num_labels`) are made by `classify`: `score`, no output layer."""

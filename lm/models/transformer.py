@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -17,7 +17,8 @@ from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, in_ch
 from lm.models.moe import RoutedMlp
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
-from lm.parallel.pipeline import active_pipelining, join_rows, pipelined, split_rows
+from lm.parallel.one_f_one_b import one_f_one_b
+from lm.parallel.pipeline import LossOffer, active_pipelining, join_rows, loss_taker, pipelined, split_rows
 from lm.parallel.rules import active_sharding, constrain, sharding_for, unsharded
 
 PROJECTIONS = ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
@@ -106,6 +107,13 @@ class Block(nn.Module):
     return constrain(x.astype(dtype), ('batch', 'length', 'embed')), None
 
 
+class Readout(NamedTuple):
+  """The model's output layer as a pure function, `apply(params, last hidden states) -> the family's outputs`, for a
+  stack that takes the loss in its last stage (1F1B)."""
+  params: Any
+  apply: Callable[[Any, jax.Array], dict[str, Any]]
+
+
 class Stack(nn.Module):
   """`num_layers` blocks, scanned (compile time independent of depth) or unrolled.
 
@@ -116,6 +124,8 @@ class Stack(nn.Module):
 
   While a train step pipelines (`lm.parallel.pipeline.pipelining` on a mesh with stages) each run's params, kept
   in that [layers, ...] layout, are read as [repeats, stages, layers per stage, ...] and the run is `pipelined`.
+  Under 1F1B the model hands the stack its `readout`: the last run's last stage applies the final norm and it to each
+  microbatch and takes the step's offered loss (`lm.parallel.pipeline.loss_taker`); the stack then returns its input.
   """
   cfg: ModelConfig
   causal: bool
@@ -125,8 +135,9 @@ class Stack(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, encoded: jax.Array | None = None,
                encoded_segment_ids: jax.Array | None = None, deterministic: bool = True,
-               decode: bool = False, positions: jax.Array | None = None) -> jax.Array:
-    """`positions` [batch, length] feed rotary attention; other position kinds ignore them here."""
+               decode: bool = False, positions: jax.Array | None = None, readout: Readout | None = None) -> jax.Array:
+    """`positions` [batch, length] feed rotary attention; other position kinds ignore them here. `readout`: given
+    when the stack takes the loss (`loss_taker`)."""
     cfg = self.cfg
     bias = self._relative_bias(x.shape[1], decode) if cfg.position == 'relative' else None
     block = Block
@@ -147,17 +158,22 @@ class Stack(nn.Module):
                           length=n, metadata_params={nn.PARTITION_NAME: 'layers'})
         name = scanned_name(start, len(runs) == 1)
         if self._stages(decode) > 1:
-          x = self._pipelined(name, routed[start], x, start, n, segment_ids, positions, deterministic)
+          last = readout if (start, n) == runs[-1] else None
+          x = self._pipelined(name, routed[start], x, start, n, segment_ids, positions, deterministic, last)
           continue
         layers = scanned(cfg, self.causal, self.num_layers, self.cross, routed[start], name=name)
         x, _ = layers(x, *args, jnp.arange(start, start + n, dtype=jnp.int32))
     else:
       for i in range(self.num_layers):
         x, _ = block(cfg, self.causal, self.num_layers, self.cross, routed[i], name=f'layers_{i}')(x, *args, i)
-    if cfg.norm_position != 'post':  # the residual stream itself is never normalised otherwise
-      x = make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype], 'final_norm',
-                    cfg.norm_plus_one)(x)
+    if cfg.norm_position != 'post' and readout is None:  # the residual stream is never normalised otherwise
+      x = self._final_norm()(x)
     return x
+
+  def _final_norm(self) -> nn.Module:
+    cfg = self.cfg
+    return make_norm(cfg.norm, cfg.norm_eps, DTYPES[cfg.execution.dtype], DTYPES[cfg.param_dtype], 'final_norm',
+                     cfg.norm_plus_one)
 
   def _stages(self, decode: bool) -> int:
     """The stages the layers run on: the mesh's while a train step pipelines them, else 1."""
@@ -167,8 +183,9 @@ class Stack(nn.Module):
     return active[0].shape.get('stage', 1)
 
   def _pipelined(self, name: str, routed: bool, x: jax.Array, start: int, n: int, segment_ids: jax.Array | None,
-                 positions: jax.Array | None, deterministic: bool) -> jax.Array:
-    """The run of `n` layers from `start` (params `name`) over the mesh's stages, the batch in microbatches."""
+                 positions: jax.Array | None, deterministic: bool, readout: Readout | None) -> jax.Array:
+    """The run of `n` layers from `start` (params `name`) over the mesh's stages, the batch in microbatches; with
+    `readout`, by 1F1B, taking the loss in the last stage."""
     cfg, plan = self.cfg, active_pipelining()
     mesh = active_sharding()[0]
     stages, repeats, m = mesh.shape['stage'], cfg.execution.pipeline.repeats, plan.microbatches
@@ -197,10 +214,29 @@ class Stack(nn.Module):
       return jax.lax.scan(lambda h, p: layer(h, p, sides), h, p)
     split = lambda a: None if a is None else split_rows(a, m)
     sides = {'segment_ids': split(segment_ids), 'positions': split(positions), 'rng': rng}
+    if readout is not None:
+      offer = loss_taker(cfg.execution.pipeline.schedule)
+      sides['rows'] = jax.tree.map(split, offer.batch)
+      params = jax.tree.map(lambda a: a[0], params)  # one repeat: [stages, layers per stage, ...]
+      self._take_loss(offer, readout, lambda p, h, sides: stage(p, h, sides)[0], params, split_rows(x, m), sides)
+      return x
     out, sown = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
     # [microbatches, repeats, stages, layers per stage, ...] -> [microbatches, layers, ...], as the scan sows them
     Sown(name=name)(jax.tree.map(lambda a: a.reshape(m, padded, *a.shape[4:])[:, :n], sown))
     return constrain(join_rows(out), ('batch', 'length', 'embed'))
+
+  def _take_loss(self, offer: LossOffer, readout: Readout, stage: Callable, params: Any, xs: jax.Array,
+                 sides: dict[str, Any]) -> None:
+    """1F1B over the stages, the final norm, `readout` and the offered loss applied to each microbatch in the last;
+    the batch's loss and sums left in `offer`."""
+    norm = self._final_norm().clone(parent=None) if self.cfg.norm_position != 'post' else None
+    head = {'readout': readout.params, 'norm': self.variables['params'].get('final_norm', {})}
+
+    def loss(head: Any, y: jax.Array, sides: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
+      y = y if norm is None else norm.apply({'params': head['norm']}, y)
+      return offer.loss(readout.apply(head['readout'], y), sides['rows'])
+    offer.taken = one_f_one_b(stage, loss, params, head, xs, active_sharding()[0], sides,
+                              bubble=active_pipelining().bubble)
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:
     """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""

@@ -15,7 +15,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
   """
   logits = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logits = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  # a sum, not a gather: inside a pipeline stage XLA's partitioner aborts on a gather from logits whose vocab dim is
+  # sharded (tensor); the tiled loss does the same
+  is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+  target_logits = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
   weights = weights.astype(jnp.float32)
   nll, z = weighted_sums(z_loss, log_z, target_logits, weights)
   return nll, z, jnp.sum(weights)

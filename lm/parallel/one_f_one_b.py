@@ -2,13 +2,14 @@
 arrives, so it holds at most 2 (p - s) - 1 microbatches' stage inputs, whatever the number of microbatches m.
 
 `one_f_one_b(layer, loss, params, head, xs, mesh)` is sum_i loss(head, layers(xs[i])) for params [stages, ...] (the
-stages dim over mesh `axis`), and its gradients for params, head and xs come from a custom VJP: the forward pass of
-the tick loop already computed them. Each tick follows `lm.parallel.schedules.table('1f1b', p, m)`: a stage runs its
-F slot (stashing its input; the last stage also takes the loss and its gradient, for its B slot of the same tick)
-and its B slot (the stage's forward recomputed from the stashed input, then its VJP), hands the F output to the next
-stage and the B output to the previous one (two `ppermute`s; each arrives the tick it is used), and stage 0 writes
-each microbatch's input gradient over that microbatch's input, which it no longer needs. A slot with nothing to run
-computes on zeros, whatever its buffers hold, and its results are dropped.
+stages dim over mesh `axis`), with the sums the loss reports beside it added up too, and its gradients for params,
+head and xs come from a custom VJP: the forward pass of the tick loop already computed them. Each tick follows
+`lm.parallel.schedules.table('1f1b', p, m)`: a stage runs its F slot (stashing its input; the last stage also takes
+the loss and its gradient, for its B slot of the same tick) and its B slot (the stage's forward recomputed from the
+stashed input, then its VJP), hands the F output to the next stage and the B output to the previous one (two
+`ppermute`s; each arrives the tick it is used), and stage 0 writes each microbatch's input gradient over that
+microbatch's input, which it no longer needs. A slot with nothing to run computes on zeros, whatever its buffers hold,
+and its results are dropped.
 
 The loss runs on every stage each tick (kept only on the last): the stages run in step, so a `lax.cond` would save
 no time, and it would hide collectives inside it from some devices.
@@ -27,7 +28,7 @@ from lm.parallel.rules import active_sharding, sharding_context, without
 from lm.parallel.schedules import table
 
 Layer = Callable[[Any, jax.Array, Any], jax.Array]
-Loss = Callable[[Any, jax.Array, Any], jax.Array]
+Loss = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]  # (value, sums: a pytree to add up, not differentiated)
 
 
 def slots(stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -43,11 +44,11 @@ def slots(stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def one_f_one_b(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array, mesh: Mesh, sides: Any = None,
-                axis: str = 'stage', bubble: float = 0.0) -> jax.Array:
-  """sum_i `loss(head, y_i, sides[i])`, y_i being `layer` of each stage's params (params [stages, ...]) in turn on
-  xs[i] ([m, ...]), pipelined by 1F1B over mesh `axis`; differentiable in params, head and xs. `sides` [m, ...] (a
-  pytree) are read by whichever stage runs the microbatch; `bubble`: what the stages' buffers hold before the first
-  send."""
+                axis: str = 'stage', bubble: float = 0.0) -> tuple[jax.Array, Any]:
+  """(sum_i value_i, sum_i sums_i) of `loss(head, y_i, sides[i]) = (value_i, sums_i)`, y_i being `layer` of each
+  stage's params (params [stages, ...]) in turn on xs[i] ([m, ...]), pipelined by 1F1B over mesh `axis`;
+  differentiable in params (their inexact leaves), head and xs. `sides` [m, ...] (a pytree) are read by whichever
+  stage runs the microbatch; `bubble`: what the stages' buffers hold before the first send."""
   stages, m = jax.tree.leaves(params)[0].shape[0], xs.shape[0]
   active = active_sharding()
   inside = (lambda: sharding_context(active[0], without(axis, active[1]))) if active else contextlib.nullcontext
@@ -62,8 +63,9 @@ def one_f_one_b(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array,
                           axis_names={axis}, check_vma=False)
 
   def run_all(params, head, xs, sides):
-    total, (grads, head_grads, dxs) = stacked(params, head, xs, sides)
-    return total[-1], (grads, jax.tree.map(lambda a: a[-1], head_grads), dxs[0])
+    (total, sums), (grads, head_grads, dxs) = stacked(params, head, xs, sides)
+    last = lambda tree: jax.tree.map(lambda a: a[-1], tree)
+    return (total[-1], last(sums)), (grads, last(head_grads), dxs[0])
 
   @jax.custom_vjp
   def pipeline(params, head, xs, sides):
@@ -73,6 +75,7 @@ def one_f_one_b(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array,
     return run_all(params, head, xs, sides)
 
   def pipeline_bwd(grads, g):
+    g = g[0]  # the sums are not differentiated; integer params (layer indices) get None: no cotangent
     return (*jax.tree.map(lambda a: (g * a).astype(a.dtype), grads), None)
 
   pipeline.defvjp(pipeline_fwd, pipeline_bwd)
@@ -80,9 +83,9 @@ def one_f_one_b(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array,
 
 
 def _tick_loop(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array, sides: Any,
-               table_slots: tuple[np.ndarray, np.ndarray, int], axis: str, bubble: float) -> tuple[jax.Array, Any]:
-  """One stage's ticks (inside the shard_map): its loss and gradients (params, head, inputs), each with a leading
-  dim of 1 that the stages stack along."""
+               table_slots: tuple[np.ndarray, np.ndarray, int], axis: str, bubble: float) -> tuple[Any, Any]:
+  """One stage's ticks (inside the shard_map): its loss and sums, and gradients (params, head, inputs), each with a
+  leading dim of 1 that the stages stack along."""
   f_slots, b_slots, stash_size = table_slots
   stages = f_slots.shape[1]
   forward = [(s, s + 1) for s in range(stages - 1)]
@@ -93,7 +96,7 @@ def _tick_loop(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array, 
   mask = lambda keep, tree: jax.tree.map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), tree)
 
   def tick(carry, slots_now):
-    received, returned, stash, xs, grads, head_grads, total = carry
+    received, returned, stash, xs, grads, head_grads, total, sums = carry
     i, j = slots_now[0][stage], slots_now[1][stage]
     f_valid, b_valid = i >= 0, j >= 0
     i, j = jnp.maximum(i, 0), jnp.maximum(j, 0)
@@ -101,26 +104,39 @@ def _tick_loop(layer: Layer, loss: Loss, params: Any, head: Any, xs: jax.Array, 
     x = jnp.where(f_valid, jnp.where(stage == 0, xs[i], received), jnp.zeros_like(received))
     stash = stash.at[i % stash_size].set(jnp.where(f_valid, x, stash[i % stash_size]))
     y = layer(params, x, take(sides, i))
-    value, (head_grad, dy) = jax.value_and_grad(loss, (0, 1))(head, y, take(sides, i))
+    (value, sums_i), (head_grad, dy) = jax.value_and_grad(loss, (0, 1), has_aux=True)(head, y, take(sides, i))
     keep = f_valid & last  # the last stage's loss, whose gradient its B slot takes in this same tick
     total, head_grads = total + jnp.where(keep, value, 0.0), jax.tree.map(jnp.add, head_grads, mask(keep, head_grad))
+    sums = jax.tree.map(jnp.add, sums, mask(keep, sums_i))
     # B slot: the stage's forward on microbatch j recomputed from its stash, and its VJP
     xb = jnp.where(b_valid, stash[j % stash_size], jnp.zeros_like(x))
     g = jnp.where(b_valid, jnp.where(last, dy, returned), jnp.zeros_like(dy))
-    _, vjp = jax.vjp(lambda p, x: layer(p, x, take(sides, j)), params, xb)
+    _, vjp = jax.vjp(lambda p, x: layer(_merged(p, params), x, take(sides, j)), _inexact(params), xb)
     param_grad, dx = vjp(g)
     grads = jax.tree.map(jnp.add, grads, mask(b_valid, param_grad))
     xs = xs.at[j].set(jnp.where(b_valid & (stage == 0), dx, xs[j]))  # stage 0 has used xs[j] by now
     received = jax.lax.ppermute(y, axis, forward)
     returned = jax.lax.ppermute(dx, axis, backward)
-    return (received, returned, stash, xs, grads, head_grads, total), None
+    return (received, returned, stash, xs, grads, head_grads, total, sums), None
 
   filler = jnp.full_like(xs[0], bubble)
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-  init = (filler, filler, jnp.full((stash_size, *xs.shape[1:]), bubble, xs.dtype), xs, zeros(params), zeros(head),
-          jnp.zeros((), jnp.float32))
-  (_, _, _, dxs, grads, head_grads, total), _ = jax.lax.scan(tick, init, (jnp.asarray(f_slots),
-                                                                           jnp.asarray(b_slots)))
+  sums_shape = jax.eval_shape(loss, head, layer(params, xs[0], take(sides, 0)), take(sides, 0))[1]
+  init = (filler, filler, jnp.full((stash_size, *xs.shape[1:]), bubble, xs.dtype), xs, zeros(_inexact(params)),
+          zeros(head),
+          jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+  (_, _, _, dxs, grads, head_grads, total, sums), _ = jax.lax.scan(tick, init, (jnp.asarray(f_slots),
+                                                                                 jnp.asarray(b_slots)))
   # per stage, stacked over the stages: the loss and the head's gradients were taken on the last, the inputs'
   # on the first
-  return jax.tree.map(lambda a: a[None], (total, (grads, head_grads, dxs)))
+  return jax.tree.map(lambda a: a[None], ((total, sums), (grads, head_grads, dxs)))
+
+
+def _inexact(tree: Any) -> Any:
+  """`tree` with None for its integer leaves (a layer's index): what has a gradient."""
+  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else None, tree)
+
+
+def _merged(inexact: Any, tree: Any) -> Any:
+  """`tree` with its inexact leaves from `inexact` (`_inexact`'s)."""
+  return jax.tree.map(lambda a, b: b if a is None else a, inexact, tree, is_leaf=lambda a: a is None)

@@ -5,13 +5,15 @@ leading [repeats, stages] layout (layer j p + s of the stack is repeat j's stage
 `stage`); the microbatches xs [m, ...] go in whole and come out whole. Each tick is `lm.parallel.schedules`' table:
 stage s runs work item t - s (microbatch i mod m of repeat i // m), hands its output to stage s + 1 by a `ppermute`
 (the last stage's to stage 0: a circular repeat re-enters there, parked until its tick), and the last stage of the
-last repeat writes the result. A bubble tick (no item) computes on zeros, whatever its buffers hold (`bubble`
-before the first send), and its output is dropped, so nothing of it reaches the outputs or the gradients; the
-backward pass is the tick loop's transpose (GPipe's order, reversed). Inside the stages `lm.parallel.rules.constrain` shards over the other mesh axes (the rules without
-`stage`), so data, fsdp, tensor and sequence splits compose with it.
+last repeat writes the result. A bubble tick (no item) computes on zeros, whatever its buffers hold (`bubble` before
+the first send), and its output is dropped, so nothing of it reaches the outputs or the gradients; the backward pass
+is the tick loop's transpose (GPipe's order, reversed). Inside the stages `lm.parallel.rules.constrain` shards over
+the other mesh axes (the rules without `stage`), so data, fsdp, tensor and sequence splits compose with it.
 
 A train step on a mesh with stages hands its microbatches to the stack through `pipelining(m)`: one fill and drain
-a step, rather than one per accumulated microbatch.
+a step, rather than one per accumulated microbatch. Under 1F1B (`lm.parallel.one_f_one_b`) the last stage takes the
+loss of each microbatch as it leaves the stack: the step's loss offers itself per microbatch (`offering_loss`), and
+a stack that takes it leaves the loss and its sums in the offer.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from lm.config import ConfigError
 from lm.parallel.rules import active_sharding, sharding_context, without
 from lm.parallel.schedules import table
 
@@ -54,6 +57,43 @@ def pipelining(microbatches: int, bubble: float = 0.0) -> Iterator[None]:
 
 def active_pipelining() -> Pipelining | None:
   return _ACTIVE.get()
+
+
+@dataclasses.dataclass
+class LossOffer:
+  """A train step's loss, offered to a stack that takes it in its last stage (1F1B): `loss(outputs, rows)` is
+  (loss, sums) of the family's outputs (an `Unembedding` under 'logits') on a microbatch's `rows` of `batch`,
+  normalised by whole-batch totals, so microbatches' losses and sums add up; a stack that takes it sets `taken` to
+  the batch's (loss, sums)."""
+  loss: Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+  batch: dict[str, jax.Array]
+  taken: tuple[jax.Array, dict[str, jax.Array]] | None = None
+
+
+_OFFER: contextvars.ContextVar[LossOffer | None] = contextvars.ContextVar('lm_loss_offer', default=None)
+
+
+@contextlib.contextmanager
+def offering_loss(loss: Callable, batch: dict[str, jax.Array]) -> Iterator[LossOffer]:
+  """Offers a step's loss per microbatch (`LossOffer`) to the stack traced inside; the offer says whether it took it."""
+  offer = LossOffer(loss, batch)
+  token = _OFFER.set(offer)
+  try:
+    yield offer
+  finally:
+    _OFFER.reset(token)
+
+
+def loss_taker(schedule: str, decode: bool = False) -> LossOffer | None:
+  """The offered loss when a stack traced now takes it in its last stage (a train step pipelining by 1F1B); None
+  otherwise. A 1F1B step whose loss is not offered (a job's own loss) is one line."""
+  plan, active = active_pipelining(), active_sharding()
+  if schedule != '1f1b' or decode or plan is None or active is None or active[0].shape.get('stage', 1) == 1:
+    return None
+  if _OFFER.get() is None:
+    raise ConfigError('model.execution.pipeline.schedule=1f1b takes the loss in the last stage, and this job\'s loss '
+                      'does not offer itself per microbatch; use schedule=gpipe or circular')
+  return _OFFER.get()
 
 
 def split_rows(x: jax.Array, m: int) -> jax.Array:

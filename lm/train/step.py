@@ -20,7 +20,7 @@ from lm.models.moe import update_bias
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
-from lm.parallel.pipeline import pipelining
+from lm.parallel.pipeline import offering_loss, pipelining
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
@@ -116,9 +116,11 @@ class PretrainingLoss:
 
   def __call__(self, params, batch, rng, totals):
     a = self.assembly
-    outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
-    return pretraining_loss(a.family.active_heads(a.config.model), outputs, batch, a.config.train.z_loss,
-                            totals['weight'], totals['sequences'])
+    loss = functools.partial(pretraining_loss, a.family.active_heads(a.config.model), z_loss=a.config.train.z_loss,
+                             total_weight=totals['weight'], total_sequences=totals['sequences'])
+    with offering_loss(loss, batch) as offer:  # a stack pipelined by 1F1B takes it in its last stage
+      outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
+    return offer.taken if offer.taken is not None else loss(outputs, batch)
 
   def metrics(self, sums, totals):
     metrics = {'loss': sums['nll'] / totals['weight'], 'z_loss': sums['z'] / totals['weight'],
@@ -159,8 +161,8 @@ def _gradients(grad_fn: Callable, params: Any, batch: Batch, rng: jax.Array, tot
 
 
 def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """jit(step): gradients of `loss` (the family's pretraining objective: `PretrainingLoss`; a task's) over
-  `train.microbatches` (accumulated, or on a mesh with stages pipelined), one optimizer update, and the non-finite guard of `train.on_nonfinite`; the routed layers'
+  """jit(step): gradients of `loss` (`PretrainingLoss`; a task's) over `train.microbatches` (accumulated, or on a
+  mesh with stages pipelined), one optimizer update, the non-finite guard of `train.on_nonfinite`; routed layers'
   selection biases (`model.moe.bias_rate`) move after the update, from the step's token counts."""
   config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
   seed = config.train.seed

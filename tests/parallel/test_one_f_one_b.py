@@ -27,7 +27,9 @@ def stage(w, x, side):
 
 
 def loss(head, y, side):
-  return jnp.sum((y @ head - side['target']) ** 2) / 100
+  """The microbatch's loss, and a sum reported beside it."""
+  err = y @ head - side['target']
+  return jnp.sum(err ** 2) / 100, {'abs_err': jnp.sum(jnp.abs(err))}
 
 
 def setup(stages, microbatches):
@@ -43,32 +45,34 @@ def setup(stages, microbatches):
 
 
 def sequential(params, head, xs, sides):
-  total = 0.0
+  total, sums = 0.0, {'abs_err': 0.0}
   for i in range(xs.shape[0]):
     x, side = xs[i], jax.tree.map(lambda a: a[i], sides)
     for s in range(params['up'].shape[0]):
       x = stage(jax.tree.map(lambda a: a[s], params), x, side)
-    total = total + loss(head, x, side)
-  return total
+    value, sums_i = loss(head, x, side)
+    total, sums = total + value, jax.tree.map(jnp.add, sums, sums_i)
+  return total, sums
 
 
 def value_and_grads(mesh, params, head, xs, sides, bubble=0.0):
   run = lambda p, h, x: one_f_one_b(stage, loss, p, h, x, mesh, sides, bubble=bubble)
-  return jax.jit(jax.value_and_grad(run, (0, 1, 2)))(params, head, xs)
+  return jax.jit(jax.value_and_grad(run, (0, 1, 2), has_aux=True))(params, head, xs)
 
 
 @pytest.mark.parametrize('stages, microbatches', [(4, 8), (4, 3), (2, 5), (1, 2)])
 def test_one_f_one_b_equals_the_layers_in_turn(stages, microbatches):
   mesh, params, head, xs, sides = setup(stages, microbatches)
-  value, grads = value_and_grads(mesh, params, head, xs, sides)
-  want, want_grads = jax.value_and_grad(sequential, (0, 1, 2))(params, head, xs, sides)
+  (value, sums), grads = value_and_grads(mesh, params, head, xs, sides)
+  (want, want_sums), want_grads = jax.value_and_grad(sequential, (0, 1, 2), has_aux=True)(params, head, xs, sides)
   np.testing.assert_allclose(value, want, rtol=1e-6)
+  np.testing.assert_allclose(sums['abs_err'], want_sums['abs_err'], rtol=1e-6)
   flat, got = jax.tree.leaves(want_grads), jax.tree.leaves(grads)
   scale = max(np.abs(g).max() for g in flat)
   for g, w in zip(got, flat):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
-  nan_value, nan_grads = value_and_grads(mesh, params, head, xs, sides, bubble=float('nan'))
-  assert nan_value == value
+  (nan_value, nan_sums), nan_grads = value_and_grads(mesh, params, head, xs, sides, bubble=float('nan'))
+  assert nan_value == value and nan_sums == sums
   for g, n in zip(got, jax.tree.leaves(nan_grads)):
     np.testing.assert_array_equal(n, g)
 
@@ -76,9 +80,9 @@ def test_one_f_one_b_equals_the_layers_in_turn(stages, microbatches):
 def compiled(schedule, stages, microbatches):
   mesh, params, head, xs, sides = setup(stages, microbatches)
   if schedule == '1f1b':
-    run = lambda p, h, x: one_f_one_b(stage, loss, p, h, x, mesh, sides)
+    run = lambda p, h, x: one_f_one_b(stage, loss, p, h, x, mesh, sides)[0]
   else:
-    run = lambda p, h, x: sum(loss(h, y, jax.tree.map(lambda a: a[i], sides)) for i, y in enumerate(
+    run = lambda p, h, x: sum(loss(h, y, jax.tree.map(lambda a: a[i], sides))[0] for i, y in enumerate(
       pipelined(stage, jax.tree.map(lambda a: a[None], p), x, mesh, sides)))
   return jax.jit(jax.grad(run, (0, 1, 2))).lower(params, head, xs).compile()
 

@@ -1,8 +1,10 @@
 """A train step on a mesh with stages pipelines the layer stack (`model.execution.pipeline`) over its
-`train.microbatches` in one fill and drain, composed with the other mesh axes: its loss and every gradient equal the
+`train.microbatches` in one fill and drain (GPipe, circular), or by 1F1B with the loss taken in the last stage,
+composed with the other mesh axes: its loss and every gradient equal the
 one-device step's with the same microbatches (accumulated), whatever the stages' buffers hold before the first send
-(NaN), routed experts' statistics and token counts included, also with a stage's weights gathered once (no
-all-gather left in the loops); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run is one line.
+(NaN), routed experts' statistics and token counts included, also with a stage's weights gathered once (no all-gather
+left in the loops); a run trained on 4 stages resumes on 1 and on 2 with the same losses; what the stages cannot run
+is one line.
 """
 import re
 import shutil
@@ -15,7 +17,9 @@ from flax.traverse_util import flatten_dict
 
 from lm.config import ConfigError, load_config
 from lm.jobs.pretraining import Pretraining
+from lm.parallel.pipeline import loss_taker, pipelining
 from lm.parallel.rules import sharding_context
+from lm.parallel.schedules import table
 from lm.train.logging import read_metrics
 from lm.train.step import PretrainingLoss, _gradients, lay_out_sequences, make_train_step
 from tests.conftest import SMALL, computed_once
@@ -39,14 +43,25 @@ SCHEDULES = {
                'model.execution.remat=full'],
   'circular, gathered once': ['model.execution.pipeline.schedule=circular', 'model.execution.pipeline.repeats=2',
                               'model.execution.pipeline.gather_once=true'],
+  # the loss taken in the last stage; dense models only (routed experts are refused)
+  '1f1b': ['model.execution.pipeline.schedule=1f1b', 'model.execution.remat=full'],
 }
 # NaN in the buffers, on a case of each kind: bubbles with collectives inside a stage (ring attention), routed
 # statistics, several bubbles a stage (4 stages)
 NAN_FILLED = {('stage 4 x fsdp 2', 'gpipe'), ('stage 2 x sequence 2 x fsdp 2', 'gpipe'),
-              ('stage 2 x expert 2 x fsdp 2', 'circular')}
-CASES = [pytest.param(mesh, schedule, marks=() if schedule == 'gpipe' else pytest.mark.long(0.3))
-         for mesh in MESHES for schedule in SCHEDULES
-         if schedule == 'gpipe' or 'layers' not in mesh and (schedule == 'circular' or 'stage 2' in mesh and 'fsdp' in mesh)]
+              ('stage 2 x expert 2 x fsdp 2', 'circular'), ('stage 2 x sequence 2 x fsdp 2', '1f1b')}
+
+
+def runs(mesh: str, schedule: str) -> bool:
+  if schedule == '1f1b':  # dense models only
+    return 'expert' not in mesh
+  gathered = 'stage 2' in mesh and 'fsdp' in mesh
+  return schedule == 'gpipe' or 'layers' not in mesh and (schedule == 'circular' or gathered)
+
+
+FAST = lambda mesh, schedule: schedule == 'gpipe' or (mesh, schedule) == ('stage 4 x fsdp 2', '1f1b')
+CASES = [pytest.param(mesh, schedule, marks=() if FAST(mesh, schedule) else pytest.mark.long(0.3))
+         for mesh in MESHES for schedule in SCHEDULES if runs(mesh, schedule)]
 
 
 def gradients(preset: str, overrides: list[str], devices: list, bubble: float = 0.0) -> dict:
@@ -93,14 +108,23 @@ def test_the_pipelined_step_equals_the_accumulated_one(mesh, schedule):
     np.testing.assert_array_equal(n, g)
 
 
-def test_the_train_step_runs_its_microbatches_through_one_tick_loop():
-  """The compiled step holds the forward and backward tick loops, m + p - 1 ticks each, and no accumulation loop."""
-  config = load_config('llama_tiny', SMALL + COMMON + MESHES['stage 4 x fsdp 2'][1])
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_the_train_step_runs_its_microbatches_through_one_tick_loop(schedule):
+  """The compiled step holds no accumulation loop, but GPipe's forward and backward tick loops, m + p - 1 ticks each,
+  or 1F1B's one loop of the table's ticks with two stage-to-stage sends a tick."""
+  config = load_config('llama_tiny', SMALL + COMMON + MESHES['stage 4 x fsdp 2'][1] + SCHEDULES[schedule])
   trainer = Pretraining(config, jax.devices())
   step = make_train_step(trainer.assembly, PretrainingLoss(trainer.assembly))
   text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
-  trips = [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', text)]
-  assert trips.count(MICROBATCHES + 4 - 1) == 2 and MICROBATCHES not in trips, trips
+  loops = re.findall(r'while\(.*body=(%[\w.-]+).*"known_trip_count":\{"n":"(\d+)"\}', text)
+  trips = [int(n) for _, n in loops]
+  assert MICROBATCHES not in trips, trips
+  if schedule == 'gpipe':
+    assert trips.count(MICROBATCHES + 4 - 1) == 2, trips
+    return
+  ticks = [body for body, n in loops if int(n) == len(table('1f1b', 4, MICROBATCHES).ticks)]
+  assert len(ticks) == 1, loops
+  assert re.search(rf'^{re.escape(ticks[0])} .*?^}}', text, re.M | re.S)[0].count('collective-permute(') == 2
 
 
 @pytest.mark.parametrize('once', [False, True])
@@ -142,6 +166,10 @@ def test_a_pipelined_run_resumes_on_other_stage_counts(tmp_path):
   (['mesh.stage=2', 'model.execution.scan_layers=false'], r'mesh.stage=2 pipelines the scanned layer stack'),
   (['mesh.stage=2', 'model.execution.pipeline.repeats=2'], r'repeats=2 needs schedule=circular'),
   (['mesh.stage=2', 'train.noise_scale=true'], r'train.noise_scale=true needs each microbatch\'s own gradient'),
+  (['mesh.stage=4', 'model.execution.pipeline.schedule=1f1b', 'train.microbatches=2'],
+   r'train.microbatches=2 is below mesh.stage=4: 1f1b then holds as many microbatches as gpipe'),
+  (['mesh.stage=2', 'model.execution.pipeline.schedule=1f1b', 'model.execution.pipeline.repeats=2'],
+   r'repeats=2 needs schedule=circular \(1f1b passes the stages once\)'),
 ])
 def test_what_the_stages_cannot_run_is_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message):
@@ -152,7 +180,21 @@ def test_what_the_stages_cannot_run_is_one_line(overrides, message):
   ('t5_tiny', [], r'does not pipeline its two stacks over mesh.stage'),
   ('moe_tiny', ['model.moe.first_dense=1'], r'a run of 1 dense layer\(s\) \(model.moe\), pipelined on its own, '
                                             r'cannot fill mesh.stage=2'),
+  ('moe_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2'],
+   r'schedule=1f1b does not run routed experts'),
+  ('bert_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2'],
+   r'1f1b takes the loss in the last stage, which the bert family\'s stack cannot'),
 ])
 def test_families_the_stages_cannot_run_are_one_line(preset, overrides, message):
   with pytest.raises(ConfigError, match=message):
     load_config(preset, ['mesh.stage=2', 'model.execution.scan_layers=true', *overrides])
+
+
+def test_a_1f1b_step_whose_loss_is_not_offered_is_one_line():
+  """A job's own loss (DPO's, a classifier's) does not offer itself per microbatch: the stack cannot take it."""
+  trainer = Pretraining(load_config('llama_tiny', SMALL + COMMON + ['mesh.stage=2', 'mesh.fsdp=4']), jax.devices())
+  with sharding_context(trainer.mesh), pipelining(MICROBATCHES):
+    assert loss_taker('gpipe') is None
+    with pytest.raises(ConfigError, match=r'schedule=1f1b takes the loss in the last stage, and this job\'s loss '
+                                          r'does not offer itself per microbatch'):
+      loss_taker('1f1b')
