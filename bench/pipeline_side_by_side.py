@@ -1,12 +1,15 @@
 """Pipelined train steps, lm beside MaxText, compiled ahead of time for the same slice by the same libtpu: memory per
-device and compile time; prints a table, writes JSON. (The TPU executables' HLO carries no loop trip counts, so the
-sends a tick are counted on CPU, by tests/parallel/test_pipeline.py and test_one_f_one_b.py.)
+device and compile time at ROWS rows a device, and the most rows a device that fit each schedule; prints a table,
+writes JSON. (The TPU executables' HLO carries no loop trip counts, so the sends a tick are counted on CPU, by
+tests/parallel/test_pipeline.py and test_one_f_one_b.py.)
 
-  python bench/pipeline_side_by_side.py --maxtext-venv V [--topology v5p-128] [--rows 4] [--out FILE]
+  python bench/pipeline_side_by_side.py --maxtext-venv V [--topology v5p-128] [--rows 4] [--no-search] [--out FILE]
 
-Both sides compile llama2_7b (4,096 positions, full remat, ROWS rows a device) on 4 stages with fsdp over the rest,
-16 microbatches, GPipe (8 layers a stage) and circular (8 repeats of 1 layer a stage), as PIPELINE-NOTES's commands.
-MaxText runs from V, a Python 3.12 venv with `pip install "maxtext[tpu]==0.2.5"`. Needs libtpu; nothing runs. Each compile takes about a minute on a 2-core CPU.
+Both sides compile llama2_7b (4,096 positions, full remat) on 4 stages with fsdp over the rest, 16 microbatches,
+GPipe (8 layers a stage) and circular (8 repeats of 1 layer a stage), as PIPELINE-NOTES's commands; lm also 1F1B,
+which MaxText does not have. The search doubles the rows from 4 while they fit the chip's memory, then halves the
+gap, in steps of 4 (a microbatch's rows over the 16 fsdp devices). MaxText runs from V, a Python 3.12 venv with
+`pip install "maxtext[tpu]==0.2.5"`. Needs libtpu; nothing runs. Each compile takes about a minute on a 2-core CPU.
 """
 from __future__ import annotations
 
@@ -17,18 +20,21 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lm.parallel.chips import physical_topology, topology_devices
 from lm.planning.breakdown import printed_memory
 from lm.report import format_bytes, format_lines, write_json
 
 STAGES, MICROBATCHES, LAYERS = 4, 16, 32
-CASES = {  # name: (lm's overrides, MaxText's)
+ROW_STEP = 4
+CASES = {  # name: (lm's overrides, MaxText's; None: it has no such schedule)
   'gpipe': (['model.execution.pipeline.schedule=gpipe'], [f'num_layers_per_pipeline_stage={LAYERS // STAGES}']),
   'circular': (['model.execution.pipeline.schedule=circular', f'model.execution.pipeline.repeats={LAYERS // STAGES}'],
                ['num_layers_per_pipeline_stage=1']),
+  '1f1b': (['model.execution.pipeline.schedule=1f1b'], None),
 }
+OUT_OF_MEMORY = ('RESOURCE_EXHAUSTED', 'Ran out of memory', 'exceeds the memory')
 
 
 def lm_side(case: str, topology: str, rows: int) -> dict[str, Any]:
@@ -39,14 +45,15 @@ def lm_side(case: str, topology: str, rows: int) -> dict[str, Any]:
                         f'train.global_batch={rows * chips}', 'data.seq_len=4096', *CASES[case][0]],
                        env={**os.environ, 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}, capture_output=True, text=True,
                        timeout=3600)
-  if out.returncode:
+  if out.returncode not in (0, 3):  # 3: it does not fit, the report printed
     raise SystemExit(f'lm compile failed (exit {out.returncode}):\n{out.stderr[-2000:]}')
   report = json.loads(out.stdout)
   return {'total': report['memory_per_device']['total'], 'compile_seconds': report['compile_seconds'],
-          'bubble': report['pipeline']['bubble']}
+          'bubble': report['pipeline']['bubble'], 'fits': report['fits'], 'hbm': report['hbm_per_device']}
 
 
-def maxtext_side(venv: Path, case: str, topology: str, rows: int) -> dict[str, Any]:
+def maxtext_side(venv: Path, case: str, topology: str, rows: int, hbm: int) -> dict[str, Any] | None:
+  """Its memory a device; None when the compiler found the program does not fit (`hbm` bytes a device)."""
   package = next((venv / 'lib').glob('python3*/site-packages/maxtext'))
   with tempfile.TemporaryDirectory(prefix='pipeline_side_by_side_') as directory:
     env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'DECOUPLE_GCLOUD': 'TRUE', 'ALLOW_MULTIPLE_LIBTPU_LOAD': '1'}
@@ -60,9 +67,23 @@ def maxtext_side(venv: Path, case: str, topology: str, rows: int) -> dict[str, A
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - start
   memory = printed_memory(out.stdout + out.stderr)
+  if memory is None and any(s in out.stdout + out.stderr for s in OUT_OF_MEMORY):
+    return None
   if memory is None:
     raise SystemExit(f'MaxText printed no memory analysis (exit {out.returncode}):\n{out.stderr[-2000:]}')
-  return {'total': memory['total'], 'compile_seconds': seconds}
+  return {'total': memory['total'], 'compile_seconds': seconds, 'fits': memory['total'] <= hbm}
+
+
+def most_rows(fits: Callable[[int], bool]) -> int:
+  """The most rows a device (a multiple of ROW_STEP) for which `fits`: doubling from ROW_STEP, then halving the
+  gap; 0 if not even ROW_STEP fits."""
+  low, high = 0, ROW_STEP
+  while fits(high):
+    low, high = high, 2 * high
+  while high - low > ROW_STEP:
+    middle = (low + high) // (2 * ROW_STEP) * ROW_STEP
+    low, high = (middle, high) if fits(middle) else (low, middle)
+  return low
 
 
 def main() -> None:
@@ -70,21 +91,38 @@ def main() -> None:
   parser.add_argument('--maxtext-venv', type=Path, required=True)
   parser.add_argument('--topology', default='v5p-128')
   parser.add_argument('--rows', type=int, default=4, help='rows a device')
+  parser.add_argument('--no-search', action='store_true', help='skip the search for the most rows that fit')
   parser.add_argument('--out', default='bench/results/pipeline_side_by_side.json')
   args = parser.parse_args()
-  results = {case: {'lm': lm_side(case, args.topology, args.rows),
-                    'maxtext': maxtext_side(args.maxtext_venv, case, args.topology, args.rows)} for case in CASES}
-  for case, r in results.items():
-    lm, mt = r['lm'], r['maxtext']
-    print(format_lines([
-      (f'{case}: memory/device', f'lm {format_bytes(lm["total"])}, MaxText {format_bytes(mt["total"])} '
-                                 f'({lm["total"] / mt["total"]:.2f}x)'),
-      (f'{case}: compile', f'lm {lm["compile_seconds"]:.0f} s (the step), MaxText {mt["compile_seconds"]:.0f} s '
-                           f'(its process)'),
-      (f'{case}: bubble', f'{lm["bubble"]:.1%}'),
-    ]))
+  results = {}
+  for case, (_, maxtext) in CASES.items():
+    lm = lm_side(case, args.topology, args.rows)
+    results[case] = {'lm': lm, 'maxtext': maxtext and maxtext_side(args.maxtext_venv, case, args.topology,
+                                                                    args.rows, lm['hbm'])}
+    if not args.no_search:
+      results[case]['lm']['most_rows'] = most_rows(lambda r: lm_side(case, args.topology, r)['fits'])
+      if maxtext:
+        results[case]['maxtext']['most_rows'] = most_rows(lambda r: bool(
+          (mt := maxtext_side(args.maxtext_venv, case, args.topology, r, lm['hbm'])) and mt['fits']))
+  print(format_lines([line for case, r in results.items() for line in _lines(case, r['lm'], r['maxtext'])]))
   write_json(args.out, {'topology': args.topology, 'rows_per_device': args.rows, 'stages': STAGES,
                         'microbatches': MICROBATCHES, 'results': results})
+
+
+def _lines(case: str, lm: dict[str, Any], mt: dict[str, Any] | None) -> list[tuple[str, str]]:
+  if mt is None:
+    lines = [(f'{case}: memory/device', f'lm {format_bytes(lm["total"])} (MaxText has no {case})'),
+             (f'{case}: compile', f'lm {lm["compile_seconds"]:.0f} s (the step)')]
+  else:
+    lines = [(f'{case}: memory/device', f'lm {format_bytes(lm["total"])}, MaxText {format_bytes(mt["total"])} '
+                                        f'({lm["total"] / mt["total"]:.2f}x)'),
+             (f'{case}: compile', f'lm {lm["compile_seconds"]:.0f} s (the step), MaxText {mt["compile_seconds"]:.0f} '
+                                  f's (its process)')]
+  lines.append((f'{case}: bubble', f'{lm["bubble"]:.1%}'))
+  if 'most_rows' in lm:
+    most = f'lm {lm["most_rows"]}' + (f', MaxText {mt["most_rows"]}' if mt else '')
+    lines.append((f'{case}: most rows a device', most))
+  return lines
 
 
 if __name__ == '__main__':

@@ -1232,11 +1232,21 @@ def _check_pipeline(config: Config) -> None:
     raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: 1f1b then holds as many '
                       f'microbatches as gpipe, in more ticks; use at least {stages} microbatches or schedule=gpipe')
   if p.schedule == '1f1b' and m.moe.num_experts:
-    raise ConfigError('model.execution.pipeline.schedule=1f1b does not run routed experts (model.moe) yet: their '
-                      'auxiliary losses are taken after the stack; use schedule=gpipe or circular')
+    _check_routed_1f1b(runs, m.moe)
   if t.noise_scale:
     raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which mesh.stage={stages} '
                       f'never forms (the stages run them together); set train.noise_scale=false {fix}')
+
+
+def _check_routed_1f1b(runs: list[tuple[bool, int]], moe: MoeConfig) -> None:
+  """1F1B takes each stage's part of the routed layers' auxiliary loss in its backward pass: the routed layers must
+  be the last run of the stack (the one that takes the loss), and their balance loss a sum over layers."""
+  if [routed for routed, _ in runs].count(True) > 1 or not runs[-1][0]:
+    raise ConfigError('model.execution.pipeline.schedule=1f1b runs routed layers (model.moe) only as the last run of '
+                      'the stack; use schedule=gpipe or circular')
+  if moe.balance_over == 'model':
+    raise ConfigError('model.moe.balance_over=model averages every layer\'s load before the loss, which 1f1b\'s '
+                      'stages cannot (each takes its own layers\' part); use balance_over=layer or schedule=gpipe')
 
 
 def _check_mesh(config: Config) -> None:

@@ -137,6 +137,15 @@ def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, j
   return m.balance_loss * terms['moe/balance_loss'] + m.z_loss * terms['moe/z_loss'], terms
 
 
+def layers_aux_loss(intermediates: Any, m: MoeConfig, keep: jax.Array, layers: int) -> jax.Array:
+  """The part of `aux_losses`' weighted sum (`balance_over=layer`) that some routed layers make, from what they
+  sowed (scanned: [layers here, ...]): each kept layer's (`keep` [layers here]) terms over the model's `layers`.
+  A stage of a pipeline takes its layers' part in its own backward pass (1F1B)."""
+  flat = {path[-1]: values[0] for path, values in flatten_dict(intermediates).items()}
+  balance = m.num_experts * jnp.sum(flat[LOAD] * flat[PROB], axis=-1)
+  return jnp.sum(jnp.where(keep, m.balance_loss * balance + m.z_loss * flat[Z_LOSS], 0.0)) / layers
+
+
 def expert_counts(intermediates: Any) -> dict[str, Any]:
   """Each routed layer's token counts per expert (padding left out), in a tree shaped as the `router_bias` params
   they update (a scanned stack's as [layers, experts]; a pipelined one's microbatches added)."""

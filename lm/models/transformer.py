@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ExecutionConfig, ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, in_chunks, make_norm
-from lm.models.moe import RoutedMlp
+from lm.models.moe import RoutedMlp, layers_aux_loss
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.one_f_one_b import one_f_one_b
@@ -218,7 +218,10 @@ class Stack(nn.Module):
       offer = loss_taker(cfg.execution.pipeline.schedule)
       sides['rows'] = jax.tree.map(split, offer.batch)
       params = jax.tree.map(lambda a: a[0], params)  # one repeat: [stages, layers per stage, ...]
-      self._take_loss(offer, readout, lambda p, h, sides: stage(p, h, sides)[0], params, split_rows(x, m), sides)
+      stats = self._take_loss(offer, readout, _with_aux_loss(stage, offer, cfg, start, n) if routed else
+                              lambda p, h, sides: stage(p, h, sides)[0], params, split_rows(x, m), sides)
+      if routed:  # [stages, microbatches, layers per stage, ...] -> [microbatches, layers, ...]
+        Sown(name=name)(jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(m, padded, *a.shape[3:])[:, :n], stats))
       return x
     out, sown = pipelined(stage, params, split_rows(x, m), mesh, sides, bubble=plan.bubble)
     # [microbatches, repeats, stages, layers per stage, ...] -> [microbatches, layers, ...], as the scan sows them
@@ -226,17 +229,19 @@ class Stack(nn.Module):
     return constrain(join_rows(out), ('batch', 'length', 'embed'))
 
   def _take_loss(self, offer: LossOffer, readout: Readout, stage: Callable, params: Any, xs: jax.Array,
-                 sides: dict[str, Any]) -> None:
+                 sides: dict[str, Any]) -> Any:
     """1F1B over the stages, the final norm, `readout` and the offered loss applied to each microbatch in the last;
-    the batch's loss and sums left in `offer`."""
+    the batch's loss and sums left in `offer`; returns the stages' stats (routed layers')."""
     norm = self._final_norm().clone(parent=None) if self.cfg.norm_position != 'post' else None
     head = {'readout': readout.params, 'norm': self.variables['params'].get('final_norm', {})}
 
     def loss(head: Any, y: jax.Array, sides: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
       y = y if norm is None else norm.apply({'params': head['norm']}, y)
       return offer.loss(readout.apply(head['readout'], y), sides['rows'])
-    offer.taken = one_f_one_b(stage, loss, params, head, xs, active_sharding()[0], sides,
-                              bubble=active_pipelining().bubble)
+    total, (sums, stats) = one_f_one_b(stage, loss, params, head, xs, active_sharding()[0], sides,
+                                       bubble=active_pipelining().bubble)
+    offer.taken = total, sums
+    return stats
 
   def _relative_bias(self, length: int, decode: bool) -> jax.Array:
     """[1, heads, q, k] bias; while decoding, queries sit at the cache position and keys span the cache."""
@@ -254,6 +259,16 @@ class Stack(nn.Module):
     offset = position.value
     position.value = offset + length
     return relpos(length, slots.value.shape[0], offset)
+
+
+def _with_aux_loss(stage: Callable, offer: LossOffer, cfg: ModelConfig, start: int, n: int) -> Callable:
+  """A stage of routed layers that also returns (its layers' part of the auxiliary loss, as the step weighs it on
+  the microbatch's rows; their statistics), for 1F1B; the layers that pad the run out are left out."""
+  def staged(p: Any, h: jax.Array, sides: dict[str, Any]) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    y, sown = stage(p, h, sides)
+    own = layers_aux_loss(sown, cfg.moe, p['layer'] < start + n, n)
+    return y, (offer.aux_loss(own, sides['rows']), sown)
+  return staged
 
 
 def _gathered(block: Block, params: Any, x: jax.Array) -> Any:

@@ -63,9 +63,11 @@ def active_pipelining() -> Pipelining | None:
 class LossOffer:
   """A train step's loss, offered to a stack that takes it in its last stage (1F1B): `loss(outputs, rows)` is
   (loss, sums) of the family's outputs (an `Unembedding` under 'logits') on a microbatch's `rows` of `batch`,
-  normalised by whole-batch totals, so microbatches' losses and sums add up; a stack that takes it sets `taken` to
+  normalised by whole-batch totals, so microbatches' losses and sums add up; `aux_loss(value, rows)` is what a
+  routed layers' auxiliary loss (a mean over rows) `value` on those rows adds. A stack that takes it sets `taken` to
   the batch's (loss, sums)."""
   loss: Callable[[dict[str, Any], dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+  aux_loss: Callable[[jax.Array, dict[str, jax.Array]], jax.Array]
   batch: dict[str, jax.Array]
   taken: tuple[jax.Array, dict[str, jax.Array]] | None = None
 
@@ -74,9 +76,9 @@ _OFFER: contextvars.ContextVar[LossOffer | None] = contextvars.ContextVar('lm_lo
 
 
 @contextlib.contextmanager
-def offering_loss(loss: Callable, batch: dict[str, jax.Array]) -> Iterator[LossOffer]:
+def offering_loss(loss: Callable, aux_loss: Callable, batch: dict[str, jax.Array]) -> Iterator[LossOffer]:
   """Offers a step's loss per microbatch (`LossOffer`) to the stack traced inside; the offer says whether it took it."""
-  offer = LossOffer(loss, batch)
+  offer = LossOffer(loss, aux_loss, batch)
   token = _OFFER.set(offer)
   try:
     yield offer

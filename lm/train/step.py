@@ -78,18 +78,27 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
   """
   token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = token_sum / total_weight
-  sums = {'nll': nll, 'z': z}
-  if AUX_LOSS in outputs:  # a mean over this (micro)batch's tokens: weighted by its share of the batch's rows
-    rows = jnp.asarray(batch['targets'].shape[0], jnp.float32)
-    loss = loss + outputs[AUX_LOSS] * rows / total_sequences
-    sums.update({AUX_SUM + name: value * rows for name, value in outputs[AUX_TERMS].items()})
-  if EXPERT_COUNTS in outputs:
-    sums[EXPERT_COUNTS] = outputs[EXPERT_COUNTS]
+  sums = {'nll': nll, 'z': z, **routed_sums(outputs, batch)}
+  if AUX_LOSS in outputs:
+    loss = loss + aux_share(outputs[AUX_LOSS], batch, total_sequences)
   for head in heads:
     sums[f'{head.name}_nll'], sums[f'{head.name}_correct'] = sequence_classification(
       outputs[head.name], batch[head.labels])
     loss = loss + sums[f'{head.name}_nll'] / total_sequences
   return loss, sums
+
+
+def aux_share(aux_loss: jax.Array, batch: Batch, total_sequences: jax.Array) -> jax.Array:
+  """What routed layers' auxiliary loss, a mean over a (micro)batch's rows, adds to the loss: weighted by its share
+  of the batch's rows."""
+  return aux_loss * jnp.asarray(batch['targets'].shape[0], jnp.float32) / total_sequences
+
+
+def routed_sums(outputs: dict[str, Any], batch: Batch) -> dict[str, jax.Array]:
+  """The routed layers' auxiliary terms times the rows they average, and their token counts, for the metrics."""
+  rows = jnp.asarray(batch['targets'].shape[0], jnp.float32)
+  sums = {AUX_SUM + name: value * rows for name, value in outputs.get(AUX_TERMS, {}).items()}
+  return {**sums, EXPERT_COUNTS: outputs[EXPERT_COUNTS]} if EXPERT_COUNTS in outputs else sums
 
 
 class StepLoss(Protocol):
@@ -118,9 +127,13 @@ class PretrainingLoss:
     a = self.assembly
     loss = functools.partial(pretraining_loss, a.family.active_heads(a.config.model), z_loss=a.config.train.z_loss,
                              total_weight=totals['weight'], total_sequences=totals['sequences'])
-    with offering_loss(loss, batch) as offer:  # a stack pipelined by 1F1B takes it in its last stage
+    aux = functools.partial(aux_share, total_sequences=totals['sequences'])
+    with offering_loss(loss, aux, batch) as offer:  # a stack pipelined by 1F1B takes it in its last stage
       outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
-    return offer.taken if offer.taken is not None else loss(outputs, batch)
+    if offer.taken is None:
+      return loss(outputs, batch)
+    value, sums = offer.taken  # routed layers' losses included; their terms and counts are in the outputs
+    return value, {**sums, **routed_sums(outputs, batch)}
 
   def metrics(self, sums, totals):
     metrics = {'loss': sums['nll'] / totals['weight'], 'z_loss': sums['z'] / totals['weight'],

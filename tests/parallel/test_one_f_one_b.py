@@ -26,6 +26,12 @@ def stage(w, x, side):
   return jax.lax.scan(lambda x, w: (block(w, x), None), x, w)[0] * side['scale']
 
 
+def stage_with_own_loss(w, x, side):
+  """A stage whose layers add a loss of their own (as routed layers' balance loss) and report stats."""
+  y = stage(w, x, side)
+  return y, (jnp.mean(y ** 2) / 10, {'mean': jnp.mean(y)})
+
+
 def loss(head, y, side):
   """The microbatch's loss, and a sum reported beside it."""
   err = y @ head - side['target']
@@ -44,34 +50,47 @@ def setup(stages, microbatches):
   return mesh, params, head, xs, sides
 
 
-def sequential(params, head, xs, sides):
-  total, sums = 0.0, {'abs_err': 0.0}
+def sequential(params, head, xs, sides, layer=stage):
+  """The loss summed over microbatches, each through the stages in turn; with `stage_with_own_loss`, its losses added
+  and its stats as [stages, m]."""
+  total, sums, stats = 0.0, {'abs_err': 0.0}, []
   for i in range(xs.shape[0]):
     x, side = xs[i], jax.tree.map(lambda a: a[i], sides)
     for s in range(params['up'].shape[0]):
-      x = stage(jax.tree.map(lambda a: a[s], params), x, side)
+      x = layer(jax.tree.map(lambda a: a[s], params), x, side)
+      if layer is stage_with_own_loss:
+        x, (own, stat) = x
+        total, stats = total + own, stats + [(s, i, stat['mean'])]
     value, sums_i = loss(head, x, side)
     total, sums = total + value, jax.tree.map(jnp.add, sums, sums_i)
-  return total, sums
+  if not stats:
+    return total, (sums, None)
+  return total, (sums, jnp.stack([jnp.stack([mean for t, _, mean in stats if t == s])
+                                  for s in range(params['up'].shape[0])]))
 
 
-def value_and_grads(mesh, params, head, xs, sides, bubble=0.0):
-  run = lambda p, h, x: one_f_one_b(stage, loss, p, h, x, mesh, sides, bubble=bubble)
+def value_and_grads(mesh, params, head, xs, sides, bubble=0.0, layer=stage):
+  run = lambda p, h, x: one_f_one_b(layer, loss, p, h, x, mesh, sides, bubble=bubble)
   return jax.jit(jax.value_and_grad(run, (0, 1, 2), has_aux=True))(params, head, xs)
 
 
-@pytest.mark.parametrize('stages, microbatches', [(4, 8), (4, 3), (2, 5), (1, 2)])
-def test_one_f_one_b_equals_the_layers_in_turn(stages, microbatches):
+@pytest.mark.parametrize('stages, microbatches, layer', [(4, 8, stage), (4, 3, stage), (2, 5, stage), (1, 2, stage),
+                                                         (4, 6, stage_with_own_loss)])
+def test_one_f_one_b_equals_the_layers_in_turn(stages, microbatches, layer):
   mesh, params, head, xs, sides = setup(stages, microbatches)
-  (value, sums), grads = value_and_grads(mesh, params, head, xs, sides)
-  (want, want_sums), want_grads = jax.value_and_grad(sequential, (0, 1, 2), has_aux=True)(params, head, xs, sides)
+  (value, (sums, stats)), grads = value_and_grads(mesh, params, head, xs, sides, layer=layer)
+  (want, (want_sums, want_stats)), want_grads = jax.value_and_grad(
+    lambda p, h, x: sequential(p, h, x, sides, layer), (0, 1, 2), has_aux=True)(params, head, xs)
   np.testing.assert_allclose(value, want, rtol=1e-6)
   np.testing.assert_allclose(sums['abs_err'], want_sums['abs_err'], rtol=1e-6)
+  if layer is stage_with_own_loss:
+    np.testing.assert_allclose(stats['mean'], want_stats, rtol=1e-6)
   flat, got = jax.tree.leaves(want_grads), jax.tree.leaves(grads)
   scale = max(np.abs(g).max() for g in flat)
   for g, w in zip(got, flat):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * scale)
-  (nan_value, nan_sums), nan_grads = value_and_grads(mesh, params, head, xs, sides, bubble=float('nan'))
+  (nan_value, (nan_sums, _)), nan_grads = value_and_grads(mesh, params, head, xs, sides, bubble=float('nan'),
+                                                          layer=layer)
   assert nan_value == value and nan_sums == sums
   for g, n in zip(got, jax.tree.leaves(nan_grads)):
     np.testing.assert_array_equal(n, g)

@@ -36,6 +36,10 @@ MESHES = {  # (preset, mesh)
   # routed experts inside the stages: balance and z losses, and the token counts that move the selection biases
   'stage 2 x expert 2 x fsdp 2': ('moe_tiny', ['mesh.stage=2', 'mesh.expert=2', 'mesh.fsdp=2', 'model.num_layers=4',
                                                'model.moe.bias_rate=0.001', 'model.moe.balance_over=model']),
+  # for 1F1B, whose stages take their own layers' balance loss: 2 dense layers (GPipe), then 4 routed ones (1F1B)
+  'stage 2 x expert 2 x fsdp 2, dense first': ('moe_tiny', ['mesh.stage=2', 'mesh.expert=2', 'mesh.fsdp=2',
+                                                            'model.num_layers=6', 'model.moe.first_dense=2',
+                                                            'model.moe.bias_rate=0.001']),
 }
 SCHEDULES = {
   'gpipe': ['model.execution.pipeline.schedule=gpipe'],
@@ -53,7 +57,9 @@ NAN_FILLED = {('stage 4 x fsdp 2', 'gpipe'), ('stage 2 x sequence 2 x fsdp 2', '
 
 
 def runs(mesh: str, schedule: str) -> bool:
-  if schedule == '1f1b':  # dense models only
+  if 'dense first' in mesh:
+    return schedule == '1f1b'
+  if schedule == '1f1b':  # not with balance_over=model
     return 'expert' not in mesh
   gathered = 'stage 2' in mesh and 'fsdp' in mesh
   return schedule == 'gpipe' or 'layers' not in mesh and (schedule == 'circular' or gathered)
@@ -180,8 +186,11 @@ def test_what_the_stages_cannot_run_is_one_line(overrides, message):
   ('t5_tiny', [], r'does not pipeline its two stacks over mesh.stage'),
   ('moe_tiny', ['model.moe.first_dense=1'], r'a run of 1 dense layer\(s\) \(model.moe\), pipelined on its own, '
                                             r'cannot fill mesh.stage=2'),
-  ('moe_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2'],
-   r'schedule=1f1b does not run routed experts'),
+  ('moe_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2', 'model.moe.balance_over=model'],
+   r'model.moe.balance_over=model averages every layer\'s load before the loss, which 1f1b\'s stages cannot'),
+  ('moe_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2', 'model.num_layers=8',
+                'model.moe.dense_layers=[2,3]'],
+   r'schedule=1f1b runs routed layers \(model.moe\) only as the last run of the stack'),
   ('bert_tiny', ['model.execution.pipeline.schedule=1f1b', 'train.microbatches=2'],
    r'1f1b takes the loss in the last stage, which the bert family\'s stack cannot'),
 ])
