@@ -71,6 +71,9 @@ def _mesh_comments() -> dict[str, str]:
   for axis in MESH_AXES:
     line = next(line for line in text if line.strip().startswith(f"MeshAxis('{axis.name}'"))
     out[axis.attr] = line.split('  # ', 1)[1] if '  # ' in line else ''
+    if axis.slices_field:
+      out[axis.slices_field] = (f'the TPU slices the {axis.name} axis spans too, over the data-center network, '
+                                f'mesh.{axis.attr} of it on each')
   return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 import yaml
 from etils import epath
 
-from lm.mesh_axes import MESH_AXES, in_slice_axes
+from lm.mesh_axes import MESH_AXES, axis_size, in_slice_axes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / 'configs'
 
@@ -336,7 +336,8 @@ class ModelConfig:
 # Device mesh sizes, a field per axis of lm/mesh_axes.py (`slices`: TPU slices joined over the data-center
 # network); -1 takes the devices of a slice left over. Which axes exceed 1 picks the strategy.
 MeshConfig = dataclasses.make_dataclass(
-  'MeshConfig', [(a.attr, int, field(default=a.default)) for a in MESH_AXES], frozen=True)
+  'MeshConfig', [(a.attr, int, field(default=a.default)) for a in MESH_AXES] +
+  [(a.slices_field, int, field(default=1)) for a in MESH_AXES if a.slices_field], frozen=True)
 MeshConfig.__module__ = __name__
 
 
@@ -1210,31 +1211,33 @@ def _check_data(config: Config) -> None:
 def _check_pipeline(config: Config) -> None:
   """A mesh with stages: a scanned stack with a layer for every stage (of each run of dense and routed layers),
   enough microbatches."""
-  stages, m, t = config.mesh.stage, config.model, config.train
+  stages, m, t = axis_size(config.mesh, 'stage'), config.model, config.train
   if stages <= 1:
     return
+  named = f'mesh.stage={config.mesh.stage}' + (f' x mesh.stage_slices={config.mesh.stage_slices}'
+                                               if config.mesh.stage_slices > 1 else '')
   p = m.execution.pipeline
   fix = 'or set mesh.stage=1'
   if not m.execution.scan_layers:
-    raise ConfigError(f'mesh.stage={stages} pipelines the scanned layer stack; set model.execution.scan_layers=true '
+    raise ConfigError(f'{named} pipelines the scanned layer stack; set model.execution.scan_layers=true '
                       f'{fix}')
   runs = [(routed, len(list(run))) for routed, run in itertools.groupby(m.moe.routed(i) for i in range(m.num_layers))]
   routed, shortest = min(runs, key=lambda run: run[1])
   if shortest < stages * p.repeats:
     what = f'model.num_layers={m.num_layers}' if len(runs) == 1 else \
         f'a run of {shortest} {"routed" if routed else "dense"} layer(s) (model.moe), pipelined on its own,'
-    raise ConfigError(f'{what} cannot fill mesh.stage={stages} x model.execution.pipeline.repeats={p.repeats} '
+    raise ConfigError(f'{what} cannot fill {named} x model.execution.pipeline.repeats={p.repeats} '
                       f'stages: each needs a layer; use fewer stages or repeats')
   if p.schedule == 'circular' and t.microbatches < stages:
-    raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: the circular schedule '
+    raise ConfigError(f'train.microbatches={t.microbatches} is below {named}: the circular schedule '
                       f'feeds a microbatch back to the first stage; use at least {stages} microbatches')
   if p.schedule == '1f1b' and t.microbatches < stages:
-    raise ConfigError(f'train.microbatches={t.microbatches} is below mesh.stage={stages}: 1f1b then holds as many '
+    raise ConfigError(f'train.microbatches={t.microbatches} is below {named}: 1f1b then holds as many '
                       f'microbatches as gpipe, in more ticks; use at least {stages} microbatches or schedule=gpipe')
   if p.schedule == '1f1b' and m.moe.num_experts:
     _check_routed_1f1b(runs, m.moe)
   if t.noise_scale:
-    raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which mesh.stage={stages} '
+    raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which {named} '
                       f'never forms (the stages run them together); set train.noise_scale=false {fix}')
 
 
@@ -1259,6 +1262,9 @@ def _check_mesh(config: Config) -> None:
   for axis in MESH_AXES:
     if axis.across_slices and _get(config, axis.key) < 1:
       raise ConfigError(f'{axis.key}={_get(config, axis.key)} must be a positive number of TPU slices')
+    if axis.slices_field and _get(config, f'mesh.{axis.slices_field}') < 1:
+      raise ConfigError(f'mesh.{axis.slices_field}={_get(config, f"mesh.{axis.slices_field}")} must be a positive '
+                        f'number of TPU slices')
   if sum(_get(config, k) == -1 for k in within) > 1:
     raise ConfigError(f'only one of {", ".join(within)} may be -1')
 

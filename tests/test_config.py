@@ -234,6 +234,8 @@ def test_paths_expand_home_and_variables_but_not_uris(monkeypatch):
    'model.vocab_size=260 is not divisible by mesh.tensor=8 (parameter token_embed/embedding); choose mesh sizes '
    'that divide it or change model.vocab_size'),
   (['mesh.slices=3'], 'mesh.slices=3 does not divide the 8 devices'),
+  (['mesh.slices=2', 'mesh.stage_slices=3', 'model.execution.scan_layers=true', 'model.num_layers=6',
+    'train.microbatches=3', 'train.global_batch=24'], 'mesh.slices=2 x mesh.stage_slices=3 (6 slices) does not divide the 8 devices'),
   (['mesh.data=-1', 'mesh.fsdp=3'], 'do not fit 8 devices per slice: 3 does not divide 8'),
   (['mesh.data=8', 'train.global_batch=16', 'train.microbatches=4'],
    'train.global_batch=16 over 4 microbatch(es) gives 4 rows, not divisible by the data-parallel size mesh.data=8; '

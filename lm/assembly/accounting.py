@@ -15,6 +15,7 @@ from lm.models.layers import GATED
 from lm.models.moe import BIAS, EXPERT_PARAMS, ROUTER, active_share
 from lm.ops.attention.capabilities import config_needs, pick_impl
 from lm.parallel.rules import axis_size, check_batch, path_names
+from lm.parallel.schedules import table
 
 
 def count_params(params: Any, cfg: ModelConfig | None = None) -> dict[str, int]:
@@ -163,6 +164,16 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int, p
   `gathered_layer_bytes` and the state, against compiles for v5p: mixtral_8x7b at 8 to 27 rows within 6%,
   llama2_7b at 32 to 68 within 6% (tests/planning/test_compile.py).
   """
+  kept, full_layer, output = _per_token(cfg, seq_len, tensor, platform)
+  if cfg.execution.remat == 'none':  # every layer's activations are live when the backward pass starts at the loss
+    return int(tokens * (kept * cfg.num_layers + output))
+  # with remat, what the layers keep, then one layer recomputed or the output layer, not both at once
+  return int(tokens * (kept * cfg.num_layers + max(full_layer, output)))
+
+
+def _per_token(cfg: ModelConfig, seq_len: int, tensor: int, platform: str) -> tuple[float, float, float]:
+  """Bytes per token: what a layer keeps for its backward pass, a whole layer's activations (one recomputed), and
+  the output layer's (its logits and their gradient, or a tile's)."""
   width = compute_bytes(cfg)
   hd = cfg.num_heads * cfg.resolved_head_dim
   kv = cfg.resolved_kv_heads * cfg.resolved_head_dim
@@ -175,13 +186,32 @@ def activation_bytes(cfg: ModelConfig, tokens: int, seq_len: int, tensor: int, p
   }.get(cfg.execution.remat, sum(v for name, v in saved.items() if name not in cfg.execution.offload))
   logits = 2 * cfg.vocab_size / tensor * 4  # float32 logits and their gradient, per token
   if cfg.execution.loss_chunk:  # one tile's of them, and the hidden states' gradient computed with them
-    output = min(cfg.execution.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4
-  else:
-    output = logits
-  if cfg.execution.remat == 'none':  # every layer's activations are live when the backward pass starts at the loss
-    return int(tokens * (kept * cfg.num_layers + output))
-  # with remat, what the layers keep, then one layer recomputed or the output layer, not both at once
-  return int(tokens * (kept * cfg.num_layers + max(full_layer, output)))
+    return kept, full_layer, min(cfg.execution.loss_chunk, seq_len) / seq_len * logits + cfg.d_model * 4
+  return kept, full_layer, logits
+
+
+def pipelined_activation_bytes(config: Config, mesh: Mesh) -> int:
+  """Rough bytes of activations one device keeps through a step pipelined over the mesh's stages.
+
+  A stage's layers keep what remat saves at every tick of the forward loop (GPipe's m + p - 1, circular's m r + p -
+  1, each running a repeat's share of the stage's layers); 1F1B keeps its stash (the schedule's most in flight) of
+  stage inputs and recomputes the stage for one microbatch at a time. Besides: the stage's buffers of microbatch
+  inputs and outputs, and one layer recomputed or the output layer, which GPipe and circular apply to the whole
+  batch after the stack and 1F1B to a microbatch in the last stage."""
+  cfg, t, p = config.model, config.train, config.model.execution.pipeline
+  stages, m, seq_len = mesh.shape['stage'], t.microbatches, config.data.seq_len
+  inner = t.global_batch // m // (axis_size(mesh, 'batch') // stages) * seq_len  # a microbatch's tokens a device
+  kept, full_layer, output = _per_token(cfg, seq_len, axis_size(mesh, 'heads'), mesh.devices.flat[0].platform)
+  layers = -(-cfg.num_layers // (stages * p.repeats)) * p.repeats  # a stage's, padded
+  stream = cfg.d_model * compute_bytes(cfg)
+  if p.schedule == '1f1b':
+    held = max(table('1f1b', stages, m).in_flight())
+    stack = held * stream + layers * kept + (m + 2) * stream  # stash; one stage recomputed; inputs, two sends
+    return int(inner * (stack + max(full_layer, output)))
+  ticks = table(p.schedule, stages, m, p.repeats).forward_ticks
+  buffers = (3 if p.schedule == 'circular' else 2) * m  # inputs, outputs (and circular's parked microbatches)
+  whole = t.global_batch // axis_size(mesh, 'batch') * seq_len  # the output layer's tokens a device
+  return int(inner * (ticks * layers / p.repeats * kept + buffers * stream + full_layer) + whole * output)
 
 
 def offloaded_bytes(cfg: ModelConfig, tokens: int, tensor: int) -> int:
@@ -214,8 +244,9 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
     'optimizer': shard_bytes(abstract_state.opt_state),  # none where train.optimizer_offload keeps it on the host
     'gradients': params,
     'one layer gathered': gathered_layer_bytes(config.model, abstract_state.params, mesh),
-    'activations (estimate)': activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads'),
-                                               mesh.devices.flat[0].platform),
+    'activations (estimate)': pipelined_activation_bytes(config, mesh) if mesh.shape.get('stage', 1) > 1 else
+    activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads'),
+                     mesh.devices.flat[0].platform),
   }
   out['total (estimate)'] = sum(out.values())
   host = shard_bytes(abstract_state, HOST) + offloaded_bytes(config.model, tokens, axis_size(mesh, 'heads'))

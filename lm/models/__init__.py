@@ -11,6 +11,7 @@ import jax
 from jax.sharding import Mesh
 
 from lm.config import Config, ConfigError, ModelConfig, register_check
+from lm.mesh_axes import axis_size
 from lm.models import bert, gpt, gpt_neox, llama, t5
 from lm.models.family import Family
 from lm.ops.attention.capabilities import check_attention
@@ -42,7 +43,7 @@ def check_config(config: Config) -> Config:
     routed = ', '.join(n for n, f in FAMILIES.items() if f.routed_mlp) or 'none yet'
     raise ConfigError(f'model.moe.num_experts={config.model.moe.num_experts}: the {family.name} family builds no '
                       f'routed experts (families that do: {routed}); set model.moe.num_experts=0')
-  if config.mesh.stage > 1 and config.model.execution.pipeline.schedule == '1f1b' and not family.loss_in_last_stage:
+  if axis_size(config.mesh, 'stage') > 1 and config.model.execution.pipeline.schedule == '1f1b' and not family.loss_in_last_stage:
     raise ConfigError(f'model.execution.pipeline.schedule=1f1b takes the loss in the last stage, which the '
                       f'{family.name} family\'s stack cannot (its output layers read more than its last hidden '
                       f'states); use schedule=gpipe or circular')

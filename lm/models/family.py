@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.config import Config, ConfigError, ModelConfig
+from lm.mesh_axes import axis_size
 from lm.data.objectives import CausalLM, Objective
 from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding
 from lm.models.moe import aux_losses, expert_counts
@@ -212,7 +213,7 @@ class EncoderDecoder(Family):
     if config.mesh.sequence > 1:  # ring attention is self-attention; cross-attention would gather the encoder
       raise ConfigError(f'{self.name} does not split its sequences over a mesh axis (its decoder cross-attends to '
                         f'encoder tokens of another length): set mesh.sequence=1 and shard with data, fsdp, tensor')
-    if config.mesh.stage > 1:
+    if axis_size(config.mesh, 'stage') > 1:
       raise ConfigError(f'{self.name} does not pipeline its two stacks over mesh.stage: set mesh.stage=1 and shard '
                         f'with data, fsdp, tensor')
 

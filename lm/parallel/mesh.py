@@ -1,7 +1,8 @@
 """The device mesh from config (its axes declared in `lm.mesh_axes`), checked against the devices.
 
 `slice` spans TPU slices joined by the data-center network (multislice); the other axes lie within
-a slice, on its fast interconnect. With one slice the slice axis has size 1.
+a slice, on its fast interconnect, but `stage` may span slices too (mesh.stage_slices: pipelining over the
+data-center network). With one slice the slice axis has size 1.
 """
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ MESH_AXES = tuple(a.name for a in mesh_axes.MESH_AXES)
 
 
 def mesh_shape(mesh_config: MeshConfig, num_devices: int) -> dict[str, int]:
-  """Resolves a -1 size to the devices of a slice left over; the product must equal the device count."""
-  across = [a for a in mesh_axes.MESH_AXES if a.across_slices]
-  within = mesh_axes.in_slice_axes()
-  slices = int(np.prod([getattr(mesh_config, a.attr) for a in across]))
+  """Resolves a -1 size to the devices of a slice left over; the product must equal the device count. An axis that
+  also spans slices (mesh.stage_slices) is its size within a slice times theirs."""
+  slices = mesh_axes.slices_of(mesh_config)
   if num_devices % slices:
-    raise ConfigError(f'{"*".join(a.key for a in across)}={slices} does not divide the {num_devices} devices; '
-                      f'use as many slices as the job has')
+    parts = [(a.key, getattr(mesh_config, a.attr)) for a in mesh_axes.MESH_AXES if a.across_slices] + \
+        [(f'mesh.{a.slices_field}', _spanned(mesh_config, a)) for a in mesh_axes.MESH_AXES if a.slices_field]
+    parts = [f'{key}={value}' for key, value in parts if value > 1]
+    total = f' ({slices} slices)' if len(parts) > 1 else ''
+    raise ConfigError(f'{" x ".join(parts)}{total} does not divide the {num_devices} devices; use as many slices as '
+                      f'the job has')
   per_slice = num_devices // slices
+  within = mesh_axes.in_slice_axes()
   sizes = {a.name: getattr(mesh_config, a.attr) for a in within}
   fixed = int(np.prod([s for s in sizes.values() if s != -1]))
   fill = [axis for axis, s in sizes.items() if s == -1]
@@ -42,8 +47,13 @@ def mesh_shape(mesh_config: MeshConfig, num_devices: int) -> dict[str, int]:
     raise ConfigError(
       f'mesh {"*".join(sizes)} = {"*".join(map(str, sizes.values()))} = {product} '
       f'but there are {where}; make the product equal {per_slice} or set one size to -1')
-  return {a.name: (getattr(mesh_config, a.attr) if a.across_slices else sizes[a.name])
+  return {a.name: (getattr(mesh_config, a.attr) if a.across_slices else sizes[a.name] * _spanned(mesh_config, a))
           for a in mesh_axes.MESH_AXES}
+
+
+def _spanned(mesh_config: MeshConfig, axis: mesh_axes.MeshAxis) -> int:
+  """The slices an in-slice axis spans too (1 for most)."""
+  return getattr(mesh_config, axis.slices_field) if axis.slices_field else 1
 
 
 def strategy_name(sizes: dict[str, int]) -> str:
@@ -65,10 +75,10 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
   sizes = mesh_shape(mesh_config, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   auto = (AxisType.Auto,) * len(MESH_AXES)
-  slices = int(np.prod([sizes[a.name] for a in mesh_axes.MESH_AXES if a.across_slices]))
+  slices = mesh_axes.slices_of(mesh_config)
   if len({getattr(d, 'slice_index', 0) for d in devices}) == slices > 1:
-    ici = tuple(1 if a.across_slices else sizes[a.name] for a in mesh_axes.MESH_AXES)
-    dcn = tuple(sizes[a.name] if a.across_slices else 1 for a in mesh_axes.MESH_AXES)
+    dcn = tuple(sizes[a.name] if a.across_slices else _spanned(mesh_config, a) for a in mesh_axes.MESH_AXES)
+    ici = tuple(size // over for size, over in zip(shape, dcn))
     ordered = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
     return Mesh(ordered, MESH_AXES, axis_types=auto)
   if devices == list(jax.devices()) and slices == 1:

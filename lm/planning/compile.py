@@ -41,18 +41,28 @@ def _unfitted_memory(assembly: Any, error: str | None) -> tuple[dict[str, int], 
           {'arguments': host, 'outputs': host, 'aliased': host, 'temp': 0, 'total': host})
 
 
+def on_slices(config: Config, num_slices: int) -> Config:
+  """`config` on `num_slices` slices: those the stages span (mesh.stage_slices) times the data-parallel slices."""
+  staged = config.mesh.stage_slices
+  if num_slices % staged:
+    raise ConfigError(f'--num-slices {num_slices} is not a multiple of mesh.stage_slices={staged} (the slices the '
+                      f'stages span); use a multiple of it')
+  return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices // staged))
+
+
 def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save: str | None = None,
                    num_slices: int = 1, breakdown: int = 0) -> dict[str, Any]:
-  """Compiles the train step for `num_slices` slices of `topology` (joined by the data-center network, data
-  parallel across them: mesh.slices) and returns memory, FLOPs and predicted speed per step; with `breakdown`,
-  what is live at the step's peak and its `breakdown` largest paths (`lm.planning.breakdown`)."""
+  """Compiles the train step for `num_slices` slices of `topology` (joined by the data-center network: data
+  parallel across them, mesh.slices, or stages, mesh.stage_slices) and returns memory, FLOPs and predicted speed per
+  step; with `breakdown`, what is live at the step's peak and its `breakdown` largest paths
+  (`lm.planning.breakdown`)."""
   if not 0 < assumed_mfu <= 1:
     raise ConfigError(f'--mfu {assumed_mfu} must lie in (0, 1]')
   if num_slices < 1:
     raise ConfigError(f'--num-slices {num_slices} must be at least 1')
   physical = physical_topology(topology)
   devices = topology_devices(physical, num_slices)
-  config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
+  config = on_slices(config, num_slices)
   peak, hbm = peak_flops(devices[0], config.model.quantization), hbm_bytes(devices[0])
   if peak is None or hbm is None:
     raise ConfigError(f'no peak FLOP/s or HBM size on record for {devices[0].device_kind}; add it to '

@@ -31,7 +31,7 @@ import yaml
 from lm.assembly import Assembly, assemble
 from lm.assembly.accounting import estimate_memory, offloaded_bytes, shard_bytes
 from lm.assembly.state import HOST, offloaded
-from lm.planning.compile import compile_report
+from lm.planning.compile import compile_report, on_slices
 from lm.config import Config, ConfigError, Remat, merge
 from lm.parallel.chips import hbm_bytes, host_bytes, host_link_bytes_per_s, ici_bytes_per_s, peak_flops, \
   physical_topology, topology_devices
@@ -217,7 +217,7 @@ def plan(config: Config, topology: str, top: int = 5, num_slices: int = 1, max_c
   """
   start = time.perf_counter()
   devices = topology_devices(physical_topology(topology), num_slices)
-  config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, slices=num_slices))
+  config = on_slices(config, num_slices)
   chip = Chip.of(devices[0])
   found = candidates(config, devices, chip, num_slices, int8)
   ratio: dict[Candidate, float] = {}  # the candidate at one microbatch -> smallest compiled memory / estimate

@@ -14,6 +14,9 @@ from lm.parallel.schedules import table
 from lm.report import format_bytes
 
 
+LINKS = {'ici': 'the slice\'s interconnect', 'dcn': 'the data-center network between slices'}
+
+
 def stages_report(config: Config, mesh: Mesh) -> dict[str, Any] | None:
   """The pipeline's figures on `mesh`; None without stages. A microbatch's activation is one stage input (the
   residual stream of its rows, split over the stage's batch and sequence devices); each stage holds `in_flight` of
@@ -29,7 +32,8 @@ def stages_report(config: Config, mesh: Mesh) -> dict[str, Any] | None:
   return {'schedule': p.schedule, 'stages': stages, 'microbatches': m, 'repeats': p.repeats,
           'layers_per_stage': cfg.num_layers // (stages * p.repeats), 'ticks': len(tbl.ticks),
           'bubble': tbl.bubble(), 'in_flight': max(tbl.in_flight()), 'activation_bytes': activation,
-          'sent_bytes': max(tbl.stage_sends()) * activation}
+          'sent_bytes': max(tbl.stage_sends()) * activation,
+          'sent_over': 'dcn' if config.mesh.stage_slices > 1 else 'ici'}
 
 
 def stages_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -40,5 +44,6 @@ def stages_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
     ('pipeline bubble', f'{r["bubble"]:.1%} of the step (a backward pass costing two forward)'),
     ('pipeline in flight', f'{r["in_flight"]} microbatches a stage at most, each '
                            f'{format_bytes(r["activation_bytes"])} a device per layer input'),
-    ('pipeline sends', f'{format_bytes(r["sent_bytes"])} a device a step at most, to the next stage and back'),
+    ('pipeline sends', f'{format_bytes(r["sent_bytes"])} a device a step at most, to the next stage and back, over '
+                       f'{LINKS[r["sent_over"]]}'),
   ]

@@ -54,7 +54,8 @@ def test_an_axis_declared_in_one_place_is_seen_everywhere():
 
 
 def test_the_declaration_is_what_the_config_the_rules_and_the_mesh_use():
-  assert [f for f in MeshConfig.__dataclass_fields__] == ['slices', 'stage', 'data', 'fsdp', 'expert', 'sequence', 'tensor']
+  assert [f for f in MeshConfig.__dataclass_fields__] == ['slices', 'stage', 'data', 'fsdp', 'expert', 'sequence', 'tensor',
+                                                         'stage_slices']
   assert MESH_FIELDS == {'slice': 'mesh.slices', 'stage': 'mesh.stage', 'data': 'mesh.data', 'fsdp': 'mesh.fsdp', 'expert': 'mesh.expert',
                          'sequence': 'mesh.sequence', 'tensor': 'mesh.tensor'}
   assert make_mesh(MeshConfig(data=2, fsdp=1, sequence=2, tensor=2)).axis_names == tuple(a.name for a in MESH_AXES)

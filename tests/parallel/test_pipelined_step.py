@@ -18,11 +18,14 @@ from flax.traverse_util import flatten_dict
 from lm.config import ConfigError, load_config
 from lm.jobs.pretraining import Pretraining
 from lm.parallel.pipeline import loss_taker, pipelining
+from lm.parallel.chips import physical_topology, topology_devices
+from lm.parallel.mesh import make_mesh
 from lm.parallel.rules import sharding_context
 from lm.parallel.schedules import table
 from lm.train.logging import read_metrics
 from lm.train.step import PretrainingLoss, _gradients, lay_out_sequences, make_train_step
-from tests.conftest import SMALL, computed_once
+from lm.planning.stages import stages_report
+from tests.conftest import SMALL, computed_once, needs_libtpu
 
 MICROBATCHES = 4
 COMMON = ['model.num_layers=8', 'model.num_kv_heads=4', f'train.microbatches={MICROBATCHES}',
@@ -176,6 +179,9 @@ def test_a_pipelined_run_resumes_on_other_stage_counts(tmp_path):
    r'train.microbatches=2 is below mesh.stage=4: 1f1b then holds as many microbatches as gpipe'),
   (['mesh.stage=2', 'model.execution.pipeline.schedule=1f1b', 'model.execution.pipeline.repeats=2'],
    r'repeats=2 needs schedule=circular \(1f1b passes the stages once\)'),
+  (['mesh.stage_slices=0'], r'mesh.stage_slices=0 must be a positive number of TPU slices'),
+  (['mesh.stage=4', 'mesh.stage_slices=4'], r'model.num_layers=8 cannot fill mesh.stage=4 x mesh.stage_slices=4 x '
+                                            r'model.execution.pipeline.repeats=1 stages'),
 ])
 def test_what_the_stages_cannot_run_is_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message):
@@ -207,3 +213,18 @@ def test_a_1f1b_step_whose_loss_is_not_offered_is_one_line():
     with pytest.raises(ConfigError, match=r'schedule=1f1b takes the loss in the last stage, and this job\'s loss '
                                           r'does not offer itself per microbatch'):
       loss_taker('1f1b')
+
+
+@pytest.mark.parametrize('tpu', [False, pytest.param(True, marks=needs_libtpu)])
+def test_stages_span_slices_their_slices_part_major(tpu):
+  """`mesh.stage_slices=2` with 2 stages a slice: 4 stages, the first two on one slice (a simulated slice of 4 CPU
+  devices, or a v5e:2x2 slice's compile-only devices), the next two on the other, so only the middle send crosses
+  the data-center network; the pipeline figures say so."""
+  config = load_config('llama_tiny', SMALL + COMMON + ['mesh.stage=2', 'mesh.stage_slices=2', 'mesh.fsdp=2'])
+  devices = topology_devices(physical_topology('v5e:2x2'), 2) if tpu else jax.devices()
+  mesh = make_mesh(config.mesh, devices)
+  assert mesh.shape['stage'] == 4 and mesh.shape['slice'] == 1
+  slice_of = (lambda d: d.slice_index) if tpu else (lambda d: devices.index(d) // 4)
+  stage_slices = [{slice_of(d) for d in np.asarray(mesh.devices).take(s, axis=1).ravel()} for s in range(4)]
+  assert stage_slices == [{0}, {0}, {1}, {1}], stage_slices
+  assert stages_report(config, mesh)['sent_over'] == 'dcn'

@@ -1,6 +1,8 @@
 """`lm info` on a mesh with stages reports the pipeline: the schedule's ticks and bubble as the published formulas
 give them, the microbatches a stage holds (GPipe and circular: all of them, every repeat), one microbatch's layer
-input per device and what the busiest stage sends, from the batch, the mesh and the compute dtype."""
+input per device and what the busiest stage sends, from the batch, the mesh and the compute dtype; its memory
+estimate grows with the microbatches as the compiled step's does, GPipe's with every microbatch and 1F1B's
+hardly."""
 import json
 
 import pytest
@@ -38,3 +40,22 @@ def test_info_reports_the_pipeline(capsys, stages, microbatches, repeats):
 def test_info_reports_no_pipeline_without_stages(capsys):
   assert cli.main(['info', '--config', 'llama_tiny', '--json']) == 0
   assert 'pipeline' not in json.loads(capsys.readouterr().out)
+
+
+def test_the_estimate_grows_with_the_microbatches_as_the_compiled_step(capsys):
+  """From 4 to 16 microbatches of 8 rows on 2 stages: the compiled step's temporaries and the estimate's activations
+  grow about alike under 1F1B (its stash of at most 3 microbatches, and the batch's inputs), and GPipe's grow more
+  than twice as much in both."""
+  def growth(schedule: str) -> tuple[int, int]:
+    figures = []
+    for m in (4, 16):
+      assert cli.main(['info', '--compile', '--json', '--config', 'llama_tiny', 'mesh.stage=2', 'mesh.data=1',
+                       'mesh.fsdp=4', 'model.num_layers=8', 'model.execution.scan_layers=true', 'data.seq_len=256',
+                       'model.execution.remat=full', f'train.microbatches={m}', f'train.global_batch={8 * m}',
+                       f'model.execution.pipeline.schedule={schedule}']) == 0
+      r = json.loads(capsys.readouterr().out)
+      figures.append((r['memory_per_device']['activations (estimate)'], r['compiled_memory_per_device']['temp']))
+    return figures[1][0] - figures[0][0], figures[1][1] - figures[0][1]
+  (one_f, one_f_compiled), (gpipe, gpipe_compiled) = growth('1f1b'), growth('gpipe')
+  assert one_f == pytest.approx(one_f_compiled, rel=0.25)
+  assert gpipe > 2 * one_f and gpipe_compiled > 2 * one_f_compiled
