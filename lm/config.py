@@ -889,6 +889,14 @@ def from_dict(values: dict) -> Config:
   return config
 
 
+def checked(config: Config) -> Config:
+  """`config` (changed in code) when it passes every check `from_dict` runs; else the first one's ConfigError."""
+  validate(config)
+  for check in _CHECKS:
+    check(config)
+  return config
+
+
 def load_config(name_or_path: str = 'gpt_tiny', overrides: list[str] | tuple[str, ...] = ()) -> Config:
   """Loads a preset by name or path, applies `key.sub=value` overrides, validates."""
   values = merge(_load_yaml(name_or_path), parse_overrides(overrides))

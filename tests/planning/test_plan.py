@@ -11,6 +11,7 @@ from lm.assembly import assemble
 from lm.assembly.accounting import count_params
 from lm.config import load_config
 from lm.parallel.chips import topology_devices
+from lm.parallel.schedules import table
 from lm.planning.plan import Candidate, Chip, candidates, meshes, predict_seconds
 from tests.conftest import needs_libtpu
 
@@ -46,6 +47,31 @@ def test_the_roofline_adds_each_collective_as_the_docstring_says():
   assert got['weight_comm'] == pytest.approx(weights, rel=1e-12)
   assert got['activation_comm'] == pytest.approx(activations, rel=1e-12)
   assert got['step'] == pytest.approx(max(compute, weights) + activations, rel=1e-12)
+
+
+def test_the_roofline_of_a_pipeline_adds_its_bubble_and_sends():
+  """stage 2 x fsdp 2 x data 2, GPipe over 4 microbatches: the compute stretched by the bubble (1/5), a stage's
+  weights gathered and reduced, each device's gradients all-reduced over data, and the busiest stage's sends (a
+  microbatch's bf16 stage input a device each, one ring step each) added."""
+  config = load_config('gpt_tiny', TINY + ['mesh.stage=2', 'mesh.data=2', 'mesh.fsdp=2', 'train.microbatches=4',
+                                           'model.execution.remat=full'])
+  assembly = assemble(config)
+  chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30, hop_seconds=1e-3)
+  got = predict_seconds(assembly, chip)
+  tokens = 16 * 64
+  bubble = (2 - 1) / (4 + 2 - 1)
+  compute = assembly.flops_per_token() * tokens * (4 / 3) / (1e12 * 8) / (1 - bubble)
+  column = 4 * count_params(assembly.abstract_params)['total'] / 2  # a stage's float32 params
+  # 4 microbatches x 3 FSDP collectives x 1 layer of the stage, one ring step each; the gradient all-reduce.
+  weights = (4 * 3 * column / 2 + 2 * (column / 2) / 2) / 1e9 + (4 * 3 + 1) * 1e-3
+  # either stage sends each microbatch once: the first forward, the last its gradient back
+  sends = max(table('gpipe', 2, 4).stage_sends())
+  microbatch = tokens / 4 / 2 / 2 * 64 * 2  # a microbatch's rows over data x fsdp, d_model, bf16
+  assert got['bubble'] == pytest.approx(bubble) and got['compute'] == pytest.approx(compute, rel=1e-12)
+  assert got['weight_comm'] == pytest.approx(weights, rel=1e-12)
+  assert got['stage_sends'] == pytest.approx(sends * (microbatch / 1e9 + 1e-3), rel=1e-12) and sends == 4
+  assert got['step'] == pytest.approx(max(compute, weights) + got['activation_comm'] + got['stage_sends'],
+                                      rel=1e-12)
 
 
 def test_the_roofline_counts_host_transfers_and_the_int8_peak():
@@ -88,7 +114,13 @@ def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
   found = candidates(config, jax.devices(), chip)
   steps = [r['predicted']['step'] for r in found]
   assert steps == sorted(steps)
-  seen = {r['candidate'] for r in found}
+  staged = {r['candidate'] for r in found if r['candidate'].stages > 1}
+  seen = {r['candidate'] for r in found} - staged
+  # 2 layers: 2 stages at most, each schedule with at least as many microbatches as stages (circular needs 2 layers
+  # a stage); none with one microbatch
+  assert {c.stage for c in staged} == {2} and {c.schedule for c in staged} == {'gpipe', '1f1b'}
+  assert Candidate(4, 1, 1, 'full', 2, stage=2, schedule='1f1b') in staged
+  assert all(c.microbatches >= 2 for c in staged if c.schedule == '1f1b')
   # 4 heads: tensor 8 cannot split them; 16 rows over 8 data-parallel devices allow 1 or 2 microbatches.
   assert all(c.tensor <= 4 for c in seen)
   assert Candidate(8, 1, 1, 'full', 2) in seen and Candidate(8, 1, 1, 'full', 4) not in seen
@@ -97,7 +129,8 @@ def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
   assert all(math.isfinite(r['estimate']) and r['estimate'] > 0 for r in found)
   assert not any(c.levers for c in seen)  # a chip whose host memory is unknown: no offloading
   hosted_chip = Chip(1e12, 1e9, 2**30, int8_peak_flops=2e12, host_bytes=2**30, host_link_bytes_per_s=1e9)
-  hosted = {r['candidate'] for r in candidates(config, jax.devices(), hosted_chip, int8=True)}
+  hosted = {r['candidate'] for r in candidates(config, jax.devices(), hosted_chip, int8=True)
+            if r['candidate'].stages == 1}
   assert Candidate(8, 1, 1, 'full', 2, offload=True, optimizer_offload=True, int8=True) in hosted
   assert Candidate(8, 1, 1, 'projections', 1, offload=True) in hosted
   assert not any(c.offload for c in hosted if c.remat in ('none', 'dots'))  # they save nothing by name
