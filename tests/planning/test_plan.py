@@ -27,13 +27,16 @@ def test_meshes_are_every_power_of_two_split_of_the_chips():
   assert len(found) == len(set(found)) and set(found) == expected
 
 
+def roofline(overrides: list[str]) -> tuple:
+  """gpt_tiny's assembly with full remat on `overrides`' mesh, and its roofline on a chip of round figures."""
+  assembly = assemble(load_config('gpt_tiny', TINY + ['model.execution.remat=full', *overrides]))
+  return assembly, predict_seconds(assembly, Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30,
+                                                  hop_seconds=1e-3))
+
+
 def test_the_roofline_adds_each_collective_as_the_docstring_says():
   """fsdp 2 x tensor 2 x data 2 on 8 devices, 2 microbatches, full remat: each term by hand."""
-  config = load_config('gpt_tiny', TINY + ['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'train.microbatches=2',
-                                           'model.execution.remat=full'])
-  assembly = assemble(config)
-  chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30, hop_seconds=1e-3)
-  got = predict_seconds(assembly, chip)
+  assembly, got = roofline(['mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2', 'train.microbatches=2'])
   tokens = 16 * 64
   compute = assembly.flops_per_token() * tokens * (4 / 3) / (1e12 * 8)
   param_bytes = 4 * count_params(assembly.abstract_params)['total']  # float32 params
@@ -53,11 +56,7 @@ def test_the_roofline_of_a_pipeline_adds_its_bubble_and_sends():
   """stage 2 x fsdp 2 x data 2, GPipe over 4 microbatches: the compute stretched by the bubble (1/5), a stage's
   weights gathered and reduced, each device's gradients all-reduced over data, and the busiest stage's sends (a
   microbatch's bf16 stage input a device each, one ring step each) added."""
-  config = load_config('gpt_tiny', TINY + ['mesh.stage=2', 'mesh.data=2', 'mesh.fsdp=2', 'train.microbatches=4',
-                                           'model.execution.remat=full'])
-  assembly = assemble(config)
-  chip = Chip(peak_flops=1e12, ici_bytes_per_s=1e9, hbm_bytes=2**30, hop_seconds=1e-3)
-  got = predict_seconds(assembly, chip)
+  assembly, got = roofline(['mesh.stage=2', 'mesh.data=2', 'mesh.fsdp=2', 'train.microbatches=4'])
   tokens = 16 * 64
   bubble = (2 - 1) / (4 + 2 - 1)
   compute = assembly.flops_per_token() * tokens * (4 / 3) / (1e12 * 8) / (1 - bubble)
