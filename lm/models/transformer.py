@@ -19,7 +19,7 @@ from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
 from lm.parallel.one_f_one_b import one_f_one_b
 from lm.parallel.pipeline import LossOffer, active_pipelining, join_rows, loss_taker, pipelined, split_rows
-from lm.parallel.rules import active_sharding, constrain, sharding_for, unsharded
+from lm.parallel.rules import active_sharding, constrain, sharding_context, sharding_for, unsharded, without
 
 PROJECTIONS = ('query_proj', 'key_proj', 'value_proj', 'attention_out', 'mlp_out')
 REMAT_POLICIES = {
@@ -238,7 +238,10 @@ class Stack(nn.Module):
     def loss(head: Any, y: jax.Array, sides: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
       y = y if norm is None else norm.apply({'params': head['norm']}, y)
       return offer.loss(readout.apply(head['readout'], y), sides['rows'])
-    total, (sums, stats) = one_f_one_b(stage, loss, params, head, xs, active_sharding()[0], sides,
+    mesh, rules = active_sharding()
+    with sharding_context(mesh, without('stage', rules)):  # rows as the stages hold them, so dx lands in place
+      xs = constrain(xs, (None, 'batch', 'length', 'embed'))
+    total, (sums, stats) = one_f_one_b(stage, loss, params, head, xs, mesh, sides,
                                        bubble=active_pipelining().bubble)
     offer.taken = total, sums
     return stats

@@ -136,12 +136,13 @@ def test_the_train_step_runs_its_microbatches_through_one_tick_loop(schedule):
   assert re.search(rf'^{re.escape(ticks[0])} .*?^}}', text, re.M | re.S)[0].count('collective-permute(') == 2
 
 
-@pytest.mark.parametrize('once', [False, True])
-def test_gathering_once_takes_the_weights_all_gathers_out_of_the_loops(once):
-  """Gathered once, a stage's fsdp-sharded weights are gathered before the tick loop; else each layer's at each tick
-  (inside the layers' loop, inside the tick loop)."""
+@pytest.mark.parametrize('once, schedule', [(False, 'gpipe'), (True, 'gpipe'), (True, '1f1b')])
+def test_gathering_once_takes_the_weights_all_gathers_out_of_the_loops(once, schedule):
+  """Gathered once, a stage's fsdp-sharded weights are gathered before the tick loop (GPipe's two, 1F1B's one);
+  else each layer's at each tick (inside the layers' loop, inside the tick loop)."""
   config = load_config('llama_tiny', SMALL + COMMON + ['mesh.stage=2', 'mesh.fsdp=4', 'model.num_layers=4',
-                                                       f'model.execution.pipeline.gather_once={once}'])
+                                                       f'model.execution.pipeline.gather_once={once}',
+                                                       f'model.execution.pipeline.schedule={schedule}'])
   trainer = Pretraining(config, jax.devices())
   step = make_train_step(trainer.assembly, PretrainingLoss(trainer.assembly))
   text = step.lower(trainer.init_state(), next(trainer.train_batches)).compile().as_text()
