@@ -68,7 +68,7 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
     args.append(x)
 
   def per_shard(q, k, v, *rest):
-    return kernel(q, k, v, **dict(zip(names, rest, strict=True)), **options)
+    return kernel(q, k, v, **{**dict.fromkeys(optional), **dict(zip(names, rest, strict=True))}, **options)
   return shard_map(per_shard, mesh, tuple(specs), q_spec)(*args)
 
 

@@ -10,7 +10,6 @@ and gives zeros) and return [B, Lq, H, D].
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,14 +57,14 @@ def tpu_flash(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, segment
   return _finish(out, q_seg, lq)
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(lq: int, lk: int, heads: int, causal: bool, block_q: int, block_k: int, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
   head_mask = masks.CausalMask((lq, lk)) if causal else masks.FullMask((lq, lk))
   sizes = splash.BlockSizes(block_q=block_q, block_kv=block_k, block_kv_compute=block_k, block_q_dkv=block_q,
                             block_kv_dkv=block_k, block_kv_dkv_compute=block_k, block_q_dq=block_q, block_kv_dq=block_k)
-  # Cached across traces: its mask arrays must be constants, not tracers of the jit that first built it.
+  # Built in each trace, its mask arrays as constants: a kernel cached by shape, built with them evaluated at compile
+  # time, still leaked tracers into a model's train step compiled for TPU (lm compile, attention_impl=tpu_splash).
   with jax.ensure_compile_time_eval():
     return splash.make_splash_mha(masks.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
                                   q_seq_shards=1, interpret=interpret)

@@ -1,11 +1,16 @@
 """JAX's shipped kernels behind our dispatch, against the float64 reference, for the features each has."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from lm.ops.attention import vendor
+from lm.config import MeshConfig
+from lm.ops.attention import attention, vendor
+from lm.parallel.mesh import make_mesh
+from lm.parallel.rules import sharding_context
 from tests.ops.attention.test_flash import reference, rel
 
 KERNELS = {
@@ -55,10 +60,24 @@ def test_vendor_kernel_matches_float64(name, seed, causal, segments, with_bias):
     assert rel(got, expected) < 1e-5
 
 
-def test_splash_kernel_is_reused_across_jits():
-  """The kernel is cached by shape: a second jit with the same shapes must not see the first one's tracers."""
+def test_splash_kernel_is_built_afresh_for_each_jit():
+  """A second jit with the same shapes must not see the first one's tracers (the kernel is built in each trace: a
+  kernel cached by shape kept the mask values of the trace that built it)."""
   q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 2, 64)), jnp.float32)
   run = lambda q: vendor.tpu_splash(q, q, q, causal=True, segment_ids=None, kv_segment_ids=None,
                                               bias=None, scale=0.125, platform='cpu')
   first, second = jax.jit(run)(q), jax.jit(lambda q: run(q) * 1.0)(q)
   np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
+@pytest.mark.parametrize('name', ['tpu_flash', 'tpu_splash'])
+def test_the_dispatch_runs_them_per_shard_without_segments_or_bias(name):
+  """`attention(impl=...)` on a mesh runs the kernel per shard with no segment ids or bias (each passed as None),
+  also after a trace of another kind (Flax's init under remat): equal to XLA's attention."""
+  mesh = make_mesh(MeshConfig(data=2), jax.devices()[:2])
+  q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 128, 2, 64)), jnp.float32)
+  run = lambda q: attention(q, q, q, causal=True, impl=name)
+  with sharding_context(mesh), (pltpu.force_tpu_interpret_mode() if KERNELS[name][2] else contextlib.nullcontext()):
+    jax.eval_shape(jax.checkpoint(run), q)
+    got = jax.jit(run)(q)
+  assert rel(got, attention(q, q, q, causal=True, impl='xla')) < 1e-5
