@@ -38,12 +38,14 @@ PLAN: dict[str, float | None] = {
   'llama2_7b': 7e9, 'llama2_13b': 13e9, 'llama2_70b': 70e9,
   'llama3_8b': 8e9, 'llama3_70b': 70e9, 'llama3_1_405b': 405e9, 'mistral_7b': 7.3e9, 'qwen2_5_7b': 7.61e9,
   'qwen3_8b': 8.2e9, 'gemma2_9b': 9.24e9, 'gemma2_27b': 27.2e9,
+  'gemma3_1b': 1.0e9, 'gemma3_4b': 3.88e9, 'gemma3_12b': 11.77e9, 'gemma3_27b': 27.0e9,
   'pythia_70m': 70.4e6, 'pythia_160m': 162.3e6, 'pythia_410m': 405.3e6, 'pythia_1b': 1.01e9, 'pythia_1_4b': 1.41e9,
   'pythia_2_8b': 2.78e9, 'pythia_6_9b': 6.86e9, 'pythia_12b': 11.85e9,
   'olmo2_1b': 1.48e9, 'olmo2_7b': 7.30e9, 'olmo2_13b': 13.7e9,
   'mixtral_8x7b': 46.7e9, 'qwen3_30b_a3b': 30.5e9, 'olmoe_1b_7b': 6.92e9,
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
-  'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
+  'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'gemma3_tiny': None,
+  'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
   'moe_tiny': None,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'

@@ -76,6 +76,14 @@ class RopeConfig:
   beta_slow: float = 1.0  # yarn: ... below which they are divided by factor
   attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1
   fraction: float = 1.0  # the share of each head's features that rotate (GPT-NeoX's rotary_pct); the rest pass
+  local_theta: float = 0.0  # > 0: windowed layers rotate with this base wavelength, unscaled, while global layers
+  # keep theta and the scaling (Gemma 3: 1e4 beside 1e6 x 8); 0: every layer alike
+
+  def local(self) -> RopeConfig:
+    """The windowed layers' rotation: `local_theta`, unscaled (Gemma 3), or this one when it is unset."""
+    if not self.local_theta:
+      return self
+    return dataclasses.replace(self, theta=self.local_theta, scaling='none', factor=1.0, local_theta=0.0)
 
   def rotated(self, head_dim: int) -> int:
     """How many of a head's features rotate: the first `fraction` of them (transformers' int(head_dim x it))."""
@@ -92,6 +100,9 @@ class RopeConfig:
     if position != 'rotary' and self.fraction != 1:
       raise ConfigError(f'model.rope.fraction={self.fraction} applies to rotary positions, but '
                         f'model.position={position}; set model.position=rotary or remove it')
+    if self.local_theta < 0 or (self.local_theta and position != 'rotary'):
+      raise ConfigError(f'model.rope.local_theta={self.local_theta} is the windowed layers\' rotary base wavelength: '
+                        f'it must be >= 0 and needs model.position=rotary')
     if self.scaling == 'none':
       return
     if position != 'rotary':
@@ -276,9 +287,11 @@ class ModelConfig:
   global_layers: tuple[int, ...] = ()  # or these layers (0-based) attend globally: any pattern (an HF layer_types)
   attn_logit_softcap: float = 0.0  # > 0: attention logits through c * tanh(logits / c) (Gemma 2: 50)
   final_logit_softcap: float = 0.0  # > 0: output logits soft-capped so, in the loss and in sampling (Gemma 2: 30)
+  attention_sinks: bool = False  # a learned logit per query head joins each softmax's denominator, with no value
+  # (GPT-OSS's sinks)
   attention_scale_dim: int | None = None  # logits times this^-0.5 instead of head_dim^-0.5 (Gemma 2's
   # query_pre_attn_scalar)
-  norm_plus_one: bool = False  # RMSNorm scales by (1 + w), w starting at 0 (Gemma)
+  norm_plus_one: bool = False  # every RMSNorm (query/key norms too) scales by (1 + w), w starting at 0 (Gemma)
   parallel_residual: bool = False  # attention and MLP both read the block's input, their outputs added to it
   quantization: Quantization = 'none'  # int8: the attention and MLP projections' forward matmuls in int8
   # (GPT-J, GPT-NeoX's use_parallel_residual)
@@ -971,6 +984,10 @@ def _check_window_and_softcap(config: Config) -> None:
     raise ConfigError(f'model.global_layers={list(m.global_layers)} names the layers that attend globally among '
                       f'windowed ones: distinct indices in [0, {m.num_layers}), with model.sliding_window > 0 and '
                       f'without model.global_every')
+  if m.rope.local_theta and not (m.sliding_window and m.global_layer_indices):
+    raise ConfigError(f'model.rope.local_theta={m.rope.local_theta} rotates windowed layers apart from global ones, '
+                      f'but this model has no such mix; set model.sliding_window with model.global_every (or '
+                      f'model.global_layers), or drop model.rope.local_theta')
   if m.final_logit_softcap < 0 or (m.attention_scale_dim is not None and m.attention_scale_dim <= 0):
     raise ConfigError(f'model.final_logit_softcap={m.final_logit_softcap} must be >= 0 and model.attention_scale_dim='
                       f'{m.attention_scale_dim} positive (or null)')

@@ -115,6 +115,10 @@ def test_parse_overrides_nested():
   (['model.sliding_window=8', 'model.global_layers=[0,9]'], 'model.global_layers=[0, 9] names the layers that '
    'attend globally among windowed ones: distinct indices in [0, 4)'),
   (['model.global_layers=[1]'], 'with model.sliding_window > 0 and without model.global_every'),
+  (['model.position=rotary', 'model.rope.local_theta=1e4', 'model.sliding_window=8'],
+   'model.rope.local_theta=10000.0 rotates windowed layers apart from global ones, but this model has no such mix'),
+  (['model.rope.local_theta=1e4'], "model.rope.local_theta=10000.0 is the windowed layers' rotary base wavelength: "
+   'it must be >= 0 and needs model.position=rotary'),
   (['model.norm_plus_one=true'], 'model.norm_plus_one=true scales an RMSNorm by (1 + w), but model.norm=layernorm'),
   (['model.moe.num_experts=4', 'model.moe.experts_per_token=5'],
    'model.moe.experts_per_token=5 must lie in [1, model.moe.num_experts=4]'),

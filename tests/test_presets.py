@@ -152,6 +152,9 @@ RELEASED = {
   'gemma2_27b': ([], 'Gemma2ForCausalLM', dict(vocab_size=256000, hidden_size=4608, intermediate_size=36864,
                                                num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
                                                head_dim=128), 27_227_128_320, 'gemma-2-27b (tied output)'),
+  'gemma3_1b': ([], 'Gemma3ForCausalLM', dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                              num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                              head_dim=256), 999_885_952, 'gemma-3-1b-pt (tied output)'),
   # Mixture-of-experts releases: every expert counted
   'mixtral_8x7b': ([], 'MixtralForCausalLM', {}, 46_702_792_704, 'Mixtral-8x7B-v0.1'),
   'qwen3_30b_a3b': ([], 'Qwen3MoeForCausalLM', dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -162,6 +165,15 @@ RELEASED = {
                                                num_hidden_layers=16, num_attention_heads=16, num_experts=64,
                                                num_experts_per_tok=8), 6_919_161_856, 'OLMoE-1B-7B-0924'),
 }
+CONFIG_CLASSES = {'Gemma3ForCausalLM': 'Gemma3TextConfig'}
+# Gemma 3's larger releases are multimodal: their language models' blocks against the report's Table 1 (millions of
+# non-embedding parameters; Gemma Team 2025, arXiv:2503.19786), and the whole language model against transformers'
+GEMMA3 = {'gemma3_4b': (dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                             num_key_value_heads=4), 3209e6),
+          'gemma3_12b': (dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                              num_key_value_heads=8), 10759e6),
+          'gemma3_27b': (dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                              num_key_value_heads=16, head_dim=128), 25600e6)}
 # Their active parameters (k of E experts), as the releases state them; OLMoE's "1B active" is 1.28B
 ACTIVE = {'mixtral_8x7b': 12_879_925_248, 'qwen3_30b_a3b': 3_353_032_704, 'olmoe_1b_7b': 1_282_017_280}
 
@@ -173,12 +185,24 @@ def test_parameter_count_equals_the_released_checkpoint_exactly(name):
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   overrides, cls, kwargs, released, _ = RELEASED[name]
-  config_cls = getattr(transformers, cls.replace('LMHeadModel', 'Config').replace('ForPreTraining', 'Config')
-                       .replace('ForConditionalGeneration', 'Config').replace('ForCausalLM', 'Config'))
+  config_cls = getattr(transformers, CONFIG_CLASSES.get(cls) or cls.replace('LMHeadModel', 'Config').replace(
+    'ForPreTraining', 'Config').replace('ForConditionalGeneration', 'Config').replace('ForCausalLM', 'Config'))
   with torch.device('meta'):
     theirs = getattr(transformers, cls)(config_cls(**kwargs)).num_parameters()
   ours = count_params(abstract_params(build_model(load_config(name, overrides).model)))['total']
   assert ours == theirs == released, (ours, theirs, released)
+
+
+@pytest.mark.parametrize('name', sorted(GEMMA3))
+def test_gemma3_language_models_equal_transformers_and_the_reports_table(name):
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  kwargs, published = GEMMA3[name]
+  with torch.device('meta'):
+    theirs = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(vocab_size=262208, **kwargs)).num_parameters()
+  ours = count_params(abstract_params(build_model(load_config(name).model)))
+  assert ours['total'] == theirs
+  assert abs(ours['non_embedding'] / published - 1) < 5e-4, ours  # the table rounds to millions
 
 
 @pytest.mark.parametrize('name', sorted(ACTIVE))

@@ -263,9 +263,11 @@ class Attention(nn.Module):
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias
   qk_norm_eps: float | None = None  # RMSNorm of the queries and keys (before the rotation); None: none
   qk_norm_all_heads: bool = False  # that norm over all heads' features at once (OLMo 2), not each head's
+  qk_norm_plus_one: bool = False  # that norm scales by (1 + w) (Gemma 3)
   clip: float = 0.0  # > 0: query, key and value projections clipped to [-clip, clip] (OLMo), after any qk norm
   window: int = 0  # > 0: a causal query sees the keys fewer than this many positions back
   softcap: float = 0.0  # > 0: logits soft-capped to (-softcap, softcap)
+  sinks: bool = False  # a learned sink logit per query head ('sinks' [heads], float32, starting at 0)
   impl: str = 'xla'
   block_q: int = 128  # kernel block sizes (flash)
   block_k: int = 128
@@ -294,14 +296,17 @@ class Attention(nn.Module):
     v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
     if self.qk_norm_eps is not None:
       norm = lambda name, heads: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, name=name,
-                                         axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',))
+                                         axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',),
+                                         plus_one=self.qk_norm_plus_one)
       q, k = norm('query_norm', 'heads')(q), norm('key_norm', 'kv_heads')(k)
     if self.clip:  # after the norms (OLMoE, the one released model with both)
       q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
     if self.rope is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
-      q, k = rotary(q, positions, self.rope), rotary(k, positions, self.rope)
+      windowed = bool(self.window) and (jnp.logical_not(global_layer) if isinstance(global_layer, jax.Array)
+                                        else not global_layer)
+      q, k = rotary(q, positions, self.rope, windowed), rotary(k, positions, self.rope, windowed)
     q = checkpoint_name(constrain(q, ('batch', 'length', 'heads', 'kv')), 'query_proj')
     k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
     v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
@@ -316,12 +321,14 @@ class Attention(nn.Module):
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
+    sinks = self.param('sinks', nn.with_logical_partitioning(nn.initializers.zeros, ('heads',)), (self.num_heads,),
+                       jnp.float32) if self.sinks else None
     attend = lambda window: attention(
       q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask, bias=bias,
       scale=self.logit_scale, window=window, softcap=self.softcap,
       impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
       dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng, block_q=self.block_q,
-      block_k=self.block_k)
+      block_k=self.block_k, sinks=sinks)
     if window and isinstance(global_layer, jax.Array):  # a scanned layer: both programs, one runs
       out = jax.lax.cond(global_layer, lambda: attend(0), lambda: attend(window))
     else:

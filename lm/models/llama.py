@@ -16,6 +16,9 @@ LAYOUTS: dict[str, str] = {
     'qwen3': 'Qwen3: Llama with per-head query and key RMSNorm (model.qk_norm).',
     'gemma2': 'Gemma 2: (1 + w) RMSNorm before and after each branch, scaled embeddings tied to the output, GeGLU, '
               'soft-capped attention and output logits, sliding-window layers alternating with global ones.',
+    'gemma3': "Gemma 3: Gemma 2 without soft-caps, with (1 + w) RMSNorms of each head's queries and keys, five "
+              'windowed layers to a global one, and the windowed layers rotating at their own base wavelength '
+              '(model.rope.local_theta).',
     'olmo': 'OLMo (Groeneveld et al. 2024): LayerNorm without scale or bias before each branch '
             '(model.norm=nonparametric_layernorm), query/key/value optionally clipped (model.clip_qkv).',
     'olmo2': "OLMo 2: RMSNorm of each branch's output before it is added (model.norm_position=post_branch) and of "

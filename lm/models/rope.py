@@ -66,15 +66,20 @@ def rope_of(cfg: ModelConfig) -> Rope | None:
   return Rope(**dataclasses.asdict(cfg.rope))
 
 
-def rotary(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+def rotary(x: jax.Array, positions: jax.Array, rope: Rope, windowed: bool | jax.Array = False) -> jax.Array:
   """RoPE on x [batch, length, heads, head_dim] at `positions` [batch, length], in float32: the first
-  `rope.rotated(head_dim)` features rotate (all but for a partial rotation), the others pass unchanged."""
+  `rope.rotated(head_dim)` features rotate (all but for a partial rotation), the others pass unchanged.
+  `windowed` (traced in a scanned stack): a windowed layer's, by `rope.local()`."""
   rotated = rope.rotated(x.shape[-1])
-  inv_freq = rope.inverse_frequencies(rotated).astype(np.float32)
+  inv_freq, magnitude = rope.inverse_frequencies(rotated).astype(np.float32), rope.magnitude
+  if rope.local_theta and windowed is not False:
+    local = rope.local()
+    inv_freq = jnp.where(windowed, local.inverse_frequencies(rotated).astype(np.float32), inv_freq)
+    magnitude = jnp.where(windowed, local.magnitude, magnitude)
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, l, half]
   cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
-  if rope.magnitude != 1.0:
-    cos, sin = cos * rope.magnitude, sin * rope.magnitude
+  if rope.magnitude != 1.0 or rope.local().magnitude != 1.0:
+    cos, sin = cos * magnitude, sin * magnitude
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32[..., :rotated], 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotated:]], axis=-1).astype(x.dtype)

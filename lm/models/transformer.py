@@ -72,11 +72,13 @@ class Block(nn.Module):
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
       qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_all_heads=cfg.qk_norm_scope == 'all_heads',
+      qk_norm_plus_one=cfg.norm_plus_one,
       clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.execution.attention_impl,
       block_q=cfg.execution.attention_block_q, block_k=cfg.execution.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, quantized=quantized, **kw)
-    branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window)(
+    branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window,
+                                                       sinks=cfg.attention_sinks)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode, global_layer=global_layer))]
     if self.cross:

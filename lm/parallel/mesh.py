@@ -79,7 +79,10 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
   if len({getattr(d, 'slice_index', 0) for d in devices}) == slices > 1:
     dcn = tuple(sizes[a.name] if a.across_slices else _spanned(mesh_config, a) for a in mesh_axes.MESH_AXES)
     ici = tuple(size // over for size, over in zip(shape, dcn))
-    ordered = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    try:
+      ordered = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):  # an axis no product of physical ones makes (2 of 4x4x8)
+      ordered = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
     return Mesh(ordered, MESH_AXES, axis_types=auto)
   if devices == list(jax.devices()) and slices == 1:
     # make_mesh orders devices for the physical topology (ICI rings on TPU, hosts contiguous).

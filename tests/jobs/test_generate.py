@@ -25,7 +25,10 @@ OVERRIDES = {'gpt_tiny': TINY, 't5_tiny': TINY + ['model.num_decoder_layers=2'],
 # and in alternate layers (Gemma 2, with both soft-caps)
 VARIANTS = {'mistral_window': ('llama_tiny', OVERRIDES['llama_tiny'] + ['model.sliding_window=3']),
             'gemma2_window': ('gemma2_tiny', TINY + ['model.num_kv_heads=2', 'model.num_layers=4',
-                                                     'model.sliding_window=3', 'model.attention_scale_dim=8'])}
+                                                     'model.sliding_window=3', 'model.attention_scale_dim=8']),
+            # GPT-OSS's sinks beside a window: the ring cache's rows and the sink share each softmax
+            'sinks_window': ('llama_tiny', OVERRIDES['llama_tiny'] + ['model.sliding_window=3',
+                                                                      'model.attention_sinks=true'])}
 PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]]  # three lengths
 
 
@@ -64,7 +67,7 @@ def relative_error(got, want):
 
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
 @pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny',
-                                    'mistral_window', 'gemma2_window'])
+                                    'mistral_window', 'gemma2_window', 'sinks_window'])
 @pytest.mark.variants
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)

@@ -28,7 +28,8 @@ def test_every_family_declares_what_generic_code_needs():
     assert family.converter().ARCHITECTURE  # its HF converter imports
     config = load_config(*{'gpt': ('gpt_tiny',), 'bert': ('bert_tiny',), 't5': ('t5_tiny',),
                            'llama': ('llama_tiny',), 'mistral': ('mistral_7b',), 'qwen2': ('qwen2_5_7b',),
-                           'qwen3': ('qwen3_tiny',), 'gemma2': ('gemma2_tiny',), 'gpt_neox': ('pythia_tiny',),
+                           'qwen3': ('qwen3_tiny',), 'gemma2': ('gemma2_tiny',),
+                           'gemma3': ('gemma3_tiny',), 'gpt_neox': ('pythia_tiny',),
                            'olmo': ('olmo_tiny',), 'olmo2': ('olmo2_tiny',),
                            'olmo3': ('olmo2_tiny', ['model.family=olmo3', 'model.sliding_window=64',
                                                     'model.global_every=4']),
@@ -39,8 +40,8 @@ def test_every_family_declares_what_generic_code_needs():
 
 @pytest.mark.parametrize('preset, override, message', [
   ('gpt_tiny', 'model.family=rnn', "model.family='rnn' is not supported; choose one of: gpt, bert, t5, llama, "
-                                   "mistral, qwen2, qwen3, gemma2, olmo, olmo2, olmo3, mixtral, qwen2_moe, qwen3_moe, "
-                                   "olmoe, gpt_neox"),
+                                   "mistral, qwen2, qwen3, gemma2, gemma3, olmo, olmo2, olmo3, mixtral, qwen2_moe, "
+                                   "qwen3_moe, olmoe, gpt_neox"),
   ('bert_tiny', 'model.nsp=true', 'model.nsp=true .* set model.type_vocab_size=2'),
   ('llama_tiny', 'model.position=learned', 'a llama model has no position table'),
 ])

@@ -139,6 +139,20 @@ def test_candidates_cover_what_shards_evenly_and_come_fastest_first():
 
 
 @needs_libtpu
+def test_stages_across_slices_build_a_mesh_where_no_product_of_physical_axes_gives_an_axis():
+  """2 stages a slice over 4 v5p-256 slices (4x4x8 chips) leave fsdp 64, which no product of 4, 4 and 8 makes:
+  the slice's axes split (the planner met this layout when searching gpt3_175b over 4 slices)."""
+  from lm.config import MeshConfig
+  from lm.parallel.chips import physical_topology
+  from lm.parallel.mesh import make_mesh
+  mesh = make_mesh(MeshConfig(stage=2, data=1, fsdp=64, tensor=1, stage_slices=4),
+                   topology_devices(physical_topology('v5p-256'), 4))
+  assert (mesh.shape['stage'], mesh.shape['fsdp']) == (8, 64)
+  slices = [{d.slice_index for d in mesh.devices.take(s, axis=1).ravel()} for s in range(8)]
+  assert slices == [{0}, {0}, {1}, {1}, {2}, {2}, {3}, {3}]  # consecutive stages share a slice
+
+
+@needs_libtpu
 @pytest.mark.long(1)
 def test_plan_lists_compiled_candidates_that_fit_ranked_by_prediction(tmp_path, capsys):
   """`--plan --json --write`: the fitting candidates, ranked by the roofline, each compiled memory within

@@ -1,5 +1,6 @@
 """Today's open architectures train: a tiny Gemma 2 (sandwich (1 + w) norms, soft-capped attention and output
-logits, a window in every other layer), a tiny Qwen3 (query/key norms), a tiny Pythia (GPT-NeoX: parallel
+logits, a window in every other layer), a tiny Gemma 3 (five windowed layers rotating at their own base wavelength
+to a global one, (1 + w) query/key norms), a tiny Qwen3 (query/key norms), a tiny Pythia (GPT-NeoX: parallel
 residual, a quarter of each head rotating) and a tiny OLMo 2 (branch outputs normalised, query/key norms over all
 heads) learn the embedded corpus for 50 steps, on one device and on a data x
 fsdp x tensor mesh, which gives the same losses; Gemma 2 also with its sequence split over the mesh (ring attention
@@ -13,9 +14,11 @@ from lm.jobs.pretraining import Pretraining
 from tests.conftest import SMALL
 
 PRESETS = {'gemma2_tiny': ['model.sliding_window=8'],  # shorter than the 32-token rows
+           'gemma3_tiny': ['model.sliding_window=8', 'model.global_every=2'],  # two layers: one windowed, one global
            'qwen3_tiny': [], 'pythia_tiny': [], 'olmo2_tiny': []}
 MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
                           ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')],
+          'gemma3_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
           'qwen3_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
           'pythia_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
           # the query/key norm spans the heads, which the tensor axis splits

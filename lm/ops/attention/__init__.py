@@ -36,7 +36,7 @@ def repeat_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Ar
 
 def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, *,
                       segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None, bias: jax.Array | None,
-                      **options: Any) -> jax.Array:
+                      sinks: jax.Array | None = None, **options: Any) -> jax.Array:
   """Runs a Pallas kernel per shard under the active mesh (Pallas calls cannot be auto-partitioned).
 
   Shard specs come from the logical-axis rules: batch over the data axes, heads over the tensor
@@ -45,6 +45,8 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
   lcm(kv_heads, shards), so each shard holds the ones its query heads read.
   """
   active = active_sharding()
+  if sinks is not None:  # only the kernels that have sinks take them (the capability table)
+    options['sinks'] = sinks
   if active is None:
     return kernel(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, bias=bias,
                   platform=jax.default_backend(), **options)
@@ -57,10 +59,14 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
   kv_spec = spec_for(('batch', 'length', 'kv_heads', 'kv'), k.shape, mesh, rules)
   args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
   optional = {'segment_ids': segment_ids, 'kv_segment_ids': kv_segment_ids, 'bias': bias}
+  if sinks is not None:
+    optional['sinks'] = options.pop('sinks')
   names = [n for n, x in optional.items() if x is not None]
   for name in names:
     x = optional[name]
-    if name == 'bias':
+    if name == 'sinks':
+      specs.append(spec_for(('heads',), x.shape, mesh, rules))
+    elif name == 'bias':
       x = x.reshape((1,) * (4 - x.ndim) + x.shape)
       specs.append(spec_for(('batch', 'heads', None, None), x.shape, mesh, rules))
     else:
@@ -140,10 +146,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
               mask: jax.Array | None = None, bias: jax.Array | None = None, scale: float | None = None,
               window: int = 0, softcap: float = 0.0, impl: str = 'xla', dropout_rate: float = 0.0,
-              dropout_rng: jax.Array | None = None, block_q: int = 128, block_k: int = 128) -> jax.Array:
+              dropout_rng: jax.Array | None = None, block_q: int = 128, block_k: int = 128,
+              sinks: jax.Array | None = None) -> jax.Array:
   """Multi-head attention; `mask` and `bias` broadcast to [batch, heads, q_len, kv_len]. `window` > 0 (causal): a
   sliding window of keys fewer than that many positions back; `softcap` > 0: logits soft-capped before the bias
-  (xla and our flash kernel)."""
+  (xla and our flash kernel); `sinks` [heads]: each head's learned sink logit in the softmax's denominator (xla
+  and our flash kernel)."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
   if window and not causal:
@@ -151,7 +159,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   needs = {f for f, on in (('window', window), ('softcap', softcap), ('bias', bias is not None),
                            ('dropout', dropout_rate > 0.0), ('mask', mask is not None),
-                           ('cross', kv_segment_ids is not None)) if on}
+                           ('cross', kv_segment_ids is not None), ('sinks', sinks is not None)) if on}
   if sequence_shards() > 1:  # before `auto` is resolved: on a split sequence it means the ring, blocks by XLA
     if impl not in capabilities.RING:
       raise ValueError(f'a sequence split over the mesh runs ring attention (impl auto, xla or flash), not {impl}')
@@ -168,12 +176,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   if impl in KERNELS:
     extra = {'window': window, 'softcap': softcap} if window or softcap else {}
     return _kernel_attention(KERNELS[impl], q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             bias=bias, causal=causal, scale=scale, block_q=block_q, block_k=block_k, **extra)
+                             bias=bias, sinks=sinks, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+                             **extra)
   allowed = attention_mask(q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, mask=mask, window=window)
   num_blocks = _causal_blocks(q.shape[1], k.shape[1]) if causal else 1
   if num_blocks > 1 and not (dropout_rate > 0.0 and dropout_rng is not None):
     return blocked_causal_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, num_blocks=num_blocks,
-                                    softcap=softcap)
+                                    softcap=softcap, sinks=sinks)
   return xla_attention(q, k, v, allowed=allowed, bias=bias, scale=scale, softcap=softcap,
-                       dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                       dropout_rate=dropout_rate, dropout_rng=dropout_rng, sinks=sinks)

@@ -17,25 +17,26 @@ class Capability:
   dropout: bool  # attention dropout
   mask: bool  # an arbitrary mask
   cross: bool  # keys of another sequence (kv segment ids)
+  sinks: bool  # a learned sink logit per head in the softmax's denominator (GPT-OSS)
   platforms: tuple[str, ...]  # where it compiles; 'cpu' for a Pallas kernel means interpreted
 
 
 ALL_PLATFORMS = ('cpu', 'gpu', 'tpu')
 TABLE: dict[str, Capability] = {
-  'xla': Capability(False, True, True, True, True, True, True, ALL_PLATFORMS),
-  'flash': Capability(True, True, True, True, False, False, True, ('tpu', 'cpu')),  # ours (Pallas)
-  'tpu_flash': Capability(False, False, False, True, False, False, True, ('tpu', 'cpu')),
-  'tpu_splash': Capability(False, False, False, False, False, False, True, ('tpu', 'cpu')),
-  'cudnn': Capability(False, False, False, True, False, False, True, ('gpu',)),
+  'xla': Capability(False, True, True, True, True, True, True, True, ALL_PLATFORMS),
+  'flash': Capability(True, True, True, True, False, False, True, True, ('tpu', 'cpu')),  # ours (Pallas)
+  'tpu_flash': Capability(False, False, False, True, False, False, True, False, ('tpu', 'cpu')),
+  'tpu_splash': Capability(False, False, False, False, False, False, True, False, ('tpu', 'cpu')),
+  'cudnn': Capability(False, False, False, True, False, False, True, False, ('gpu',)),
   # a sequence split over the mesh (mesh.sequence > 1): ring attention, self-attention only, its blocks by ...
-  'ring': Capability(False, True, True, True, False, False, False, ALL_PLATFORMS),  # ... the XLA path
-  'ring_flash': Capability(False, False, False, True, False, False, False, ('tpu', 'cpu')),  # ... our kernel
+  'ring': Capability(False, True, True, True, False, False, False, False, ALL_PLATFORMS),  # ... the XLA path
+  'ring_flash': Capability(False, False, False, True, False, False, False, False, ('tpu', 'cpu')),  # ... our kernel
 }
 RING = {'auto': 'ring', 'xla': 'ring', 'flash': 'ring_flash'}  # the ring each choice runs on a split sequence
 AUTO = {'tpu': ('flash',), 'gpu': ('cudnn',)}  # what `auto` prefers on each platform where it can serve; then xla
 FEATURES = {'window': 'model.sliding_window', 'softcap': 'model.attn_logit_softcap',
             'bias': 'bias (model.position=relative)', 'dropout': 'model.attention_dropout',
-            'mask': 'arbitrary masks', 'cross': 'cross-attention'}
+            'mask': 'arbitrary masks', 'cross': 'cross-attention', 'sinks': 'attention sinks (model.attention_sinks)'}
 NAMES = {'ring': 'ring attention with XLA blocks (mesh.sequence > 1)',
          'ring_flash': 'ring attention with flash blocks (mesh.sequence > 1)'}
 
@@ -69,7 +70,8 @@ def pick_impl(platform: str, needs: frozenset[str] | set[str]) -> str:
 def config_needs(m: ModelConfig) -> frozenset[str]:
   """The features a model's attention calls ask for, from its config."""
   return frozenset(f for f, on in (('window', m.sliding_window), ('softcap', m.attn_logit_softcap),
-                                   ('bias', m.position == 'relative'), ('dropout', m.attention_dropout > 0)) if on)
+                                   ('bias', m.position == 'relative'), ('dropout', m.attention_dropout > 0),
+                                   ('sinks', m.attention_sinks)) if on)
 
 
 def check_attention(config: Config) -> None:

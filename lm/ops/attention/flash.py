@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lm.ops.attention.masking import MASKED, round_up
+from lm.ops.attention.sinks import sink_grad, sunk
 from lm.ops.softcap import soft_cap, soft_cap_grad
 
 _LSE_ROWS = 8  # the log-sum-exp leaves the forward kernel as [8, rows]: one sublane tile
@@ -387,23 +388,28 @@ def _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, *, heads, causal, window
   return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
-def _flash(q, k, v, bias, q_seg, kv_seg, heads, causal, window, softcap, scale, bq, bk, interpret):
-  return _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, window=window, softcap=softcap,
-                  scale=scale, bq=bq, bk=bk, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12, 13, 14))
+def _flash(q, k, v, bias, q_seg, kv_seg, sinks, heads, causal, window, softcap, scale, bq, bk, interpret):
+  return _flash_fwd(q, k, v, bias, q_seg, kv_seg, sinks, heads, causal, window, softcap, scale, bq, bk,
+                    interpret)[0]
 
 
-def _flash_fwd(q, k, v, bias, q_seg, kv_seg, heads, causal, window, softcap, scale, bq, bk, interpret):
+def _flash_fwd(q, k, v, bias, q_seg, kv_seg, sinks, heads, causal, window, softcap, scale, bq, bk, interpret):
   o, lse = _forward(q, k, v, bias, q_seg, kv_seg, heads=heads, causal=causal, window=window, softcap=softcap,
                     scale=scale, bq=bq, bk=bk, interpret=interpret)
-  return o, (q, k, v, bias, q_seg, kv_seg, o, lse)
+  if sinks is not None:  # the kernel's backward, given these, is the gradient with the sinks (`sinks`)
+    o4, total = sunk(o.reshape(*o.shape[:2], heads, -1), lse[:, :, 0], sinks)
+    o, lse = o4.reshape(o.shape), jnp.broadcast_to(total[:, :, None], lse.shape)
+  return o, (q, k, v, bias, q_seg, kv_seg, sinks, o, lse)
 
 
 def _flash_bwd(heads, causal, window, softcap, scale, bq, bk, interpret, residuals, do):
-  q, k, v, bias, q_seg, kv_seg, o, lse = residuals
+  q, k, v, bias, q_seg, kv_seg, sinks, o, lse = residuals
   dq, dk, dv, dbias = _backward(q, k, v, bias, q_seg, kv_seg, o, lse, do, heads=heads, causal=causal,
                                 window=window, softcap=softcap, scale=scale, bq=bq, bk=bk, interpret=interpret)
-  return dq, dk, dv, dbias, None, None
+  per_head = lambda x: x.reshape(*x.shape[:2], heads, -1)
+  dsinks = None if sinks is None else sink_grad(per_head(o), lse[:, :, 0], per_head(do), sinks)
+  return dq, dk, dv, dbias, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -413,14 +419,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                     bias: jax.Array | None = None, scale: float | None = None, window: int = 0,
                     softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
-                    platform: str | None = None) -> jax.Array:
+                    platform: str | None = None, sinks: jax.Array | None = None) -> jax.Array:
   """Attention over q [B, Lq, H, D], k/v [B, Lk, K, D] (Flax layout) -> [B, Lq, H, D].
 
   K key/value heads divide the H query heads (grouped-query attention when K < H).
   `segment_ids` / `kv_segment_ids` [B, L] (0 = padding), `bias` broadcastable to [B, H, Lq, Lk] and
   differentiable. `window` > 0 (causal only): each query sees the keys fewer than `window` positions back, and
   kv-blocks wholly outside it are skipped; `softcap` > 0: scaled logits pass through softcap * tanh(. / softcap)
-  before the bias. Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
+  before the bias. `sinks` [H] (differentiable): each head's learned sink logit in the softmax's denominator
+  (`lm.ops.attention.sinks`). Block sizes are rounded to TPU tiles (multiples of 128) and shrunk for short
   inputs; lengths are padded to whole blocks. `platform` (default: the default backend) picks Mosaic
   on 'tpu' and the Pallas interpreter on 'cpu'.
   """
@@ -435,8 +442,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[3] ** -0.5 if scale is None else scale
   blocks = _Blocks(q.shape, k.shape, segment_ids, kv_segment_ids, block_q, block_k)
-  out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg, h, causal,
-               int(window), float(softcap), float(scale), blocks.bq, blocks.bk, platform == 'cpu')
+  out = _flash(blocks.q(q), blocks.kv(k), blocks.kv(v), blocks.bias(bias), blocks.q_seg, blocks.kv_seg, sinks, h,
+               causal, int(window), float(softcap), float(scale), blocks.bq, blocks.bk, platform == 'cpu')
   return blocks.unpad(out, h)
 
 

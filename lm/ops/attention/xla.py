@@ -29,30 +29,39 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, segment_ids: jax.Ar
   return allowed
 
 
-def masked_softmax(logits: jax.Array, allowed: jax.Array | None) -> jax.Array:
-  """Softmax over the last axis of the allowed entries; rows with none allowed give zeros.
+def masked_softmax(logits: jax.Array, allowed: jax.Array | None, sinks: jax.Array | None = None) -> jax.Array:
+  """Softmax over the last axis of the allowed entries; rows with none allowed give zeros. `sinks` [heads] (logits
+  [batch, heads, q, k]): each head's sink logit joins the denominator, with no value (GPT-OSS).
 
   Written out rather than `where(allowed, softmax(where(allowed, logits, -big)), 0)`, which selects on the
   logits and again on the probabilities (about 2% slower on gpt_bench's CPU step). The row max is a constant of
   the softmax, so no gradient flows through it.
   """
-  if allowed is None:
+  if allowed is None and sinks is None:
     return jax.nn.softmax(logits, axis=-1)
-  row_max = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, logits, MASKED), axis=-1, keepdims=True))
-  e = jnp.exp(jnp.where(allowed, logits - row_max, -jnp.inf))  # masked: exactly 0, and no inf to reach a gradient
+  kept = logits if allowed is None else jnp.where(allowed, logits, MASKED)
+  row_max = jnp.max(kept, axis=-1, keepdims=True)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32)[:, None, None]
+    row_max = jnp.maximum(row_max, sink)
+  row_max = jax.lax.stop_gradient(row_max)
+  shifted = logits - row_max
+  e = jnp.exp(shifted if allowed is None else jnp.where(allowed, shifted, -jnp.inf))  # masked: exactly 0, no inf
   total = jnp.sum(e, axis=-1, keepdims=True)  # at least 1 where a key is allowed (its max term is exp(0))
+  if sinks is not None:
+    return e / (total + jnp.exp(sink - row_max))
   return e / jnp.where(total > 0, total, 1.0)  # an empty row: zeros (a select, not a max: no gradient split at ties)
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array | None,
                   bias: jax.Array | None, scale: float, softcap: float = 0.0, dropout_rate: float = 0.0,
-                  dropout_rng: jax.Array | None = None) -> jax.Array:
-  """Reference path: einsum logits (soft-capped before the bias), float32 softmax, rows with no allowed key give
-  zeros."""
+                  dropout_rng: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
+  """Reference path: einsum logits (soft-capped before the bias), float32 softmax (with `sinks`, see
+  `masked_softmax`), rows with no allowed key give zeros."""
   logits = soft_cap(mixed.einsum('bqhd,bkhd->bhqk', q, k, dtype=q.dtype, out_dtype=jnp.float32) * scale, softcap)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
-  probs = masked_softmax(logits, allowed)
+  probs = masked_softmax(logits, allowed, sinks)
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
@@ -70,8 +79,8 @@ def _causal_blocks(q_len: int, kv_len: int) -> int:
 
 
 def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowed: jax.Array,
-                             bias: jax.Array | None, scale: float, num_blocks: int, softcap: float = 0.0
-                             ) -> jax.Array:
+                             bias: jax.Array | None, scale: float, num_blocks: int, softcap: float = 0.0,
+                             sinks: jax.Array | None = None) -> jax.Array:
   """`xla_attention` for causal self-attention, skipping the key blocks a query block cannot see.
 
   Query block i only scores keys [0, (i + 1) * block): the causal mask zeroes the rest, so the
@@ -88,6 +97,6 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, allowe
     if bias is not None:
       b = jnp.broadcast_to(bias, bias.shape[:2] + (q.shape[1], k.shape[1]))
       logits = logits + b[:, :, q_sl, :k_end].astype(jnp.float32)
-    probs = masked_softmax(logits, allowed[:, :, q_sl, :k_end])
+    probs = masked_softmax(logits, allowed[:, :, q_sl, :k_end], sinks)
     outs.append(mixed.einsum('bhqk,bhkd->bhqd', probs, vt[:, :, :k_end], dtype=v.dtype))
   return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)

@@ -25,23 +25,24 @@ DEFAULTS = {'vocab_size': 256000, 'hidden_size': 2304, 'intermediate_size': 9216
             'attn_logit_softcapping': 50.0, 'tie_word_embeddings': True}
 
 
-def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
-  unsupported(ARCHITECTURE, hf, attention_bias=False, use_bidirectional_attention=None)
+def load(hf: dict, ckpt: Checkpoint, architecture: str = ARCHITECTURE) -> tuple[ModelConfig, list[Tensor]]:
+  """`architecture`: the class named in messages (Gemma 3 reads its config through this)."""
+  unsupported(architecture, hf, attention_bias=False, use_bidirectional_attention=None)
   h = {**DEFAULTS, **hf}
   n = h['num_hidden_layers']
   types = h.get('layer_types') or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]  # transformers' default
-  pattern = window_pattern(list(types), n, ARCHITECTURE)
+  pattern = window_pattern(list(types), n, architecture)
   window = h['sliding_window'] or 0 if pattern.get('global_every') != 1 else 0
   embed = ckpt.get('model.embed_tokens.weight')
   if embed is not None and ckpt.same_as('lm_head.weight', embed) is False:
-    raise ConfigError(f'{ckpt.path} holds an lm_head.weight apart from the embedding; {ARCHITECTURE} ties them')
+    raise ConfigError(f'{ckpt.path} holds an lm_head.weight apart from the embedding; {architecture} ties them')
   heads = h['num_attention_heads']
   cfg = ModelConfig(
     vocab_size=h['vocab_size'], d_model=h['hidden_size'], num_layers=n, num_heads=heads,
     num_kv_heads=h['num_key_value_heads'] or heads, head_dim=h['head_dim'] or h['hidden_size'] // heads,
     d_ff=h['intermediate_size'], max_len=h['max_position_embeddings'], position='rotary',
-    **rope_fields(hf, ARCHITECTURE), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='sandwich',
-    norm_plus_one=True, activation=GATED[our_activation(h['hidden_activation'], 'hidden_activation', ARCHITECTURE)],
+    **rope_fields(hf, architecture), norm='rmsnorm', norm_eps=h['rms_norm_eps'], norm_position='sandwich',
+    norm_plus_one=True, activation=GATED[our_activation(h['hidden_activation'], 'hidden_activation', architecture)],
     use_bias=False, tie_embeddings=True, scale_embeddings=True, sliding_window=window,
     **(pattern if window else {}), attn_logit_softcap=h['attn_logit_softcapping'] or 0.0,
     final_logit_softcap=h['final_logit_softcapping'] or 0.0, attention_scale_dim=h['query_pre_attn_scalar'],

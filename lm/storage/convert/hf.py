@@ -5,7 +5,8 @@ as save_pretrained writes checkpoints over 5GB). Supported: each family record's
 converter (`Family.hf_converter`): GPT2LMHeadModel (our `gpt`), BertForMaskedLM (`bert`),
 T5ForConditionalGeneration (`t5`, v1.0 and v1.1, in the transformers 5 and 4 layouts), LlamaForCausalLM
 (`llama`: 2, 3, 3.1, 3.2), MistralForCausalLM (`mistral`), Qwen2ForCausalLM (`qwen2`: 2, 2.5),
-Qwen3ForCausalLM (`qwen3`), Gemma2ForCausalLM (`gemma2`), GPTNeoXForCausalLM (`gpt_neox`: Pythia),
+Qwen3ForCausalLM (`qwen3`), Gemma2ForCausalLM (`gemma2`), Gemma3ForCausalLM (`gemma3`, and the language
+model of Gemma3ForConditionalGeneration), GPTNeoXForCausalLM (`gpt_neox`: Pythia),
 OlmoForCausalLM (`olmo`), Olmo2ForCausalLM (`olmo2`), Olmo3ForCausalLM (`olmo3`), and the mixtures of experts
 MixtralForCausalLM (`mixtral`), Qwen2MoeForCausalLM (`qwen2_moe`), Qwen3MoeForCausalLM (`qwen3_moe`) and
 OlmoeForCausalLM (`olmoe`). Loaded
@@ -56,8 +57,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def architectures() -> dict[str, Family]:
-  """HF architecture name -> the family whose converter reads and writes it."""
-  return {f.converter().ARCHITECTURE: f for f in FAMILIES.values() if f.hf_converter}
+  """HF architecture name -> the family whose converter reads it (and writes its `ARCHITECTURE`; `ALSO_READS`
+  names the classes it only reads, such as a multimodal checkpoint's language model)."""
+  return {name: f for f in FAMILIES.values() if f.hf_converter
+          for name in (f.converter().ARCHITECTURE, *getattr(f.converter(), 'ALSO_READS', ()))}
 
 
 def _family(hf: dict, where: Path) -> Family:

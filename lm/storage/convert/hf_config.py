@@ -7,6 +7,7 @@ provides `ARCHITECTURE` (the transformers class), `load(hf_config, checkpoint) -
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from lm.config import ConfigError, ModelConfig, MoeConfig
@@ -58,8 +59,9 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
 
 
 # Settings only some architectures express: every other one refuses them unless its converter names them.
+# (a dotted name reaches into a group: the windowed layers' own rotation is Gemma 3's)
 RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': (),
-                    'moe': MoeConfig()}
+                    'moe': MoeConfig(), 'rope.local_theta': 0.0}
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
 
@@ -88,6 +90,7 @@ def hf_layer_types(cfg: ModelConfig) -> list[str]:
 def check_exportable(cfg: ModelConfig, architecture: str, **expected: Any) -> None:
   """ConfigError naming each model setting that the HF architecture cannot express."""
   expected = {**RARELY_EXPRESSED, **expected}
-  wrong = [f'model.{k}={getattr(cfg, k)!r} (needs {v!r})' for k, v in expected.items() if getattr(cfg, k) != v]
+  value = lambda key: functools.reduce(getattr, key.split('.'), cfg)
+  wrong = [f'model.{k}={value(k)!r} (needs {v!r})' for k, v in expected.items() if value(k) != v]
   if wrong:
     raise ConfigError(f'cannot export this {cfg.family} model as {architecture}: {", ".join(wrong)}')

@@ -19,7 +19,8 @@ from lm.parallel.rules import sharding_context
 ASKS = {'window': (['model.sliding_window=4'], {'window': 4}),
         'softcap': (['model.attn_logit_softcap=30'], {'softcap': 30.0}),
         'dropout': (['model.attention_dropout=0.1'], {'dropout_rate': 0.1, 'dropout_rng': jax.random.key(0)}),
-        'bias': (None, {'bias': jnp.zeros((1, 2, 8, 8))})}
+        'bias': (None, {'bias': jnp.zeros((1, 2, 8, 8))}),
+        'sinks': (['model.attention_sinks=true'], {'sinks': jnp.zeros((2,))})}
 KERNELS = [name for name in TABLE if name not in RING.values()]
 
 
@@ -73,11 +74,11 @@ def test_the_documented_table_is_the_table():
   """docs/parallelism.md's capability table says what TABLE says."""
   from pathlib import Path
   page = (Path(__file__).resolve().parents[3] / 'docs/parallelism.md').read_text().splitlines()
-  start = page.index('| | grouped KV in place | window | soft-cap | bias | dropout | mask | cross | platforms |')
+  start = page.index('| | grouped KV in place | window | soft-cap | bias | dropout | mask | cross | sinks | platforms |')
   rows = [line.split('|')[1:-1] for line in page[start + 2:start + 2 + len(TABLE)]]
   names = [*KERNELS, 'ring', 'ring_flash']
   for name, row in zip(names, rows, strict=True):
-    flags = [cell.strip() == 'yes' for cell in row[1:8]]
+    flags = [cell.strip() == 'yes' for cell in row[1:9]]
     row_table = TABLE[name]
     assert flags == [row_table.grouped_kv, *(getattr(row_table, f) for f in FEATURES)], name
-    assert ('cpu interpreted' in row[8] or 'cpu,' in row[8]) == ('cpu' in row_table.platforms), name
+    assert ('cpu interpreted' in row[9] or 'cpu,' in row[9]) == ('cpu' in row_table.platforms), name

@@ -10,8 +10,8 @@ from lm.ops.attention import attention
 from lm.ops.attention.flash import flash_attention, heads_per_block
 
 
-def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale, window=0, softcap=0.0):
-  """Float64 forward and analytic backward: (out, dq, dk, dv, dbias).
+def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale, window=0, softcap=0.0, sinks=None):
+  """Float64 forward and analytic backward: (out, dq, dk, dv, dbias, dsinks).
 
   Fewer key/value heads than query heads (grouped-query attention): query head h reads kv head
   h // group, and each kv head's gradient sums over its group. `window`: keys fewer than that many positions
@@ -33,13 +33,18 @@ def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale, window=0, soft
     allowed = allowed & (np.arange(lq)[:, None] - np.arange(lk)[None, :] < window)
   s = np.where(allowed, s, -np.inf)
   m = np.max(s, -1, keepdims=True)
+  sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
+  if sink is not None:
+    m = np.maximum(m, sink)
   e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
-  denom = e.sum(-1, keepdims=True)
+  denom = e.sum(-1, keepdims=True) + (0 if sink is None else np.exp(sink - m))
   p = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
   out = np.einsum('bhqk,bhkd->bhqd', p, v)
   dv = np.einsum('bhqk,bhqd->bhkd', p, do)
   dp = np.einsum('bhqd,bhkd->bhqk', do, v)
-  ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
+  delta = np.sum(dp * p, -1, keepdims=True)
+  ds = p * (dp - delta)
+  dsinks = None if sink is None else -(np.exp(sink - m) / denom * delta).sum(axis=(0, 2, 3))
   ds_qk = ds * (1 - (capped / softcap) ** 2) if softcap else ds
   dq = np.einsum('bhqk,bhkd->bhqd', ds_qk, k) * scale
   dk = np.einsum('bhqk,bhqd->bhkd', ds_qk, q) * scale
@@ -49,7 +54,7 @@ def reference(q, k, v, do, *, causal, q_seg, kv_seg, bias, scale, window=0, soft
     dbias = ds.sum(axis=axes, keepdims=True)
   back = lambda x: x.transpose(0, 2, 1, 3)
   grouped = lambda x: back(x.reshape(x.shape[0], -1, group, *x.shape[2:]).sum(axis=2))
-  return back(out), back(dq), grouped(dk), grouped(dv), dbias
+  return back(out), back(dq), grouped(dk), grouped(dv), dbias, dsinks
 
 
 def rel(a, b):
@@ -86,7 +91,19 @@ def test_window_and_softcap_match_float64(seed, with_bias, dtype, group, window,
   check(seed, True, True, with_bias, dtype, group, window, softcap, length=(200, 300))
 
 
-def check(seed, causal, segments, with_bias, dtype, group, window=0, softcap=0.0, length=(40, 300)):
+# GPT-OSS's learned sinks, alone and with a window, padding, grouped heads, cross-attention or a bias: (seed,
+# causal, segments, bias, dtype, group, window)
+SINKS = [(30, True, True, False, 'float32', 2, 0), (31, True, True, True, 'float32', 1, 37),
+         (32, False, 'cross', False, 'float32', 2, 0), (33, True, False, False, 'bfloat16', 1, 50)]
+
+
+@pytest.mark.parametrize('seed, causal, segments, with_bias, dtype, group, window', SINKS)
+@pytest.mark.variants
+def test_sinks_match_float64(seed, causal, segments, with_bias, dtype, group, window):
+  check(seed, causal, segments, with_bias, dtype, group, window, sinks=True, length=(40, 200))
+
+
+def check(seed, causal, segments, with_bias, dtype, group, window=0, softcap=0.0, length=(40, 300), sinks=False):
   """Forward and gradients of the flash kernel (64-row query blocks, 128-key blocks) against `reference`."""
   rng = np.random.default_rng(seed)
   b, kv_heads = int(rng.integers(1, 3)), int(rng.integers(1, 4))
@@ -102,26 +119,29 @@ def check(seed, causal, segments, with_bias, dtype, group, window=0, softcap=0.0
   if segments == 'cross':
     kv_seg = np.sort(rng.integers(0, 4, size=(b, lk)), axis=1)
   bias = rng.normal(size=(1, h, lq, lk)) if with_bias else None
+  sink = rng.normal(size=(h,)) * 2 if sinks else None  # some above the rows' logits, some below
   jdt = jnp.dtype(dtype)
   cast = lambda x: jnp.asarray(x, jdt)
   seg_arg = jnp.asarray(q_seg) if segments else None
   kv_seg_arg = jnp.asarray(kv_seg) if segments == 'cross' else None
 
-  def loss(q, k, v, bias):
+  def loss(q, k, v, bias, sinks):
     out = flash_attention(q, k, v, causal=causal, segment_ids=seg_arg, kv_segment_ids=kv_seg_arg, bias=bias,
-                          window=window, softcap=softcap, block_q=64, block_k=128)
+                          window=window, softcap=softcap, block_q=64, block_k=128, sinks=sinks)
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(do, jnp.float32)), out
 
   bias_arg = None if bias is None else jnp.asarray(bias, jnp.float32)
-  argnums = (0, 1, 2, 3) if with_bias else (0, 1, 2)
-  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(cast(q), cast(k), cast(v), bias_arg)
+  sink_arg = None if sink is None else jnp.asarray(sink, jnp.float32)
+  argnums = (0, 1, 2) + ((3,) if with_bias else ()) + ((4,) if sinks else ())
+  grads, out = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(cast(q), cast(k), cast(v), bias_arg, sink_arg)
   q64, k64, v64 = (np.asarray(cast(x), np.float64) for x in (q, k, v))  # compare on the rounded inputs
   want = reference(q64, k64, v64, do, causal=causal, q_seg=q_seg, kv_seg=kv_seg, bias=bias, scale=d ** -0.5,
-                   window=window, softcap=softcap)
+                   window=window, softcap=softcap, sinks=sink)
+  expected = [w for i, w in zip((0, 1, 2, 3, 4), want[1:]) if i in argnums]
   tol = 1e-5 if dtype == 'float32' else 2e-2
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   assert rel(out, want[0]) < tol
-  for got, expected in zip(grads, want[1:], strict=False):
+  for got, expected in zip(grads, expected, strict=True):
     assert rel(got, expected) < tol
 
 
@@ -152,7 +172,7 @@ def test_blocks_of_heads_read_the_model_layout(shape, per_block):
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
     *(jnp.asarray(x, jnp.float32) for x in (q, k, v, bias)))
   want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=bias, scale=d ** -0.5)
-  for got, expected in zip((out, *grads), want, strict=True):
+  for got, expected in zip((out, *grads), want[:5], strict=True):
     assert rel(got, expected) < 1e-5
 
 
@@ -204,22 +224,30 @@ def test_compiles_ahead_of_time_for_tpu_v5e(h, kv_heads, d):
 
 
 @pytest.mark.parametrize('length', [40, pytest.param(256, marks=pytest.mark.long(0.2))])  # whole; in causal blocks
-def test_the_xla_path_windows_and_soft_caps_as_the_reference(length):
+def test_the_xla_path_windows_soft_caps_and_sinks_as_the_reference(length):
   rng = np.random.default_rng(length)
   b, h, d, window, softcap = 2, 2, 16, 9, 2.0
   q, k, v, do = (rng.normal(size=(b, length, h, d)) for _ in range(4))
   seg = np.sort(rng.integers(1, 3, size=(b, length)), axis=1)
+  sinks = rng.normal(size=(h,))
 
-  def loss(q, k, v):
-    out = attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), window=window, softcap=softcap, impl='xla')
+  def loss(q, k, v, sinks):
+    out = attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), window=window, softcap=softcap, impl='xla',
+                    sinks=sinks)
     return jnp.sum(out * jnp.asarray(do, jnp.float32)), out
 
-  grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
-  want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=None, scale=d ** -0.5, window=window,
-                   softcap=softcap)
-  assert rel(out, want[0]) < 1e-5
-  for got, expected in zip(grads, want[1:4], strict=True):
-    assert rel(got, expected) < 1e-5
+  for with_sinks in (False, True):
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)] + [jnp.asarray(sinks, jnp.float32) if with_sinks else None]
+    grads, out = jax.grad(loss, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2), has_aux=True)(*args)
+    want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=None, scale=d ** -0.5, window=window,
+                     softcap=softcap, sinks=sinks if with_sinks else None)
+    assert rel(out, want[0]) < 1e-5
+    for got, expected in zip(grads, [*want[1:4], want[5]], strict=False):
+      assert rel(got, expected) < 1e-5
   with pytest.raises(ValueError, match='model.execution.attention_impl=tpu_splash has no model.sliding_window; use '
                                        'model.execution.attention_impl=xla, flash or auto'):
     attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, window=window, impl='tpu_splash')
+  with pytest.raises(ValueError, match=r'tpu_flash has no attention sinks \(model.attention_sinks\); use '
+                                       'model.execution.attention_impl=xla, flash or auto'):
+    attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, impl='tpu_flash',
+              sinks=jnp.asarray(sinks))

@@ -174,5 +174,5 @@ def test_ring_attention_with_a_window_and_soft_capping_matches_float64(window, s
                             softcap=softcap)
   got_o, got = ring(q, k, v, do, True, seg, bias, 0.3, zigzag_order(q.shape[1], SHARDS), chunk, window, softcap)
   assert rel_err(got_o, want[0]) < 1e-5
-  for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want[1:], strict=True):
+  for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want[1:5], strict=True):
     assert rel_err(g, w) < 1e-5, name

@@ -77,6 +77,13 @@ CONFIGS = {
                                               head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
                                               max_position_embeddings=64, attn_implementation='eager'),
+  # Gemma 3: Gemma 2 without soft-caps, (1 + w) query/key norms, 7 layers (one 5:1 block and a windowed layer past
+  # it), the windowed layers rotating at base 1e4, the global one at 1e6 stretched linearly x 8
+  'gemma3': lambda: transformers.Gemma3TextConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                                                  max_position_embeddings=64, attn_implementation='eager',
+                                                  rope_scaling={'rope_type': 'linear', 'factor': 8.0}),
   # Pythia: attention and MLP in parallel, a quarter of each head's 16 features rotating (base 1e4), untied output
   'gpt_neox': lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB + 1, hidden_size=64, num_hidden_layers=2,
                                                  num_attention_heads=4, intermediate_size=80,
@@ -136,13 +143,14 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'llama3_2': transformers.LlamaForCausalLM, 'qwen2': transformers.Qwen2ForCausalLM,
           'qwen3': transformers.Qwen3ForCausalLM, 'mistral': transformers.MistralForCausalLM,
           'mistral_window': transformers.MistralForCausalLM, 'gemma2': transformers.Gemma2ForCausalLM,
+          'gemma3': transformers.Gemma3ForCausalLM,
           'gpt_neox': transformers.GPTNeoXForCausalLM, 'gpt_neox_serial': transformers.GPTNeoXForCausalLM,
           'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM,
           'olmo3': transformers.Olmo3ForCausalLM, 'mixtral': transformers.MixtralForCausalLM,
           'qwen2_moe': transformers.Qwen2MoeForCausalLM, 'qwen3_moe': transformers.Qwen3MoeForCausalLM,
           'olmoe': transformers.OlmoeForCausalLM}
-DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gpt_neox',
-            'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe')
+DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gemma3',
+            'gpt_neox', 'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe')
 
 
 def save_hf_model(kind, directory):
@@ -490,6 +498,58 @@ def test_gemma2_layer_types_are_the_per_layer_truth_at_any_layer_count(types, pa
   assert json.loads((tmp_path / 'out' / 'config.json').read_text())['layer_types'] == types
 
 
+@pytest.mark.long(0.3)
+def test_gemma3_holds_scanned_through_flash_and_its_rotations_and_norms_act(tmp_path):
+  """Scanned layers (the traced index picking each layer's rotation and window) through XLA and our flash kernel
+  equal transformers; the windowed layers' own base wavelength, the global layers' scaling and the query/key norms'
+  (1 + w) each act."""
+  hf_model = save_hf_model('gemma3', tmp_path / 'hf')
+  model, params = load_hf(tmp_path / 'hf')
+  cfg = model.cfg
+  assert (cfg.global_every, cfg.sliding_window, cfg.qk_norm, cfg.attn_logit_softcap, cfg.rope.theta,
+          cfg.rope.scaling, cfg.rope.factor, cfg.rope.local_theta) == (6, 4, True, 0.0, 1e6, 'linear', 8.0, 1e4)
+  stacked = {**params, 'decoder': stack_layers(params['decoder'])}
+  for impl in ('xla', 'flash'):
+    scanned = build_model(cfg.with_execution(scan_layers=True, attention_impl=impl))
+    assert compare(hf_model, scanned, stacked, 'gemma3') < 1e-4, impl
+  rope = cfg.rope
+  for change in ({'rope': dataclasses.replace(rope, local_theta=0.0)},
+                 {'rope': dataclasses.replace(rope, scaling='none', factor=1.0)}):
+    assert compare(hf_model, build_model(dataclasses.replace(cfg, **change)), params, 'gemma3') > 1e-3, change
+  plain_qk = jax.tree_util.tree_map_with_path(  # (1 + w) read as w: the query/key norms' offset acts
+    lambda path, x: x + 1 if any(getattr(k, 'key', '') in ('query_norm', 'key_norm') for k in path) else x, params)
+  assert compare(hf_model, model, plain_qk, 'gemma3') > 1e-3
+
+
+def test_gemma3_multimodal_checkpoints_and_transformers_4_configs_load_the_language_model(tmp_path):
+  """A Gemma3ForConditionalGeneration directory loads its language model (text logits equal transformers', the
+  vision tower named as left out) and exports as Gemma3ForCausalLM; a transformers-4 config.json (rope_theta,
+  rope_local_base_freq, rope_scaling, sliding_window_pattern) reads as the per-type one."""
+  torch.manual_seed(0)
+  text = CONFIGS['gemma3']()
+  vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+  hf_model = transformers.Gemma3ForConditionalGeneration(
+    transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+  with torch.no_grad():
+    for p in hf_model.parameters():
+      p.add_(0.1 * torch.randn_like(p))
+  hf_model.save_pretrained(tmp_path / 'mm', safe_serialization=True)
+  with pytest.warns(UserWarning, match=r'ignored \d+ tensor\(s\) .*vision_tower'):
+    model, params = load_hf(tmp_path / 'mm')
+  assert compare(hf_model, model, params, 'gemma3') < 1e-4
+  save_hf(model, params, tmp_path / 'out', read_hf_config(tmp_path / 'mm'))
+  assert read_hf_config(tmp_path / 'out')['architectures'] == ['Gemma3ForCausalLM']
+  reloaded = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / 'out').eval()
+  assert compare(reloaded, model, params, 'gemma3') < 1e-4
+
+  old = {k: v for k, v in read_hf_config(tmp_path / 'out').items() if k not in ('rope_parameters', 'layer_types')}
+  old.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={'type': 'linear', 'factor': 8.0},
+             sliding_window_pattern=6)
+  (tmp_path / 'out' / 'config.json').write_text(json.dumps(old))
+  assert load_hf(tmp_path / 'out')[0].cfg == model.cfg
+
+
 @pytest.mark.parametrize('kind, layers, written', [
   ('qwen2', {'use_sliding_window': True, 'max_window_layers': 1}, True),  # transformers derives layer_types ...
   ('qwen2', {'use_sliding_window': True, 'max_window_layers': 1}, False),  # ... which transformers 4 did not write
@@ -601,6 +661,10 @@ def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
   # Mistral windows every layer: a global layer among windowed ones is Gemma 2's or Qwen's
   with pytest.raises(ConfigError, match=r'as MistralForCausalLM: model.global_layers=\(1,\) \(needs \(\)\)$'):
     save_hf(dataclasses.replace(model.cfg, family='mistral', sliding_window=4, global_layers=(1,)), params,
+            tmp_path / 'out')
+  # Gemma 3's two rotations as Llama, whose config.json gives every layer one
+  with pytest.raises(ConfigError, match=r'as LlamaForCausalLM: model.rope.local_theta=10000.0 \(needs 0.0\)$'):
+    save_hf(dataclasses.replace(model.cfg, rope=dataclasses.replace(model.cfg.rope, local_theta=1e4)), params,
             tmp_path / 'out')
   assert not (tmp_path / 'out').exists()
 
