@@ -87,7 +87,7 @@ def sequence_shards() -> int:
 def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                                 segment_ids: jax.Array | None, bias: jax.Array | None, scale: float,
                                 flash: bool, block_q: int, block_k: int, window: int = 0,
-                                softcap: float = 0.0) -> jax.Array:
+                                softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """Self-attention over a sequence split across the mesh: ring attention per shard, its blocks through XLA or
   (`flash`) our flash kernel. The length axis of every activation is in `zigzag_order` (the train step lays the
   batch out so), which gives each token's position."""
@@ -106,18 +106,24 @@ def _sharded_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, cau
     bias = jnp.broadcast_to(bias, bias.shape[:2] + (length, length))[..., np.argsort(order)]
     args.append(bias)
     specs.append(spec_for(('batch', 'heads', 'length', None), bias.shape, mesh, rules))
+  if sinks is not None:  # whole on every shard of the ring: shard_map's transpose sums their gradient
+    args.append(sinks)
+    specs.append(spec_for(('heads',), sinks.shape, mesh, rules))
 
   platform = mesh.devices.flat[0].platform
   _check_platform('ring_flash' if flash else 'ring', platform)
 
   def per_shard(q, k, v, pos, *rest):
-    seg = rest[0] if segment_ids is not None else None
-    rows = rest[-1] if bias is not None else None
+    rest = list(rest)
+    seg = rest.pop(0) if segment_ids is not None else None
+    rows = rest.pop(0) if bias is not None else None
+    sink = rest.pop(0) if sinks is not None else None
     if flash:
       seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
       return ring_flash_attention(ring_axes, causal, scale, block_q, block_k, platform == 'cpu', q, k, v, seg, seg,
-                                  pos, rows)
-    return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, window, softcap, q, k, v, pos, pos, seg, seg, rows)
+                                  pos, rows, sink)
+    return ring_attention(ring_axes, causal, scale, QUERY_CHUNK, window, softcap, q, k, v, pos, pos, seg, seg, rows,
+                          sink)
   return shard_map(per_shard, mesh, tuple(specs), q_spec)(*args)
 
 
@@ -167,7 +173,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     k, v = repeat_kv(k, v, q.shape[2])
     return _sharded_sequence_attention(q, k, v, causal=causal, segment_ids=segment_ids, bias=bias, scale=scale,
                                        flash=impl == 'flash', block_q=block_q, block_k=block_k, window=window,
-                                       softcap=softcap)
+                                       softcap=softcap, sinks=sinks)
   if impl == 'auto':
     impl = capabilities.pick_impl(target_platform(), needs)
   _check(impl, needs)

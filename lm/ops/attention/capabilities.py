@@ -29,8 +29,8 @@ TABLE: dict[str, Capability] = {
   'tpu_splash': Capability(False, False, False, False, False, False, True, False, ('tpu', 'cpu')),
   'cudnn': Capability(False, False, False, True, False, False, True, False, ('gpu',)),
   # a sequence split over the mesh (mesh.sequence > 1): ring attention, self-attention only, its blocks by ...
-  'ring': Capability(False, True, True, True, False, False, False, False, ALL_PLATFORMS),  # ... the XLA path
-  'ring_flash': Capability(False, False, False, True, False, False, False, False, ('tpu', 'cpu')),  # ... our kernel
+  'ring': Capability(False, True, True, True, False, False, False, True, ALL_PLATFORMS),  # ... the XLA path
+  'ring_flash': Capability(False, False, False, True, False, False, False, True, ('tpu', 'cpu')),  # ... our kernel
 }
 RING = {'auto': 'ring', 'xla': 'ring', 'flash': 'ring_flash'}  # the ring each choice runs on a split sequence
 AUTO = {'tpu': ('flash',), 'gpu': ('cudnn',)}  # what `auto` prefers on each platform where it can serve; then xla

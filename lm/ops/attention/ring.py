@@ -29,6 +29,7 @@ import numpy as np
 from lm.ops import mixed
 from lm.ops.attention.flash import flash_block, flash_block_grads
 from lm.ops.attention.masking import MASKED
+from lm.ops.attention.sinks import sink_grad, sunk
 from lm.ops.softcap import soft_cap, soft_cap_grad
 
 
@@ -109,7 +110,8 @@ def _joined(x: jax.Array | None, axis: int) -> jax.Array | None:
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def ring_attention(axis_name: str, causal: bool, scale: float, query_chunk: int, window: int, softcap: float,
                    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
-                   q_seg: jax.Array | None, kv_seg: jax.Array | None, bias_rows: jax.Array | None) -> jax.Array:
+                   q_seg: jax.Array | None, kv_seg: jax.Array | None, bias_rows: jax.Array | None,
+                   sinks: jax.Array | None) -> jax.Array:
   """Attention of this shard's queries over the whole ring's keys and values (call under `shard_map`).
 
   q_pos/kv_pos: [q_len]/[kv_len] global positions of the local tokens; q_seg/kv_seg: [batch, len] segment ids
@@ -117,10 +119,10 @@ def ring_attention(axis_name: str, causal: bool, scale: float, query_chunk: int,
   order (this shard's rows of the full bias), or None. Queries meet each block `query_chunk` rows at a time
   (all at once when that does not divide q_len). `window` > 0 (causal): keys fewer than that many positions
   back, a chunk's scores against a block wholly outside it skipped; `softcap` > 0: logits soft-capped before the
-  bias.
+  bias; `sinks` [heads] or None: each head's sink logit, joined once the ring's blocks are merged.
   """
   return _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
-                  bias_rows)[0]
+                  bias_rows, sinks)[0]
 
 
 def _query_side(c, q, q_pos, q_seg, bias_rows):
@@ -128,7 +130,7 @@ def _query_side(c, q, q_pos, q_seg, bias_rows):
 
 
 def _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
-             bias_rows):
+             bias_rows, sinks):
   n, send = _ring(axis_name)
   b, lq, h, d = q.shape
   c = query_chunk if lq % query_chunk == 0 else lq
@@ -166,11 +168,13 @@ def _forward(axis_name, causal, scale, query_chunk, window, softcap, q, k, v, q_
   o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o / jnp.swapaxes(jnp.where(seen, l, 1.0), 1, 2)[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
   o = o.astype(q.dtype)
-  return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse)
+  if sinks is not None:  # the backward below, given these, is the gradient with the sinks (`sinks`)
+    o, lse = sunk(o, lse, sinks)
+  return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, sinks, o, lse)
 
 
 def _backward(axis_name, causal, scale, query_chunk, window, softcap, residuals, do):
-  q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, o, lse = residuals
+  q, k, v, q_pos, kv_pos, q_seg, kv_seg, bias_rows, sinks, o, lse = residuals
   n, send = _ring(axis_name)
   lq = q.shape[1]
   c = query_chunk if lq % query_chunk == 0 else lq
@@ -214,7 +218,8 @@ def _backward(axis_name, causal, scale, query_chunk, window, softcap, residuals,
   dq, dbias, (_, _, _, _, dk, dv) = jax.lax.fori_loop(0, n, step, init)
   dq, dbias = _joined(dq, 1), _joined(dbias, 2)
   dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, dbias)
+  dsinks = None if sinks is None else sink_grad(o, lse, do, sinks)  # this shard's rows: shard_map sums the ring's
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, dbias, dsinks)
 
 
 ring_attention.defvjp(_forward, _backward)
@@ -239,15 +244,15 @@ def _keys(blocks: tuple[jax.Array, ...], keys: slice) -> tuple[jax.Array, ...]:
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def ring_flash_attention(axis_name: str, causal: bool, scale: float, block_q: int, block_k: int, interpret: bool,
                          q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array,
-                         kv_pos: jax.Array, bias_rows: jax.Array | None) -> jax.Array:
+                         kv_pos: jax.Array, bias_rows: jax.Array | None, sinks: jax.Array | None) -> jax.Array:
   """`ring_attention` with each block computed by our flash kernel (interpreted on CPU); segment ids
-  [batch, len] (0 is padding), `kv_pos` and `bias_rows` as `ring_attention`'s. Causal attention needs the
+  [batch, len] (0 is padding), `kv_pos`, `bias_rows` and `sinks` as `ring_attention`'s. Causal attention needs the
   `zigzag_order` layout: shard i holds chunks i and 2n-1-i, so against the block of shard s its early chunk sees
   all of the block's early chunk when s < i, its late chunk all of the block's late chunk when s > i, its late
   chunk always all of the block's early chunk, and against its own block each chunk its own causally; the kernel
   runs exactly those sub-blocks, full or causal, and skips the rest."""
   return _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg, kv_pos,
-                        bias_rows)[0]
+                        bias_rows, sinks)[0]
 
 
 def _bias_block(bias_rows: jax.Array | None, rows: slice, kv_pos: jax.Array) -> jax.Array | None:
@@ -256,7 +261,7 @@ def _bias_block(bias_rows: jax.Array | None, rows: slice, kv_pos: jax.Array) -> 
 
 
 def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, v, q_seg, kv_seg, kv_pos,
-                   bias_rows):
+                   bias_rows, sinks):
   n, send = _ring(axis_name)
   lq = q.shape[1]
   every, early, late = slice(None), slice(0, lq // 2), slice(lq // 2, lq)
@@ -293,11 +298,13 @@ def _flash_forward(axis_name, causal, scale, block_q, block_k, interpret, q, k, 
   seen = lse > 0.5 * MASKED  # rows with no allowed key anywhere give zeros, as the single-device path does
   o = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], o, 0.0).astype(q.dtype)
   lse = jnp.where(seen, lse, 0.0)
-  return o, (q, k, v, q_seg, kv_seg, kv_pos, bias_rows, o, lse)
+  if sinks is not None:
+    o, lse = sunk(o, lse, sinks)
+  return o, (q, k, v, q_seg, kv_seg, kv_pos, bias_rows, sinks, o, lse)
 
 
 def _flash_backward(axis_name, causal, scale, block_q, block_k, interpret, residuals, do):
-  q, k, v, q_seg, kv_seg, kv_pos, bias_rows, o, lse = residuals
+  q, k, v, q_seg, kv_seg, kv_pos, bias_rows, sinks, o, lse = residuals
   n, send = _ring(axis_name)
   lq = q.shape[1]
   every, early, late = slice(None), slice(0, lq // 2), slice(lq // 2, lq)
@@ -340,7 +347,8 @@ def _flash_backward(axis_name, causal, scale, block_q, block_k, interpret, resid
   (dq, dbias), _, pending = jax.lax.fori_loop(1, n, step, ((dq, dbias), send(own), (dk, dv)))
   dk, dv = send(pending)  # one hop more brings each block's gradient home
   dbias = None if dbias is None else dbias.astype(bias_rows.dtype)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dbias
+  dsinks = None if sinks is None else sink_grad(o, lse, do, sinks)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dbias, dsinks
 
 
 ring_flash_attention.defvjp(_flash_forward, _flash_backward)

@@ -53,30 +53,38 @@ def inputs(seed, segments, bias_batch, b=2, length=64, h=2, d=8):
   return q, k, v, do, seg, bias
 
 
-def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512, window=0, softcap=0.0):
+def ring(q, k, v, do, causal, seg, bias, scale, order, chunk=512, window=0, softcap=0.0, sinks=None):
   """Output and gradients of ring attention on a (data 2, sequence 4) mesh, the sequence laid out in `order`,
-  queries meeting each block `chunk` rows at a time, returned in natural order."""
+  queries meeting each block `chunk` rows at a time, returned in natural order (with `sinks`, theirs last)."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
   place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
   pos = jnp.asarray(order, jnp.int32)
   seq = P('data', 'sequence')
   bias_spec = None if bias is None else P('data' if bias.shape[0] > 1 else None, None, 'sequence', None)
 
-  def loss(q, k, v, bias):
+  def loss(q, k, v, bias, sinks):
     run = jax.shard_map(
-      lambda q, k, v, pos, seg, bias: ring_attention('sequence', causal, scale, chunk, window, softcap, q, k, v, pos,
-                                                     pos, seg, seg, bias),
-      mesh=mesh, in_specs=(seq, seq, seq, P('sequence'), None if seg is None else seq, bias_spec), out_specs=seq,
-      check_vma=False)
-    o = run(q, k, v, pos, None if seg is None else place(seg, 1), bias)
+      lambda q, k, v, pos, seg, bias, sinks: ring_attention('sequence', causal, scale, chunk, window, softcap, q, k,
+                                                            v, pos, pos, seg, seg, bias, sinks),
+      mesh=mesh, in_specs=(seq, seq, seq, P('sequence'), None if seg is None else seq, bias_spec, P()),
+      out_specs=seq, check_vma=False)
+    o = run(q, k, v, pos, None if seg is None else place(seg, 1), bias, sinks)
     return jnp.sum(o * place(do, 1)), o
 
   bias_rows = None if bias is None else place(bias, 2)  # query rows in the layout, key columns by position
-  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-    place(q, 1), place(k, 1), place(v, 1), bias_rows)
+  return _run(loss, order, q, k, v, bias_rows, sinks)
+
+
+def _run(loss, order, q, k, v, bias_rows, sinks):
+  """`loss`'s output and gradients, the sequence placed in `order` and put back."""
+  place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
+  sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+    place(q, 1), place(k, 1), place(v, 1), bias_rows, sinks)
   back = np.argsort(order)
   unplace = lambda x, axis: None if x is None else np.take(np.asarray(x), back, axis=axis)
-  return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),)
+  return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),) + \
+    (() if sinks is None else (np.asarray(grads[4]),))
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -95,7 +103,7 @@ def test_ring_attention_matches_float64(causal, segments, bias_batch, chunk):
       assert rel_err(g, w) < 1e-5, name
 
 
-def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
+def ring_flash(q, k, v, do, causal, seg, bias, scale, order, sinks=None):
   """`ring` with flash-kernel blocks (interpreted): segment ids always given (ones for none)."""
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, SHARDS), ('data', 'sequence'))
   place = lambda x, axis: jnp.take(jnp.asarray(x), order, axis=axis)
@@ -104,20 +112,15 @@ def ring_flash(q, k, v, do, causal, seg, bias, scale, order):
   seg = np.ones(q.shape[:2], np.int32) if seg is None else seg
   bias_spec = None if bias is None else P('data' if bias.shape[0] > 1 else None, None, 'sequence', None)
 
-  def loss(q, k, v, bias):
+  def loss(q, k, v, bias, sinks):
     run = jax.shard_map(
-      lambda q, k, v, seg, pos, bias: ring_flash_attention('sequence', causal, scale, 128, 128, True, q, k, v, seg,
-                                                           seg, pos, bias),
-      mesh=mesh, in_specs=(seq, seq, seq, seq, P('sequence'), bias_spec), out_specs=seq, check_vma=False)
-    o = run(q, k, v, place(seg, 1), pos, bias)
+      lambda q, k, v, seg, pos, bias, sinks: ring_flash_attention('sequence', causal, scale, 128, 128, True, q, k, v,
+                                                                  seg, seg, pos, bias, sinks),
+      mesh=mesh, in_specs=(seq, seq, seq, seq, P('sequence'), bias_spec, P()), out_specs=seq, check_vma=False)
+    o = run(q, k, v, place(seg, 1), pos, bias, sinks)
     return jnp.sum(o * place(do, 1)), o
 
-  bias_rows = None if bias is None else place(bias, 2)
-  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-    place(q, 1), place(k, 1), place(v, 1), bias_rows)
-  back = np.argsort(order)
-  unplace = lambda x, axis: None if x is None else np.take(np.asarray(x), back, axis=axis)
-  return unplace(o, 1), tuple(unplace(g, 1) for g in grads[:3]) + (unplace(grads[3], 2),)
+  return _run(loss, order, q, k, v, None if bias is None else place(bias, 2), sinks)
 
 
 # Every pair of (causal, segments, bias) values, in 6 of the 12 combinations: the interpreted kernel is slow.
@@ -175,4 +178,20 @@ def test_ring_attention_with_a_window_and_soft_capping_matches_float64(window, s
   got_o, got = ring(q, k, v, do, True, seg, bias, 0.3, zigzag_order(q.shape[1], SHARDS), chunk, window, softcap)
   assert rel_err(got_o, want[0]) < 1e-5
   for name, g, w in zip(['dq', 'dk', 'dv', 'dbias'], got, want[1:5], strict=True):
+    assert rel_err(g, w) < 1e-5, name
+
+
+@pytest.mark.parametrize('blocks', ['xla', 'flash'])
+def test_ring_attention_with_sinks_matches_float64(blocks):
+  """GPT-OSS's sinks joined once the ring's blocks are merged: output and every gradient, the sinks' included,
+  equal the single-device float64 reference over packed documents with padding."""
+  from tests.ops.attention.test_flash import reference as sinks_reference
+  q, k, v, do, seg, _ = inputs(40, True, None)
+  sinks = np.random.default_rng(41).standard_normal(q.shape[2]) * 2
+  order = zigzag_order(q.shape[1], SHARDS)
+  run = ring_flash if blocks == 'flash' else ring
+  got_o, got = run(q, k, v, do, True, seg, None, 0.3, order, sinks=sinks)
+  want = sinks_reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=None, scale=0.3, sinks=sinks)
+  assert rel_err(got_o, want[0]) < 1e-5
+  for name, g, w in zip(['dq', 'dk', 'dv', 'dsinks'], [*got[:3], got[4]], [*want[1:4], want[5]], strict=True):
     assert rel_err(g, w) < 1e-5, name
