@@ -80,9 +80,21 @@ def _open(path: Path) -> tuple[ModelConfig, Checkpoint, Any]:
   hf = read_hf_config(path)
   family = _family(hf, path)
   converter = family.converter()
+  _check_quantization(hf, path, converter)
   ckpt = _checkpoint(path, converter.ARCHITECTURE)
   cfg, rules = converter.load(hf, ckpt)
   return dataclasses.replace(cfg, family=family.name), ckpt, rules
+
+
+def _check_quantization(hf: dict, path: Path, converter: Any) -> None:
+  """A quantized checkpoint loads only where its converter dequantizes that format (`QUANTIZED`: quant_method
+  names, `lm.storage.convert.quantized`)."""
+  method = (hf.get('quantization_config') or {}).get('quant_method')
+  handled = getattr(converter, 'QUANTIZED', ())
+  if method and method not in handled:
+    raise ConfigError(f'{path}/config.json: quantization_config quant_method {method!r} is not handled when converting '
+                      f'{converter.ARCHITECTURE} (handled: {", ".join(handled) or "none"}); load an unquantized '
+                      f'checkpoint, or dequantize this one first')
 
 
 def _checkpoint(path: Path, architecture: str) -> Checkpoint:

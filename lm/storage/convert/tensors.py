@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from lm.config import ConfigError, ModelConfig
 from lm.models import abstract_params
+from lm.storage.convert.quantized import read_raw
 
 Shape = tuple[int, ...]
 
@@ -95,6 +96,7 @@ class Checkpoint:
       raise ConfigError(f'{path} places {missing[0]!r} in a shard that lacks it; the index and its shards do not '
                         f'belong together')
     self.names = set(self._where)
+    self._paths = {name: path for name in self.names} if shards is None else dict(shards)
     self.used: set[str] = set()
     self._derived: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {}
 
@@ -112,7 +114,10 @@ class Checkpoint:
       source, part = self._derived[name]
       return part(self.get(source))
     self.used.add(name)
-    return self._where[name].get_tensor(name)
+    try:
+      return self._where[name].get_tensor(name)
+    except (AttributeError, TypeError):  # a dtype safetensors' NumPy reader lacks (float8)
+      return read_raw(self._paths[name], name)
 
   def require(self, name: str, shape: Shape) -> np.ndarray:
     a = self.get(name)

@@ -1,0 +1,63 @@
+"""Quantized released weights (DeepSeek-V3's block-scaled FP8, GPT-OSS's MXFP4) dequantize to what transformers
+computes, read from safetensors files written by torch."""
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from lm.config import ConfigError
+from lm.storage.convert.hf import load_hf
+from lm.storage.convert.quantized import dequantize_fp8, mxfp4_values, mxfp4_weight
+from lm.storage.convert.tensors import Checkpoint
+
+
+def test_block_scaled_fp8_reads_from_safetensors_and_equals_transformers(tmp_path):
+  """300 x 200 (partial edge blocks on both axes) and a stacked [2, 130, 128] one, each block with its own scale."""
+  rng = np.random.default_rng(0)
+  tensors = {}
+  for name, shape in {'w': (300, 200), 'experts': (2, 130, 128)}.items():
+    blocks = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    tensors[name] = torch.from_numpy(rng.normal(size=shape).astype(np.float32) * 100).to(torch.float8_e4m3fn)
+    tensors[f'{name}_scale_inv'] = torch.from_numpy(rng.uniform(1e-3, 1e-1, size=blocks).astype(np.float32))
+  save_file(tensors, str(tmp_path / 'model.safetensors'))
+  ckpt = Checkpoint(tmp_path / 'model.safetensors', 'DeepseekV3ForCausalLM')
+  for name in ('w', 'experts'):
+    weight, scale = ckpt.get(name), ckpt.get(f'{name}_scale_inv')
+    assert weight.dtype.name == 'float8_e4m3fn'
+    ours = dequantize_fp8(weight, scale)
+    theirs = _dequantize_fp8_weight(tensors[name], tensors[f'{name}_scale_inv'], [128, 128], torch.float32)
+    np.testing.assert_array_equal(ours, theirs.numpy())
+  with pytest.raises(ConfigError, match=r'needs block scales of shape \(3, 2\) for blocks of 128 x 128, not \(2, 2\)'):
+    dequantize_fp8(ckpt.get('w'), np.ones((2, 2), np.float32))
+
+
+def test_mxfp4_blocks_and_scales_equal_transformers():
+  """Every code in both nibbles, scales above and below 2^0, experts [3] x rows [5] x groups [4] of 16 bytes."""
+  rng = np.random.default_rng(1)
+  blocks = rng.integers(0, 256, size=(3, 5, 4, 16), dtype=np.uint8)
+  scales = rng.integers(117, 137, size=(3, 5, 4), dtype=np.uint8)
+  theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+  np.testing.assert_array_equal(mxfp4_weight(blocks, scales), theirs.numpy())
+  values = mxfp4_values(blocks[:1, :1, :1], np.full((1, 1, 1), 127, np.uint8)).ravel()
+  byte = blocks[0, 0, 0, 0]
+  assert values[0] == [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6][byte & 15]  # low nibble first
+  with pytest.raises(ConfigError, match=r'MXFP4 blocks \(3, 5, 4, 16\) and scales \(3, 5\) do not match'):
+    mxfp4_values(blocks, scales[..., 0])
+
+
+def test_a_quantization_format_no_converter_handles_is_named(tmp_path):
+  """A GPTQ Llama (or any format its converter does not dequantize) is refused in one line before any tensor is
+  read."""
+  import json
+  import transformers
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, max_position_embeddings=32)
+  transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+  hf = json.loads((tmp_path / 'config.json').read_text())
+  (tmp_path / 'config.json').write_text(json.dumps({**hf, 'quantization_config': {'quant_method': 'gptq', 'bits': 4}}))
+  with pytest.raises(ConfigError, match=r"quant_method 'gptq' is not handled when converting LlamaForCausalLM "
+                                        r'\(handled: none\); load an unquantized checkpoint, or dequantize'):
+    load_hf(tmp_path)
