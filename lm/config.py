@@ -74,7 +74,12 @@ class RopeConfig:
   high_freq_factor: float = 4.0  # llama3
   beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
   beta_slow: float = 1.0  # yarn: ... below which they are divided by factor
-  attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1
+  attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1, or with both
+  # mscales mscale(mscale) / mscale(mscale_all_dim), mscale(m) = 0.1 m ln(factor) + 1
+  mscale: float | None = None  # yarn: DeepSeek's mscale (with mscale_all_dim)
+  mscale_all_dim: float | None = None  # yarn: DeepSeek's mscale_all_dim
+  scale_logits: bool = False  # yarn: the attention logits also times mscale(mscale_all_dim)^2 (DeepSeek's MLA)
+  interleaved: bool = False  # feature pairs (2i, 2i + 1) rotate together (DeepSeek), not (i, i + half)
   fraction: float = 1.0  # the share of each head's features that rotate (GPT-NeoX's rotary_pct); the rest pass
   local_theta: float = 0.0  # > 0: windowed layers rotate with this base wavelength, unscaled, while global layers
   # keep theta and the scaling (Gemma 3: 1e4 beside 1e6 x 8); 0: every layer alike
@@ -103,6 +108,9 @@ class RopeConfig:
     if self.local_theta < 0 or (self.local_theta and position != 'rotary'):
       raise ConfigError(f'model.rope.local_theta={self.local_theta} is the windowed layers\' rotary base wavelength: '
                         f'it must be >= 0 and needs model.position=rotary')
+    if (self.mscale is not None or self.mscale_all_dim is not None or self.scale_logits) and self.scaling != 'yarn':
+      raise ConfigError(f'model.rope.mscale, mscale_all_dim and scale_logits belong to YaRN, but model.rope.scaling='
+                        f'{self.scaling}; set model.rope.scaling=yarn or drop them')
     if self.scaling == 'none':
       return
     if position != 'rotary':

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lm.config import ConfigError, ModelConfig, MupConfig, OptimConfig, lr_multipliers
+from lm.models.rope import rope_of
 from lm.parallel.rules import path_names
 
 HIDDEN = frozenset({'heads', 'kv_heads', 'mlp', 'experts'})  # with 'embed': a hidden (residual-stream) matrix's axes
@@ -66,7 +67,15 @@ def base_head_dim(cfg: ModelConfig) -> float:
 
 
 def attention_scale(cfg: ModelConfig) -> float | None:
-  """The attention logits' scale; None: the kernel's own 1/sqrt(head_dim)."""
+  """The attention logits' scale; None: the kernel's own 1/sqrt(head_dim). A YaRN rotation that scales the logits
+  too (`model.rope.scale_logits`, DeepSeek) multiplies it."""
+  factor = rope_of(cfg).logit_factor if cfg.position == 'rotary' else 1.0
+  if factor != 1.0:
+    return factor * (_unscaled(cfg) or cfg.resolved_head_dim ** -0.5)
+  return _unscaled(cfg)
+
+
+def _unscaled(cfg: ModelConfig) -> float | None:
   if cfg.parametrization == 'standard':
     if cfg.attention_scale_dim is not None:
       return cfg.attention_scale_dim ** -0.5 if cfg.scale_attention else 1.0

@@ -7,7 +7,9 @@ size of cos and sin; each follows transformers' `modeling_rope_utils`:
 - llama3 (Llama 3.1): wavelengths above original_max_len / low_freq_factor divided by factor, below
   original_max_len / high_freq_factor kept, a smooth blend between;
 - yarn (Peng et al. 2023): by frequency, interpolated below beta_slow rotations over the original context,
-  kept above beta_fast, a linear ramp between; cos and sin times an attention factor (0.1 ln factor + 1).
+  kept above beta_fast, a linear ramp between; cos and sin times an attention factor (0.1 ln factor + 1, or
+  DeepSeek's ratio of two such with mscale and mscale_all_dim, whose MLA also scales the logits: `logit_factor`).
+`interleaved` rotates the pairs (2i, 2i + 1) instead (DeepSeek), as the halves of [evens, odds].
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ class Rope(RopeConfig):
     """The feature index whose frequency turns `rotations` times over the original context."""
     return head_dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
 
+  def _mscale(self, m: float = 1.0) -> float:
+    """YaRN's temperature 0.1 m ln(factor) + 1 (1 without stretching)."""
+    return 0.1 * m * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
   @property
   def magnitude(self) -> float:
     """The factor on cos and sin: YaRN's attention temperature (both q and k carry it), else 1."""
@@ -56,7 +62,17 @@ class Rope(RopeConfig):
       return 1.0
     if self.attention_factor is not None:
       return self.attention_factor
-    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+    if self.mscale and self.mscale_all_dim:
+      return self._mscale(self.mscale) / self._mscale(self.mscale_all_dim)
+    return self._mscale()
+
+  @property
+  def logit_factor(self) -> float:
+    """What the attention logits are multiplied by beyond their scale: mscale(mscale_all_dim)^2 where
+    `scale_logits` (DeepSeek's MLA folds it into the softmax scale), else 1."""
+    if self.scaling != 'yarn' or not self.scale_logits or not self.mscale_all_dim:
+      return 1.0
+    return self._mscale(self.mscale_all_dim) ** 2
 
 
 def rope_of(cfg: ModelConfig) -> Rope | None:
@@ -81,5 +97,8 @@ def rotary(x: jax.Array, positions: jax.Array, rope: Rope, windowed: bool | jax.
   if rope.magnitude != 1.0 or rope.local().magnitude != 1.0:
     cos, sin = cos * magnitude, sin * magnitude
   x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32[..., :rotated], 2, axis=-1)
+  part = x32[..., :rotated]
+  if rope.interleaved:  # pairs (2i, 2i + 1): rotated as the halves of [evens, odds], left in that order (DeepSeek)
+    part = jnp.concatenate([part[..., 0::2], part[..., 1::2]], axis=-1)
+  x1, x2 = jnp.split(part, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotated:]], axis=-1).astype(x.dtype)

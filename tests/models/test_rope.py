@@ -20,6 +20,10 @@ CASES = {
   'yarn_betas': (Rope(1e4, 'yarn', 4.0, 64, beta_fast=16.0, beta_slow=2.0, attention_factor=1.3),
                  {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64, 'beta_fast': 16.0,
                   'beta_slow': 2.0, 'attention_factor': 1.3}),
+  # DeepSeek's: cos and sin times mscale(1.0) / mscale(0.8) at factor 40
+  'yarn_mscales': (Rope(1e4, 'yarn', 40.0, 64, mscale=1.0, mscale_all_dim=0.8),
+                   {'rope_type': 'yarn', 'factor': 40.0, 'original_max_position_embeddings': 64, 'mscale': 1.0,
+                    'mscale_all_dim': 0.8}),
 }
 
 
@@ -45,6 +49,27 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor():
   assert yarn.magnitude == pytest.approx(0.1 * np.log(4.0) + 1)
 
 
+def test_deepseeks_interleaved_pairs_and_logit_scale_equal_transformers():
+  """Pairs (2i, 2i + 1) rotate as transformers' DeepSeek-V3 rotates them (its output in [evens, odds] order), and
+  `scale_logits` multiplies the softmax scale as its `yarn_apply_mscale`."""
+  import torch
+  from transformers.modeling_rope_utils import yarn_apply_mscale
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+  rope, params = CASES['yarn_mscales']
+  rope = Rope(**{**rope.__dict__, 'interleaved': True, 'scale_logits': True})
+  x = np.random.default_rng(0).normal(size=(2, 7, 3, HEAD_DIM)).astype(np.float32)
+  positions = np.stack([np.arange(7), np.arange(3, 10)])
+  angles = positions[..., None] * rope.inverse_frequencies(HEAD_DIM)[None, None]  # [b, l, half]
+  emb = torch.from_numpy(np.concatenate([angles, angles], axis=-1))
+  cos, sin = emb.cos() * rope.magnitude, emb.sin() * rope.magnitude  # as transformers scales them
+  theirs, _ = apply_rotary_pos_emb_interleave(torch.from_numpy(x).double(), torch.from_numpy(x).double(), cos, sin,
+                                              unsqueeze_dim=2)
+  ours = rotary(jnp.asarray(x), jnp.asarray(positions), rope)
+  np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=2e-5, atol=2e-5)
+  assert rope.logit_factor == pytest.approx(yarn_apply_mscale({**params, 'rope_theta': 1e4}, 1.0))
+  assert rope.logit_factor != 1.0 and Rope(**{**rope.__dict__, 'scale_logits': False}).logit_factor == 1.0
+
+
 def test_the_config_names_what_a_scaling_needs():
   cfg = load_config('llama_tiny', ['model.rope.scaling=llama3', 'model.rope.factor=8',
                                    'model.rope.original_max_len=128']).model
@@ -54,5 +79,8 @@ def test_the_config_names_what_a_scaling_needs():
     load_config('llama_tiny', ['model.rope.scaling=yarn', 'model.rope.factor=4'])
   with pytest.raises(ConfigError, match='scales rotary positions, but model.position=learned'):
     load_config('gpt_tiny', ['model.rope.scaling=linear'])
+  with pytest.raises(ConfigError, match='model.rope.mscale, mscale_all_dim and scale_logits belong to YaRN, but '
+                                        'model.rope.scaling=linear'):
+    load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=2', 'model.rope.mscale=1'])
   with pytest.raises(ConfigError, match='model.rope.factor=0.5 must be >= 1'):
     load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=0.5'])

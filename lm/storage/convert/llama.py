@@ -30,7 +30,8 @@ ROPE_FIELDS = {'linear': {'factor': 'factor'},  # model.rope.* -> HF's name, per
                'llama3': {'factor': 'factor', 'low_freq_factor': 'low_freq_factor',
                           'high_freq_factor': 'high_freq_factor', 'original_max_len': 'original_max_position_embeddings'},
                'yarn': {'factor': 'factor', 'original_max_len': 'original_max_position_embeddings',
-                        'beta_fast': 'beta_fast', 'beta_slow': 'beta_slow', 'attention_factor': 'attention_factor'}}
+                        'beta_fast': 'beta_fast', 'beta_slow': 'beta_slow', 'attention_factor': 'attention_factor',
+                        'mscale': 'mscale', 'mscale_all_dim': 'mscale_all_dim'}}
 
 
 def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
   if kind not in ROPE_TYPES:
     raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {architecture} '
                       f'(supported: {", ".join(ROPE_TYPES)})')
-  for key, fine in (('partial_rotary_factor', 1.0), ('mscale', None), ('mscale_all_dim', None), ('truncate', True)):
+  for key, fine in (('partial_rotary_factor', 1.0), ('truncate', True)):
     value = params.get(key, hf.get(key, fine))
     if value not in (fine, None) or (fine is True and value is False):
       raise ConfigError(f'config.json rope {key}={value!r} is not supported when converting {architecture}')

@@ -391,7 +391,7 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
   cfg = model.cfg
   assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope.theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
   assert not cfg.tie_embeddings and cfg.activation == 'swiglu' and not cfg.use_bias
-  for kind, extra in (('dynamic', {}), ('yarn', {'mscale': 0.7}), ('default', {'partial_rotary_factor': 0.5})):
+  for kind, extra in (('dynamic', {}), ('yarn', {'truncate': False}), ('default', {'partial_rotary_factor': 0.5})):
     scaled = edited_copy(tmp_path / 'hf', tmp_path / kind, edit_config=lambda c, kind=kind, extra=extra: c.update(
       rope_parameters={'rope_type': kind, 'rope_theta': 5e5, 'factor': 8.0, **extra}))
     with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported" if kind == 'dynamic' else
@@ -420,6 +420,23 @@ def test_llama3_rope_scaling_is_read_in_both_layouts_and_changes_the_logits(tmp_
   written = read_hf_config(tmp_path / 'out')
   assert 'rope_parameters' not in written and written['rope_theta'] == 5e5
   assert written['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
+
+
+def test_yarn_with_deepseeks_mscales_reads_and_exports_as_transformers(tmp_path):
+  """A Llama with YaRN's mscale and mscale_all_dim (cos and sin times their ratio; Llama leaves the logits' scale)
+  equals transformers', and export writes both back."""
+  save_hf_model('llama', tmp_path / 'hf')
+  yarn = {'rope_type': 'yarn', 'rope_theta': 5e5, 'factor': 40.0, 'original_max_position_embeddings': 4,
+          'mscale': 1.0, 'mscale_all_dim': 0.5}
+  edited = edited_copy(tmp_path / 'hf', tmp_path / 'yarn', edit_config=lambda c: c.update(rope_parameters=yarn))
+  hf_model = transformers.LlamaForCausalLM.from_pretrained(edited).eval()
+  model, params = load_hf(edited)
+  assert (model.cfg.rope.mscale, model.cfg.rope.mscale_all_dim, model.cfg.rope.scale_logits) == (1.0, 0.5, False)
+  assert compare(hf_model, model, params, 'llama') < 1e-4
+  plain = dataclasses.replace(model.cfg.rope, mscale=None, mscale_all_dim=None)
+  assert compare(hf_model, build_model(dataclasses.replace(model.cfg, rope=plain)), params, 'llama') > 1e-3
+  save_hf(model, params, tmp_path / 'out', read_hf_config(edited))
+  assert read_hf_config(tmp_path / 'out')['rope_parameters'].items() >= yarn.items()
 
 
 def test_sharded_checkpoints_load_and_export_as_transformers_shards_them(tmp_path):
