@@ -94,7 +94,7 @@ def rotary(x: jax.Array, positions: jax.Array, rope: Rope, windowed: bool | jax.
     magnitude = jnp.where(windowed, local.magnitude, magnitude)
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, l, half]
   cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
-  if rope.magnitude != 1.0 or rope.local().magnitude != 1.0:
+  if rope.magnitude != 1.0:  # the windowed layers' rotation is unscaled: 1 there
     cos, sin = cos * magnitude, sin * magnitude
   x32 = x.astype(jnp.float32)
   part = x32[..., :rotated]

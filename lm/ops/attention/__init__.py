@@ -58,9 +58,8 @@ def _kernel_attention(kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Arr
   q_spec = spec_for(('batch', 'length', 'heads', 'kv'), q.shape, mesh, rules)
   kv_spec = spec_for(('batch', 'length', 'kv_heads', 'kv'), k.shape, mesh, rules)
   args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-  optional = {'segment_ids': segment_ids, 'kv_segment_ids': kv_segment_ids, 'bias': bias}
-  if sinks is not None:
-    optional['sinks'] = options.pop('sinks')
+  optional = {'segment_ids': segment_ids, 'kv_segment_ids': kv_segment_ids, 'bias': bias,
+              **({'sinks': options.pop('sinks')} if sinks is not None else {})}  # sharded by heads below
   names = [n for n, x in optional.items() if x is not None]
   for name in names:
     x = optional[name]
