@@ -33,7 +33,8 @@ Norm = Literal['layernorm', 'rmsnorm', 'nonparametric_layernorm']  # the last: n
 # added (OLMo 2's reordered norm); post: a norm after each addition (BERT)
 NormPosition = Literal['pre', 'post', 'sandwich', 'post_branch']
 QkNormScope = Literal['head', 'all_heads']
-Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu']
+# clamped_swiglu: GPT-OSS's (x Wu clamped, + 1) * g sigmoid(alpha g) of g = x Wg clamped above (model.swiglu_*)
+Activation = Literal['gelu', 'gelu_tanh', 'relu', 'silu', 'geglu', 'geglu_tanh', 'swiglu', 'reglu', 'clamped_swiglu']
 ComputeDtype = Literal['float32', 'bfloat16', 'float16']
 ParamDtype = Literal['float32', 'bfloat16']
 AttentionImpl = Literal['xla', 'flash', 'tpu_flash', 'tpu_splash', 'cudnn', 'auto']  # flash: our Pallas kernel
@@ -74,6 +75,7 @@ class RopeConfig:
   high_freq_factor: float = 4.0  # llama3
   beta_fast: float = 32.0  # yarn: rotations over the original context above which frequencies stay
   beta_slow: float = 1.0  # yarn: ... below which they are divided by factor
+  truncate: bool = True  # yarn: the ramp's ends rounded out to whole features (transformers' truncate; GPT-OSS: false)
   attention_factor: float | None = None  # yarn: cos and sin times this; default 0.1 ln(factor) + 1, or with both
   # mscales mscale(mscale) / mscale(mscale_all_dim), mscale(m) = 0.1 m ln(factor) + 1
   mscale: float | None = None  # yarn: DeepSeek's mscale (with mscale_all_dim)
@@ -108,9 +110,10 @@ class RopeConfig:
     if self.local_theta < 0 or (self.local_theta and position != 'rotary'):
       raise ConfigError(f'model.rope.local_theta={self.local_theta} is the windowed layers\' rotary base wavelength: '
                         f'it must be >= 0 and needs model.position=rotary')
-    if (self.mscale is not None or self.mscale_all_dim is not None or self.scale_logits) and self.scaling != 'yarn':
-      raise ConfigError(f'model.rope.mscale, mscale_all_dim and scale_logits belong to YaRN, but model.rope.scaling='
-                        f'{self.scaling}; set model.rope.scaling=yarn or drop them')
+    if (self.mscale is not None or self.mscale_all_dim is not None or self.scale_logits
+        or not self.truncate) and self.scaling != 'yarn':
+      raise ConfigError(f'model.rope.mscale, mscale_all_dim, scale_logits and truncate belong to YaRN, but '
+                        f'model.rope.scaling={self.scaling}; set model.rope.scaling=yarn or drop them')
     if self.scaling == 'none':
       return
     if position != 'rotary':
@@ -285,7 +288,9 @@ class ModelConfig:
   norm_eps: float = 1e-5
   norm_position: NormPosition = 'pre'
   activation: Activation = 'gelu'  # the MLP's; the *glu ones are gated (two input projections)
-  use_bias: bool = True  # biases on every projection and norm
+  swiglu_alpha: float = 1.702  # clamped_swiglu: the gate's sigmoid slope
+  swiglu_limit: float = 7.0  # clamped_swiglu: the gate clamped above, the up projection to [-limit, limit]
+  use_bias: bool = True  # biases on every projection and norm (routed experts and their router too)
   qkv_bias: bool = False  # biases on the query, key and value projections even without use_bias (Qwen2)
   qk_norm: bool = False  # RMSNorm of the queries and keys before the rotation (eps norm_eps)
   qk_norm_scope: QkNormScope = 'head'  # over each head's features (Qwen3) or all heads' at once (OLMo 2)
@@ -1038,6 +1043,11 @@ def _check_model(config: Config) -> None:
                       f'set model.norm=rmsnorm or drop model.norm_plus_one')
   if m.clip_qkv < 0:
     raise ConfigError(f'model.clip_qkv={m.clip_qkv} must be >= 0 (0: no clipping)')
+  if (m.swiglu_alpha, m.swiglu_limit) != (1.702, 7.0) and m.activation != 'clamped_swiglu':
+    raise ConfigError(f'model.swiglu_alpha and model.swiglu_limit shape the clamped_swiglu activation, but '
+                      f'model.activation={m.activation}; set model.activation=clamped_swiglu or drop them')
+  if m.swiglu_limit <= 0:
+    raise ConfigError(f'model.swiglu_limit={m.swiglu_limit} must be > 0 (GPT-OSS: 7)')
   m.mup.check(m.parametrization, m.d_model)
   m.moe.check(m.num_layers)
   if m.quantization == 'int8' and m.moe.num_experts:

@@ -198,7 +198,21 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
   'relu': jax.nn.relu,
   'silu': jax.nn.silu,
 }
-GATED = {'geglu': 'gelu', 'geglu_tanh': 'gelu_tanh', 'swiglu': 'silu', 'reglu': 'relu'}  # act(x W0) * (x W1)
+# act(x W0) * (x W1); clamped_swiglu's gate is a clamped sigmoid of slope alpha (`gated_unit`)
+GATED = {'geglu': 'gelu', 'geglu_tanh': 'gelu_tanh', 'swiglu': 'silu', 'reglu': 'relu', 'clamped_swiglu': 'silu'}
+
+
+def gated_unit(activation: str, alpha: float = 1.702, limit: float = 7.0
+               ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """A gated MLP's unit of (g, u) = (x W0, x W1): act(g) * u, or for clamped_swiglu GPT-OSS's
+  (clip(u, -limit, limit) + 1) * g' sigmoid(alpha g'), g' = min(g, limit)."""
+  if activation == 'clamped_swiglu':
+    def clamped(g: jax.Array, u: jax.Array) -> jax.Array:
+      g = jnp.minimum(g, limit)
+      return (jnp.clip(u, -limit, limit) + 1) * g * jax.nn.sigmoid(alpha * g)
+    return clamped
+  act = ACTIVATIONS[GATED[activation]]
+  return lambda g, u: act(g) * u
 
 
 class Mlp(nn.Module):
@@ -210,16 +224,16 @@ class Mlp(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   quantized: bool = False  # its matmuls in int8
+  swiglu: tuple[float, float] = (1.702, 7.0)  # clamped_swiglu's (alpha, limit)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
     init = self.inits('mlp_in', ('embed', 'mlp'))
     if self.activation in GATED:
-      act = ACTIVATIONS[GATED[self.activation]]
       gate = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_0', **dense)(x)
       up = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_1', **dense)(x)
-      h = act(gate) * up
+      h = gated_unit(self.activation, *self.swiglu)(gate, up)
     else:
       h = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi', **dense)(x)
       h = ACTIVATIONS[self.activation](h)

@@ -3,7 +3,8 @@ of `lm.ops.moe`.
 
 Params: `router` [embed, experts] (float32 logits whatever the compute dtype), expert kernels `wi_0` (gated MLPs),
 `wi_1` / `wi` and `wo` with a leading 'experts' axis, and the shared experts as a dense `Mlp` (`shared`, with
-`shared_gate` for Qwen2-MoE). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
+`shared_gate` for Qwen2-MoE). With `model.use_bias` (GPT-OSS) the router's logits have a bias (`router_logit_bias`
+[experts]) and each expert kernel its own (`<kernel>_bias` [experts, out]). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
 the share of token copies dropped (`DROPPED`: on the capacity path, or by a capped expert-parallel buffer) into
 'intermediates'; `aux_losses` makes the model's auxiliary losses of them, which the training loss weights and
 logs apart from the token loss.
@@ -23,18 +24,20 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from lm.config import ModelConfig, MoeConfig
-from lm.models.layers import ACTIVATIONS, GATED, DenseGeneral, Dtype, Mlp
+from lm.models.layers import ACTIVATIONS, GATED, DenseGeneral, Dtype, Mlp, gated_unit
 from lm.models.parametrization import Init
 from lm.ops import moe
 
 LOAD, PROB, Z_LOSS, DROPPED, COUNTS = 'moe_load', 'moe_prob', 'moe_z_loss', 'moe_dropped', 'moe_counts'
 EXPERT_PARAMS = ('wi_0', 'wi_1', 'wi', 'wo')  # the expert kernels' param names (a dense MLP's end in 'kernel')
-ROUTER, BIAS = 'router', 'router_bias'
+EXPERT_BIASES = tuple(f'{name}_bias' for name in EXPERT_PARAMS)
+ROUTER, BIAS, ROUTER_BIAS = 'router', 'router_bias', 'router_logit_bias'
 
 
 def active_share(name: str, m: MoeConfig) -> float:
-  """The share of a param (by its leaf name) that one token runs: k / E of the expert kernels, all of the rest."""
-  return m.experts_per_token / m.num_experts if name in EXPERT_PARAMS else 1.0
+  """The share of a param (by its leaf name) that one token runs: k / E of the experts' kernels and biases, all
+  of the rest."""
+  return m.experts_per_token / m.num_experts if name in EXPERT_PARAMS + EXPERT_BIASES else 1.0
 
 
 class RoutedMlp(nn.Module):
@@ -53,6 +56,9 @@ class RoutedMlp(nn.Module):
     router = self.param(ROUTER, nn.with_logical_partitioning(self.inits('mlp_in', ('embed', 'experts')),
                                                                ('embed', 'experts')), (d, m.num_experts), jnp.float32)
     logits = tokens.astype(jnp.float32) @ router
+    if self.cfg.use_bias:
+      logits = logits + self.param(ROUTER_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, ('experts',)),
+                                   (m.num_experts,), jnp.float32)
     bias = self.param(BIAS, nn.with_logical_partitioning(nn.initializers.zeros, ('experts',)), (m.num_experts,),
                       jnp.float32) if m.bias_rate else None
     routing = moe.route(logits, m.experts_per_token, m.router, m.normalize, m.routed_scale, bias=bias,
@@ -77,14 +83,17 @@ class RoutedMlp(nn.Module):
     cfg, m = self.cfg, self.cfg.moe
     e, d, f = m.num_experts, x.shape[-1], m.expert_d_ff or cfg.resolved_d_ff
     gated = cfg.activation in GATED
-    act = ACTIVATIONS[GATED.get(cfg.activation, cfg.activation)]
+    act = gated_unit(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) if gated else ACTIVATIONS[cfg.activation]
     up_axes, down_axes = ('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed')
+    up_name = 'wi_1' if gated else 'wi'
     gate = self._kernel('wi_0', 'mlp_in', up_axes, (e, d, f)) if gated else None
-    up = self._kernel('wi_1' if gated else 'wi', 'mlp_in', up_axes, (e, d, f))
+    up = self._kernel(up_name, 'mlp_in', up_axes, (e, d, f))
     down = self._kernel('wo', 'mlp_out', down_axes, (e, f, d))
+    bias = moe.Biases(self._bias(f'{up_name}_bias', (e, f), 'mlp'), self._bias('wo_bias', (e, d), 'embed'),
+                      self._bias('wi_0_bias', (e, f), 'mlp') if gated else None) if cfg.use_bias else None
     if m.compute == 'dropless':
       y, dropped = moe.dropless_on_mesh(x, routing, up, down, gate, act, buffer=m.expert_buffer,
-                                        chunks=cfg.execution.mlp_chunks)
+                                        chunks=cfg.execution.mlp_chunks, bias=bias)
       if dropped is not None:
         self.sow('intermediates', DROPPED, dropped)
       return y
@@ -92,10 +101,14 @@ class RoutedMlp(nn.Module):
       # GShard's groups: each sequence's tokens fill slots of their own, so the [E, C, D] buffers split with the
       # batch (one group of the whole batch's tokens is a buffer as large as the batch on every device)
       rows = moe.Routing(*(a.reshape(*x.shape[:2], *a.shape[1:]) for a in routing))
-      y, dropped = jax.vmap(lambda t, r: moe.capacity(t, r, up, down, gate, act, m.capacity_factor))(x, rows)
+      y, dropped = jax.vmap(lambda t, r: moe.capacity(t, r, up, down, gate, act, m.capacity_factor, bias))(x, rows)
       self.sow('intermediates', DROPPED, dropped.mean())
       return y
-    return moe.dense(x.reshape(-1, d), routing, up, down, gate, act).reshape(x.shape)
+    return moe.dense(x.reshape(-1, d), routing, up, down, gate, act, bias).reshape(x.shape)
+
+  def _bias(self, name: str, shape: tuple[int, int], axis: str) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.zeros, ('experts', axis))
+    return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
 
   def _shared(self, x: jax.Array) -> jax.Array:
     cfg, m = self.cfg, self.cfg.moe

@@ -7,7 +7,7 @@ size of cos and sin; each follows transformers' `modeling_rope_utils`:
 - llama3 (Llama 3.1): wavelengths above original_max_len / low_freq_factor divided by factor, below
   original_max_len / high_freq_factor kept, a smooth blend between;
 - yarn (Peng et al. 2023): by frequency, interpolated below beta_slow rotations over the original context,
-  kept above beta_fast, a linear ramp between; cos and sin times an attention factor (0.1 ln factor + 1, or
+  kept above beta_fast, a linear ramp between (its ends whole features unless not `truncate`); cos and sin times an attention factor (0.1 ln factor + 1, or
   DeepSeek's ratio of two such with mscale and mscale_all_dim, whose MLA also scales the logits: `logit_factor`).
 `interleaved` rotates the pairs (2i, 2i + 1) instead (DeepSeek), as the halves of [evens, odds].
 """
@@ -42,7 +42,9 @@ class Rope(RopeConfig):
                       np.where(wavelength < context / self.high_freq_factor, inv_freq, blended))
     if self.scaling == 'yarn':
       low, high = (self._yarn_dim(beta, head_dim) for beta in (self.beta_fast, self.beta_slow))
-      low, high = max(math.floor(low), 0), min(math.ceil(high), head_dim - 1)
+      if self.truncate:
+        low, high = math.floor(low), math.ceil(high)
+      low, high = max(low, 0), min(high, head_dim - 1)
       ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low if high > low else 1e-3), 0, 1)
       return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
     return inv_freq

@@ -90,8 +90,8 @@ class Block(nn.Module):
       experts = RoutedMlp(cfg, inits, dtype=dtype, param_dtype=param_dtype, name='mlp')
       branches.append(('mlp', lambda h: experts(h, mask)))
     else:
-      mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, inits=inits, dtype=dtype,
-                param_dtype=param_dtype, quantized=quantized, name='mlp')
+      mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit),
+                inits=inits, dtype=dtype, param_dtype=param_dtype, quantized=quantized, name='mlp')
       branches.append(('mlp', lambda h: in_chunks(mlp, h, cfg.execution.mlp_chunks)))
 
     if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it

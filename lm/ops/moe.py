@@ -11,7 +11,8 @@ A token's k choices come with combine weights; three paths compute sum_k weight_
   slots and a gather back, not one-hot einsums); choices past an expert's slots are dropped, in this order: every
   token's first choice (by token index) before any second choice, and so on.
 
-Expert weights: `up` [E, D, F], `down` [E, F, D] and, for a gated MLP (act(x Wg) * (x Wu)), `gate` [E, D, F].
+Expert weights: `up` [E, D, F], `down` [E, F, D] and, for a gated MLP, `gate` [E, D, F]; optional per-expert
+biases (`Biases`: GPT-OSS). `act` is the activation of x Wu, or for a gated MLP the unit of (x Wg, x Wu) (`gated`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,19 @@ from jax.sharding import PartitionSpec as P
 
 from lm.parallel.rules import active_sharding, manual_axes, shard_map, spec_for, target_platform
 
-Activation = Callable[[jax.Array], jax.Array]
+Activation = Callable[..., jax.Array]
+
+
+def gated(act: Callable[[jax.Array], jax.Array]) -> Activation:
+  """The gated unit act(x Wg) * (x Wu) of a plain activation."""
+  return lambda g, u: act(g) * u
+
+
+class Biases(NamedTuple):
+  """Each expert's biases of its projections: up [E, F], down [E, D], gate [E, F] (None for a plain MLP)."""
+  up: jax.Array
+  down: jax.Array
+  gate: jax.Array | None = None
 
 
 def _wide(dtype) -> jnp.dtype:
@@ -63,11 +76,17 @@ def route(logits: jax.Array, k: int, score: str = 'softmax', normalize: bool = T
 
 
 def _expert_mlp(x: jax.Array, up: jax.Array, down: jax.Array, gate: jax.Array | None, act: Activation,
-                matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
-  """down(act(x gate) * (x up)) or down(act(x up)) with `matmul` doing each projection."""
-  h = matmul(x, up)
-  h = act(matmul(x, gate)) * h if gate is not None else act(h)
-  return matmul(h, down)
+                matmul: Callable[[jax.Array, jax.Array], jax.Array], bias: Biases | None = None,
+                rows: jax.Array | None = None) -> jax.Array:
+  """down(act(x gate, x up)) or down(act(x up)) with `matmul` doing each projection, plus the `bias` of each
+  row's expert: `rows` [N] names it for rows [N, ...] grouped by expert; None: x is [E, N, D], one block per expert."""
+  def project(a: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = matmul(a, w)
+    return y if b is None else y + (b[:, None] if rows is None else b[rows]).astype(y.dtype)
+  b = bias or Biases(None, None, None)
+  h = project(x, up, b.up)
+  h = act(project(x, gate, b.gate), h) if gate is not None else act(h)
+  return project(h, down, b.down)
 
 
 def _per_expert(a: jax.Array, w: jax.Array) -> jax.Array:
@@ -76,12 +95,13 @@ def _per_expert(a: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-          act: Activation) -> jax.Array:
+          act: Activation, bias: Biases | None = None) -> jax.Array:
   """Every expert on every token [T, D], combined by the routing's weights (zero for experts not chosen)."""
   num_experts = up.shape[0]
   combine = jnp.zeros((x.shape[0], num_experts), _wide(x.dtype)).at[
     jnp.arange(x.shape[0])[:, None], routing.experts].add(routing.weights)
-  outputs = _expert_mlp(jnp.broadcast_to(x, (num_experts, *x.shape)), up, down, gate, act, _per_expert)  # [E, T, D]
+  outputs = _expert_mlp(jnp.broadcast_to(x, (num_experts, *x.shape)), up, down, gate, act, _per_expert,
+                        bias)  # [E, T, D]
   return jnp.einsum('te,etd->td', combine, outputs.astype(combine.dtype)).astype(x.dtype)
 
 
@@ -139,7 +159,7 @@ def tiled_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile: int = 1
 
 
 def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-             act: Activation, kernel: str | None = None) -> jax.Array:
+             act: Activation, kernel: str | None = None, bias: Biases | None = None) -> jax.Array:
   """Each token's k copies sorted by expert, the projections as grouped matmuls over the experts' contiguous
   groups (empty groups included; `grouped_matmul`'s `kernel`), the outputs weighted and summed back per token."""
   t, k = routing.experts.shape
@@ -148,7 +168,7 @@ def dropless(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gat
   token = order // k
   sizes = jnp.bincount(flat, length=up.shape[0]).astype(jnp.int32)
   grouped = lambda a, w: grouped_matmul(a, w, sizes, x.dtype, kernel)
-  out = _expert_mlp(x[token], up, down, gate, act, grouped)  # [T k, D] in expert order
+  out = _expert_mlp(x[token], up, down, gate, act, grouped, bias, flat[order])  # [T k, D] in expert order
   weighted = out.astype(_wide(x.dtype)) * routing.weights.reshape(-1)[order][:, None]
   return jnp.zeros((t, x.shape[1]), weighted.dtype).at[token].add(weighted).astype(x.dtype)
 
@@ -175,7 +195,7 @@ def exchange(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, se
 
 def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array, down: jax.Array,
                     gate: jax.Array | None, act: Activation, kernel: str, axis: str | tuple[str, ...],
-                    devices: int, buffer: float = 0.0) -> tuple[jax.Array, jax.Array]:
+                    devices: int, buffer: float = 0.0, bias: Biases | None = None) -> tuple[jax.Array, jax.Array]:
   """Expert parallelism, per device inside a shard_map over mesh `axis` (`devices` devices, device i
   holding experts i E/P ... (i+1) E/P - 1 of `up`, `down`, `gate` [E/P, ...]): this device's tokens x [T, D] with
   their choices `experts` and combine `weights` [T, k] -> [T, D]. Its token copies, sorted by expert, go to the
@@ -212,7 +232,9 @@ def expert_parallel(x: jax.Array, experts: jax.Array, weights: jax.Array, up: ja
   local_expert = jnp.where(jnp.arange(rows) < mine.sum(), local_expert, local)  # unused rows last
   regroup = jnp.argsort(local_expert, stable=True)
   grouped = lambda a, w: grouped_matmul(a, w, mine.sum(0), x.dtype, kernel)
-  out = _expert_mlp(received[regroup], up, down, gate, act, grouped)
+  if bias is not None:  # the unused rows (local expert `local`) take a zero bias
+    bias = Biases(*(None if b is None else jnp.pad(b, ((0, 1), (0, 0))) for b in bias))
+  out = _expert_mlp(received[regroup], up, down, gate, act, grouped, bias, local_expert[regroup])
   out = jnp.zeros_like(out).at[regroup].set(out)  # in the order received
   back = exchange(out, jnp.zeros((t * k, x.shape[1]), out.dtype), lands[:, me], sizes[:, me], starts[:, me],
                   sizes[me], axis)
@@ -237,54 +259,66 @@ def in_slices(fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, j
 
 
 def dropless_on_mesh(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-                     act: Activation, kernel: str | None = None, buffer: float = 0.0, chunks: int = 1
-                     ) -> tuple[jax.Array, jax.Array | None]:
+                     act: Activation, kernel: str | None = None, buffer: float = 0.0, chunks: int = 1,
+                     bias: Biases | None = None) -> tuple[jax.Array, jax.Array | None]:
   """`dropless` of tokens x [B, L, D] (routing [B L, k]) under the active mesh. Where the experts shard over mesh
   devices (the `expert` axis), expert parallelism: each device's token copies go to the devices holding their
   experts and come back (`expert_parallel`). Else XLA partitions ragged_dot and the tiles itself; a Pallas kernel
   (gmm) cannot be partitioned automatically, so it runs per shard: each shard's tokens through every expert. Either
-  way, the expert weights' other sharded dims are all-gathered in per shard (their gradients reduce-scattered back,
-  as FSDP's). Off a mesh, `dropless` as it is. `chunks` > 1: each shard's tokens `in_slices`, unless `buffer`
-  caps the receive buffers (a cap per slice would drop other copies). Returns (outputs, the share of the token
-  copies dropped: None unless `buffer` > 0 caps expert parallelism's receive buffers)."""
+  way, the expert weights' (and biases') other sharded dims are all-gathered in per shard (their gradients
+  reduce-scattered back, as FSDP's). Off a mesh, `dropless` as it is. `chunks` > 1: each shard's tokens
+  `in_slices`, unless `buffer` caps the receive buffers (a cap per slice would drop other copies). Returns (outputs,
+  the share of the token copies dropped: None unless `buffer` > 0 caps expert parallelism's receive buffers)."""
   batch, length, d = x.shape
   kernel = kernel or default_kernel()
   active = active_sharding()
-  weights = [w for w in (up, down, gate) if w is not None]
-  axes = [('experts', 'embed', 'mlp'), ('experts', 'mlp', 'embed'), ('experts', 'embed', 'mlp')]
-  weight_specs = active and [spec_for(a, w.shape, *active) for a, w in zip(axes, weights)]
-  expert_axis = weight_specs and weight_specs[0][0]
   chunks = 1 if buffer else chunks
-  if active is None or expert_axis is None and kernel != 'gmm':
-    whole = lambda t, e, c: (dropless(t, Routing(c, e, None), up, down, gate, act, kernel), jnp.zeros(()))
+  if active is None or _expert_axis(up, active) is None and kernel != 'gmm':
+    def whole(t, e, c):
+      return dropless(t, Routing(c, e, None), up, down, gate, act, kernel, bias), jnp.zeros(())
     y, _ = in_slices(whole, chunks, x.reshape(-1, d), routing.experts, routing.weights)
     return y.reshape(x.shape), None
   mesh, rules = active
+  expert_axis = _expert_axis(up, active)
+  # every expert weight and bias by its logical axes, in one list: (up, down, gate, up bias, down bias, gate bias)
+  named = {'up': (up, ('experts', 'embed', 'mlp')), 'down': (down, ('experts', 'mlp', 'embed')),
+           'gate': (gate, ('experts', 'embed', 'mlp'))}
+  if bias is not None:
+    named.update({f'{k}_bias': (b, ('experts', 'mlp' if k != 'down' else 'embed'))
+                  for k, b in bias._asdict().items()})
+  named = {k: v for k, v in named.items() if v[0] is not None}
+  specs = {k: spec_for(axes, w.shape, mesh, rules) for k, (w, axes) in named.items()}
   k = routing.experts.shape[-1]
   token_spec = spec_for(('batch', 'length', None), (batch, length, k), mesh, rules)
-  named = (expert_axis,) if isinstance(expert_axis, str) else expert_axis or ()
-  devices = math.prod(mesh.shape[a] for a in named)
+  expert_names = (expert_axis,) if isinstance(expert_axis, str) else expert_axis or ()
+  devices = math.prod(mesh.shape[a] for a in expert_names)
 
-  def per_shard(x, experts, combine, *weights):
-    whole = []
-    for w, spec in zip(weights, weight_specs, strict=True):
-      for dim, entry in enumerate(spec):
+  def per_shard(x, experts, combine, *leaves):
+    w = {}
+    for (key, leaf) in zip(named, leaves, strict=True):
+      for dim, entry in enumerate(specs[key]):
         if entry is not None and (dim > 0 or expert_axis is None):  # each device keeps its own experts
-          w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
-      whole.append(w)
-    up, down, *rest = whole
-    gate = rest[0] if rest else None
+          leaf = jax.lax.all_gather(leaf, entry, axis=dim, tiled=True)
+      w[key] = leaf
+    b = Biases(w['up_bias'], w['down_bias'], w.get('gate_bias')) if bias is not None else None
     def compute(tokens, experts, combine):
       if expert_axis is None:
-        return dropless(tokens, Routing(combine, experts, None), up, down, gate, act, kernel), jnp.zeros(())
-      return expert_parallel(tokens, experts, combine, up, down, gate, act, kernel, expert_axis, devices, buffer)
+        return (dropless(tokens, Routing(combine, experts, None), w['up'], w['down'], w.get('gate'), act, kernel, b),
+                jnp.zeros(()))
+      return expert_parallel(tokens, experts, combine, w['up'], w['down'], w.get('gate'), act, kernel, expert_axis,
+                             devices, buffer, b)
     y, dropped = in_slices(compute, chunks, x.reshape(-1, d), experts.reshape(-1, k), combine.reshape(-1, k))
     return y.reshape(x.shape), dropped.reshape(1)
   shaped = lambda a: a.reshape(batch, length, k)
   every = P(tuple(a for a in mesh.axis_names if a not in manual_axes()))  # one value per device (of a stage)
-  y, dropped = shard_map(per_shard, mesh, (token_spec, token_spec, token_spec, *weight_specs), (token_spec, every))(
-    x, shaped(routing.experts), shaped(routing.weights), *weights)
+  y, dropped = shard_map(per_shard, mesh, (token_spec, token_spec, token_spec, *specs.values()), (token_spec, every))(
+    x, shaped(routing.experts), shaped(routing.weights), *(w for w, _ in named.values()))
   return y, dropped.mean() if buffer and expert_axis is not None else None
+
+
+def _expert_axis(up: jax.Array, active: tuple) -> str | tuple[str, ...] | None:
+  """The mesh axis (or axes) the experts shard over under the `active` sharding, or None."""
+  return spec_for(('experts', 'embed', 'mlp'), up.shape, *active)[0]
 
 
 def capacity_slots(tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -293,7 +327,7 @@ def capacity_slots(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 
 def capacity(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gate: jax.Array | None,
-             act: Activation, factor: float) -> tuple[jax.Array, jax.Array]:
+             act: Activation, factor: float, bias: Biases | None = None) -> tuple[jax.Array, jax.Array]:
   """GShard's dispatch and combine with `capacity_slots` per expert: (outputs [T, D], the share of the T k
   choices dropped). A dropped choice adds nothing; the kept weights are not renormalised."""
   t, k = routing.experts.shape
@@ -307,7 +341,7 @@ def capacity(x: jax.Array, routing: Routing, up: jax.Array, down: jax.Array, gat
   # each kept choice's row in the [E C] expert inputs; dropped ones all go to one spare row, read back as nothing
   row = jnp.where(kept, routing.experts * slots + slot, num_experts * slots).reshape(-1)
   inputs = jnp.zeros((num_experts * slots + 1, x.shape[1]), x.dtype).at[row].set(jnp.repeat(x, k, axis=0))
-  outputs = _expert_mlp(inputs[:-1].reshape(num_experts, slots, -1), up, down, gate, act, _per_expert)
+  outputs = _expert_mlp(inputs[:-1].reshape(num_experts, slots, -1), up, down, gate, act, _per_expert, bias)
   outputs = jnp.concatenate([outputs.reshape(num_experts * slots, -1), jnp.zeros((1, x.shape[1]), outputs.dtype)])
   weights = jnp.where(kept, routing.weights, 0).astype(_wide(x.dtype))
   y = jnp.einsum('tk,tkd->td', weights, outputs[row].reshape(t, k, -1).astype(weights.dtype)).astype(x.dtype)

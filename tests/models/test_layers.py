@@ -64,7 +64,7 @@ def test_every_config_choice_has_an_implementation():
 def test_mlp_matches_numpy(activation):
   from scipy.special import erf
   x = np.random.default_rng(3).normal(size=(2, 3, 16)).astype(np.float32)
-  layer = Mlp(d_ff=32, activation=activation, use_bias=True)
+  layer = Mlp(d_ff=32, activation=activation, use_bias=True, swiglu=(1.702, 0.5))  # clamped_swiglu: clamps act
   params = jax.tree.map(lambda p: p + 0.1, nn.unbox(layer.init(jax.random.key(0), x)))['params']
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   acts = {
@@ -75,7 +75,10 @@ def test_mlp_matches_numpy(activation):
   x64 = x.astype(np.float64)
   dense = lambda name, h: h @ p[name]['kernel'] + p[name]['bias']
   gated = {'swiglu': 'silu', 'geglu': 'gelu', 'geglu_tanh': 'gelu_tanh', 'reglu': 'relu'}
-  if activation in gated:
+  if activation == 'clamped_swiglu':  # GPT-OSS's (transformers' GptOssExperts._apply_gate)
+    g = np.minimum(dense('wi_0', x64), 0.5)
+    h = (np.clip(dense('wi_1', x64), -0.5, 0.5) + 1) * g / (1 + np.exp(-1.702 * g))
+  elif activation in gated:
     h = acts[gated[activation]](dense('wi_0', x64)) * dense('wi_1', x64)
   else:
     h = acts[activation](dense('wi', x64))

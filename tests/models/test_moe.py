@@ -14,13 +14,14 @@ from lm.models.moe import DROPPED, LOAD, PROB, Z_LOSS, RoutedMlp
 from lm.models.parametrization import Init
 from tests.conftest import needs_libtpu
 from lm.ops import moe
-from tests.ops.test_moe import loop_over_experts
+from tests.ops.test_moe import clamped_swiglu, loop_over_experts
 
 BATCH, LENGTH, D = 2, 7, 16
 
 
-def layer(activation='swiglu', **moe_fields):
-  cfg = ModelConfig(d_model=D, d_ff=24, activation=activation,
+def layer(activation='swiglu', use_bias=False, **moe_fields):
+  cfg = ModelConfig(d_model=D, d_ff=24, activation=activation, use_bias=use_bias,
+                    swiglu_limit=0.5 if activation == 'clamped_swiglu' else 7.0,
                     moe=MoeConfig(num_experts=4, experts_per_token=2, expert_d_ff=12, **moe_fields))
   return RoutedMlp(cfg, Init(cfg))
 
@@ -29,12 +30,16 @@ def reference(params, x, m, activation):
   """The routed experts by the float64 loop, from the layer's own params (unboxed), plus the shared MLP."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   tokens = np.asarray(x, np.float64).reshape(-1, D)
-  r = moe.route(jnp.asarray(tokens @ p['router']), m.experts_per_token, m.router, m.normalize, m.routed_scale)
-  gated = activation == 'swiglu'
-  act = jax.nn.silu if gated else (lambda h: jax.nn.gelu(h, approximate=False))
+  logits = tokens @ p['router'] + p.get('router_logit_bias', 0)
+  r = moe.route(jnp.asarray(logits), m.experts_per_token, m.router, m.normalize, m.routed_scale)
+  gated = activation != 'gelu'
+  act = {'swiglu': moe.gated(jax.nn.silu), 'clamped_swiglu': clamped_swiglu(0.5),
+         'gelu': lambda h: jax.nn.gelu(h, approximate=False)}[activation]
+  up = 'wi_1' if gated else 'wi'
+  bias = moe.Biases(p[f'{up}_bias'], p['wo_bias'], p.get('wi_0_bias')) if 'wo_bias' in p else None
   with jax.enable_x64(True):
     y = loop_over_experts(jnp.asarray(tokens), np.asarray(r.experts), jnp.asarray(r.weights, jnp.float64),
-                          p['wi_1' if gated else 'wi'], p['wo'], p['wi_0'] if gated else None, act)
+                          p[up], p['wo'], p['wi_0'] if gated else None, act, bias)
     y = np.asarray(y)
   if m.shared_experts:
     s = p['shared']
@@ -49,12 +54,17 @@ def reference(params, x, m, activation):
 @pytest.mark.parametrize('activation, fields', [
   ('swiglu', {}), ('gelu', {}), ('swiglu', {'compute': 'dense'}),
   ('swiglu', {'shared_experts': 1, 'shared_d_ff': 20, 'shared_gate': True}),  # Qwen2-MoE's
+  ('clamped_swiglu', {'use_bias': True}), ('gelu', {'use_bias': True, 'compute': 'capacity', 'capacity_factor': 2.0}),  # GPT-OSS's
 ])
 @pytest.mark.variants
 def test_the_layer_is_the_loop_over_its_own_params(activation, fields):
+  """With model.use_bias the router and each expert's projections have biases (set at random here, not zero)."""
   x = jax.random.normal(jax.random.key(0), (BATCH, LENGTH, D))
   module = layer(activation, **fields)
   params = jax.tree.map(np.asarray, nn.unbox(module.init(jax.random.key(1), x)['params']))
+  rng = np.random.default_rng(2)
+  params = {k: rng.normal(size=v.shape).astype(np.float32) if k.endswith('bias') else v for k, v in params.items()}
+  assert fields.get('use_bias', False) == ('wo_bias' in params and 'router_logit_bias' in params)
   y = module.apply({'params': params}, x)
   np.testing.assert_allclose(y, reference(params, x, module.cfg.moe, activation), rtol=2e-5, atol=2e-6)
   assert params['wo'].shape == (4, 12, D) and params['router'].shape == (D, 4)
@@ -90,8 +100,7 @@ def test_capacity_fills_each_sequences_own_slots():
   assert float(sown['intermediates'][DROPPED][0]) == pytest.approx(np.mean(dropped)) and min(dropped) > 0
   p = nn.unbox(params)
   r = moe.route(x[0] @ p['router'], 2)
-  gated = lambda h: jax.nn.silu(h)
-  want, _ = moe.capacity(x[0], r, p['wi_1'], p['wo'], p['wi_0'], gated, 0.5)
+  want, _ = moe.capacity(x[0], r, p['wi_1'], p['wo'], p['wi_0'], moe.gated(jax.nn.silu), 0.5)
   np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-6)
 
 

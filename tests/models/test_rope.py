@@ -24,6 +24,9 @@ CASES = {
   'yarn_mscales': (Rope(1e4, 'yarn', 40.0, 64, mscale=1.0, mscale_all_dim=0.8),
                    {'rope_type': 'yarn', 'factor': 40.0, 'original_max_position_embeddings': 64, 'mscale': 1.0,
                     'mscale_all_dim': 0.8}),
+  # GPT-OSS's: the ramp's ends left fractional
+  'yarn_untruncated': (Rope(1e4, 'yarn', 4.0, 64, truncate=False),
+                       {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 64, 'truncate': False}),
 }
 
 
@@ -79,8 +82,9 @@ def test_the_config_names_what_a_scaling_needs():
     load_config('llama_tiny', ['model.rope.scaling=yarn', 'model.rope.factor=4'])
   with pytest.raises(ConfigError, match='scales rotary positions, but model.position=learned'):
     load_config('gpt_tiny', ['model.rope.scaling=linear'])
-  with pytest.raises(ConfigError, match='model.rope.mscale, mscale_all_dim and scale_logits belong to YaRN, but '
-                                        'model.rope.scaling=linear'):
-    load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=2', 'model.rope.mscale=1'])
+  for field in ('mscale=1', 'truncate=false'):
+    with pytest.raises(ConfigError, match='model.rope.mscale, mscale_all_dim, scale_logits and truncate belong to '
+                                          'YaRN, but model.rope.scaling=linear'):
+      load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=2', f'model.rope.{field}'])
   with pytest.raises(ConfigError, match='model.rope.factor=0.5 must be >= 1'):
     load_config('llama_tiny', ['model.rope.scaling=linear', 'model.rope.factor=0.5'])

@@ -16,16 +16,27 @@ def weights(rng, gated, dtype=np.float64):
   return scale(E, D, F), scale(E, F, D), (scale(E, D, F) if gated else None)
 
 
-def loop_over_experts(x, experts, w, up, down, gate, act):
-  """For each of the k choices, every token through the expert it chose (that expert's weights gathered per
-  token), times the choice's weight: a loop over choices, with none of the paths' sorting, slots or combine."""
+def loop_over_experts(x, experts, w, up, down, gate, act, bias=None):
+  """For each of the k choices, every token through the expert it chose (that expert's weights and `bias`
+  gathered per token), times the choice's weight: a loop over choices, with none of the paths' sorting, slots or
+  combine. `act`: of (x Wg, x Wu) for a gated MLP."""
   y = jnp.zeros_like(x)
+  b = bias or moe.Biases(None, None, None)
   for j in range(experts.shape[1]):
     e = experts[:, j]
-    h = jnp.einsum('td,tdf->tf', x, up[e])
-    h = act(jnp.einsum('td,tdf->tf', x, gate[e])) * h if gate is not None else act(h)
-    y = y + w[:, j, None] * jnp.einsum('tf,tfd->td', h, down[e])
+    project = lambda a, w, b: jnp.einsum('td,tdf->tf', a, w[e]) + (0 if b is None else b[e])
+    h = project(x, up, b.up)
+    h = act(project(x, gate, b.gate), h) if gate is not None else act(h)
+    y = y + w[:, j, None] * project(h, down, b.down)
   return y
+
+
+def clamped_swiglu(limit):
+  """GPT-OSS's gated unit (transformers' `GptOssExperts._apply_gate`), alpha 1.702."""
+  def unit(g, u):
+    g = jnp.minimum(g, limit)
+    return (jnp.clip(u, -limit, limit) + 1) * g * jax.nn.sigmoid(1.702 * g)
+  return unit
 
 
 def skewed_logits(rng, skew):
@@ -36,40 +47,47 @@ def skewed_logits(rng, skew):
   return logits
 
 
-# the fast tier's case first: the plain MLP on skewed routing (the gated cases compile three times as long)
-@pytest.mark.parametrize('gated, skew', [(False, True), (True, True), (True, False), (False, False)])
+# the fast tier's case first: the plain MLP on skewed routing (the gated cases compile three times as long); then
+# GPT-OSS's experts: biases on every projection, its clamped SwiGLU (clamped at 0.5, inside the values' range)
+@pytest.mark.parametrize('gated, skew, biased', [(False, True, False), (True, True, False), (True, False, False),
+                                                 (False, False, False), ('clamped', True, True)])
 @pytest.mark.variants
-def test_every_path_equals_a_float64_loop_over_experts(gated, skew):
-  """Outputs and gradients (inputs, expert weights, router logits through the combine weights) of every path equal
-  the loop's, in float64; with skew, one expert gets almost every token and another none."""
+def test_every_path_equals_a_float64_loop_over_experts(gated, skew, biased):
+  """Outputs and gradients (inputs, expert weights and biases, router logits through the combine weights) of every
+  path equal the loop's, in float64; with skew, one expert gets almost every token and another none."""
   rng = np.random.default_rng(0)
-  act = jax.nn.silu if gated else jax.nn.gelu
+  act = {True: moe.gated(jax.nn.silu), False: jax.nn.gelu, 'clamped': clamped_swiglu(0.5)}[gated]
   with jax.enable_x64(True):
     x, logits = jnp.asarray(rng.normal(size=(T, D))), jnp.asarray(skewed_logits(rng, skew))
     up, down, gate = map(lambda a: None if a is None else jnp.asarray(a), weights(rng, gated))
+    bias = moe.Biases(*(None if s is None else jnp.asarray(rng.normal(size=s)) for s in ((E, F), (E, D), (E, F))))
+    bias = bias if biased else None
     routing = moe.route(logits, K)
     if skew:
       counts = np.bincount(np.asarray(routing.experts).ravel(), minlength=E)
       assert counts[0] == T and counts[3] == 0
-    paths = {'dense': lambda *a: moe.dense(*a, act=act),
-             **{f'dropless {k}': lambda *a, k=k: moe.dropless(*a, act=act, kernel=k) for k in ('ragged_dot', 'tiles')},
-             'capacity': lambda *a: moe.capacity(*a, act=act, factor=E)[0]}
+    paths = {'dense': lambda *a, bias: moe.dense(*a, act=act, bias=bias),
+             **{f'dropless {k}': lambda *a, k=k, bias: moe.dropless(*a, act=act, kernel=k, bias=bias)
+                for k in ('ragged_dot', 'tiles')},
+             'capacity': lambda *a, bias: moe.capacity(*a, act=act, factor=E, bias=bias)[0]}
     cotangent = jnp.asarray(rng.normal(size=(T, D)))
 
-    def loss(path, x, up, down, gate, logits):
+    def loss(path, x, up, down, gate, logits, bias):
       r = moe.route(logits, K)
       r = r._replace(weights=r.weights.astype(x.dtype))
-      out = path(x, r, up, down, gate) if path else loop_over_experts(x, r.experts, r.weights, up, down, gate, act)
+      out = (path(x, r, up, down, gate, bias=bias) if path else
+             loop_over_experts(x, r.experts, r.weights, up, down, gate, act, bias))
       return jnp.sum(out * cotangent)
 
-    args = (x, up, down, gate, logits)
-    argnums = (0, 1, 2, 4) + ((3,) if gated else ())
+    args = (x, up, down, gate, logits, bias)
+    argnums = (0, 1, 2, 4) + ((3,) if gated else ()) + ((5,) if biased else ())
     want = jax.jit(jax.grad(lambda *a: loss(None, *a), argnums))(*args)
-    want_y = loop_over_experts(x, routing.experts, routing.weights, up, down, gate, act)
+    want_y = loop_over_experts(x, routing.experts, routing.weights, up, down, gate, act, bias)
     for name, path in paths.items():
-      np.testing.assert_allclose(path(x, routing, up, down, gate), want_y, rtol=1e-10, atol=1e-12, err_msg=name)
+      np.testing.assert_allclose(path(x, routing, up, down, gate, bias=bias), want_y, rtol=1e-10, atol=1e-12,
+                                 err_msg=name)
       got = jax.jit(jax.grad(lambda *a: loss(path, *a), argnums))(*args)
-      for g, w in zip(got, want, strict=True):
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
@@ -86,11 +104,11 @@ def test_the_megablox_kernel_equals_the_loop(skew):
 
   def loss(path, x, up, down, gate):
     return jnp.sum(path(x, up, down, gate) * cotangent)
-  kernel = lambda x, up, down, gate: moe.dropless(x, routing, up, down, gate, jax.nn.silu, kernel='gmm')
+  kernel = lambda x, up, down, gate: moe.dropless(x, routing, up, down, gate, moe.gated(jax.nn.silu), kernel='gmm')
   got = jax.value_and_grad(lambda *a: loss(kernel, *a), (0, 1, 2, 3))(*map(jnp.asarray, (x, up, down, gate)))
   with jax.enable_x64(True):
     experts, w = np.asarray(routing.experts), jnp.asarray(np.asarray(routing.weights, np.float64))
-    loop = lambda x, up, down, gate: loop_over_experts(x, experts, w, up, down, gate, jax.nn.silu)
+    loop = lambda x, up, down, gate: loop_over_experts(x, experts, w, up, down, gate, moe.gated(jax.nn.silu))
     want = jax.value_and_grad(lambda *a: loss(loop, *a), (0, 1, 2, 3))(
       *(jnp.asarray(a, jnp.float64) for a in (x, up, down, gate)))
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
@@ -176,8 +194,8 @@ def test_a_small_capacity_drops_exactly_the_predicted_choices():
     for t in range(T):
       e = int(routing.experts[t, j])
       kept[t, j], taken[e] = taken[e] < slots, taken[e] + 1
-  y, dropped = moe.capacity(x, routing, up, down, gate, jax.nn.silu, factor)
-  want = loop_over_experts(x, routing.experts, routing.weights * kept, up, down, gate, jax.nn.silu)
+  y, dropped = moe.capacity(x, routing, up, down, gate, moe.gated(jax.nn.silu), factor)
+  want = loop_over_experts(x, routing.experts, routing.weights * kept, up, down, gate, moe.gated(jax.nn.silu))
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
   assert 0 < float(dropped) == pytest.approx(1 - kept.mean())
 
@@ -189,7 +207,7 @@ def test_one_expert_with_k_1_is_the_dense_mlp():
   routing = moe.route(jnp.asarray(rng.normal(size=(T, 1)).astype(np.float32)), 1)
   mlp = (jax.nn.silu(x @ gate[0]) * (x @ up[0])) @ down[0]
   for path in (moe.dense, moe.dropless):
-    np.testing.assert_allclose(path(x, routing, up, down, gate, jax.nn.silu), mlp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(path(x, routing, up, down, gate, moe.gated(jax.nn.silu)), mlp, rtol=1e-5, atol=1e-6)
 
 
 def test_permuting_the_experts_with_the_router_rows_changes_nothing():
@@ -198,7 +216,7 @@ def test_permuting_the_experts_with_the_router_rows_changes_nothing():
   up, down, gate = map(jnp.asarray, weights(rng, True, np.float32))
   router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
   perm = np.array([2, 0, 3, 1])
-  run = lambda r, u, d, g: moe.dropless(x, moe.route(x @ r, K), u, d, g, jax.nn.silu)
+  run = lambda r, u, d, g: moe.dropless(x, moe.route(x @ r, K), u, d, g, moe.gated(jax.nn.silu))
   np.testing.assert_allclose(run(router[:, perm], up[perm], down[perm], gate[perm]), run(router, up, down, gate),
                              rtol=1e-5, atol=1e-6)
 
@@ -208,7 +226,7 @@ def test_under_dropless_a_tokens_output_ignores_the_other_tokens():
   x = rng.normal(size=(T, D)).astype(np.float32)
   up, down, gate = map(jnp.asarray, weights(rng, True, np.float32))
   router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
-  run = lambda x: moe.dropless(x, moe.route(x @ router, K), up, down, gate, jax.nn.silu)
+  run = lambda x: moe.dropless(x, moe.route(x @ router, K), up, down, gate, moe.gated(jax.nn.silu))
   other = x.copy()
   other[1:] = rng.normal(size=(T - 1, D)) * 3
   np.testing.assert_array_equal(run(jnp.asarray(x))[0], run(jnp.asarray(other))[0])
@@ -244,10 +262,11 @@ def test_the_balance_loss_equals_transformers_with_padding():
                                           ({'fsdp': 4, 'tensor': 2}, 'gmm')])
 @pytest.mark.variants
 def test_dropless_on_a_mesh_equals_one_device(axes, kernel):
-  """Outputs and gradients (tokens, each expert weight, router logits) of dropless on a mesh equal one device's.
-  With an expert axis each device's token copies go to the devices holding their experts and back (on the CPU
-  the all-gather exchange, with the offsets and sizes a ragged all-to-all takes); the routing is skewed so that
-  the first device's experts take most copies and the last device's none."""
+  """Outputs and gradients (tokens, each expert weight and bias, router logits) of dropless on a mesh equal one
+  device's. With an expert axis each device's token copies go to the devices holding their experts and back (on
+  the CPU the all-gather exchange, with the offsets and sizes a ragged all-to-all takes); the routing is skewed so
+  that the first device's experts take most copies and the last device's none. The experts have biases (GPT-OSS)
+  but under the Pallas kernel with experts split, which covers the plain ones."""
   from lm.config import MeshConfig
   from lm.parallel.mesh import make_mesh
   from lm.parallel.rules import sharding_context, sharding_for
@@ -255,6 +274,8 @@ def test_dropless_on_a_mesh_equals_one_device(axes, kernel):
   batch, length, e, d, f = 8, 6, 8, 8, 6
   x = jnp.asarray(rng.normal(size=(batch, length, d)).astype(np.float32))
   up, down, gate = (jnp.asarray(rng.normal(size=s).astype(np.float32) / 3) for s in ((e, d, f), (e, f, d), (e, d, f)))
+  bias = moe.Biases(*(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((e, f), (e, d), (e, f))))
+  bias = None if 'expert' in axes and kernel == 'gmm' else bias
   logits = rng.normal(size=(batch * length, e))
   logits[:, :2] += 2.0
   logits[:, -2:] -= 8.0
@@ -262,19 +283,23 @@ def test_dropless_on_a_mesh_equals_one_device(axes, kernel):
   cotangent = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
 
   def loss(path):
-    return lambda x, up, down, gate, logits: jnp.sum(path(x, moe.route(logits, K), up, down, gate, jax.nn.silu)
-                                                     * cotangent)
-  one = lambda x, r, up, down, gate, act: moe.dropless(x.reshape(-1, d), r, up, down, gate, act).reshape(x.shape)
-  want = jax.value_and_grad(loss(one), (0, 1, 2, 3, 4))(x, up, down, gate, logits)
+    return lambda x, up, down, gate, logits, bias: jnp.sum(
+      path(x, moe.route(logits, K), up, down, gate, moe.gated(jax.nn.silu), bias=bias) * cotangent)
+  one = lambda x, r, up, down, gate, act, bias: moe.dropless(x.reshape(-1, d), r, up, down, gate, act,
+                                                             bias=bias).reshape(x.shape)
+  grads = (0, 1, 2, 3, 4, 5)
+  want = jax.value_and_grad(loss(one), grads)(x, up, down, gate, logits, bias)
   mesh = make_mesh(MeshConfig(**{'data': 1, **axes}))
   with sharding_context(mesh):
     place = lambda a, axes: jax.device_put(a, sharding_for(axes, a.shape, mesh))
+    placed_bias = bias and moe.Biases(place(bias.up, ('experts', 'mlp')), place(bias.down, ('experts', 'embed')),
+                                      place(bias.gate, ('experts', 'mlp')))
     args = (place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
-            place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')), logits)
-    sharded = lambda x, r, up, down, gate, act: moe.dropless_on_mesh(x, r, up, down, gate, act, kernel=kernel)
-    got = jax.jit(jax.value_and_grad(loss(lambda *a, **k: sharded(*a, **k)[0]), (0, 1, 2, 3, 4)))(*args)
+            place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')), logits, placed_bias)
+    sharded = lambda *a, bias: moe.dropless_on_mesh(*a, kernel=kernel, bias=bias)[0]
+    got = jax.jit(jax.value_and_grad(loss(sharded), grads))(*args)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-  for g, w in zip(got[1], want[1], strict=True):
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
 
 
@@ -307,12 +332,12 @@ def test_a_capped_expert_buffer_drops_the_predicted_copies():
         room -= min(room, len(copies))
   assert 0 < kept.mean() < 1
   want = moe.dropless(jnp.asarray(x.reshape(-1, d)), routing._replace(weights=routing.weights * kept), up, down,
-                      gate, jax.nn.silu)
+                      gate, moe.gated(jax.nn.silu))
   mesh = make_mesh(MeshConfig(data=2, expert=devices))
   with sharding_context(mesh):
     place = lambda a, axes: jax.device_put(a, sharding_for(axes, a.shape, mesh))
-    y, dropped = jax.jit(lambda x, up, down, gate: moe.dropless_on_mesh(x, routing, up, down, gate, jax.nn.silu,
-                                                                         buffer=1.0))(
+    y, dropped = jax.jit(lambda x, up, down, gate: moe.dropless_on_mesh(
+      x, routing, up, down, gate, moe.gated(jax.nn.silu), buffer=1.0))(
       place(x, ('batch', 'length', None)), place(up, ('experts', 'embed', 'mlp')),
       place(down, ('experts', 'mlp', 'embed')), place(gate, ('experts', 'embed', 'mlp')))
   np.testing.assert_allclose(np.asarray(y).reshape(-1, d), want, rtol=1e-5, atol=1e-6)

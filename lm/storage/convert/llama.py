@@ -31,7 +31,7 @@ ROPE_FIELDS = {'linear': {'factor': 'factor'},  # model.rope.* -> HF's name, per
                           'high_freq_factor': 'high_freq_factor', 'original_max_len': 'original_max_position_embeddings'},
                'yarn': {'factor': 'factor', 'original_max_len': 'original_max_position_embeddings',
                         'beta_fast': 'beta_fast', 'beta_slow': 'beta_slow', 'attention_factor': 'attention_factor',
-                        'mscale': 'mscale', 'mscale_all_dim': 'mscale_all_dim'}}
+                        'mscale': 'mscale', 'mscale_all_dim': 'mscale_all_dim', 'truncate': 'truncate'}}
 
 
 def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
@@ -48,15 +48,15 @@ def rope_fields(hf: dict, architecture: str = ARCHITECTURE) -> dict[str, Any]:
   if kind not in ROPE_TYPES:
     raise ConfigError(f'config.json rope type {kind!r} is not supported when converting {architecture} '
                       f'(supported: {", ".join(ROPE_TYPES)})')
-  for key, fine in (('partial_rotary_factor', 1.0), ('truncate', True)):
-    value = params.get(key, hf.get(key, fine))
-    if value not in (fine, None) or (fine is True and value is False):
-      raise ConfigError(f'config.json rope {key}={value!r} is not supported when converting {architecture}')
+  fraction = params.get('partial_rotary_factor', hf.get('partial_rotary_factor'))
+  if fraction not in (1.0, None):
+    raise ConfigError(f'config.json rope partial_rotary_factor={fraction!r} is not supported when converting '
+                      f'{architecture}')
   fields: dict[str, Any] = {'theta': float(params.get('rope_theta', hf.get('rope_theta', 10000.0))),
                             'scaling': ROPE_TYPES[kind]}
   for ours, theirs in ROPE_FIELDS.get(ROPE_TYPES[kind], {}).items():
     if params.get(theirs) is not None:
-      fields[ours] = (int if ours == 'original_max_len' else float)(params[theirs])
+      fields[ours] = {'original_max_len': int, 'truncate': bool}.get(ours, float)(params[theirs])
   if kind == 'yarn' and params.get('factor') is None:  # HF: the ratio of the extended context to the original
     fields['factor'] = hf['max_position_embeddings'] / params['original_max_position_embeddings']
   return {'rope': RopeConfig(**fields)}

@@ -391,7 +391,7 @@ def test_llama_grouped_heads_and_rope_settings_are_read_from_config_json(tmp_pat
   cfg = model.cfg
   assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.rope.theta, cfg.position) == ('llama', 4, 2, 5e5, 'rotary')
   assert not cfg.tie_embeddings and cfg.activation == 'swiglu' and not cfg.use_bias
-  for kind, extra in (('dynamic', {}), ('yarn', {'truncate': False}), ('default', {'partial_rotary_factor': 0.5})):
+  for kind, extra in (('dynamic', {}), ('default', {'partial_rotary_factor': 0.5})):
     scaled = edited_copy(tmp_path / 'hf', tmp_path / kind, edit_config=lambda c, kind=kind, extra=extra: c.update(
       rope_parameters={'rope_type': kind, 'rope_theta': 5e5, 'factor': 8.0, **extra}))
     with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported" if kind == 'dynamic' else
