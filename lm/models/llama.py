@@ -30,6 +30,9 @@ LAYOUTS: dict[str, str] = {
     'qwen3_moe': 'Qwen3-MoE: Qwen3 with routed experts (model.moe).',
     'olmoe': "OLMoE: OLMo 2's query/key norms over all heads, pre-norm branches, routed experts in every layer "
              '(model.moe).',
+    'gpt_oss': 'GPT-OSS: Llama with biases on every projection and the router (model.use_bias), a learned sink logit '
+               'per query head (model.attention_sinks), windowed layers alternating with global ones, and routed '
+               'experts with a clamped SwiGLU (model.activation=clamped_swiglu) in every layer.',
 }
 
 

@@ -4,10 +4,11 @@ of `lm.ops.moe`.
 Params: `router` [embed, experts] (float32 logits whatever the compute dtype), expert kernels `wi_0` (gated MLPs),
 `wi_1` / `wi` and `wo` with a leading 'experts' axis, and the shared experts as a dense `Mlp` (`shared`, with
 `shared_gate` for Qwen2-MoE). With `model.use_bias` (GPT-OSS) the router's logits have a bias (`router_logit_bias`
-[experts]) and each expert kernel its own (`<kernel>_bias` [experts, out]). Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and
-the share of token copies dropped (`DROPPED`: on the capacity path, or by a capped expert-parallel buffer) into
-'intermediates'; `aux_losses` makes the model's auxiliary losses of them, which the training loss weights and
-logs apart from the token loss.
+[experts]) and each expert kernel its own (`<kernel>_bias` [experts, out]).
+
+Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`) and the share of token copies
+dropped (`DROPPED`: on the capacity path, or by a capped expert-parallel buffer) into 'intermediates'; `aux_losses`
+makes the model's auxiliary losses of them, which the training loss weights and logs apart from the token loss.
 
 Aux-loss-free balancing (`model.moe.bias_rate`, DeepSeek-V3): each layer's `router_bias` [experts] shifts the
 scores only to choose experts. It is a param so that checkpoints, shardings and views carry it, but no optimizer

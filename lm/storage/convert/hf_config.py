@@ -61,7 +61,7 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
 # Settings only some architectures express: every other one refuses them unless its converter names them.
 # (a dotted name reaches into a group: the windowed layers' own rotation is Gemma 3's)
 RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': (),
-                    'moe': MoeConfig(), 'rope.local_theta': 0.0}
+                    'moe': MoeConfig(), 'rope.local_theta': 0.0, 'attention_sinks': False}
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
 

@@ -30,7 +30,9 @@ Shape = tuple[int, ...]
 # transposed: HF [a, b], ours [b, a] (T5 relative bias [buckets, heads] vs [heads, buckets])
 # heads:      GPT-NeoX's fused query_key_value, HF [heads * parts * head_dim(, in)] (each head's query, key and value
 #             in turn), ours [(in,) heads, head_dim] per part
-LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed', 'heads')
+# interleaved: same shapes as ours, the params' last axes interleaved instead of concatenated (GPT-OSS's gate_up_proj:
+#             gate in the even columns, up in the odd)
+LAYOUTS = ('same', 'flat', 'linear', 'conv1d', 'transposed', 'heads', 'interleaved')
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ class Tensor:
 
 def _hf_part_shape(layout: str, shape: Shape, n_in: int) -> Shape:
   ins, outs = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-  return {'same': shape, 'flat': (math.prod(shape),), 'linear': (outs, ins), 'conv1d': (ins, outs),
-          'transposed': shape[::-1]}[layout]
+  return {'same': shape, 'interleaved': shape, 'flat': (math.prod(shape),), 'linear': (outs, ins),
+          'conv1d': (ins, outs), 'transposed': shape[::-1]}[layout]
 
 
 def _to_ours(layout: str, a: np.ndarray, shape: Shape) -> np.ndarray:
@@ -160,6 +162,9 @@ def read_params(ckpt: Checkpoint, rules: list[Tensor], shapes: dict[str, Shape])
     if rule.layout == 'heads':
       flat.update(zip(rule.params, _heads_to_ours(a, [shapes[p] for p in rule.params])))
       continue
+    if rule.layout == 'interleaved':
+      flat.update({p: np.ascontiguousarray(a[..., i::len(rule.params)], np.float32) for i, p in enumerate(rule.params)})
+      continue
     widths = [_hf_part_shape(rule.layout, shapes[p], rule.n_in)[-1] for p in rule.params]
     for path, piece in zip(rule.params, np.split(a, np.cumsum(widths)[:-1], axis=-1)):
       flat[path] = _to_ours(rule.layout, piece, shapes[path])
@@ -177,6 +182,8 @@ def write_tensors(rules: list[Tensor], flat: dict[str, np.ndarray], dtype: Any) 
       a = _to_hf(rule.layout, flat[rule.params[0]][rule.index], rule.n_in)
     elif rule.layout == 'heads':
       a = _heads_to_hf([flat[p] for p in rule.params])
+    elif rule.layout == 'interleaved':
+      a = np.stack([flat[p] for p in rule.params], axis=-1).reshape(*flat[rule.params[0]].shape[:-1], -1)
     else:
       parts = [_to_hf(rule.layout, flat[p], rule.n_in) for p in rule.params]
       a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)

@@ -136,6 +136,16 @@ CONFIGS = {
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=64, clip_qkv=0.5, num_experts=4,
                                             num_experts_per_tok=2, pad_token_id=1, eos_token_id=2),
+  # GPT-OSS: 3 layers (windowed, global, windowed) with a window of 4 inside the 12 positions, sinks, biases, 2 of 4
+  # experts with the clamped SwiGLU clamping at 0.3 (inside the values' range), YaRN x 4 untruncated
+  'gpt_oss': lambda: transformers.GptOssConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=16,
+                                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, sliding_window=4, max_position_embeddings=256,
+                                               num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.3,
+                                               attn_implementation='eager',
+                                               rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0,
+                                                                'beta_fast': 32.0, 'beta_slow': 1.0, 'truncate': False,
+                                                                'original_max_position_embeddings': 64}),
 }
 MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMaskedLM,
           't5_v1_0': transformers.T5ForConditionalGeneration, 't5_v1_1': transformers.T5ForConditionalGeneration,
@@ -148,9 +158,10 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM,
           'olmo3': transformers.Olmo3ForCausalLM, 'mixtral': transformers.MixtralForCausalLM,
           'qwen2_moe': transformers.Qwen2MoeForCausalLM, 'qwen3_moe': transformers.Qwen3MoeForCausalLM,
-          'olmoe': transformers.OlmoeForCausalLM}
+          'olmoe': transformers.OlmoeForCausalLM, 'gpt_oss': transformers.GptOssForCausalLM}
 DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gemma3',
-            'gpt_neox', 'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe')
+            'gpt_neox', 'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe',
+            'gpt_oss')
 
 
 def save_hf_model(kind, directory):
@@ -683,6 +694,16 @@ def test_each_open_architecture_exports_only_what_it_can_express(tmp_path):
   with pytest.raises(ConfigError, match=r'as LlamaForCausalLM: model.rope.local_theta=10000.0 \(needs 0.0\)$'):
     save_hf(dataclasses.replace(model.cfg, rope=dataclasses.replace(model.cfg.rope, local_theta=1e4)), params,
             tmp_path / 'out')
+  # GPT-OSS's sinks as Llama; a GPT-OSS without its clamped SwiGLU
+  sunk = jax.tree.map(lambda a: a, params)
+  for layer in (v for k, v in sunk['decoder'].items() if k.startswith('layers_')):
+    layer['attention']['sinks'] = np.zeros(model.cfg.num_heads, np.float32)
+  with pytest.raises(ConfigError, match=r'as LlamaForCausalLM: model.attention_sinks=True \(needs False\)$'):
+    save_hf(dataclasses.replace(model.cfg, attention_sinks=True), sunk, tmp_path / 'out')
+  save_hf_model('gpt_oss', tmp_path / 'gpt_oss')
+  model, params = load_hf(tmp_path / 'gpt_oss')
+  with pytest.raises(ConfigError, match=r"as GptOssForCausalLM: model.activation='swiglu' \(needs 'clamped_swiglu'\)$"):
+    save_hf(dataclasses.replace(model.cfg, activation='swiglu', swiglu_limit=7.0), params, tmp_path / 'out')
   assert not (tmp_path / 'out').exists()
 
 

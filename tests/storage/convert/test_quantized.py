@@ -61,3 +61,46 @@ def test_a_quantization_format_no_converter_handles_is_named(tmp_path):
   with pytest.raises(ConfigError, match=r"quant_method 'gptq' is not handled when converting LlamaForCausalLM "
                                         r'\(handled: none\); load an unquantized checkpoint, or dequantize'):
     load_hf(tmp_path)
+
+
+def test_an_mxfp4_gpt_oss_imports_as_transformers_dequantizes_it_and_exports_unquantized(tmp_path):
+  """A random GPT-OSS whose experts are rewritten as MXFP4 blocks and scales (as the released checkpoints hold
+  them; expert widths of whole 32-value groups): lm's import gives the expert weights transformers' own
+  dequantizing load gives (`Mxfp4Config(dequantize=True)`), exactly, and the same logits; the export is unquantized."""
+  import json
+  import transformers
+  from safetensors.numpy import load_file
+  from lm.storage.convert.hf import save_hf
+  from tests.storage.convert.test_hf import CONFIGS, compare
+  torch.manual_seed(0)
+  config = CONFIGS['gpt_oss']()
+  config.intermediate_size = 32
+  transformers.GptOssForCausalLM(config).save_pretrained(tmp_path / 'plain')
+  tensors = load_file(str(tmp_path / 'plain' / 'model.safetensors'))
+  rng = np.random.default_rng(2)
+  for name in [n for n in tensors if n.endswith(('gate_up_proj', 'down_proj'))]:
+    experts, inputs, out = tensors.pop(name).shape  # [E, in, out] -> blocks [E, out, in / 32, 16], scales
+    groups = inputs // 32
+    tensors[f'{name}_blocks'] = rng.integers(0, 256, size=(experts, out, groups, 16), dtype=np.uint8)
+    tensors[f'{name}_scales'] = rng.integers(120, 128, size=(experts, out, groups), dtype=np.uint8)
+  quantized = tmp_path / 'mxfp4'
+  quantized.mkdir()
+  save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, str(quantized / 'model.safetensors'))
+  hf = json.loads((tmp_path / 'plain' / 'config.json').read_text())
+  (quantized / 'config.json').write_text(json.dumps({**hf, 'quantization_config': {
+    'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router',
+                                                        'model.embed_tokens', 'lm_head']}}))
+  theirs = transformers.GptOssForCausalLM.from_pretrained(
+    quantized, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+  model, params = load_hf(quantized)
+  for i in range(config.num_hidden_layers):
+    experts, ours = theirs.model.layers[i].mlp.experts, params['decoder'][f'layers_{i}']['mlp']
+    gate_up = experts.gate_up_proj.detach().numpy()
+    np.testing.assert_array_equal(ours['wi_0'], gate_up[..., ::2])
+    np.testing.assert_array_equal(ours['wi_1'], gate_up[..., 1::2])
+    np.testing.assert_array_equal(ours['wo'], experts.down_proj.detach().numpy())
+  assert compare(theirs, model, params, 'gpt_oss') < 1e-4
+  save_hf(model, params, tmp_path / 'out')
+  written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+  assert 'model.layers.0.mlp.experts.gate_up_proj' in written and not any(n.endswith('_blocks') for n in written)
+  assert 'quantization_config' not in json.loads((tmp_path / 'out' / 'config.json').read_text())
