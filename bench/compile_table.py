@@ -47,7 +47,7 @@ PLAN: dict[str, float | None] = {
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
   'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'gemma3_tiny': None,
   'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,
-  'moe_tiny': None, 'gpt_oss_tiny': None,
+  'moe_tiny': None, 'gpt_oss_tiny': None, 'deepseek_v3_tiny': None,
 }
 REMAT_PRESET, REMAT_TOPOLOGY = 'gpt3_1_3b', 'v5e-64'
 REMAT_OVERRIDES = ['mesh.data=1', 'mesh.fsdp=64']

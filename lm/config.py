@@ -148,6 +148,39 @@ class MupConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3, `lm.models.mla`): keys and values of every head expanded from one
+  normalised latent per token (`kv_lora_rank` > 0 turns it on), queries from their own (`q_lora_rank`) or a plain
+  projection. Each query/key head (`model.head_dim` features) is `head_dim - rope_head_dim` unrotated features and
+  `rope_head_dim` rotated ones, the latter's key shared by every head; values have `v_head_dim` features."""
+  kv_lora_rank: int = 0  # the latent's width (DeepSeek-V3: 512); 0: attention as usual
+  q_lora_rank: int = 0  # > 0: queries through a normalised latent of this width (1536); 0: one projection
+  rope_head_dim: int = 64  # the rotated part of each query/key head (qk_rope_head_dim)
+  v_head_dim: int | None = None  # each value head's features; default model.head_dim
+
+  def check(self, m: ModelConfig) -> None:
+    if not self.kv_lora_rank:
+      if self != MlaConfig():
+        raise ConfigError('model.mla fields are set but model.mla.kv_lora_rank=0; set the latent\'s width '
+                          '(DeepSeek-V3: 512) or drop them')
+      return
+    if self.kv_lora_rank < 0 or self.q_lora_rank < 0 or (self.v_head_dim is not None and self.v_head_dim <= 0):
+      raise ConfigError(f'model.mla.kv_lora_rank={self.kv_lora_rank}, q_lora_rank={self.q_lora_rank} and '
+                        f'v_head_dim={self.v_head_dim} must be positive (q_lora_rank 0: no query latent)')
+    if not 0 < self.rope_head_dim < m.resolved_head_dim or self.rope_head_dim % 2:
+      raise ConfigError(f'model.mla.rope_head_dim={self.rope_head_dim} is the rotated part of each '
+                        f'{m.resolved_head_dim}-feature query/key head: an even number above 0 and below '
+                        f'model.head_dim')
+    clashes = {'model.position': m.position != 'rotary', 'model.num_kv_heads': m.resolved_kv_heads != m.num_heads,
+               'model.qk_norm': m.qk_norm, 'model.clip_qkv': bool(m.clip_qkv), 'model.qkv_bias': m.qkv_bias,
+               'model.rope.fraction': m.rope.fraction != 1}
+    named = [k for k, on in clashes.items() if on]
+    if named:
+      raise ConfigError(f'model.mla (latent attention) sets the heads itself: it needs model.position=rotary and '
+                        f'leaves {", ".join(named)} as default; drop them')
+
+
+@dataclass(frozen=True)
 class MoeConfig:
   """Routed MLP layers (`lm.ops.moe`): `num_experts` > 0 replaces the MLP of the chosen layers by experts of which
   each token uses `experts_per_token` (HF names in the comments)."""
@@ -319,6 +352,7 @@ class ModelConfig:
   parametrization: Parametrization = 'standard'
   mup: MupConfig = field(default_factory=MupConfig)  # parametrization=mup: its base shapes
   moe: MoeConfig = field(default_factory=MoeConfig)  # routed experts in place of some layers' MLP
+  mla: MlaConfig = field(default_factory=MlaConfig)  # multi-head latent attention (DeepSeek) in place of q/k/v
 
   def with_execution(self, **changes: Any) -> ModelConfig:
     """This model computed otherwise (`ExecutionConfig`'s fields), its params unchanged."""
@@ -340,6 +374,11 @@ class ModelConfig:
   @property
   def resolved_kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  @property
+  def value_head_dim(self) -> int:
+    """Each value head's features: the query/key heads' but under latent attention (`model.mla.v_head_dim`)."""
+    return (self.mla.kv_lora_rank and self.mla.v_head_dim) or self.resolved_head_dim
 
   @property
   def resolved_d_ff(self) -> int:
@@ -1031,7 +1070,8 @@ def _check_model(config: Config) -> None:
   if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} '
                       f'(each key/value head serves a group of query heads)')
-  m.rope.check(m.position, m.resolved_head_dim)
+  m.rope.check(m.position, m.mla.rope_head_dim if m.mla.kv_lora_rank else m.resolved_head_dim)
+  m.mla.check(m)
   if m.parallel_residual and m.norm_position != 'pre':
     raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
                       f'model.norm_position={m.norm_position}; set model.norm_position=pre')

@@ -291,6 +291,9 @@ class Attention(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   quantized: bool = False  # its projections in int8
+  # (x, positions) -> queries, keys, values in place of the projections: latent attention (`lm.models.mla`), whose
+  # params it makes in this module
+  latent: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
   @nn.compact
   def __call__(self, x_q: jax.Array, x_kv: jax.Array, *, causal: bool, segment_ids: jax.Array | None = None,
@@ -299,28 +302,12 @@ class Attention(nn.Module):
                global_layer: bool | jax.Array = False) -> jax.Array:
     """`global_layer` (traced in a scanned stack) lifts the window: the layer attends to every earlier key."""
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
-    kv_heads = self.num_kv_heads or self.num_heads
-    projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
-    q_axes = ('embed', 'heads', 'kv')
-    q = DenseGeneral((self.num_heads, self.head_dim), q_axes, kernel_init=self.inits('query', q_axes),
-                     name='query', **projection)(x_q)
-    kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
-    kv_init = self.inits('key_value', kv_axes)
-    k = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='key', **projection)(x_kv)
-    v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
-    if self.qk_norm_eps is not None:
-      norm = lambda name, heads: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, name=name,
-                                         axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',),
-                                         plus_one=self.qk_norm_plus_one)
-      q, k = norm('query_norm', 'heads')(q), norm('key_norm', 'kv_heads')(k)
-    if self.clip:  # after the norms (OLMoE, the one released model with both)
-      q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
-    if self.rope is not None:
-      if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
-      windowed = bool(self.window) and (jnp.logical_not(global_layer) if isinstance(global_layer, jax.Array)
-                                        else not global_layer)
-      q, k = rotary(q, positions, self.rope, windowed), rotary(k, positions, self.rope, windowed)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
+    if self.latent is not None:
+      q, k, v = self.latent(x_q, positions)
+    else:
+      q, k, v = self._projections(x_q, x_kv, positions, global_layer)
     q = checkpoint_name(constrain(q, ('batch', 'length', 'heads', 'kv')), 'query_proj')
     k = checkpoint_name(constrain(k, ('batch', 'length', 'kv_heads', 'kv')), 'key_proj')
     v = checkpoint_name(constrain(v, ('batch', 'length', 'kv_heads', 'kv')), 'value_proj')
@@ -352,6 +339,32 @@ class Attention(nn.Module):
     out = DenseGeneral(x_q.shape[-1], out_axes, axis=(-2, -1), kernel_init=self.inits('attention_out', out_axes),
                        name='out', **dense)(out)
     return checkpoint_name(out, 'attention_out')
+
+  def _projections(self, x_q: jax.Array, x_kv: jax.Array, positions: jax.Array, global_layer: bool | jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries, keys and values of their own projections, normed, clipped and rotated as the fields ask."""
+    dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
+    kv_heads = self.num_kv_heads or self.num_heads
+    projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
+    q_axes = ('embed', 'heads', 'kv')
+    q = DenseGeneral((self.num_heads, self.head_dim), q_axes, kernel_init=self.inits('query', q_axes),
+                     name='query', **projection)(x_q)
+    kv_shape, kv_axes = (kv_heads, self.head_dim), ('embed', 'kv_heads', 'kv')
+    kv_init = self.inits('key_value', kv_axes)
+    k = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='key', **projection)(x_kv)
+    v = DenseGeneral(kv_shape, kv_axes, kernel_init=kv_init, name='value', **projection)(x_kv)
+    if self.qk_norm_eps is not None:
+      norm = lambda name, heads: RMSNorm(self.qk_norm_eps, self.dtype, self.param_dtype, name=name,
+                                         axes=(heads, 'kv') if self.qk_norm_all_heads else ('kv',),
+                                         plus_one=self.qk_norm_plus_one)
+      q, k = norm('query_norm', 'heads')(q), norm('key_norm', 'kv_heads')(k)
+    if self.clip:  # after the norms (OLMoE, the one released model with both)
+      q, k, v = (jnp.clip(a, -self.clip, self.clip) for a in (q, k, v))
+    if self.rope is not None:
+      windowed = bool(self.window) and (jnp.logical_not(global_layer) if isinstance(global_layer, jax.Array)
+                                        else not global_layer)
+      q, k = rotary(q, positions, self.rope, windowed), rotary(k, positions, self.rope, windowed)
+    return q, k, v
 
   def _extend_cache(self, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, window: int,
                     global_layer: bool | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:

@@ -33,6 +33,9 @@ LAYOUTS: dict[str, str] = {
     'gpt_oss': 'GPT-OSS: Llama with biases on every projection and the router (model.use_bias), a learned sink logit '
                'per query head (model.attention_sinks), windowed layers alternating with global ones, and routed '
                'experts with a clamped SwiGLU (model.activation=clamped_swiglu) in every layer.',
+    'deepseek_v3': "DeepSeek-V3 and Kimi K2: Llama with multi-head latent attention (model.mla) rotating interleaved "
+                   'pairs, dense first layers, then routed experts chosen by a sigmoid router within groups, with '
+                   'shared experts and an aux-loss-free selection bias (model.moe).',
 }
 
 

@@ -1,6 +1,7 @@
 """Transformer blocks and the scanned, rematerialised stack every family builds on."""
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Callable, Mapping
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.config import ExecutionConfig, ModelConfig
 from lm.models.layers import DTYPES, Attention, Mlp, RelativePositionBias, in_chunks, make_norm
+from lm.models.mla import latent_qkv
 from lm.models.moe import RoutedMlp, layers_aux_loss
 from lm.models.parametrization import Init, attention_scale
 from lm.models.rope import rope_of
@@ -77,8 +79,11 @@ class Block(nn.Module):
       block_q=cfg.execution.attention_block_q, block_k=cfg.execution.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
       param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, quantized=quantized, **kw)
+    latent = functools.partial(latent_qkv, mla=cfg.mla, heads=cfg.num_heads, head_dim=cfg.resolved_head_dim,
+                               rope=rope_of(cfg), norm_eps=cfg.norm_eps, inits=inits, dtype=dtype,
+                               param_dtype=param_dtype, use_bias=cfg.use_bias) if cfg.mla.kv_lora_rank else None
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window,
-                                                       sinks=cfg.attention_sinks)(
+                                                       sinks=cfg.attention_sinks, latent=latent)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
       deterministic=deterministic, decode=decode, global_layer=global_layer))]
     if self.cross:

@@ -34,7 +34,7 @@ def test_every_family_declares_what_generic_code_needs():
                            'olmo3': ('olmo2_tiny', ['model.family=olmo3', 'model.sliding_window=64',
                                                     'model.global_every=4']),
                            'mixtral': ('mixtral_8x7b',), 'qwen3_moe': ('qwen3_30b_a3b',), 'olmoe': ('olmoe_1b_7b',),
-                           'gpt_oss': ('gpt_oss_tiny',),
+                           'gpt_oss': ('gpt_oss_tiny',), 'deepseek_v3': ('deepseek_v3_tiny',),
                            'qwen2_moe': ('moe_tiny', ['model.family=qwen2_moe', 'model.qkv_bias=true'])}[name])
     assert config.model.family == name
 
@@ -42,7 +42,7 @@ def test_every_family_declares_what_generic_code_needs():
 @pytest.mark.parametrize('preset, override, message', [
   ('gpt_tiny', 'model.family=rnn', "model.family='rnn' is not supported; choose one of: gpt, bert, t5, llama, "
                                    "mistral, qwen2, qwen3, gemma2, gemma3, olmo, olmo2, olmo3, mixtral, qwen2_moe, "
-                                   "qwen3_moe, olmoe, gpt_oss, gpt_neox"),
+                                   "qwen3_moe, olmoe, gpt_oss, deepseek_v3, gpt_neox"),
   ('bert_tiny', 'model.nsp=true', 'model.nsp=true .* set model.type_vocab_size=2'),
   ('llama_tiny', 'model.position=learned', 'a llama model has no position table'),
 ])

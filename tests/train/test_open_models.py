@@ -2,7 +2,9 @@
 logits, a window in every other layer), a tiny Gemma 3 (five windowed layers rotating at their own base wavelength
 to a global one, (1 + w) query/key norms), a tiny Qwen3 (query/key norms), a tiny Pythia (GPT-NeoX: parallel
 residual, a quarter of each head rotating) and a tiny OLMo 2 (branch outputs normalised, query/key norms over all
-heads) and a tiny GPT-OSS (sinks, biases, routed experts with the clamped SwiGLU) learn the embedded corpus for 50
+heads), a tiny GPT-OSS (sinks, biases, routed experts with the clamped SwiGLU) and a tiny DeepSeek-V3 (latent
+attention, a dense layer then routed experts under a sigmoid router with groups, a shared expert and the selection
+bias) learn the embedded corpus for 50
 steps, on one device and on a data (GPT-OSS: expert) x fsdp x tensor mesh, which gives the same losses; Gemma 2 also with its sequence split over the mesh (ring attention
 with the window and soft-capping)."""
 import jax
@@ -16,7 +18,8 @@ from tests.conftest import SMALL
 PRESETS = {'gemma2_tiny': ['model.sliding_window=8'],  # shorter than the 32-token rows
            'gemma3_tiny': ['model.sliding_window=8', 'model.global_every=2'],  # two layers: one windowed, one global
            'qwen3_tiny': [], 'pythia_tiny': [], 'olmo2_tiny': [],
-           'gpt_oss_tiny': ['model.sliding_window=8']}  # two layers: one windowed, one global
+           'gpt_oss_tiny': ['model.sliding_window=8'],  # two layers: one windowed, one global
+           'deepseek_v3_tiny': []}  # two layers: one dense, one routed
 MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
                           ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')],
           'gemma3_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
@@ -24,7 +27,10 @@ MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
           'pythia_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
           # the query/key norm spans the heads, which the tensor axis splits
           'olmo2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
-          'gpt_oss_tiny': [('mesh.expert=2', 'mesh.fsdp=2', 'mesh.tensor=2')]}
+          'gpt_oss_tiny': [('mesh.expert=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
+          # latent attention's narrower values through ring attention too (padded to the query/key width)
+          'deepseek_v3_tiny': [('mesh.expert=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
+                               ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')]}
 
 
 def losses(preset: str, devices: list, run_dir, *mesh: str) -> list[float]:

@@ -8,6 +8,7 @@ package: `xla` (einsums), `ring` (a sequence sharded over the mesh), `flash` (ou
 """
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from typing import Any, Callable
@@ -139,6 +140,15 @@ def _check_platform(name: str, platform: str) -> None:
                      f'model.execution.attention_impl=xla')
 
 
+def _same_widths(attend: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """`attend` on value heads of another width than the query/key heads (latent attention's), for the kernels and
+  rings, which take one width: the narrower side padded with zeros (zero query/key features add nothing to a
+  logit; zero value features give zero outputs), the output cut back to the values' width."""
+  pad = lambda a, width: jnp.pad(a, ((0, 0),) * (a.ndim - 1) + ((0, width - a.shape[-1]),))
+  width = max(k.shape[-1], v.shape[-1])
+  return attend(pad(q, width), pad(k, width), pad(v, width))[..., :v.shape[-1]]
+
+
 KERNELS: dict[str, Callable[..., jax.Array]] = {
   'flash': flash_attention,
   'tpu_flash': vendor.tpu_flash,
@@ -159,6 +169,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
   and our flash kernel)."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not available; choose one of {IMPLEMENTATIONS}')
+  if v.shape[-1] != k.shape[-1] and (impl != 'xla' or sequence_shards() > 1):
+    return _same_widths(functools.partial(
+      attention, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask, bias=bias,
+      scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window, softcap=softcap, impl=impl,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, block_q=block_q, block_k=block_k, sinks=sinks), q, k, v)
   if window and not causal:
     raise ValueError('a sliding window applies to causal attention only')
   scale = q.shape[-1] ** -0.5 if scale is None else scale

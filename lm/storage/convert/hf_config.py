@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lm.config import ConfigError, ModelConfig, MoeConfig
+from lm.config import ConfigError, MlaConfig, ModelConfig, MoeConfig
 
 # transformers ACT2FN names -> ours, and back (the first HF name of each is the canonical one).
 ACTIVATIONS = {'gelu': 'gelu', 'gelu_python': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh',
@@ -61,7 +61,8 @@ def unsupported(architecture: str, hf: dict, **allowed: Any) -> None:
 # Settings only some architectures express: every other one refuses them unless its converter names them.
 # (a dotted name reaches into a group: the windowed layers' own rotation is Gemma 3's)
 RARELY_EXPRESSED = {'clip_qkv': 0.0, 'qk_norm_scope': 'head', 'global_every': 0, 'global_layers': (),
-                    'moe': MoeConfig(), 'rope.local_theta': 0.0, 'attention_sinks': False}
+                    'moe': MoeConfig(), 'rope.local_theta': 0.0, 'attention_sinks': False, 'mla': MlaConfig(),
+                    'rope.interleaved': False, 'rope.scale_logits': False}
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'  # config.json layer_types
 

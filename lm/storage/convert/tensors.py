@@ -101,6 +101,7 @@ class Checkpoint:
     self._paths = {name: path for name in self.names} if shards is None else dict(shards)
     self.used: set[str] = set()
     self._derived: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {}
+    self._rewritten: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
 
   def derive(self, name: str, source: str, part: Callable[[np.ndarray], np.ndarray]) -> None:
     """Make tensor `name` readable as `part` of tensor `source` (another layout of the same weights: the fused
@@ -108,6 +109,10 @@ class Checkpoint:
     if name not in self.names and source in self.names:
       self._derived[name] = source, part
       self.names.add(name)
+
+  def rewrite(self, name: str, part: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Read tensor `name` of the file through `part` (a quantized weight, dequantized)."""
+    self._rewritten[name] = part
 
   def get(self, name: str) -> np.ndarray | None:
     if name not in self.names:
@@ -117,9 +122,10 @@ class Checkpoint:
       return part(self.get(source))
     self.used.add(name)
     try:
-      return self._where[name].get_tensor(name)
+      a = self._where[name].get_tensor(name)
     except (AttributeError, TypeError):  # a dtype safetensors' NumPy reader lacks (float8)
-      return read_raw(self._paths[name], name)
+      a = read_raw(self._paths[name], name)
+    return self._rewritten[name](a) if name in self._rewritten else a
 
   def require(self, name: str, shape: Shape) -> np.ndarray:
     a = self.get(name)

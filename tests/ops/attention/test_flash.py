@@ -251,3 +251,23 @@ def test_the_xla_path_windows_soft_caps_and_sinks_as_the_reference(length):
                                        'model.execution.attention_impl=xla, flash or auto'):
     attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, impl='tpu_flash',
               sinks=jnp.asarray(sinks))
+
+
+@pytest.mark.parametrize('impl', ['flash', 'xla'])
+def test_value_heads_narrower_than_query_heads_match_float64(impl):
+  """Latent attention's heads (DeepSeek-V3: 192 query/key features, 128 value features; 24 and 16 here), through
+  the dispatcher: the flash kernel takes the values padded to the query width and gives back their width; the XLA
+  path runs at both widths. Output and every gradient against the float64 reference, causal over packed segments
+  with padding and a length that is no multiple of the blocks."""
+  rng = np.random.default_rng(50)
+  b, length, h, d, dv = 2, 75, 2, 24, 16
+  q, k = rng.normal(size=(b, length, h, d)), rng.normal(size=(b, length, h, d))
+  v, do = rng.normal(size=(b, length, h, dv)), rng.normal(size=(b, length, h, dv))
+  seg = np.sort(rng.integers(0, 3, size=(b, length)), axis=1)
+  want = reference(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg, bias=None, scale=d ** -0.5)
+  run = lambda q, k, v: attention(q, k, v, causal=True, segment_ids=jnp.asarray(seg), impl=impl, block_q=32,
+                                  block_k=32)
+  out, backward = jax.vjp(run, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+  assert out.shape == (b, length, h, dv) and rel(out, want[0]) < 1e-5
+  for name, g, w in zip(['dq', 'dk', 'dv'], backward(jnp.asarray(do, jnp.float32)), want[1:4], strict=True):
+    assert rel(g, w) < 1e-5, name

@@ -136,6 +136,23 @@ CONFIGS = {
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=64, clip_qkv=0.5, num_experts=4,
                                             num_experts_per_tok=2, pad_token_id=1, eos_token_id=2),
+  # DeepSeek-V3: latent attention with a query latent (q_lora), values narrower than the query/key heads, 1 dense
+  # layer then routed ones (2 of 8 experts in 4 groups, 2 groups a token, sigmoid scores renormalised and scaled, a
+  # shared expert), YaRN x 4 with DeepSeek's mscales (the logits' scale too), interleaved rotary pairs
+  'deepseek_v3': lambda: transformers.DeepseekV3Config(
+    vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=4, topk_group=2,
+    num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+    v_head_dim=12, qk_nope_head_dim=16,
+    max_position_embeddings=256, attn_implementation='eager',
+    rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4, 'factor': 4.0, 'original_max_position_embeddings': 64,
+                     'mscale': 1.0, 'mscale_all_dim': 0.8}),
+  # ... without the query latent, unscaled rotation, 2 dense layers
+  'deepseek_v3_plain_q': lambda: transformers.DeepseekV3Config(
+    vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=1, topk_group=1,
+    num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+    v_head_dim=24, qk_nope_head_dim=8, max_position_embeddings=64, attn_implementation='eager'),
   # GPT-OSS: 3 layers (windowed, global, windowed) with a window of 4 inside the 12 positions, sinks, biases, 2 of 4
   # experts with the clamped SwiGLU clamping at 0.3 (inside the values' range), YaRN x 4 untruncated
   'gpt_oss': lambda: transformers.GptOssConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=16,
@@ -158,10 +175,11 @@ MODELS = {'gpt2': transformers.GPT2LMHeadModel, 'bert': transformers.BertForMask
           'olmo': transformers.OlmoForCausalLM, 'olmo2': transformers.Olmo2ForCausalLM,
           'olmo3': transformers.Olmo3ForCausalLM, 'mixtral': transformers.MixtralForCausalLM,
           'qwen2_moe': transformers.Qwen2MoeForCausalLM, 'qwen3_moe': transformers.Qwen3MoeForCausalLM,
-          'olmoe': transformers.OlmoeForCausalLM, 'gpt_oss': transformers.GptOssForCausalLM}
+          'olmoe': transformers.OlmoeForCausalLM, 'gpt_oss': transformers.GptOssForCausalLM,
+          'deepseek_v3': transformers.DeepseekV3ForCausalLM, 'deepseek_v3_plain_q': transformers.DeepseekV3ForCausalLM}
 DECODERS = ('gpt2', 'llama', 'llama3', 'llama3_2', 'qwen2', 'qwen3', 'mistral', 'mistral_window', 'gemma2', 'gemma3',
             'gpt_neox', 'gpt_neox_serial', 'olmo', 'olmo2', 'olmo3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe',
-            'gpt_oss')
+            'gpt_oss', 'deepseek_v3', 'deepseek_v3_plain_q')
 
 
 def save_hf_model(kind, directory):
@@ -171,6 +189,9 @@ def save_hf_model(kind, directory):
   with torch.no_grad():
     for p in model.parameters():
       p.add_(0.1 * torch.randn_like(p))
+    for name, b in model.named_buffers():  # DeepSeek's selection bias, a buffer: large enough to change choices
+      if name.endswith('e_score_correction_bias'):
+        b.copy_(0.3 * torch.randn_like(b))
   model.save_pretrained(directory, safe_serialization=True)
   return model
 

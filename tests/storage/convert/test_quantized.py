@@ -104,3 +104,42 @@ def test_an_mxfp4_gpt_oss_imports_as_transformers_dequantizes_it_and_exports_unq
   written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
   assert 'model.layers.0.mlp.experts.gate_up_proj' in written and not any(n.endswith('_blocks') for n in written)
   assert 'quantization_config' not in json.loads((tmp_path / 'out' / 'config.json').read_text())
+
+
+def test_an_fp8_deepseek_v3_imports_as_transformers_dequantizes_it_and_exports_unquantized(tmp_path):
+  """A random DeepSeek-V3 whose projections are rewritten as FP8 with a float32 scale per 128 x 128 block (as the
+  released checkpoint holds them; the projections here are smaller than a block, the dense MLP's down projection
+  [32, 48] included): lm's import gives the weights transformers' own dequantizing load gives
+  (`FineGrainedFP8Config(dequantize=True)`), exactly, and the same logits; the export is unquantized."""
+  import json
+  import transformers
+  from safetensors.numpy import load_file
+  from lm.storage.convert.hf import save_hf
+  from tests.storage.convert.test_hf import CONFIGS, compare
+  torch.manual_seed(0)
+  transformers.DeepseekV3ForCausalLM(CONFIGS['deepseek_v3']()).save_pretrained(tmp_path / 'plain')
+  tensors = {k: torch.from_numpy(v) for k, v in load_file(str(tmp_path / 'plain' / 'model.safetensors')).items()}
+  rng = np.random.default_rng(3)
+  quantized = [n for n in tensors if n.endswith('proj.weight') or n.endswith('kv_a_proj_with_mqa.weight')]
+  for name in quantized:
+    w = tensors[name]
+    scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, size=(-(-w.shape[0] // 128), -(-w.shape[1] // 128))))
+    tensors[name] = (w / scale.float()).to(torch.float8_e4m3fn)
+    tensors[f'{name}_scale_inv'] = scale.float()
+  out = tmp_path / 'fp8'
+  out.mkdir()
+  save_file(tensors, str(out / 'model.safetensors'))
+  hf = json.loads((tmp_path / 'plain' / 'config.json').read_text())
+  (out / 'config.json').write_text(json.dumps({**hf, 'quantization_config': {
+    'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]}}))
+  theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(
+    out, quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.float32).eval()
+  model, params = load_hf(out)
+  attention, ours = theirs.model.layers[0].self_attn, params['decoder']['layers_0']['attention']
+  np.testing.assert_array_equal(ours['kv_up']['kernel'].reshape(16, -1), attention.kv_b_proj.weight.detach().numpy().T)
+  np.testing.assert_array_equal(ours['query_down']['kernel'], attention.q_a_proj.weight.detach().numpy().T)
+  assert compare(theirs, model, params, 'deepseek_v3') < 1e-4
+  save_hf(model, params, tmp_path / 'out')
+  written = load_file(str(tmp_path / 'out' / 'model.safetensors'))
+  assert not any(n.endswith('_scale_inv') for n in written) and written['lm_head.weight'].dtype == np.float32
+  assert 'quantization_config' not in json.loads((tmp_path / 'out' / 'config.json').read_text())

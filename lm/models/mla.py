@@ -1,0 +1,49 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434; DeepSeek-V3): the queries, keys and values of an
+attention layer when `model.mla.kv_lora_rank` > 0.
+
+Each token's keys and values come from one latent: x -> `kv_down` [embed, rank + rope] gives the latent (RMS-normalised,
+`kv_norm`) and one rotated key part shared by every head; `kv_up` [rank, heads, nope + v] expands the latent into
+each head's unrotated key part and its value. Queries come through their own normalised latent (`query_down`,
+`query_norm`, `query_up`: `q_lora_rank` > 0) or one projection (`query`), each head `nope` unrotated features
+then `rope` rotated ones. A query/key head is `model.head_dim` = nope + rope features; a value head
+`model.mla.v_head_dim`. Names follow transformers' `DeepseekV3Attention` in `lm.storage.convert.deepseek_v3`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lm.config import MlaConfig
+from lm.models.layers import DenseGeneral, Dtype, RMSNorm
+from lm.models.parametrization import Init
+from lm.models.rope import Rope, rotary
+
+
+def latent_qkv(x: jax.Array, positions: jax.Array, *, mla: MlaConfig, heads: int, head_dim: int, rope: Rope,
+               norm_eps: float, inits: Init, dtype: Dtype, param_dtype: Dtype, use_bias: bool = False
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x [batch, length, embed] -> queries, keys [batch, length, heads, head_dim] and values [..., v_head_dim], the
+  rotated parts rotated at `positions`. Called inside an attention module's compact call: its params are that
+  module's."""
+  nope, rank = head_dim - mla.rope_head_dim, mla.kv_lora_rank
+  dense = dict(dtype=dtype, param_dtype=param_dtype)
+  norm = lambda name: RMSNorm(norm_eps, dtype, param_dtype, axes=(None,), name=name)
+  up_axes = (None, 'heads', 'kv')
+  if mla.q_lora_rank:
+    q = DenseGeneral(mla.q_lora_rank, ('embed', None), use_bias=use_bias, kernel_init=inits('query', ('embed', None)),
+                     name='query_down', **dense)(x)
+    q = DenseGeneral((heads, head_dim), up_axes, kernel_init=inits('query', up_axes), name='query_up',
+                     **dense)(norm('query_norm')(q))
+  else:
+    axes = ('embed', 'heads', 'kv')
+    q = DenseGeneral((heads, head_dim), axes, kernel_init=inits('query', axes), name='query', **dense)(x)
+  kv = DenseGeneral(rank + mla.rope_head_dim, ('embed', None), use_bias=use_bias,
+                    kernel_init=inits('key_value', ('embed', None)), name='kv_down', **dense)(x)
+  latent, k_rot = kv[..., :rank], kv[..., rank:]
+  kv = DenseGeneral((heads, nope + (mla.v_head_dim or head_dim)), up_axes, kernel_init=inits('key_value', up_axes),
+                    name='kv_up', **dense)(norm('kv_norm')(latent))
+  q_rot = rotary(q[..., nope:], positions, rope)
+  k_rot = rotary(k_rot[:, :, None], positions, rope)  # one rotated key part for every head
+  q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
+  k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (*k_rot.shape[:2], heads, k_rot.shape[-1]))], axis=-1)
+  return q, k, kv[..., nope:]
