@@ -43,7 +43,7 @@ PLAN: dict[str, float | None] = {
   'pythia_2_8b': 2.78e9, 'pythia_6_9b': 6.86e9, 'pythia_12b': 11.85e9,
   'olmo2_1b': 1.48e9, 'olmo2_7b': 7.30e9, 'olmo2_13b': 13.7e9,
   'mixtral_8x7b': 46.7e9, 'qwen3_30b_a3b': 30.5e9, 'olmoe_1b_7b': 6.92e9,
-  'gpt_oss_20b': 20.91e9, 'gpt_oss_120b': 116.83e9,
+  'gpt_oss_20b': 20.91e9, 'gpt_oss_120b': 116.83e9, 'deepseek_v3_671b': 671e9, 'kimi_k2_1t': 1.04e12,
   'gpt_tiny': None, 'gpt_bench': None, 'bert_tiny': None, 'llama_tiny': None, 't5_tiny': None, 't5_v1_0_tiny': None,
   'llama3_tiny': None, 'qwen3_tiny': None, 'gemma2_tiny': None, 'gemma3_tiny': None,
   'pythia_tiny': None, 'olmo_tiny': None, 'olmo2_tiny': None,

@@ -30,6 +30,8 @@ PUBLISHED = {
   't5_large': (770e6, 0.05, 'Raffel et al. 2020 (738M as released)'),
   't5_3b': (2.85e9, 0.02, 'released checkpoint (the paper says 3B)'),
   't5_11b': (11.3e9, 0.02, 'released checkpoint (the paper says 11B)'),
+  'deepseek_v3_671b': (671e9, 0.001, 'DeepSeek-AI 2024, arXiv:2412.19437 (671B, multi-token prediction apart)'),
+  'kimi_k2_1t': (1.04e12, 0.02, 'Moonshot AI 2025, arXiv:2507.20534 (1.04T)'),
   't5_v1_1_small': (77e6, 0.02, 'released checkpoint'),
   't5_v1_1_base': (248e6, 0.02, 'released checkpoint'),
   't5_v1_1_large': (783e6, 0.02, 'released checkpoint'),
@@ -168,6 +170,8 @@ RELEASED = {
   'gpt_oss_20b': ([], 'GptOssForCausalLM', dict(num_hidden_layers=24, num_local_experts=32), 20_914_757_184,
                   'gpt-oss-20b'),
   'gpt_oss_120b': ([], 'GptOssForCausalLM', {}, 116_829_156_672, 'gpt-oss-120b'),
+  # DeepSeek-V3: transformers' defaults are the release; 671,026,404,352 without its multi-token prediction layer
+  'deepseek_v3_671b': ([], 'DeepseekV3ForCausalLM', {}, 671_026_404_352, 'DeepSeek-V3-Base (main model)'),
 }
 CONFIG_CLASSES = {'Gemma3ForCausalLM': 'Gemma3TextConfig'}
 # Gemma 3's larger releases are multimodal: their language models' blocks against the report's Table 1 (millions of
@@ -182,6 +186,8 @@ GEMMA3 = {'gemma3_4b': (dict(hidden_size=2560, intermediate_size=10240, num_hidd
 ACTIVE = {'mixtral_8x7b': 12_879_925_248, 'qwen3_30b_a3b': 3_353_032_704, 'olmoe_1b_7b': 1_282_017_280}
 # GPT-OSS's model card counts the active ones outside the embedding (its output layer in): 3.61B and 5.13B
 ACTIVE_NON_EMBEDDING = {'gpt_oss_20b': 3.61e9, 'gpt_oss_120b': 5.13e9}
+# DeepSeek-V3's 37B and Kimi K2's 32B activated, which the reports round down: between the figure and the next
+ACTIVE_ROUNDED = {'deepseek_v3_671b': 37e9, 'kimi_k2_1t': 32e9}
 
 
 @pytest.mark.parametrize('name', sorted(RELEASED))
@@ -211,11 +217,13 @@ def test_gemma3_language_models_equal_transformers_and_the_reports_table(name):
   assert abs(ours['non_embedding'] / published - 1) < 5e-4, ours  # the table rounds to millions
 
 
-@pytest.mark.parametrize('name', sorted(ACTIVE) + sorted(ACTIVE_NON_EMBEDDING))
+@pytest.mark.parametrize('name', sorted(ACTIVE) + sorted(ACTIVE_NON_EMBEDDING) + sorted(ACTIVE_ROUNDED))
 def test_active_parameters_of_the_moe_releases(name):
   config = load_config(name).model
   counts = count_params(abstract_params(build_model(config)), config)
   if name in ACTIVE:
     assert counts['active'] == ACTIVE[name]
+  elif name in ACTIVE_ROUNDED:
+    assert ACTIVE_ROUNDED[name] <= counts['active'] < ACTIVE_ROUNDED[name] + 1e9, counts
   else:  # the card rounds to 10M
     assert abs(counts['active_non_embedding'] - ACTIVE_NON_EMBEDDING[name]) < 5e6, counts

@@ -28,7 +28,7 @@ def latent_qkv(x: jax.Array, positions: jax.Array, *, mla: MlaConfig, heads: int
   nope, rank = head_dim - mla.rope_head_dim, mla.kv_lora_rank
   dense = dict(dtype=dtype, param_dtype=param_dtype)
   norm = lambda name: RMSNorm(norm_eps, dtype, param_dtype, axes=(None,), name=name)
-  up_axes = (None, 'heads', 'kv')
+  up_axes = ('latent', 'heads', 'kv')
   if mla.q_lora_rank:
     q = DenseGeneral(mla.q_lora_rank, ('embed', None), use_bias=use_bias, kernel_init=inits('query', ('embed', None)),
                      name='query_down', **dense)(x)

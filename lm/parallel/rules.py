@@ -39,6 +39,8 @@ RULES: LogicalRules = (
   ('embed', ('fsdp', 'sequence', 'expert')),  # parameters shard over the sequence devices too (they hold the same
   # batch), and over the expert devices outside the routed layers
   ('embed', ('fsdp', 'sequence')),  # an expert kernel's, whose experts took the expert axis
+  ('latent', ('fsdp', 'sequence', 'expert')),  # latent attention's low ranks (`lm.models.mla`): the up projections'
+  # parameters shard over them as others over 'embed'
   ('kv', None),
   ('length', 'sequence'),
   ('position', None),  # a table indexed by position (learned positions): a parameter, never split by sequence
@@ -55,8 +57,9 @@ def without(axis: str, rules: LogicalRules = RULES) -> LogicalRules:
 
 
 # Grouped-query attention may have fewer key/value heads than tensor devices: those stay replicated; so do the layers
-# of a stack the pipeline stages do not split evenly (each stage runs its share, padded: `lm.models.transformer`).
-REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads', 'layers'})
+# of a stack the pipeline stages do not split evenly (each stage runs its share, padded: `lm.models.transformer`),
+# and latent ranks that the parameter devices do not divide.
+REPLICATED_WHEN_UNEVEN = frozenset({'kv_heads', 'layers', 'latent'})
 
 # The config field that sets each logical dimension, so an uneven split names what to change.
 AXIS_FIELDS = {'batch': 'train.global_batch', 'vocab': 'model.vocab_size', 'heads': 'model.num_heads',
