@@ -110,6 +110,17 @@ def shard_bytes(tree: Any, memory: str = 'device') -> int:
   return total
 
 
+def cache_bytes_per_token(cfg: ModelConfig) -> int:
+  """Bytes the KV-cached decode keeps per token of context over all layers (in the compute dtype): each layer's
+  keys and values, or under latent attention (`model.mla`) its latent and rotated key part alone. A layer that
+  is always windowed stops growing at the window; this counts a context within it."""
+  if cfg.mla.kv_lora_rank:
+    per_layer = cfg.mla.kv_lora_rank + cfg.mla.rope_head_dim
+  else:
+    per_layer = cfg.resolved_kv_heads * (cfg.resolved_head_dim + cfg.value_head_dim)
+  return per_layer * cfg.num_layers * compute_bytes(cfg)
+
+
 def compute_bytes(cfg: ModelConfig) -> int:
   """Bytes of one activation element in the compute dtype."""
   return 4 if cfg.execution.dtype == 'float32' else 2

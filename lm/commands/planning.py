@@ -38,6 +38,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                    + (f'; {p["active"]:,} active per token, {p["active_non_embedding"]:,} non-embedding'
                       if 'active' in p else '')),
     ('training FLOPs/token', f'{report["flops_per_token"]:.4g}'),
+    ('KV cache/token', f'{report["cache_bytes_per_token"]:,} bytes (decoding, all layers)'),
     ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]}, '
              f'{mesh["devices"]} {mesh["platform"]} devices)'),
   ]

@@ -292,7 +292,7 @@ class Attention(nn.Module):
   param_dtype: Dtype = jnp.float32
   quantized: bool = False  # its projections in int8
   # (x, positions) -> queries, keys, values in place of the projections: latent attention (`lm.models.mla`), whose
-  # params it makes in this module
+  # params it makes in this module; with absorbed=True (decoding) the latent form, whose keys alone are cached
   latent: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
   @nn.compact
@@ -304,7 +304,11 @@ class Attention(nn.Module):
     dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
-    if self.latent is not None:
+    expand = None  # decoding latent attention: the value expansion applied after attending to the latents
+    if self.latent is not None and decode:  # the cache keeps each token's latent and rotated key part alone
+      q, k, expand = self.latent(x_q, positions, absorbed=True)
+      v = k[..., :0]  # the values are the keys' latent part, sliced from the cache
+    elif self.latent is not None:
       q, k, v = self.latent(x_q, positions)
     else:
       q, k, v = self._projections(x_q, x_kv, positions, global_layer)
@@ -315,6 +319,8 @@ class Attention(nn.Module):
     window = self.window if causal and global_layer is not True else 0
     if decode:
       k, v, kv_segment_ids, mask = self._extend_cache(k, v, segment_ids, window, global_layer)
+      if expand is not None:
+        v = k[..., :expand.shape[0]]
       window = 0  # in the cache's mask
       causal = False  # the cache mask already orders queries after the keys they may see
       if segment_ids is None:
@@ -326,7 +332,8 @@ class Attention(nn.Module):
                        jnp.float32) if self.sinks else None
     attend = lambda window: attention(
       q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, mask=mask, bias=bias,
-      scale=self.logit_scale, window=window, softcap=self.softcap,
+      scale=self.head_dim ** -0.5 if expand is not None and self.logit_scale is None else self.logit_scale,
+      window=window, softcap=self.softcap,
       impl='xla' if decode else self.impl,  # one query per step: no kernel to gain from
       dropout_rate=0.0 if deterministic else self.dropout_rate, dropout_rng=dropout_rng, block_q=self.block_q,
       block_k=self.block_k, sinks=sinks)
@@ -334,6 +341,8 @@ class Attention(nn.Module):
       out = jax.lax.cond(global_layer, lambda: attend(0), lambda: attend(window))
     else:
       out = attend(window)
+    if expand is not None:
+      out = mixed.einsum('blhr,rhv->blhv', out, expand, dtype=self.dtype)
     out = constrain(out, ('batch', 'length', 'heads', 'kv'))
     out_axes = ('heads', 'kv', 'embed')
     out = DenseGeneral(x_q.shape[-1], out_axes, axis=(-2, -1), kernel_init=self.inits('attention_out', out_axes),

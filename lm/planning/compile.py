@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from lm.assembly import assemble
-from lm.assembly.accounting import count_params, estimate_memory, shard_bytes
+from lm.assembly.accounting import cache_bytes_per_token, count_params, estimate_memory, shard_bytes
 from lm.assembly.state import HOST
 from lm.config import Config, ConfigError
 from lm.mesh_axes import mesh_text
@@ -238,6 +238,7 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
     'name': config.name,
     'params': count_params(assembly.abstract_params, config.model),
     'flops_per_token': assembly.flops_per_token(),
+    'cache_bytes_per_token': cache_bytes_per_token(config.model),
     'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
              'platform': jax.default_backend()},
     'memory_per_device': estimate_memory(config, assembly.abstract_state, assembly.mesh),

@@ -28,7 +28,12 @@ VARIANTS = {'mistral_window': ('llama_tiny', OVERRIDES['llama_tiny'] + ['model.s
                                                      'model.sliding_window=3', 'model.attention_scale_dim=8']),
             # GPT-OSS's sinks beside a window: the ring cache's rows and the sink share each softmax
             'sinks_window': ('llama_tiny', OVERRIDES['llama_tiny'] + ['model.sliding_window=3',
-                                                                      'model.attention_sinks=true'])}
+                                                                      'model.attention_sinks=true']),
+            # DeepSeek's latent attention: the cache holds each token's latent and rotated key part, attended to
+            # with the key expansion absorbed into the queries
+            'mla': ('llama_tiny', TINY + ['model.num_kv_heads=null', 'model.mla.kv_lora_rank=16',
+                                          'model.mla.q_lora_rank=12', 'model.mla.rope_head_dim=4',
+                                          'model.mla.v_head_dim=6', 'model.rope.interleaved=true'])}
 PROMPTS = [[1, 76, 105, 116, 116, 108, 101, 36], [1, 72], [1, 104, 105, 106, 36]]  # three lengths
 
 
@@ -67,7 +72,7 @@ def relative_error(got, want):
 
 @pytest.mark.parametrize('scan', [True, False], ids=['scanned', 'unrolled'])
 @pytest.mark.parametrize('preset', ['gpt_tiny', pytest.param('t5_tiny', marks=pytest.mark.long(0.2)), 'llama_tiny',
-                                    'mistral_window', 'gemma2_window', 'sinks_window'])
+                                    'mistral_window', 'gemma2_window', 'sinks_window', 'mla'])
 @pytest.mark.variants
 def test_cached_step_logits_match_uncached_forward(preset, scan):
   model, params = tiny(preset, scan)
@@ -78,6 +83,21 @@ def test_cached_step_logits_match_uncached_forward(preset, scan):
             for prompt, row, got in zip(PROMPTS, rows, logits)]
   print(f'{preset} scan={scan}: max relative step-logit error {max(errors):.2e}')
   assert max(errors) < 1e-5
+
+
+def test_latent_attention_caches_less_than_grouped_heads_by_the_ratio_lm_info_prints():
+  """The cache's bytes per token of context, counted from the arrays decoding allocates, equal `lm info`'s figure
+  (`cache_bytes_per_token`) for latent attention (16 + 4 features a layer) and for grouped-query attention (2
+  heads of 8 keys and 8 values), so their ratio is the one `lm info` prints."""
+  from lm.assembly.accounting import cache_bytes_per_token
+  counted = {}
+  for preset in ('mla', 'llama_tiny'):
+    model, _ = tiny(preset, False)
+    cache = init_cache(model, 2, 40)
+    counted[preset] = sum(leaf.nbytes for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+                          if path[-1].key in ('cached_key', 'cached_value')) / (2 * 40)
+    assert counted[preset] == cache_bytes_per_token(model.cfg), preset
+  assert counted['llama_tiny'] / counted['mla'] == pytest.approx(32 / 20)
 
 
 @pytest.mark.parametrize('preset, layers, windowed', [('mistral_window', 2, {0, 1}), ('gemma2_window', 4, {0, 2})])
