@@ -181,6 +181,21 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class MtpConfig:
+  """Multi-token prediction (DeepSeek-V3 section 2.2, `lm.models.mtp`): `depth` modules after a causal decoder's
+  stack, the k-th predicting the token k + 1 places past each input from the (k - 1)-th's states and the embedding
+  of the token k places on, through one more block of the family's and the shared output layer. Their mean loss
+  times `weight` joins the training loss; each is logged as `mtp/loss_k`."""
+  depth: int = 0  # modules (num_nextn_predict_layers); 0: none
+  weight: float = 0.3  # the mean MTP loss's weight (DeepSeek-V3: 0.3, then 0.1 for the last 4.8T tokens)
+
+  def check(self) -> None:
+    if self.depth < 0 or self.weight < 0:
+      raise ConfigError(f'model.mtp.depth={self.depth} and model.mtp.weight={self.weight} must be >= 0 '
+                        f'(depth 0: no multi-token prediction)')
+
+
+@dataclass(frozen=True)
 class MoeConfig:
   """Routed MLP layers (`lm.ops.moe`): `num_experts` > 0 replaces the MLP of the chosen layers by experts of which
   each token uses `experts_per_token` (HF names in the comments)."""
@@ -353,6 +368,7 @@ class ModelConfig:
   mup: MupConfig = field(default_factory=MupConfig)  # parametrization=mup: its base shapes
   moe: MoeConfig = field(default_factory=MoeConfig)  # routed experts in place of some layers' MLP
   mla: MlaConfig = field(default_factory=MlaConfig)  # multi-head latent attention (DeepSeek) in place of q/k/v
+  mtp: MtpConfig = field(default_factory=MtpConfig)  # modules predicting tokens further ahead (DeepSeek-V3)
 
   def with_execution(self, **changes: Any) -> ModelConfig:
     """This model computed otherwise (`ExecutionConfig`'s fields), its params unchanged."""
@@ -1072,6 +1088,7 @@ def _check_model(config: Config) -> None:
                       f'(each key/value head serves a group of query heads)')
   m.rope.check(m.position, m.mla.rope_head_dim if m.mla.kv_lora_rank else m.resolved_head_dim)
   m.mla.check(m)
+  m.mtp.check()
   if m.parallel_residual and m.norm_position != 'pre':
     raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
                       f'model.norm_position={m.norm_position}; set model.norm_position=pre')
@@ -1314,6 +1331,9 @@ def _check_pipeline(config: Config) -> None:
   if p.schedule == 'circular' and t.microbatches < stages:
     raise ConfigError(f'train.microbatches={t.microbatches} is below {named}: the circular schedule '
                       f'feeds a microbatch back to the first stage; use at least {stages} microbatches')
+  if p.schedule == '1f1b' and m.mtp.depth:
+    raise ConfigError(f'model.mtp.depth={m.mtp.depth} reads the stack\'s last states, which schedule=1f1b keeps in '
+                      f'its last stage; use model.execution.pipeline.schedule=gpipe or circular')
   if p.schedule == '1f1b' and t.microbatches < stages:
     raise ConfigError(f'train.microbatches={t.microbatches} is below {named}: 1f1b then holds as many '
                       f'microbatches as gpipe, in more ticks; use at least {stages} microbatches or schedule=gpipe')

@@ -47,6 +47,10 @@ def check_config(config: Config) -> Config:
     raise ConfigError(f'model.execution.pipeline.schedule=1f1b takes the loss in the last stage, which the '
                       f'{family.name} family\'s stack cannot (its output layers read more than its last hidden '
                       f'states); use schedule=gpipe or circular')
+  if config.model.mtp.depth and not family.predicts_ahead:
+    raise ConfigError(f'model.mtp.depth={config.model.mtp.depth} adds modules after a causal decoder\'s stack; the '
+                      f'{family.name} family is not one (its predictions are not of the next tokens): set '
+                      f'model.mtp.depth=0')
   family.validate(config)
   check_attention(config)
   return config

@@ -3,7 +3,7 @@ config fields. Its forward always gives the language model's outputs; `classify`
 classifier's scores (the `Classifier` task head calls it)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from lm.config import ModelConfig
 from lm.models.layers import DTYPES, DenseGeneral, Embed, LearnedPositions, LMHead, sinusoidal_positions
+from lm.models.mtp import predict_ahead
 from lm.models.parametrization import Init, readout_input
 from lm.models.transformer import Readout, Stack, default_positions
 from lm.ops.unembed import Unembedding
@@ -28,10 +29,19 @@ class CausalDecoder(nn.Module):
   cfg: ModelConfig
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               deterministic: bool = True, decode: bool = False, unembed: bool = True) -> jax.Array | Unembedding:
-    head = self._decode(tokens, segment_ids, positions, deterministic, decode,
-                        lambda x, embed: output_layer(self.cfg, embed, x))
-    return head.logits() if unembed else head
+               deterministic: bool = True, decode: bool = False, unembed: bool = True,
+               ahead: Sequence[jax.Array] = ()) -> Any:
+    """With `ahead` (each `model.mtp` depth's shifted inputs: `lm.models.mtp.look_ahead`), (the output, [each
+    depth's output]); the depths' modules are made at init."""
+    cfg = self.cfg
+    if self.is_initializing() and cfg.mtp.depth and not decode:
+      ahead = [tokens] * cfg.mtp.depth
+    heads = self._decode(tokens, segment_ids, positions, deterministic, decode,
+                         lambda x, embed: output_layer(cfg, embed, x), ahead)
+    if not ahead:
+      return heads.logits() if unembed else heads
+    main, further = heads
+    return (main, further) if not unembed else (main.logits(), [h.logits() for h in further])
 
   def classify(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
@@ -43,8 +53,10 @@ class CausalDecoder(nn.Module):
 
   @nn.compact
   def _decode(self, tokens: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
-              deterministic: bool, decode: bool, head: Callable[[jax.Array, Embed], Any]) -> Any:
-    """`head(last hidden states, token embedding)`, called here so the layers it makes are this module's."""
+              deterministic: bool, decode: bool, head: Callable[[jax.Array, Embed], Any],
+              ahead: Sequence[jax.Array] = ()) -> Any:
+    """`head(last hidden states, token embedding)`, called here so the layers it makes are this module's; with
+    `ahead`, also each MTP depth's output layer (the same, on its states)."""
     cfg = self.cfg
     embed = Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.execution.dtype], param_dtype=DTYPES[cfg.param_dtype],
                   inits=Init(cfg), scale=cfg.embedding_scale, name='token_embed')
@@ -64,7 +76,13 @@ class CausalDecoder(nn.Module):
                         lambda p, h: {'logits': p.replace(hidden=readout_input(h, cfg))})
     x = Stack(cfg, causal=True, num_layers=cfg.num_layers, name='decoder')(
       x, segment_ids, deterministic=deterministic, decode=decode, positions=positions, readout=readout)
-    return head(x, embed) if readout is None else outputs
+    if readout is not None:
+      return outputs
+    main = head(x, embed)
+    if not ahead:
+      return main
+    further = predict_ahead(cfg, x, list(ahead), embed, segment_ids, positions, deterministic)
+    return main, [main.replace(hidden=readout_input(h, cfg)) for h in further]
 
 
 def embed_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:

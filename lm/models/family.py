@@ -25,6 +25,7 @@ from lm.mesh_axes import axis_size
 from lm.data.objectives import CausalLM, Objective
 from lm.models.decode import DECODER_ONLY, ENCODER_DECODER, Decoding
 from lm.models.moe import aux_losses, expert_counts
+from lm.models.mtp import ahead_keys
 from lm.models.scoring import CAUSAL, SEQ2SEQ, Scoring
 from lm.models.task_heads import Classifier, TaskHead, TextToText
 from lm.ops.scores import continuation_scores
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 Batch = dict[str, jax.Array]
 # `Family.apply`'s outputs beside the logits
 AUX_LOSS, AUX_TERMS, EXPERT_COUNTS = 'aux_loss', 'aux_terms', 'expert_counts'
+AHEAD = 'ahead'  # the MTP depths' output layers (`model.mtp`), in order
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Family:
   routed_mlp: ClassVar[bool] = False  # whether its blocks build routed experts (model.moe)
   # whether its module hands a pipelined stack its output layer, so that the last stage takes the loss (1F1B)
   loss_in_last_stage: ClassVar[bool] = False
+  predicts_ahead: ClassVar[bool] = False  # whether `model.mtp` may add modules after its stack (causal decoders)
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
@@ -165,6 +168,7 @@ class DecoderOnly(Family):
   task_head = Classifier(params=('score',))
   readout_norm = ('decoder', 'final_norm')
   loss_in_last_stage = True
+  predicts_ahead = True
 
   def init(self, model, rng, length):
     """A classifier's params (`model.num_labels`) are made by `classify`: `score`, no output layer."""
@@ -172,13 +176,19 @@ class DecoderOnly(Family):
     return model.init({'params': rng, 'dropout': rng}, *self.init_inputs(length), method=method)['params']
 
   def apply(self, model, params, batch, *, deterministic, rngs):
+    """A batch with `model.mtp`'s shifted features (`lm.models.mtp.look_ahead`, which the train step adds) also
+    gives each depth's output layer (`AHEAD`)."""
+    depths = range(1, model.cfg.mtp.depth + 1)
+    ahead = [batch[ahead_keys(k)[0]] for k in depths if ahead_keys(k)[0] in batch]
     call = functools.partial(model.apply, {'params': params}, batch['inputs'], segment_ids=batch.get('segment_ids'),
-                             positions=batch.get('positions'), deterministic=deterministic, rngs=rngs, unembed=False)
+                             positions=batch.get('positions'), deterministic=deterministic, rngs=rngs, unembed=False,
+                             ahead=ahead)
     if not model.cfg.moe.num_experts:
-      return {'logits': call()}
-    logits, sown = call(mutable=['intermediates'])
+      return _with_ahead(call())
+    out, sown = call(mutable=['intermediates'])
+    outputs = _with_ahead(out)
     aux, terms = aux_losses(sown['intermediates'], model.cfg.moe)
-    outputs = {'logits': logits, AUX_LOSS: aux, AUX_TERMS: terms}
+    outputs.update({AUX_LOSS: aux, AUX_TERMS: terms})
     if model.cfg.moe.bias_rate:
       outputs[EXPERT_COUNTS] = expert_counts(sown['intermediates'])
     return outputs
@@ -188,7 +198,10 @@ class DecoderOnly(Family):
     return CausalLM(config.data.seq_len)
 
   def forward_flops(self, k, cfg, seq_len, pairs):
-    return 2 * (k.per_token * seq_len + k.per_sequence) + _attention_flops(cfg, cfg.num_layers * pairs(seq_len))
+    """MTP's depths (`model.mtp`) run a block each, and the output layer again."""
+    depth = cfg.mtp.depth
+    return (2 * ((k.per_token + depth * cfg.vocab_size * cfg.d_model) * seq_len + k.per_sequence)
+            + _attention_flops(cfg, (cfg.num_layers + depth) * pairs(seq_len)))
 
 
 class Encoder(Family):
@@ -236,3 +249,8 @@ class EncoderDecoder(Family):
     dense = (k.encoder + k.cross_kv) * enc + (k.other + k.output) * dec
     attention = cfg.num_layers * enc * enc + cfg.resolved_decoder_layers * (pairs(dec) + dec * enc)
     return 2 * (dense + k.per_sequence) + _attention_flops(cfg, attention)
+
+
+def _with_ahead(out: Any) -> dict[str, Any]:
+  """A causal decoder's output layer, and each MTP depth's when it gave them ((main, [depths]))."""
+  return {'logits': out[0], AHEAD: out[1]} if isinstance(out, tuple) else {'logits': out}

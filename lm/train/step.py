@@ -15,8 +15,9 @@ from lm.assembly.state import TrainState, to_device
 from lm.config import largest_batch, microbatches_at
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
-from lm.models.family import AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
+from lm.models.family import AHEAD, AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
 from lm.models.moe import update_bias
+from lm.models.mtp import ahead_keys, look_ahead
 from lm.ops.attention.ring import zigzag_order
 from lm.ops.losses import sequence_classification
 from lm.ops.unembed import token_loss
@@ -31,6 +32,7 @@ GNS_SMALL, GNS_BIG = 'gns/small_sq', 'gns/big_sq'  # a microbatch's and the batc
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 AUX_SUM = 'aux:'  # the sums of auxiliary terms, logged under the rest of their name
+MTP_NLL, MTP_WEIGHT = 'mtp_nll_', 'mtp_weight_'  # each MTP depth's NLL sum and target weight, by its depth
 
 
 def abstract_batch(assembly: Assembly) -> Batch:
@@ -66,19 +68,25 @@ def lay_out_sequences(batch: Batch, mesh: jax.sharding.Mesh, seq_len: int) -> Ba
 
 
 def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch: dict[str, jax.Array],
-                     z_loss: float, total_weight: jax.Array, total_sequences: jax.Array
+                     z_loss: float, total_weight: jax.Array, total_sequences: jax.Array,
+                     ahead_weights: Sequence[jax.Array] = (), mtp_weight: float = 0.0
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Token loss per target token, plus each active head's loss per sequence (BERT's NSP).
+  """Token loss per target token, plus each active head's loss per sequence (BERT's NSP), plus `mtp_weight` times
+  the mean of the MTP depths' token losses (`model.mtp`), each per its own target tokens (`ahead_weights`).
 
   Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly; auxiliary losses
   (routed experts) are added weighted, and kept out of the logged token loss.
-  Returns (loss, sums of the pieces for metrics: 'nll', 'z', '{head}_nll', '{head}_correct', and each auxiliary
-  term as 'aux:{metric name}', times the rows it averages; and the routed layers' `EXPERT_COUNTS`, which the step
-  takes out to move their selection biases).
+  Returns (loss, sums of the pieces for metrics: 'nll', 'z', '{head}_nll', '{head}_correct', each MTP depth's
+  'mtp_nll_{k}', and each auxiliary term as 'aux:{metric name}', times the rows it averages; and the routed
+  layers' `EXPERT_COUNTS`, which the step takes out to move their selection biases).
   """
   token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = token_sum / total_weight
   sums = {'nll': nll, 'z': z, **routed_sums(outputs, batch)}
+  for k, (head, total) in enumerate(zip(outputs.get(AHEAD, ()), ahead_weights, strict=True), 1):
+    _, targets, weights = ahead_keys(k)
+    ahead_sum, sums[f'{MTP_NLL}{k}'], _, _ = token_loss(head, batch[targets], batch[weights], z_loss)
+    loss = loss + mtp_weight / len(ahead_weights) * ahead_sum / total
   if AUX_LOSS in outputs:
     loss = loss + aux_share(outputs[AUX_LOSS], batch, total_sequences)
   for head in heads:
@@ -105,6 +113,9 @@ class StepLoss(Protocol):
   """What a train step minimises: a (micro)batch's loss normalised by whole-batch totals, so microbatch
   losses and gradients add up exactly; `sums` are the pieces the metrics are made of."""
 
+  def prepare(self, batch: Batch) -> Batch:
+    """The batch as the loss reads it; the step lays out what it adds with the rest (context parallelism)."""
+
   def totals(self, batch: Batch) -> dict[str, jax.Array]: ...
 
   def __call__(self, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array]
@@ -119,14 +130,28 @@ class PretrainingLoss:
   loss per sequence (BERT's NSP)."""
   assembly: Assembly
 
+  def prepare(self, batch):
+    """With `model.mtp`, each depth's shifted inputs, targets and weights added."""
+    return look_ahead(batch, self.assembly.config.model.mtp.depth)
+
   def totals(self, batch: Batch) -> dict[str, jax.Array]:
-    return {'weight': jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0),
-            'sequences': jnp.asarray(batch['targets'].shape[0], jnp.float32)}
+    depths = range(1, self.assembly.config.model.mtp.depth + 1)
+    total = lambda weights: jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+    return {'weight': total(batch['weights']), 'sequences': jnp.asarray(batch['targets'].shape[0], jnp.float32),
+            **{f'{MTP_WEIGHT}{k}': total(batch[ahead_keys(k)[2]]) for k in depths}}
+
+  def of_outputs(self, totals: dict[str, jax.Array]) -> Callable[[dict[str, Any], Batch], tuple[jax.Array, Metrics]]:
+    """`pretraining_loss` of (the model's outputs, the batch), normalised by the whole batch's `totals`."""
+    a = self.assembly
+    mtp = a.config.model.mtp
+    return functools.partial(pretraining_loss, a.family.active_heads(a.config.model), z_loss=a.config.train.z_loss,
+                             total_weight=totals['weight'], total_sequences=totals['sequences'],
+                             ahead_weights=[totals[f'{MTP_WEIGHT}{k}'] for k in range(1, mtp.depth + 1)],
+                             mtp_weight=mtp.weight)
 
   def __call__(self, params, batch, rng, totals):
     a = self.assembly
-    loss = functools.partial(pretraining_loss, a.family.active_heads(a.config.model), z_loss=a.config.train.z_loss,
-                             total_weight=totals['weight'], total_sequences=totals['sequences'])
+    loss = self.of_outputs(totals)
     aux = functools.partial(aux_share, total_sequences=totals['sequences'])
     with offering_loss(loss, aux, batch) as offer:  # a stack pipelined by 1F1B takes it in its last stage
       outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
@@ -140,6 +165,8 @@ class PretrainingLoss:
                'target_tokens': totals['weight']}
     metrics.update({name.removeprefix(AUX_SUM): value / totals['sequences'] for name, value in sums.items()
                     if name.startswith(AUX_SUM)})
+    metrics.update({f'mtp/loss_{k}': sums[f'{MTP_NLL}{k}'] / totals[f'{MTP_WEIGHT}{k}']
+                    for k in range(1, self.assembly.config.model.mtp.depth + 1)})
     for head in self.assembly.family.active_heads(self.assembly.config.model):
       metrics[f'{head.name}_loss'] = sums[f'{head.name}_nll'] / totals['sequences']
       metrics[f'{head.name}_accuracy'] = sums[f'{head.name}_correct'] / totals['sequences']
@@ -196,7 +223,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
                           opt_state=to_device(state.opt_state, resting.opt_state))
     k = microbatches_at(config, jax.tree.leaves(batch)[0].shape[0])  # a batch ramp's stages differ
     with sharding_context(mesh):
-      batch = lay_out_sequences(batch, mesh, config.data.seq_len)
+      batch = lay_out_sequences(loss.prepare(batch), mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
       totals = loss.totals(batch)
       grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k, noise_scale, mesh.shape['stage'])

@@ -19,7 +19,7 @@ PRESETS = {'gemma2_tiny': ['model.sliding_window=8'],  # shorter than the 32-tok
            'gemma3_tiny': ['model.sliding_window=8', 'model.global_every=2'],  # two layers: one windowed, one global
            'qwen3_tiny': [], 'pythia_tiny': [], 'olmo2_tiny': [],
            'gpt_oss_tiny': ['model.sliding_window=8'],  # two layers: one windowed, one global
-           'deepseek_v3_tiny': []}  # two layers: one dense, one routed
+           'deepseek_v3_tiny': []}  # two layers: one dense, one routed; an MTP module (its loss equal too)
 MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
                           ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')],
           'gemma3_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2')],
@@ -33,22 +33,24 @@ MESHES = {'gemma2_tiny': [('mesh.data=2', 'mesh.fsdp=2', 'mesh.tensor=2'),
                                ('mesh.data=2', 'mesh.sequence=2', 'mesh.tensor=2')]}
 
 
-def losses(preset: str, devices: list, run_dir, *mesh: str) -> list[float]:
+def losses(preset: str, devices: list, run_dir, *mesh: str) -> np.ndarray:
+  """[steps, the loss and each MTP depth's]."""
   config = load_config(preset, SMALL + PRESETS[preset] + ['train.steps=50', f'train.run_dir={run_dir}', *mesh])
   trainer = Pretraining(config, devices)
   state, out = trainer.init_state(), []
+  names = ['loss'] + [f'mtp/loss_{k}' for k in range(1, config.model.mtp.depth + 1)]
   for _ in range(50):
     state, metrics = trainer.train_step(state, next(trainer.train_batches))
-    out.append(float(metrics['loss']))
-  return out
+    out.append([float(metrics[name]) for name in names])
+  return np.array(out)
 
 
 @pytest.mark.long(0.5)
 @pytest.mark.parametrize('preset', list(PRESETS))
 def test_fifty_steps_learn_and_a_mesh_equals_one_device(preset, tmp_path):
   one = losses(preset, jax.devices()[:1], tmp_path / 'one')
-  print(preset, [round(x, 4) for x in one[::10]], one[-1])
-  assert np.mean(one[-5:]) < one[0] - 1.0  # from ~ln(264) = 5.6 towards the corpus's byte statistics
+  print(preset, one[::10].round(4).tolist(), one[-1])
+  assert np.all(np.mean(one[-5:], axis=0) < one[0] - 1.0)  # from ~ln(264) = 5.6 towards the corpus's byte statistics
   for i, mesh in enumerate(MESHES[preset]):
     np.testing.assert_allclose(losses(preset, jax.devices(), tmp_path / f'mesh{i}', *mesh), one, rtol=2e-4,
                                err_msg=str(mesh))

@@ -24,6 +24,9 @@ class ScaledLoss:
   """The pretraining loss times the batch's `loss_scale`, in what it minimises and in the logged loss."""
   inner: PretrainingLoss
 
+  def prepare(self, batch):
+    return self.inner.prepare(batch)
+
   def totals(self, batch):
     return self.inner.totals(batch)
 

@@ -82,6 +82,9 @@ class DPOLoss:
   assembly: Assembly
   settings: DPOSettings
 
+  def prepare(self, batch):
+    return batch
+
   def totals(self, batch):
     valid = batch.get('valid')  # evaluation: 0 for the repeats that fill its last batch
     return {'pairs': jnp.asarray(batch['inputs'].shape[0], jnp.float32) if valid is None else jnp.sum(valid)}

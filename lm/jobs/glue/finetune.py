@@ -119,6 +119,9 @@ class TaskLoss:
   head: TaskHead
   regression: bool
 
+  def prepare(self, batch):
+    return batch
+
   def totals(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {'weight': jnp.maximum(jnp.sum(batch['weights'].astype(jnp.float32)), 1.0)}
 

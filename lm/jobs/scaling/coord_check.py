@@ -30,7 +30,7 @@ from lm.data.pipeline import training_batches
 from lm.models.moe import ROUTER, RoutedMlp
 from lm.models.parametrization import standard
 from lm.ops.unembed import Unembedding
-from lm.train.step import PretrainingLoss, make_train_step, pretraining_loss
+from lm.train.step import PretrainingLoss, make_train_step
 
 GROUPS = {'token_embed': 'embedding', 'attention': 'attention', 'mlp': 'mlp'}  # module name -> group
 ORDER = ('embedding', 'attention', 'mlp', 'router', 'logits')  # 'router': a routed model's only
@@ -74,8 +74,7 @@ class RecordingLoss(PretrainingLoss):
 
     with nn.intercept_methods(record):
       outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
-    loss, sums = pretraining_loss(a.family.active_heads(a.config.model), outputs, batch, a.config.train.z_loss,
-                                  totals['weight'], totals['sequences'])
+    loss, sums = self.of_outputs(totals)(outputs, batch)
     logits = outputs['logits']
     logits = logits.logits() if isinstance(logits, Unembedding) else logits
     means = {group: jnp.mean(jnp.stack(values)) for group, values in seen.items() if values}

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lm.config import ConfigError, ExecutionConfig, MlaConfig, ModelConfig, MoeConfig
+from lm.config import ConfigError, ExecutionConfig, MlaConfig, ModelConfig, MoeConfig, MtpConfig
 from lm.storage.convert.hf_config import (GATED, check_exportable, hf_gated_activation, hf_sizes, our_activation,
                                           unsupported)
 from lm.storage.convert.llama import COMMON, MoeNames, hf_rope, rope_fields
@@ -23,6 +23,7 @@ from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
 ARCHITECTURE = 'DeepseekV3ForCausalLM'
 QUANTIZED = ('fp8',)
+MTP = True  # holds multi-token prediction modules (`model.mtp`)
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's shape)
 DEFAULTS = {**COMMON, 'vocab_size': 129280, 'hidden_size': 7168, 'intermediate_size': 18432,
             'moe_intermediate_size': 2048, 'num_hidden_layers': 61, 'num_attention_heads': 128, 'n_shared_experts': 1,
@@ -70,7 +71,24 @@ def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:
   if moe.num_experts:
     moe.check(layers)
     EXPERTS.accept_fused(ckpt, cfg)
+  cfg = dataclasses.replace(cfg, mtp=MtpConfig(depth=_mtp_depth(h, ckpt, cfg, embed)))
   return cfg, rules(cfg)
+
+
+def _mtp_depth(h: dict, ckpt: Checkpoint, cfg: ModelConfig, embed: np.ndarray | None) -> int:
+  """The MTP modules the checkpoint holds (`num_nextn_predict_layers`, as layers past the stack; transformers saves
+  none), their copies of the embedding and output layer checked against the model's own."""
+  n = h.get('num_nextn_predict_layers') or 0
+  if not n or any(f'model.layers.{cfg.num_layers + k}.eh_proj.weight' not in ckpt.names for k in range(n)):
+    return 0
+  head = embed if cfg.tie_embeddings else ckpt.get('lm_head.weight')
+  for k in range(n):
+    for copy, own in (('embed_tokens', embed), ('shared_head.head', head)):
+      name = f'model.layers.{cfg.num_layers + k}.{copy}.weight'
+      if own is not None and ckpt.same_as(name, own) is False:
+        raise ConfigError(f'{ckpt.path}: {name} differs from the model\'s own {copy.split(".")[-1]}; lm\'s MTP '
+                          f'modules share the model\'s, so this checkpoint cannot load as it is')
+  return n
 
 
 def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dict, list[Tensor]]:
@@ -101,32 +119,51 @@ def save(cfg: ModelConfig, flat: dict[str, np.ndarray], base: dict) -> tuple[dic
     'n_routed_experts': m.num_experts or None, 'num_experts_per_tok': m.experts_per_token if m.num_experts else None,
     'moe_intermediate_size': m.expert_d_ff or cfg.resolved_d_ff, 'n_shared_experts': m.shared_experts,
     'routed_scaling_factor': m.routed_scale, 'n_group': m.groups, 'topk_group': m.top_groups,
-    'norm_topk_prob': m.normalize, 'first_k_dense_replace': m.first_dense if m.num_experts else cfg.num_layers}
+    'norm_topk_prob': m.normalize, 'first_k_dense_replace': m.first_dense if m.num_experts else cfg.num_layers,
+    'num_nextn_predict_layers': cfg.mtp.depth}
   hf.update(hf_rope(cfg, {}))
-  return hf, rules(cfg)
+  return hf, rules(cfg, copies=True)
 
 
-def rules(cfg: ModelConfig) -> list[Tensor]:
+def rules(cfg: ModelConfig, copies: bool = False) -> list[Tensor]:
+  """The tensors of the model and its MTP modules; with `copies`, also the latter's copies of the embedding and
+  output layer, which DeepSeek's checkpoints hold (import checks them: `_mtp_depth`)."""
   out = [Tensor('model.embed_tokens.weight', ('token_embed/embedding',))]
   for i in range(cfg.num_layers):
-    h, o = f'model.layers.{i}.', f'decoder/layers_{i}/'
-    a, ours = f'{h}self_attn.', f'{o}attention/'
-    if cfg.mla.q_lora_rank:
-      out += [*dense(f'{a}q_a_proj', f'{ours}query_down', 'linear', bias=False),
-              *norm(f'{a}q_a_layernorm', f'{ours}query_norm', bias=False),
-              *dense(f'{a}q_b_proj', f'{ours}query_up', 'linear', bias=False)]
-    else:
-      out += dense(f'{a}q_proj', f'{ours}query', 'linear', bias=False)
-    out += [*dense(f'{a}kv_a_proj_with_mqa', f'{ours}kv_down', 'linear', bias=False),
-            *norm(f'{a}kv_a_layernorm', f'{ours}kv_norm', bias=False),
-            *dense(f'{a}kv_b_proj', f'{ours}kv_up', 'linear', bias=False),
-            *dense(f'{a}o_proj', f'{ours}out', 'linear', n_in=2, bias=False),
-            *norm(f'{h}input_layernorm', f'{o}attention_norm', bias=False),
-            *norm(f'{h}post_attention_layernorm', f'{o}mlp_norm', bias=False)]
-    out += _routed(cfg, h, o) if cfg.moe.routed(i) else _mlp(f'{h}mlp.', f'{o}mlp/')
+    out += _layer(cfg, i, f'model.layers.{i}.', f'decoder/layers_{i}/')
   out += norm('model.norm', 'decoder/final_norm', bias=False)
+  head = Tensor('lm_head.weight', ('lm_head/kernel',), 'linear')
   if not cfg.tie_embeddings:
-    out.append(Tensor('lm_head.weight', ('lm_head/kernel',), 'linear'))
+    out.append(head)
+  for k in range(cfg.mtp.depth):  # DeepSeek numbers them on from the stack's layers
+    h, o = f'model.layers.{cfg.num_layers + k}.', f'mtp_{k}/'
+    out += [*norm(f'{h}enorm', f'{o}embed_norm', bias=False), *norm(f'{h}hnorm', f'{o}hidden_norm', bias=False),
+            Tensor(f'{h}eh_proj.weight', (f'{o}embed_proj/kernel', f'{o}hidden_proj/kernel'), 'linear'),
+            *norm(f'{h}shared_head.norm', f'{o}final_norm', bias=False),
+            *_layer(cfg, cfg.num_layers + k, h, f'{o}block/')]
+    if copies:
+      out += [Tensor(f'{h}embed_tokens.weight', ('token_embed/embedding',)),
+              dataclasses.replace(out[0] if cfg.tie_embeddings else head, name=f'{h}shared_head.head.weight')]
+  return out
+
+
+def _layer(cfg: ModelConfig, i: int, h: str, o: str) -> list[Tensor]:
+  """Layer `i`'s tensors (HF prefix `h`, ours `o`)."""
+  out = []
+  a, ours = f'{h}self_attn.', f'{o}attention/'
+  if cfg.mla.q_lora_rank:
+    out += [*dense(f'{a}q_a_proj', f'{ours}query_down', 'linear', bias=False),
+            *norm(f'{a}q_a_layernorm', f'{ours}query_norm', bias=False),
+            *dense(f'{a}q_b_proj', f'{ours}query_up', 'linear', bias=False)]
+  else:
+    out += dense(f'{a}q_proj', f'{ours}query', 'linear', bias=False)
+  out += [*dense(f'{a}kv_a_proj_with_mqa', f'{ours}kv_down', 'linear', bias=False),
+          *norm(f'{a}kv_a_layernorm', f'{ours}kv_norm', bias=False),
+          *dense(f'{a}kv_b_proj', f'{ours}kv_up', 'linear', bias=False),
+          *dense(f'{a}o_proj', f'{ours}out', 'linear', n_in=2, bias=False),
+          *norm(f'{h}input_layernorm', f'{o}attention_norm', bias=False),
+          *norm(f'{h}post_attention_layernorm', f'{o}mlp_norm', bias=False)]
+  out += _routed(cfg, h, o) if cfg.moe.routed(i) else _mlp(f'{h}mlp.', f'{o}mlp/')
   return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from lm.config import ConfigError, ModelConfig
+from lm.config import ConfigError, ModelConfig, MtpConfig
 from lm.storage.convert.tensors import Checkpoint, param_shapes, read_params, write_tensors
 from lm.models import FAMILIES, build_model, get_family, logical_axes
 from lm.models.family import Family
@@ -147,6 +148,12 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   if cfg.parametrization != 'standard':  # HF models know no μP multipliers: fold them into the weights
     params = fold(params, logical_axes(build_model(cfg)), cfg, get_family(cfg.family).readout_norm)
     cfg = standard(cfg)
+  converter = get_family(cfg.family).converter()
+  if cfg.mtp.depth and not getattr(converter, 'MTP', False):  # a training aid the architecture has no place for
+    warnings.warn(f'{converter.ARCHITECTURE} has no multi-token prediction modules: the {cfg.mtp.depth} '
+                  f'model.mtp module(s) are left out of {path}', stacklevel=2)
+    params = {k: v for k, v in params.items() if not k.startswith('mtp_')}
+    cfg = dataclasses.replace(cfg, mtp=MtpConfig())
   flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
   expected = param_shapes(build_model(cfg))
   wrong = [f'{k} missing' for k in sorted(set(expected) - set(flat))] + [f'{k} unexpected' for k in sorted(
@@ -154,7 +161,7 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   if wrong:
     raise ConfigError(f'params do not match the model config ({", ".join(wrong[:3])}); pass the config '
                       f'the params were trained with')
-  hf, rules = get_family(cfg.family).converter().save(cfg, flat, dict(hf_config or {}))
+  hf, rules = converter.save(cfg, flat, dict(hf_config or {}))
   if 'torch_dtype' not in hf:
     hf.setdefault('dtype', 'float32')
   dtype_name = hf.get('dtype') or hf['torch_dtype']

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -779,3 +780,40 @@ def test_mup_export_folds_the_multipliers_so_transformers_gives_the_same_logits(
   error = relative_error(ours, hf_logits(exported, kind, ids, mask), mask)
   print(f'{kind} μP: relative logits error of the export {error:.2e}')
   assert error < 1e-4
+
+
+def test_deepseek_v3_mtp_module_loads_as_model_mtp_and_exports_byte_for_byte(tmp_path):
+  """A release's MTP module (`model.layers.{num_hidden_layers}.*`, which transformers drops on load): kept as
+  `model.mtp` on import, every tensor written back unchanged, its copies of the embedding and output layer
+  included; a copy that differs from the model's own is refused in one line."""
+  hf_model = save_hf_model('deepseek_v3', tmp_path / 'hf')
+  rng = np.random.default_rng(0)
+  noise = lambda *shape: (0.1 * rng.normal(size=shape)).astype(np.float32)
+
+  def add_mtp(t):  # layer 3, past the 3 of the stack: a routed block (layer 2's tensors, moved) and its own parts
+    for name in [k for k in t if k.startswith('model.layers.2.')]:
+      t[name.replace('model.layers.2.', 'model.layers.3.')] = t[name] + noise(*t[name].shape)
+    d = t['model.norm.weight'].shape[0]
+    for part in ('enorm', 'hnorm', 'shared_head.norm'):
+      t[f'model.layers.3.{part}.weight'] = 1 + noise(d)
+    t['model.layers.3.eh_proj.weight'] = noise(d, 2 * d)
+    t['model.layers.3.embed_tokens.weight'] = t['model.embed_tokens.weight'].copy()
+    t['model.layers.3.shared_head.head.weight'] = t['lm_head.weight'].copy()
+  edited = edited_copy(tmp_path / 'hf', tmp_path / 'mtp', edit_tensors=add_mtp,
+                       edit_config=lambda c: c.update(num_nextn_predict_layers=1))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # no tensor left unread
+    model, params = load_hf(edited)
+  assert model.cfg.mtp.depth == 1
+  eh_proj = load_file(str(edited / 'model.safetensors'))['model.layers.3.eh_proj.weight']
+  np.testing.assert_array_equal(params['mtp_0']['embed_proj']['kernel'], eh_proj[:, :32].T)  # embedding first
+  assert compare(hf_model, model, params, 'deepseek_v3') < 1e-4
+  save_hf(model, params, tmp_path / 'out', read_hf_config(edited))
+  assert_same_tensors(edited, tmp_path / 'out')
+  assert read_hf_config(tmp_path / 'out')['num_nextn_predict_layers'] == 1
+
+  def differ(t):
+    t['model.layers.3.embed_tokens.weight'] += 1
+  with pytest.raises(ConfigError, match=r'model.layers.3.embed_tokens.weight differs from the model\'s own') as e:
+    load_hf(edited_copy(edited, tmp_path / 'differs', edit_tensors=differ))
+  assert '\n' not in str(e.value)
