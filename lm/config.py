@@ -181,6 +181,34 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (Hu et al. 2021; `lm.models.layers.DenseGeneral`): each projection named in `targets` adds
+  (alpha / rank) x (x A) B to its output (rsLoRA: alpha / sqrt(rank)), A [in, rank] uniform in +-1/sqrt(in) and B
+  [rank, out] zero at first, as PEFT inits them; every other param is frozen but a fine-tuning task head's (the
+  optimizer keeps no state of the frozen ones)."""
+  rank: int = 0  # r; 0: no adapters, every param trains
+  alpha: float = 8.0  # lora_alpha
+  dropout: float = 0.0  # on the adapters' input (lora_dropout), while training
+  targets: tuple[str, ...] = ('query', 'key', 'value', 'out')  # projections by module name (attention: query, key,
+  # value, out; MLPs: wi or wi_0 and wi_1, wo; latent attention: query_down, query_up, kv_down)
+  rslora: bool = False  # scale by alpha / sqrt(rank) (Kalajdzievski 2023; PEFT's use_rslora)
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+  def check(self) -> None:
+    if not self.rank:
+      if self != LoraConfig():
+        raise ConfigError('model.lora fields are set but model.lora.rank=0 (no adapters); set model.lora.rank '
+                          '(e.g. 8) or drop them')
+      return
+    if self.rank < 0 or not self.targets or not 0 <= self.dropout < 1:
+      raise ConfigError(f'model.lora.rank={self.rank} must be positive, model.lora.targets={list(self.targets)} '
+                        f'non-empty and model.lora.dropout={self.dropout} in [0, 1)')
+
+
+@dataclass(frozen=True)
 class MtpConfig:
   """Multi-token prediction (DeepSeek-V3 section 2.2, `lm.models.mtp`): `depth` modules after a causal decoder's
   stack, the k-th predicting the token k + 1 places past each input from the (k - 1)-th's states and the embedding
@@ -369,6 +397,7 @@ class ModelConfig:
   moe: MoeConfig = field(default_factory=MoeConfig)  # routed experts in place of some layers' MLP
   mla: MlaConfig = field(default_factory=MlaConfig)  # multi-head latent attention (DeepSeek) in place of q/k/v
   mtp: MtpConfig = field(default_factory=MtpConfig)  # modules predicting tokens further ahead (DeepSeek-V3)
+  lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters; the rest frozen
 
   def with_execution(self, **changes: Any) -> ModelConfig:
     """This model computed otherwise (`ExecutionConfig`'s fields), its params unchanged."""
@@ -1089,6 +1118,7 @@ def _check_model(config: Config) -> None:
   m.rope.check(m.position, m.mla.rope_head_dim if m.mla.kv_lora_rank else m.resolved_head_dim)
   m.mla.check(m)
   m.mtp.check()
+  m.lora.check()
   if m.parallel_residual and m.norm_position != 'pre':
     raise ConfigError(f'model.parallel_residual=true adds the branches of pre-norm blocks, but '
                       f'model.norm_position={m.norm_position}; set model.norm_position=pre')

@@ -8,6 +8,7 @@ batch is checked against the mesh where a train step is built: generation never 
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ from lm.assembly.state import HOST, TrainState, abstract_state, abstract_window,
 from lm.config import Config, ConfigError, ramp_rates
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
+from lm.models.lora import check_targets, frozen
 from lm.models.moe import fixed_params
 from lm.models.parametrization import optimizer_multipliers
 from lm.parallel.mesh import make_mesh
@@ -38,6 +40,7 @@ class Assembly:
   schedule: optax.Schedule
   abstract_state: TrainState  # ShapeDtypeStructs carrying their NamedShardings: where the state rests between steps
   views: dict[str, ParamsView]  # the optimizer's: 'model' (what a model is evaluated with), 'ema' when kept
+  fixed: Any = None  # per param, True for those no gradient moves (model.lora's frozen base, selection biases)
 
   @property
   def shardings(self) -> TrainState:
@@ -110,10 +113,12 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   model = family.build(config.model)
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
   params = abstract_params(model, mesh)
+  check_targets(params, config.model.lora)
+  fixed = jax.tree.map(operator.or_, fixed_params(params),
+                       frozen(params, config.model.lora, family.per_sequence_params()))
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,
-                                optimizer_multipliers(axes, config.model, config.optim), fixed_params(params),
-                                ramp_rates(config))
+                                optimizer_multipliers(axes, config.model, config.optim), fixed, ramp_rates(config))
   state = offloaded(abstract_state(params, tx, mesh), config.train).replace(
     spike_window=abstract_window(config.train, mesh))
   return Assembly(config=config, family=family, mesh=mesh, model=model, tx=tx, schedule=schedule,
-                  abstract_state=state, views=params_views(config.optim, config.train.ema_decay))
+                  abstract_state=state, views=params_views(config.optim, config.train.ema_decay), fixed=fixed)

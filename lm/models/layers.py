@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from lm.config import ModelConfig
+from lm.config import LoraConfig, ModelConfig
 from lm.models.parametrization import Init
 from lm.models.rope import Rope, rotary
 from lm.ops import mixed
@@ -67,6 +67,7 @@ class DenseGeneral(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.normal(0.02)
   quantized: bool = False  # the matmul in int8 (model.quantization=int8)
+  lora: LoraConfig | None = None  # low-rank adapters, when `lora.targets` names this module
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -80,7 +81,25 @@ class DenseGeneral(nn.Module):
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
                         features, self.param_dtype)
       y = y + bias.astype(self.dtype)
+    if self.lora is not None and self.name in self.lora.targets:
+      y = y + self._adapted(x, kernel_shape[:len(axis)], features, axis)
     return y
+
+  def _adapted(self, x: jax.Array, ins: tuple[int, ...], features: tuple[int, ...], axis: tuple[int, ...]
+               ) -> jax.Array:
+    """The adapters' (alpha / rank) x (x A) B: A `lora_a` [*in, rank], B `lora_b` [rank, *out], in full precision
+    (never int8) and their input dropped out while training (a 'dropout' rng given)."""
+    lora, n_in = self.lora, len(ins)
+    bound = math.prod(ins) ** -0.5  # PEFT's kaiming_uniform(a=sqrt(5)): U(+-1/sqrt(fan in))
+    uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+    a = self.param('lora_a', nn.with_logical_partitioning(uniform, (*self.kernel_axes[:n_in], None)),
+                   (*ins, lora.rank), self.param_dtype)
+    b = self.param('lora_b', nn.with_logical_partitioning(nn.initializers.zeros, (None, *self.kernel_axes[n_in:])),
+                   (lora.rank, *features), self.param_dtype)
+    if lora.dropout:
+      x = nn.Dropout(lora.dropout)(x, deterministic=not self.has_rng('dropout'))
+    low = _matmul_2d(x, a, axis, self.dtype)
+    return _matmul_2d(low, b, (low.ndim - 1,), self.dtype) * jnp.asarray(lora.scale, self.dtype)
 
 
 def gathered(table: jax.Array, axes: tuple[str | None, str]) -> jax.Array:
@@ -225,10 +244,12 @@ class Mlp(nn.Module):
   param_dtype: Dtype = jnp.float32
   quantized: bool = False  # its matmuls in int8
   swiglu: tuple[float, float] = (1.702, 7.0)  # clamped_swiglu's (alpha, limit)
+  lora: LoraConfig | None = None  # adapters on the projections it names
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized,
+                 lora=self.lora)
     init = self.inits('mlp_in', ('embed', 'mlp'))
     if self.activation in GATED:
       gate = DenseGeneral(self.d_ff, ('embed', 'mlp'), kernel_init=init, name='wi_0', **dense)(x)
@@ -291,6 +312,7 @@ class Attention(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   quantized: bool = False  # its projections in int8
+  lora: LoraConfig | None = None  # adapters on the projections it names
   # (x, positions) -> queries, keys, values in place of the projections: latent attention (`lm.models.mla`), whose
   # params it makes in this module; with absorbed=True (decoding) the latent form, whose keys alone are cached
   latent: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]] | None = None
@@ -301,7 +323,8 @@ class Attention(nn.Module):
                bias: jax.Array | None = None, deterministic: bool = True, decode: bool = False,
                global_layer: bool | jax.Array = False) -> jax.Array:
     """`global_layer` (traced in a scanned stack) lifts the window: the layer attends to every earlier key."""
-    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
+    dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized,
+                 lora=self.lora)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(x_q.shape[1], dtype=jnp.int32), x_q.shape[:2])
     expand = None  # decoding latent attention: the value expansion applied after attending to the latents
@@ -352,7 +375,7 @@ class Attention(nn.Module):
   def _projections(self, x_q: jax.Array, x_kv: jax.Array, positions: jax.Array, global_layer: bool | jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries, keys and values of their own projections, normed, clipped and rotated as the fields ask."""
-    dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized)
+    dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, quantized=self.quantized, lora=self.lora)
     kv_heads = self.num_kv_heads or self.num_heads
     projection = {**dense, 'use_bias': self.use_bias or self.qkv_bias}
     q_axes = ('embed', 'heads', 'kv')

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 import flax.linen as nn
 
-from lm.config import MlaConfig
+from lm.config import LoraConfig, MlaConfig
 from lm.models.layers import DenseGeneral, Dtype, RMSNorm
 from lm.models.parametrization import Init
 from lm.models.rope import Rope, rotary
@@ -37,7 +37,7 @@ class Kernel(nn.Module):
 
 def latent_qkv(x: jax.Array, positions: jax.Array, *, mla: MlaConfig, heads: int, head_dim: int, rope: Rope,
                norm_eps: float, inits: Init, dtype: Dtype, param_dtype: Dtype, use_bias: bool = False,
-               absorbed: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+               lora: LoraConfig | None = None, absorbed: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """x [batch, length, embed] -> queries, keys [batch, length, heads, head_dim] and values [..., v_head_dim], the
   rotated parts rotated at `positions`. Called inside an attention module's compact call: its params are that
   module's.
@@ -47,7 +47,7 @@ def latent_qkv(x: jax.Array, positions: jax.Array, *, mla: MlaConfig, heads: int
   rotated key part, what the cache holds; the value expansion [rank, heads, v_head_dim]). Attention over them with
   the latents as values, then the expansion, gives the expanded attention's output."""
   nope, rank = head_dim - mla.rope_head_dim, mla.kv_lora_rank
-  dense = dict(dtype=dtype, param_dtype=param_dtype)
+  dense = dict(dtype=dtype, param_dtype=param_dtype, lora=lora)  # kv_up (a bare kernel) takes no adapters
   norm = lambda name: RMSNorm(norm_eps, dtype, param_dtype, axes=(None,), name=name)
   up_axes = ('latent', 'heads', 'kv')
   if mla.q_lora_rank:

@@ -71,6 +71,7 @@ class Block(nn.Module):
                     else layer in indices) if indices else False
     drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
     quantized = cfg.quantization == 'int8'
+    lora = cfg.lora if cfg.lora.rank else None
     make_attention = lambda name, **kw: Attention(
       cfg.num_heads, cfg.resolved_head_dim, use_bias=cfg.use_bias, qkv_bias=cfg.qkv_bias,
       qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, qk_norm_all_heads=cfg.qk_norm_scope == 'all_heads',
@@ -78,10 +79,12 @@ class Block(nn.Module):
       clip=cfg.clip_qkv, softcap=cfg.attn_logit_softcap, impl=cfg.execution.attention_impl,
       block_q=cfg.execution.attention_block_q, block_k=cfg.execution.attention_block_k,
       logit_scale=attention_scale(cfg), dropout_rate=cfg.attention_dropout, dtype=dtype,
-      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, quantized=quantized, **kw)
+      param_dtype=param_dtype, num_kv_heads=cfg.num_kv_heads, name=name, inits=inits, quantized=quantized,
+      lora=lora, **kw)
     latent = functools.partial(latent_qkv, mla=cfg.mla, heads=cfg.num_heads, head_dim=cfg.resolved_head_dim,
                                rope=rope_of(cfg), norm_eps=cfg.norm_eps, inits=inits, dtype=dtype,
-                               param_dtype=param_dtype, use_bias=cfg.use_bias) if cfg.mla.kv_lora_rank else None
+                               param_dtype=param_dtype, use_bias=cfg.use_bias,
+                               lora=lora) if cfg.mla.kv_lora_rank else None
     branches = [('attention', lambda h: make_attention('attention', rope=rope_of(cfg), window=cfg.sliding_window,
                                                        sinks=cfg.attention_sinks, latent=latent)(
       h, h, causal=self.causal, segment_ids=segment_ids, positions=positions, bias=bias,
@@ -96,7 +99,7 @@ class Block(nn.Module):
       branches.append(('mlp', lambda h: experts(h, mask)))
     else:
       mlp = Mlp(cfg.resolved_d_ff, cfg.activation, use_bias=cfg.use_bias, swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit),
-                inits=inits, dtype=dtype, param_dtype=param_dtype, quantized=quantized, name='mlp')
+                inits=inits, dtype=dtype, param_dtype=param_dtype, quantized=quantized, lora=lora, name='mlp')
       branches.append(('mlp', lambda h: in_chunks(mlp, h, cfg.execution.mlp_chunks)))
 
     if cfg.parallel_residual:  # GPT-NeoX: every branch reads the block's input and adds its output to it

@@ -3,8 +3,8 @@
 The source is one of our run dirs (latest checkpoint) or an HF model directory. Its layer layout
 (scanned or unrolled) is matched to this run's; every param must then exist with the same shape,
 except the family's heads (e.g. a classifier or NSP head a pretrained model lacks), which start
-fresh; so does a task head of another shape (a model fine-tuned on MNLI's 3 labels starting STS-B's
-regression, RoBERTa's recipe for the small tasks). Params the run does not use are left behind; the
+fresh, as do low-rank adapters (`model.lora`); so does a task head of another shape (a model fine-tuned on MNLI's 3
+labels starting STS-B's regression, RoBERTa's recipe for the small tasks). Params the run does not use are left behind; the
 lists are reported.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lm.assembly import Assembly
 from lm.assembly.state import TrainState, shardings_of
 from lm.config import ConfigError
 from lm.models import init_params
+from lm.models.lora import ADAPTERS
 from lm.models.transformer import relayout
 from lm.storage.source import ModelSource
 
@@ -28,7 +29,7 @@ from lm.storage.source import ModelSource
 @dataclass(frozen=True)
 class Initialised:
   state: TrainState
-  fresh: tuple[str, ...]  # params initialised here because the source lacks them (heads)
+  fresh: tuple[str, ...]  # params initialised here because the source lacks them (heads, adapters)
   reshaped: tuple[str, ...]  # task-head params the source has in another shape (another task's labels): fresh too
   unused: tuple[str, ...]  # source params this model does not have
 
@@ -49,7 +50,7 @@ def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initial
   for name, target in want.items():
     got = have.get(name)
     if got is None:
-      if name.split('/')[0] not in heads:
+      if name.split('/')[0] not in heads and name.rsplit('/', 1)[-1] not in ADAPTERS:
         raise ConfigError(f'train.init_from={source} has no parameter {name} {target.shape}, which this '
                           f'{assembly.family.name} model needs; start from a checkpoint of the same model')
       fresh.append(name)

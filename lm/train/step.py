@@ -210,7 +210,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   for t in (config.train, largest_batch(config).train):  # the first batch and a batch ramp's last
     check_batch(mesh, t.global_batch, t.microbatches)
   schedule = assembly.schedule
-  grad_fn = jax.value_and_grad(loss, has_aux=True)
+  grad_fn = jax.value_and_grad(_held(loss, assembly.fixed), has_aux=True)
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
@@ -260,6 +260,15 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
   shardings = assembly.shardings
   return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=(0,))
+
+
+def _held(loss: StepLoss, fixed: Any) -> Callable:
+  """`loss` with no gradient flowing into the params nothing trains (`fixed`: model.lora's frozen base, selection
+  biases): their weight gradients are never computed, and the logged grad_norm is the trained params'."""
+  if fixed is None or not any(jax.tree.leaves(fixed)):
+    return loss
+  return lambda params, *rest: loss(jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed),
+                                    *rest)
 
 
 def _watched(step: jax.Array, every: int, trees: dict[str, Any], axes: Any) -> Metrics:

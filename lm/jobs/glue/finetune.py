@@ -194,7 +194,7 @@ class FineTuner:
   def _start(self, init: str) -> TrainState:
     start = initial_state(self.assembly, init)
     if start.fresh:
-      print(f'{self.task.name}: new head {", ".join(start.fresh)}', flush=True)
+      print(f'{self.task.name}: new {", ".join(start.fresh)}', flush=True)
     if start.reshaped:
       print(f'{self.task.name}: new head {", ".join(start.reshaped)} (the source\'s has another shape: another '
             f'task\'s labels)', flush=True)

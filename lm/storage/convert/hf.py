@@ -30,10 +30,11 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from lm.config import ConfigError, ModelConfig, MtpConfig
+from lm.config import ConfigError, LoraConfig, ModelConfig, MtpConfig
 from lm.storage.convert.tensors import Checkpoint, param_shapes, read_params, write_tensors
 from lm.models import FAMILIES, build_model, get_family, logical_axes
 from lm.models.family import Family
+from lm.models.lora import merged
 from lm.models.parametrization import fold, standard
 from lm.models.transformer import unstack_layers
 
@@ -148,6 +149,8 @@ def save_hf(model: nn.Module | ModelConfig, params: dict[str, Any], path: str | 
   if cfg.parametrization != 'standard':  # HF models know no μP multipliers: fold them into the weights
     params = fold(params, logical_axes(build_model(cfg)), cfg, get_family(cfg.family).readout_norm)
     cfg = standard(cfg)
+  if cfg.lora.rank:  # HF models know no adapters: fold them into their kernels
+    params, cfg = merged(params, cfg.lora), dataclasses.replace(cfg, lora=LoraConfig())
   converter = get_family(cfg.family).converter()
   if cfg.mtp.depth and not getattr(converter, 'MTP', False):  # a training aid the architecture has no place for
     warnings.warn(f'{converter.ARCHITECTURE} has no multi-token prediction modules: the {cfg.mtp.depth} '

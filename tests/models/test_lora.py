@@ -1,0 +1,123 @@
+"""Low-rank adapters (`model.lora`): an adapted projection against float64 NumPy, a fresh adapter leaving the model
+as it was, training that moves the adapters alone and keeps optimizer state of nothing else, and bad targets."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from lm.config import ConfigError, LoraConfig, load_config
+from lm.jobs.pretraining import Pretraining
+from lm.models import build_model, get_family
+from lm.models.layers import DenseGeneral
+from lm.models.lora import ADAPTERS
+from lm.storage.convert.hf import save_hf
+from tests.conftest import SMALL
+
+
+@pytest.mark.parametrize('rslora', [False, True])
+def test_an_adapted_projection_adds_its_scaled_low_rank_update(rslora):
+  """A query-shaped projection ([embed] -> [heads, head_dim]) and an attention-output-shaped one ([heads, head_dim]
+  -> [embed]), with B moved off its zeros: x W + b + s (x A) B, s = alpha / rank (rsLoRA: alpha / sqrt(rank))."""
+  lora = LoraConfig(rank=3, alpha=6.0, targets=('query', 'out'), rslora=rslora)
+  rng = np.random.default_rng(0)
+  for features, axis, x in (((2, 4), -1, rng.normal(size=(2, 5, 8))), (8, (-2, -1), rng.normal(size=(2, 5, 2, 4)))):
+    name = 'query' if axis == -1 else 'out'
+    layer = DenseGeneral(features, ('embed', 'heads', 'kv')[:1 + len(np.atleast_1d(features))], axis=axis,
+                         use_bias=True, lora=lora, name=name)
+    params = nn.unbox(layer.init(jax.random.key(0), jnp.asarray(x, jnp.float32))['params'])
+    assert not np.any(params['lora_b']) and np.abs(params['lora_a']).max() <= (x.shape[-1] * (x.ndim - 2)) ** -0.5
+    params = {**params, 'lora_b': jnp.asarray(rng.normal(size=params['lora_b'].shape), jnp.float32),
+              'bias': jnp.asarray(rng.normal(size=params['bias'].shape), jnp.float32)}
+    got = layer.apply({'params': params}, jnp.asarray(x, jnp.float32))
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    n_in = 1 if axis == -1 else 2
+    flat = x.reshape(*x.shape[:x.ndim - n_in], -1)
+    kernel = p['kernel'].reshape(flat.shape[-1], -1)
+    a, b = p['lora_a'].reshape(flat.shape[-1], -1), p['lora_b'].reshape(3, -1)
+    scale = 6.0 / (np.sqrt(3) if rslora else 3)
+    want = (flat @ kernel + p['bias'].reshape(-1) + scale * (flat @ a) @ b).reshape(got.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def small_lora(*extra):
+  return load_config('llama_tiny', SMALL + ['model.lora.rank=4', 'model.lora.targets=[query,value,wi_0,wo]',
+                                            *extra])
+
+
+def test_fresh_adapters_leave_the_model_as_it_was():
+  cfg = small_lora().model
+  family, model = get_family(cfg.family), build_model(cfg)
+  params = nn.unbox(family.init(model, jax.random.key(0), 16))
+  flat = traverse_util.flatten_dict(params)
+  assert {p[-2] for p in flat if p[-1] == 'lora_a'} == {'query', 'value', 'wi_0', 'wo'}
+  base = traverse_util.unflatten_dict({p: v for p, v in flat.items() if p[-1] not in ADAPTERS})
+  plain = build_model(cfg.__class__(**{**cfg.__dict__, 'lora': LoraConfig()}))
+  tokens = jnp.arange(32).reshape(2, 16) % cfg.vocab_size
+  np.testing.assert_array_equal(model.apply({'params': params}, tokens), plain.apply({'params': base}, tokens))
+
+
+def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_path):
+  """From an HF checkpoint without adapters (`train.init_from`): they start fresh, the base as the checkpoint holds
+  it; ten steps later the base is bit for bit the checkpoint's and the optimizer holds moments of the adapters
+  alone."""
+  plain = load_config('llama_tiny', SMALL).model
+  source = nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16))
+  save_hf(plain, source, tmp_path / 'hf')
+  config = small_lora(f'train.run_dir={tmp_path / "run"}', 'train.steps=10', 'optim.learning_rate=1e-2',
+                      f'train.init_from={tmp_path / "hf"}')
+  trainer = Pretraining(config, jax.devices()[:1])
+  state = trainer._start()  # what `lm train` starts from
+  start = jax.tree.map(np.asarray, state.params)
+  for path, value in traverse_util.flatten_dict(source).items():
+    np.testing.assert_array_equal(traverse_util.flatten_dict(start)[path], value, err_msg=str(path))
+  losses = []
+  for _ in range(10):
+    state, metrics = trainer.train_step(state, next(trainer.train_batches))
+    losses.append(float(metrics['loss']))
+  assert losses[-1] < losses[0] - 0.3
+  before, after = traverse_util.flatten_dict(start), traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params))
+  adapters = {p for p in before if p[-1] in ADAPTERS}
+  for path in before:
+    if path in adapters:
+      assert not np.array_equal(before[path], after[path]), path  # B from zero, A by B's gradient
+    else:
+      np.testing.assert_array_equal(before[path], after[path], err_msg=str(path))  # bit for bit
+  held = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)  # Adam's two moments
+  assert held == 2 * sum(before[p].size for p in adapters)
+
+
+@pytest.mark.parametrize('overrides, says', [
+  (['model.lora.targets=[q_proj]'], r"model.lora.targets \['q_proj'\] name no projection of this model; its "
+                                    r'projections: key, out, query, value, wi_0, wi_1, wo'),
+  (['model.lora.rank=100'], r'model.lora.rank=100 is above the width of .* \(64\); use a rank of at most 64'),
+  (['model.lora.rank=0', 'model.lora.alpha=16'], r'model.lora fields are set but model.lora.rank=0'),
+])
+def test_bad_adapters_are_one_line(overrides, says, tmp_path):
+  from lm.assembly import assemble
+  with pytest.raises(ConfigError, match=says) as e:
+    assemble(small_lora(f'train.run_dir={tmp_path}', *overrides), jax.devices()[:1])
+  assert '\n' not in str(e.value)
+
+
+def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
+  """`--to-hf` writes the merged model: W + (alpha / rank) A B, whose logits equal the adapted model's."""
+  cfg = small_lora('model.lora.rslora=true').model
+  model = build_model(cfg)
+  params = nn.unbox(get_family(cfg.family).init(model, jax.random.key(0), 16))
+  flat = traverse_util.flatten_dict(params)
+  keys = iter(jax.random.split(jax.random.key(1), len(flat)))
+  params = traverse_util.unflatten_dict({p: 0.1 * jax.random.normal(next(keys), v.shape) if p[-1] == 'lora_b' else v
+                                         for p, v in flat.items()})
+  save_hf(cfg, params, tmp_path / 'hf')
+  from lm.storage.convert.hf import load_hf
+  plain, loaded = load_hf(tmp_path / 'hf')
+  assert not plain.cfg.lora.rank
+  tokens = jnp.arange(32).reshape(2, 16) % cfg.vocab_size
+  ours = model.apply({'params': params}, tokens)
+  bare = build_model(cfg.__class__(**{**cfg.__dict__, 'lora': LoraConfig()}))
+  base = traverse_util.unflatten_dict({p: v for p, v in traverse_util.flatten_dict(params).items()
+                                       if p[-1] not in ADAPTERS})
+  assert float(jnp.abs(bare.apply({'params': base}, tokens) - ours).max()) > 1e-3  # the adapters act
+  np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
