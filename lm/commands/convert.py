@@ -7,7 +7,7 @@ from lm.config import ConfigError
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-  from lm.storage.convert.runs import export_hf, import_hf
+  from lm.storage.convert.runs import export_hf, export_peft, import_hf
   if args.tokens_per_step is not None and not args.from_hf_series:
     raise ConfigError('lm convert --tokens-per-step goes with --from-hf-series (the tokens behind each '
                       'revision\'s step)')
@@ -20,6 +20,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
       raise ConfigError('lm convert --ema exports a run\'s moving average of its params: it goes with --to-hf')
     config = import_hf(args.from_hf, args.to)
     print(f'converted {args.from_hf} ({config.model.family}) into {args.to}', flush=True)
+  elif args.to_peft:
+    if not args.source:
+      raise ConfigError('lm convert --to-peft DIR needs --from RUN_DIR (a run trained with model.lora)')
+    print(f'exported the adapters of {args.source} to {export_peft(args.source, args.to_peft)}', flush=True)
   else:
     if not args.source:
       raise ConfigError('lm convert --to-hf HF_DIR needs --from RUN_DIR (the run to export)')
@@ -50,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help='import a revision series (a folder of step1000, ... folders or a hub cache folder '
                               'models--ORG--NAME) as one run, a checkpoint per step; a rerun adds the new ones')
   direction.add_argument('--to-hf', metavar='HF_DIR', help='export a run to a HF directory')
+  direction.add_argument('--to-peft', metavar='DIR', help='export the low-rank adapters of a run trained with '
+                                                          'model.lora as a PEFT LoRA adapter')
   convert.add_argument('--to', metavar='RUN_DIR', help='run directory to write (with --from-hf)')
   convert.add_argument('--from', dest='source', metavar='RUN_DIR',
                        help='run directory to export (with --to-hf): its latest params, or RUN/checkpoints/STEP\'s')

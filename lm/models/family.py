@@ -84,6 +84,7 @@ class Family:
   # whether its module hands a pipelined stack its output layer, so that the last stage takes the loss (1F1B)
   loss_in_last_stage: ClassVar[bool] = False
   predicts_ahead: ClassVar[bool] = False  # whether `model.mtp` may add modules after its stack (causal decoders)
+  peft_task: ClassVar[str | None] = None  # PEFT's task_type for its adapters (`lm convert --to-peft`)
 
   def build(self, cfg: ModelConfig) -> nn.Module:
     return self.module(cfg)
@@ -169,6 +170,7 @@ class DecoderOnly(Family):
   readout_norm = ('decoder', 'final_norm')
   loss_in_last_stage = True
   predicts_ahead = True
+  peft_task = 'CAUSAL_LM'
 
   def init(self, model, rng, length):
     """A classifier's params (`model.num_labels`) are made by `classify`: `score`, no output layer."""
@@ -218,6 +220,7 @@ class EncoderDecoder(Family):
   decoding = ENCODER_DECODER
   scoring = SEQ2SEQ
   task_head = TextToText()
+  peft_task = 'SEQ_2_SEQ_LM'
 
   def num_blocks(self, cfg):
     return cfg.num_layers + cfg.resolved_decoder_layers

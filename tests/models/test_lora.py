@@ -1,5 +1,7 @@
 """Low-rank adapters (`model.lora`): an adapted projection against float64 NumPy, a fresh adapter leaving the model
 as it was, training that moves the adapters alone and keeps optimizer state of nothing else, and bad targets."""
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -121,3 +123,65 @@ def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
                                        if p[-1] not in ADAPTERS})
   assert float(jnp.abs(bare.apply({'params': base}, tokens) - ours).max()) > 1e-3  # the adapters act
   np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(tmp_path):
+  """A random HF Llama (grouped-query heads) imported, adapters on attention and MLP projections moved off their
+  init, written with `save_peft`: PEFT loads them onto transformers' model and gives lm's logits; the merged export
+  gives them too."""
+  import peft
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=32)).eval()
+  hf.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  from lm.storage.convert.hf import load_hf
+  from lm.storage.convert.peft import save_peft
+  model, base = load_hf(tmp_path / 'hf')
+  cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(
+    rank=4, alpha=8.0, targets=('query', 'key', 'value', 'out', 'wi_0', 'wo'), rslora=True)})
+  adapted = build_model(cfg)
+  params = nn.unbox(get_family(cfg.family).init(adapted, jax.random.key(0), 8))
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  flat = {p: 0.2 * jax.random.normal(next(keys), v.shape) if p[-1] == 'lora_b' else v
+          for p, v in traverse_util.flatten_dict(params).items() if p[-1] in ADAPTERS}
+  params = traverse_util.unflatten_dict({**traverse_util.flatten_dict(base), **flat})
+  save_peft(cfg, params, tmp_path / 'adapter', base_model=str(tmp_path / 'hf'))
+  tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
+  ours = np.asarray(adapted.apply({'params': params}, jnp.asarray(tokens)))
+  with torch.no_grad():
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / 'adapter').eval()(torch.as_tensor(tokens)).logits.numpy()
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf').eval()(torch.as_tensor(tokens)).logits
+  assert np.abs(plain.numpy() - theirs).max() > 1e-3  # the adapters act
+  np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+  save_hf(cfg, params, tmp_path / 'merged')
+  with torch.no_grad():
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'merged').eval()(torch.as_tensor(tokens)).logits
+  np.testing.assert_allclose(merged.numpy(), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_lm_convert_to_peft_writes_a_runs_adapters_onto_its_source(tmp_path, capsys):
+  """`lm train` with adapters from an HF model, then `lm convert --from RUN --to-peft DIR`: PEFT's files, naming
+  the source as the base, load onto it; a run without adapters is refused in one line."""
+  import peft
+  import transformers
+  from lm import cli
+  plain = load_config('llama_tiny', SMALL).model
+  save_hf(plain, nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16)), tmp_path / 'hf')
+  run = tmp_path / 'run'
+  assert cli.main(['train', '--config', 'llama_tiny', *SMALL, 'mesh.data=-1', 'model.lora.rank=4', 'train.steps=2',
+                   f'train.init_from={tmp_path / "hf"}', f'train.run_dir={run}']) == 0
+  assert cli.main(['convert', '--from', str(run), '--to-peft', str(tmp_path / 'adapter')]) == 0
+  config = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  assert (config['r'], config['target_modules'], config['base_model_name_or_path']) == (
+    4, ['k_proj', 'o_proj', 'q_proj', 'v_proj'], str(tmp_path / 'hf'))
+  loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf'),
+                                          tmp_path / 'adapter')
+  assert sum('lora_A' in name for name, _ in loaded.named_parameters()) == 4 * plain.num_layers
+  capsys.readouterr()
+  assert cli.main(['convert', '--from', str(tmp_path / 'run'), '--to-peft', str(tmp_path / 'again')]) == 0
+  assert cli.main(['convert', '--from-hf', str(tmp_path / 'hf'), '--to', str(tmp_path / 'imported')]) == 0
+  assert cli.main(['convert', '--from', str(tmp_path / 'imported'), '--to-peft', str(tmp_path / 'none')]) == 2
+  assert 'this model has no adapters (model.lora.rank=0)' in capsys.readouterr().err

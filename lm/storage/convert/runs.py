@@ -12,6 +12,7 @@ from lm.data.tokenizers import get_tokenizer
 from lm.parallel.mesh import one_device_mesh
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import read_hf_config, save_hf
+from lm.storage.convert.peft import save_peft
 from lm.storage.run_dir import (CHAT_TEMPLATE, CHECKPOINTS, CONFIG, HF_CONFIG, HF_TOKENIZER_FILES, TOKENIZER,
                                 is_run_dir, read_config)
 from lm.storage.source import ModelSource
@@ -71,6 +72,17 @@ def export_hf(run_dir: str | Path, hf_dir: str | Path, ema: bool = False) -> Pat
   out = save_hf(source.config.model, params, hf_dir, hf_config)
   _export_tokenizer(run_dir, read_config(run_dir).data.tokenizer, out)
   return out
+
+
+def export_peft(run_dir: str | Path, peft_dir: str | Path) -> Path:
+  """Writes the low-rank adapters of a run trained with `model.lora` (or of one of its checkpoints) as a PEFT LoRA
+  adapter in `peft_dir`, naming the run's source model (`train.init_from`) as its base."""
+  source = ModelSource(run_dir, view='model', flag='--from')
+  if source.hf:
+    raise ConfigError(f'--from {run_dir} is a Hugging Face directory; pass a run directory trained with '
+                      f'model.lora')
+  init = read_config(source.path).train.init_from
+  return save_peft(source.config.model, source.params(one_device_mesh()), peft_dir, init and str(init))
 
 
 def _export_tokenizer(run_dir: epath.Path, spec: str, hf_dir: Path) -> None:

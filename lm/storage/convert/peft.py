@@ -1,0 +1,78 @@
+"""A run's low-rank adapters (`model.lora`) as a Hugging Face PEFT LoRA adapter: `adapter_config.json` and
+`adapter_model.safetensors`, whose tensors PEFT names after the base model's modules
+(`base_model.model.<module>.lora_A.weight` [rank, in], `.lora_B.weight` [out, rank]).
+
+Each adapter goes with the HF tensor its kernel is (the family converter's rules), so the adapter loads onto the HF
+model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DIR)`). A projection HF fuses with
+others (GPT-2's `c_attn`, GPT-NeoX's `query_key_value`) has no adapter of its own there: refused, as is a trained
+task head (PEFT's `modules_to_save`, not written yet); both export merged with `--to-hf`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import traverse_util
+from safetensors.numpy import save_file
+
+from lm.config import ConfigError, LoraConfig, ModelConfig
+from lm.models import get_family
+from lm.models.lora import ADAPTERS
+from lm.models.transformer import unstack_layers
+from lm.storage.convert.tensors import Tensor, write_tensors
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
+PREFIX = 'base_model.model.'  # where PeftModel keeps the base model's modules
+
+
+def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str | None = None) -> Path:
+  """Writes the adapters of `params` (a model with `cfg.lora`) as a PEFT LoRA adapter in directory `path`;
+  `base_model`: what adapter_config.json names as its base (`base_model_name_or_path`)."""
+  family = get_family(cfg.family)
+  if not cfg.lora.rank:
+    raise ConfigError('this model has no adapters (model.lora.rank=0): export it whole with --to-hf')
+  params = jax.device_get(nn.unbox(params))
+  if cfg.execution.scan_layers:
+    params, cfg = unstack_layers(params), cfg.with_execution(scan_layers=False)
+  heads = sorted(family.per_sequence_params() & set(params))
+  if heads:
+    raise ConfigError(f'the task head ({", ".join(heads)}) trained beside the adapters is not written into a PEFT '
+                      f'adapter yet; export the merged model with --to-hf')
+  flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
+  base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
+  converter = family.converter()
+  _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
+  adapters, targets = _adapter_rules(flat, rules, converter.ARCHITECTURE)
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  save_file(write_tensors(adapters, flat, np.float32), str(path / ADAPTER_WEIGHTS), metadata={'format': 'pt'})
+  lora = cfg.lora
+  config = {'peft_type': 'LORA', 'task_type': family.peft_task, 'r': lora.rank, 'lora_alpha': lora.alpha,
+            'lora_dropout': lora.dropout, 'use_rslora': lora.rslora, 'target_modules': sorted(targets),
+            'bias': 'none', 'fan_in_fan_out': False, 'modules_to_save': None, 'inference_mode': True,
+            'base_model_name_or_path': base_model, 'init_lora_weights': True}
+  (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
+  return path
+
+
+def _adapter_rules(flat: dict[str, np.ndarray], rules: list[Tensor], architecture: str
+                   ) -> tuple[list[Tensor], set[str]]:
+  """PEFT's tensors of each adapter (A [*in, rank] as lora_A [rank, in], B [rank, *out] as lora_B [out, rank]),
+  from the rule of the kernel it adapts; and the module names PEFT targets."""
+  own = {rule.params[0]: rule for rule in rules if len(rule.params) == 1 and rule.index is None}
+  out, targets = [], set()
+  for key in sorted(k for k in flat if k.endswith('/lora_a')):
+    module = key.removesuffix('/lora_a')
+    rule = own.get(f'{module}/kernel')
+    if rule is None or rule.layout != 'linear':
+      raise ConfigError(f'{architecture} holds {module}/kernel fused with other projections, where PEFT has no '
+                        f'adapter of its own for it; drop it from model.lora.targets or export merged with --to-hf')
+    hf = rule.name.removesuffix('.weight')
+    out += [Tensor(f'{PREFIX}{hf}.lora_A.weight', (key,), 'linear', rule.n_in),
+            Tensor(f'{PREFIX}{hf}.lora_B.weight', (f'{module}/lora_b',), 'linear')]
+    targets.add(hf.rsplit('.', 1)[-1])
+  return out, targets
