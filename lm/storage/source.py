@@ -1,7 +1,8 @@
 """The one way to open a model, for every job (eval, generate, finetune, train.init_from, scaling collect, convert).
 
 A path is one of our run dirs (its best params when a fine-tune kept them, else its latest checkpoint, or the
-checkpoint `step`), a checkpoint of one (RUN/checkpoints/STEP), or a Hugging Face model directory. It opens to the
+checkpoint `step`), a checkpoint of one (RUN/checkpoints/STEP), a Hugging Face model directory, or a PEFT LoRA
+adapter directory on one (`model.lora`). It opens to the
 config its params were written with (its model and tokenizer) and reads the params onto any mesh, in a view the
 run's optimizer defines ('model': what a model is evaluated with; 'ema': the params' moving average).
 """
@@ -20,13 +21,17 @@ from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh
 from lm.models import abstract_params
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import hf_model_config, load_hf
+from lm.storage.convert.peft import base_of, is_adapter_dir, load_peft
 from lm.storage.run_dir import BEST, CHECKPOINTS, CONFIG, HF_TOKENIZER_FILES, is_hf_dir, is_run_dir, read_config
 
 
 def hf_config(hf_dir: str | Path) -> Config:
-  """The Config of an HF model directory: its model, its tokenizer files (else bytes), rows of the default length
-  or its context, if shorter."""
-  model = hf_model_config(hf_dir)
+  """The Config of an HF model directory (or a PEFT adapter directory on one: the base's, with its adapters): its
+  model, its tokenizer files (else bytes), rows of the default length or its context, if shorter."""
+  if is_adapter_dir(hf_dir):
+    model, hf_dir = load_peft(hf_dir)[0].cfg, base_of(hf_dir)
+  else:
+    model = hf_model_config(hf_dir)
   tokenizer = f'hf:{hf_dir}' if has_tokenizer_files(hf_dir) else 'byte'
   return from_dict(Config(name=Path(hf_dir).name or 'converted', model=model,
                           data=DataConfig(seq_len=min(DataConfig.seq_len, model.max_len),
@@ -53,15 +58,16 @@ class ModelSource:
     self.path, at = _split(epath.Path(path))
     step = at if step is None else step
     self.view, self.flag = view, flag if flag.endswith('=') or not flag else flag + ' '
-    self.hf = not is_run_dir(self.path) and is_hf_dir(self.path)
+    self.adapter = not is_run_dir(self.path) and is_adapter_dir(self.path)  # PEFT's, on an HF base
+    self.hf = not is_run_dir(self.path) and (is_hf_dir(self.path) or self.adapter)
     self._assemblies: dict[Mesh, Assembly] = {}
     if self.hf:
       self._open_hf(step)
     elif is_run_dir(self.path):
       self._open_run(step, need_params)
     else:
-      raise ConfigError(f'{self.flag}{path} is neither a run directory (with {CONFIG}) nor a Hugging Face model '
-                        f'directory (with config.json); pass one of those')
+      raise ConfigError(f'{self.flag}{path} is neither a run directory (with {CONFIG}), a Hugging Face model '
+                        f'directory (with config.json) nor a PEFT adapter (adapter_config.json); pass one of those')
 
   def _open_hf(self, step: int | None) -> None:
     if self.view != 'model':
@@ -140,7 +146,7 @@ class ModelSource:
       saved.close()
 
   def _hf_params(self, mesh: Mesh) -> Any:
-    model, params = load_hf(self.path)
+    model, params = load_peft(self.path) if self.adapter else load_hf(self.path)
 
     def place(target: jax.ShapeDtypeStruct, array: np.ndarray) -> jax.Array:
       return jax.make_array_from_callback(target.shape, target.sharding, lambda index: array[index])

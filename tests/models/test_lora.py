@@ -185,3 +185,40 @@ def test_lm_convert_to_peft_writes_a_runs_adapters_onto_its_source(tmp_path, cap
   assert cli.main(['convert', '--from-hf', str(tmp_path / 'hf'), '--to', str(tmp_path / 'imported')]) == 0
   assert cli.main(['convert', '--from', str(tmp_path / 'imported'), '--to-peft', str(tmp_path / 'none')]) == 2
   assert 'this model has no adapters (model.lora.rank=0)' in capsys.readouterr().err
+
+
+def test_an_adapter_peft_made_opens_in_lm_with_peft_logits(tmp_path):
+  """PEFT's own LoRA (query and value projections of every layer, B drawn off zero) on a random HF Llama, saved
+  by PEFT: lm opens the adapter directory as a model (its base, its adapters as model.lora) with PEFT's logits; an
+  adapter on another base is one line."""
+  import peft
+  import torch
+  import transformers
+  from lm.storage.source import ModelSource
+  torch.manual_seed(0)
+  shape = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).save_pretrained(tmp_path / 'hf')
+  base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf').eval()
+  adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=16, target_modules=['q_proj', 'v_proj'],
+                                                      init_lora_weights=False))
+  adapted.save_pretrained(tmp_path / 'adapter')
+  config = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  config['base_model_name_or_path'] = str(tmp_path / 'hf')
+  (tmp_path / 'adapter' / 'adapter_config.json').write_text(json.dumps(config))
+  tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
+  with torch.no_grad():
+    theirs = adapted.eval()(torch.as_tensor(tokens)).logits.numpy()
+  source = ModelSource(tmp_path / 'adapter')
+  assert source.config.model.lora == LoraConfig(rank=4, alpha=16.0, targets=('query', 'value'))
+  model = build_model(source.config.model)
+  params = source.params(source.assembly().mesh)
+  np.testing.assert_allclose(np.asarray(model.apply({'params': params}, jnp.asarray(tokens))), theirs, rtol=1e-4,
+                             atol=1e-4)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shape, 'hidden_size': 48})).save_pretrained(
+    tmp_path / 'wider')
+  config['base_model_name_or_path'] = str(tmp_path / 'wider')
+  (tmp_path / 'adapter' / 'adapter_config.json').write_text(json.dumps(config))
+  with pytest.raises(ConfigError, match=f'is not an adapter of {tmp_path / "wider"}') as e:
+    ModelSource(tmp_path / 'adapter')
+  assert '\n' not in str(e.value)

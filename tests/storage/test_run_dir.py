@@ -105,7 +105,7 @@ def test_params_load_straight_onto_the_mesh_shards(source, tmp_path):
 
 
 def test_neither_kind_of_directory_is_named(tmp_path):
-  with pytest.raises(ConfigError, match='neither a run directory .* nor a Hugging Face model directory'):
+  with pytest.raises(ConfigError, match='neither a run directory .*, a Hugging Face model directory .* nor a PEFT'):
     ModelSource(tmp_path)
   (tmp_path / 'config.yaml').write_text(load_config('gpt_tiny').to_yaml())
   with pytest.raises(ConfigError, match='holds no checkpoint yet'):

@@ -77,7 +77,7 @@ def _family(hf: dict, where: Path) -> Family:
   return known[names[0]]
 
 
-def _open(path: Path) -> tuple[ModelConfig, Checkpoint, Any]:
+def open_hf(path: Path) -> tuple[ModelConfig, Checkpoint, Any]:
   """(model config, the open weights file, the converter's tensor rules) of HF directory `path`."""
   hf = read_hf_config(path)
   family = _family(hf, path)
@@ -122,12 +122,12 @@ def _checkpoint(path: Path, architecture: str) -> Checkpoint:
 
 def hf_model_config(path: str | Path) -> ModelConfig:
   """The model config of HF directory `path` (only the safetensors header is read)."""
-  return _open(Path(path))[0]
+  return open_hf(Path(path))[0]
 
 
 def load_hf(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
   """(model, float32 params) from a HF directory; `model.apply({'params': params}, ...)` gives its logits."""
-  cfg, ckpt, rules = _open(Path(path))
+  cfg, ckpt, rules = open_hf(Path(path))
   model = build_model(cfg)
   params = read_params(ckpt, rules, param_shapes(model))
   ckpt.warn_unused()

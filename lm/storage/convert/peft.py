@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,15 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import traverse_util
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from lm.config import ConfigError, LoraConfig, ModelConfig
-from lm.models import get_family
+from lm.models import build_model, get_family
 from lm.models.lora import ADAPTERS
 from lm.models.transformer import unstack_layers
-from lm.storage.convert.tensors import Tensor, write_tensors
+from lm.storage.convert.hf import open_hf
+from lm.storage.convert.tensors import Checkpoint, Tensor, param_shapes, read_params, write_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.'  # where PeftModel keeps the base model's modules
@@ -76,3 +79,82 @@ def _adapter_rules(flat: dict[str, np.ndarray], rules: list[Tensor], architectur
             Tensor(f'{PREFIX}{hf}.lora_B.weight', (f'{module}/lora_b',), 'linear')]
     targets.add(hf.rsplit('.', 1)[-1])
   return out, targets
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+  return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _read_adapter_config(path: Path) -> tuple[dict, Path]:
+  """(adapter_config.json, its base model's directory); ConfigError for what lm cannot load."""
+  config = json.loads((path / ADAPTER_CONFIG).read_text())
+  if config.get('peft_type') != 'LORA':
+    raise ConfigError(f'{path}/{ADAPTER_CONFIG}: peft_type {config.get("peft_type")!r} is not supported; lm loads '
+                      f'LORA adapters')
+  unsupported = {k: config.get(k) for k in ('layers_to_transform', 'modules_to_save', 'rank_pattern',
+                                            'alpha_pattern', 'use_dora') if config.get(k)}
+  if config.get('bias', 'none') != 'none':
+    unsupported['bias'] = config['bias']
+  if unsupported:
+    raise ConfigError(f'{path}/{ADAPTER_CONFIG}: {", ".join(f"{k}={v!r}" for k, v in unsupported.items())} is not '
+                      f'supported; lm loads plain LoRA adapters on every layer, without trained biases or modules')
+  base = Path(config.get('base_model_name_or_path') or '')
+  if not (base / 'config.json').is_file():
+    raise ConfigError(f'{path}/{ADAPTER_CONFIG}: base_model_name_or_path {str(base)!r} is not a Hugging Face model '
+                      f'directory here; set it to the local directory of the base model')
+  return config, base
+
+
+
+def load_peft(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+  """(model with `model.lora`, float32 params) from a PEFT LoRA adapter directory and the HF base model its
+  adapter_config.json names: the base's params as `load_hf` reads them, each adapter placed by the rule of the
+  kernel it adapts; ConfigError for an adapter that does not fit that base."""
+  path = Path(path)
+  config, base = _read_adapter_config(path)
+  cfg, ckpt, rules = open_hf(base)
+  placed = _placed(path, rules, ckpt.architecture)
+  lora = LoraConfig(rank=int(config['r']), alpha=float(config.get('lora_alpha', 8)),
+                    dropout=float(config.get('lora_dropout') or 0.0),
+                    targets=tuple(sorted({ours.rsplit('/', 1)[-1] for ours, _ in placed.values()})),
+                    rslora=bool(config.get('use_rslora')))
+  model = build_model(dataclasses.replace(cfg, lora=lora))
+  shapes = param_shapes(model)
+  adapter = lambda name: name.rsplit('/', 1)[-1] in ADAPTERS
+  params = read_params(ckpt, rules, {k: v for k, v in shapes.items() if not adapter(k)})
+  ckpt.warn_unused()
+  tensors = [t for hf, (ours, rule) in placed.items()
+             for t in (Tensor(f'{PREFIX}{hf}.lora_A.weight', (f'{ours}/lora_a',), 'linear', rule.n_in),
+                       Tensor(f'{PREFIX}{hf}.lora_B.weight', (f'{ours}/lora_b',), 'linear'))]
+  wanted = {k: v for k, v in shapes.items() if adapter(k)}
+  missing = sorted(set(wanted) - {p for t in tensors for p in t.params})
+  if missing:
+    raise ConfigError(f'{path}: the adapter leaves {missing[0].removesuffix("/lora_a").removesuffix("/lora_b")} '
+                      f'without adapters, where lm adapts every projection of a targeted name; target every layer')
+  try:
+    adapters = read_params(Checkpoint(path / ADAPTER_WEIGHTS, 'PEFT LoRA adapter'), tensors, wanted)
+  except ConfigError as e:
+    raise ConfigError(f'{path} is not an adapter of {base}: {e}') from None
+  return model, traverse_util.unflatten_dict({**traverse_util.flatten_dict(params, sep='/'),
+                                              **traverse_util.flatten_dict(adapters, sep='/')}, sep='/')
+
+
+def _placed(path: Path, rules: list[Tensor], architecture: str) -> dict[str, tuple[str, Tensor]]:
+  """Each module the adapter file adapts (PEFT's name, without its prefix) -> (our module, its kernel's rule)."""
+  with safe_open(str(path / ADAPTER_WEIGHTS), framework='numpy') as f:
+    names = list(f.keys())
+  own = {rule.name.removesuffix('.weight'): rule for rule in rules
+         if len(rule.params) == 1 and rule.index is None and rule.layout == 'linear'}
+  placed = {}
+  for name in names:
+    match = re.fullmatch(rf'{re.escape(PREFIX)}(.+)\.lora_[AB]\.weight', name)
+    if match is None or match[1] not in own:
+      raise ConfigError(f'{path}: adapter tensor {name!r} adapts no projection lm holds apart in {architecture}; '
+                        f'target the attention and MLP projections (q_proj, ..., down_proj)')
+    placed[match[1]] = own[match[1]].params[0].removesuffix('/kernel'), own[match[1]]
+  return placed
+
+
+def base_of(path: str | Path) -> Path:
+  """The local directory of the base model a PEFT adapter directory names."""
+  return _read_adapter_config(Path(path))[1]
