@@ -12,6 +12,7 @@ from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
 from lm.models.layers import GATED
+from lm.models.lora import frozen
 from lm.models.moe import BIAS, EXPERT_PARAMS, ROUTER, active_share
 from lm.ops.attention.capabilities import config_needs, pick_impl
 from lm.parallel.rules import axis_size, check_batch, path_names
@@ -36,7 +37,15 @@ def count_params(params: Any, cfg: ModelConfig | None = None) -> dict[str, int]:
   counts = {'total': total, 'non_embedding': total - embedding}
   if routed:
     counts.update(active=total - inactive, active_non_embedding=total - embedding - inactive)
+  if cfg is not None and cfg.lora.rank:
+    counts['trained'] = sum(int(np.prod(p.shape)) for p in _trained(params, cfg))
   return counts
+
+
+def _trained(params: Any, cfg: ModelConfig) -> list[Any]:
+  """The params a step trains (under `model.lora`: the adapters and a task head; else all)."""
+  fixed = jax.tree.leaves(frozen(params, cfg.lora, get_family(cfg.family).per_sequence_params()))
+  return [p for p, f in zip(jax.tree.leaves(params), fixed, strict=True) if not f]
 
 
 def kernel_sizes(params: Any, cfg: ModelConfig) -> KernelSizes:
@@ -250,10 +259,11 @@ def estimate_memory(config: Config, abstract_state: Any, mesh: Mesh) -> dict[str
   check_batch(mesh, t.global_batch, t.microbatches)
   tokens = t.global_batch // t.microbatches // axis_size(mesh, 'batch') * config.data.seq_len
   params = shard_bytes(abstract_state.params) + shard_bytes(abstract_state.params, HOST)  # in for the step
+  trained = _trained(abstract_state.params, config.model)
   out = {
     'params': params,
     'optimizer': shard_bytes(abstract_state.opt_state),  # none where train.optimizer_offload keeps it on the host
-    'gradients': params,
+    'gradients': shard_bytes(trained) + shard_bytes(trained, HOST),  # none of what model.lora freezes
     'one layer gathered': gathered_layer_bytes(config.model, abstract_state.params, mesh),
     'activations (estimate)': pipelined_activation_bytes(config, mesh) if mesh.shape.get('stage', 1) > 1 else
     activation_bytes(config.model, tokens, config.data.seq_len, axis_size(mesh, 'heads'),

@@ -36,7 +36,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     ('config', report['name']),
     ('parameters', f'{p["total"]:,} total, {p["non_embedding"]:,} non-embedding'
                    + (f'; {p["active"]:,} active per token, {p["active_non_embedding"]:,} non-embedding'
-                      if 'active' in p else '')),
+                      if 'active' in p else '')
+                   + (f'; {p["trained"]:,} trained (model.lora)' if 'trained' in p else '')),
     ('training FLOPs/token', f'{report["flops_per_token"]:.4g}'),
     ('KV cache/token', f'{report["cache_bytes_per_token"]:,} bytes (decoding, all layers)'),
     ('mesh', f'{mesh_text(mesh)} ({mesh["strategy"]}, '

@@ -222,3 +222,22 @@ def test_an_adapter_peft_made_opens_in_lm_with_peft_logits(tmp_path):
   with pytest.raises(ConfigError, match=f'is not an adapter of {tmp_path / "wider"}') as e:
     ModelSource(tmp_path / 'adapter')
   assert '\n' not in str(e.value)
+
+
+def test_the_compiled_step_keeps_optimizer_state_of_the_adapters_alone(tmp_path):
+  """`memory_analysis()` of the compiled train step, adapters against full fine-tuning of the same model: its
+  arguments (params, Adam's two moments, the batch) differ by exactly the frozen params' two moments less the
+  adapters' params and moments; `lm info`'s count of what trains is the adapters'."""
+  from lm.assembly import assemble
+  from lm.assembly.accounting import count_params
+  from lm.train.step import compile_train_step
+  full = assemble(load_config('llama_tiny', SMALL + [f'train.run_dir={tmp_path}']), jax.devices()[:1])
+  adapted = assemble(small_lora(f'train.run_dir={tmp_path}'), jax.devices()[:1])
+  base = count_params(full.abstract_params)['total']
+  counts = count_params(adapted.abstract_params, adapted.config.model)
+  adapters = counts['total'] - base
+  assert counts['trained'] == adapters > 0
+  memory = {name: compile_train_step(a).memory_analysis() for name, a in (('full', full), ('lora', adapted))}
+  saved = memory['full'].argument_size_in_bytes - memory['lora'].argument_size_in_bytes
+  assert saved == 4 * (2 * base - 3 * adapters)  # float32: (P + 2P) - (P + A + 2A)
+  print('arguments:', {name: m.argument_size_in_bytes for name, m in memory.items()})
