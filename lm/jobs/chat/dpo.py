@@ -3,7 +3,9 @@
 The policy trains from `--init`; the reference is the init, frozen. Its log-probabilities enter each batch as
 data, so the train state holds the policy alone (no reference gradients, no reference optimizer state):
 `--reference precomputed` (default) scores every pair once at the start and keeps them in
-`RUN/reference_logps.npz`; `--reference frozen` keeps the init's params on the devices, sharded like the policy's,
+`RUN/reference_logps.npz`; `--reference frozen` keeps the init's params on the devices, sharded like the policy's
+(under `model.lora` with adapters that start fresh, the policy's own base with its adapters off, scored inside
+each step: no second copy),
 and scores each batch as it comes. Both give the same numbers (to float32 rounding: the rows are scored in
 other batches). Log-probabilities come from the family's scoring
 seam (`Family.score` on `Scoring.rows`: a pair's prompt and completion in one row, the completion weighted), the
@@ -93,7 +95,8 @@ class DPOLoss:
     a, s = self.assembly, self.settings
     scores = a.family.score(a.model, params, _flat(batch))
     logps, tokens = scores['logprob'].reshape(-1, 2), scores['tokens'].reshape(-1, 2).astype(jnp.float32)
-    ratios = logps - batch['ref_logps'].astype(jnp.float32)
+    reference = batch['ref_logps'] if 'ref_logps' in batch else self.base_logps(params, batch)
+    ratios = logps - reference.astype(jnp.float32)
     delta = ratios[:, 0] - ratios[:, 1]
     if s.loss_type == 'sigmoid':
       per_pair = -jax.nn.log_sigmoid(s.beta * delta)
@@ -114,6 +117,15 @@ class DPOLoss:
 
   def metrics(self, sums, totals):
     return {k: v / totals['pairs'] for k, v in sums.items()}
+
+  def base_logps(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """[pairs, 2] log-probabilities of the frozen base under `model.lora` (the policy's params, its adapters off),
+    the reference with no second copy of the weights (TRL's adapter-disabled reference)."""
+    if not self.assembly.config.model.lora.rank:
+      raise ValueError('a batch without ref_logps is scored against the frozen base, which needs model.lora')
+    off = jax.tree_util.tree_map_with_path(
+      lambda path, p: jnp.zeros_like(p) if path[-1].key == 'lora_b' else jax.lax.stop_gradient(p), params)
+    return self.assembly.family.score(self.assembly.model, off, _flat(batch))['logprob'].reshape(-1, 2)
 
 
 class Reference:
@@ -152,8 +164,9 @@ class WithReference:
 class PairEval:
   """DPO's metrics on held-out pairs (their reference log-probabilities scored once), as eval/<metric>."""
 
-  def __init__(self, loss: DPOLoss, rows: dict[str, np.ndarray], reference: Reference):
-    self.loss, self.rows = loss, {**rows, 'ref_logps': reference.of_rows(rows)}
+  def __init__(self, loss: DPOLoss, rows: dict[str, np.ndarray], reference: Reference | None):
+    """`reference` None: the frozen base scores each batch in the step (`DPOLoss.base_logps`)."""
+    self.loss, self.rows = loss, rows if reference is None else {**rows, 'ref_logps': reference.of_rows(rows)}
     def sums(params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
       with sharding_context(loss.assembly.mesh):  # the layers' sharding constraints, as in the train step
         return loss(params, batch, None, loss.totals(batch))[1]
@@ -228,7 +241,12 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   assembly = assemble(config, devices)
   loss = DPOLoss(assembly, settings)
   trainer = Trainer(assembly, loss, run_dir=config.run_dir)
-  reference = Reference(assembly, assembly.params_of(initial_state(assembly, options.init).state))
+  start = initial_state(assembly, options.init)
+  # adapters that start fresh leave the init its base: a frozen reference is then the policy's own base, its
+  # adapters off, scored in each step with no second copy of the weights
+  in_step = settings.reference == 'frozen' and any(name.endswith('/lora_b') for name in start.fresh)
+  reference = None if in_step else Reference(assembly, assembly.params_of(start.state))
+  del start
   rows = pair_rows(assembly, pairs, tokenizer.pad_id)
   callbacks: list[Callback] = [RunFiles(config.run_dir, {SETTINGS_FILE: json.dumps(asdict(settings)) + '\n'})]
   if held:
@@ -240,7 +258,7 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
     reference.params = None  # every log-probability it gives is taken: its params leave the devices
   else:
     position = HostRows(rows, config.train.global_batch, config.train.seed, assembly.mesh)
-    stream = WithReference(position, reference)
+    stream = position if reference is None else WithReference(position, reference)
   records_out = trainer.run(stream, lambda: initial_state(assembly, options.init).state, callbacks,
                             position=position)
   if trainer.stopped_at is not None:

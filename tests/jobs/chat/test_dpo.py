@@ -15,6 +15,7 @@ from lm.data.chat import load_template
 from lm.data.pipeline import global_rows
 from lm.data.preference import encode_pair, read_pairs
 from lm.data.tokenizers import HFTokenizer
+from lm.jobs.chat import dpo
 from lm.jobs.chat.dpo import DPOLoss, DPOSettings, Reference, dpo_config, finetune_dpo, pair_rows
 from lm.jobs.chat.sft import ChatOptions
 from lm.train.init_from import initial_state
@@ -166,3 +167,29 @@ def test_bad_preference_records_are_one_line(tiny_llama, tmp_path, capsys):
     assert cli.main(['finetune', '--task', 'dpo', '--init', str(tiny_llama), '--data', str(tmp_path / 'ok.jsonl'),
                      *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_lora_scores_the_frozen_base_inside_the_step_as_the_reference_scored_once(tiny_llama, tmp_path, monkeypatch):
+  """With fresh adapters (`model.lora`), `--reference frozen` scores the reference inside each step as the policy's
+  own params with the adapters off, keeping no second copy; it trains as the init scored once (`precomputed`), the
+  margins moving off 0 as the adapters learn while the reference stays."""
+  preference_pairs(tmp_path / 'train.jsonl', 32, 0)
+  preference_pairs(tmp_path / 'eval.jsonl', 16, 1)
+
+  def run(reference):
+    overrides = ('data.seq_len=32', 'train.global_batch=16', 'optim.learning_rate=1e-2', 'train.steps=3',
+                 'train.eval_every=3', 'model.lora.rank=4', f'train.run_dir={tmp_path}/{reference}')
+    options = ChatOptions(data=str(tmp_path / 'train.jsonl'), eval_data=str(tmp_path / 'eval.jsonl'),
+                          init=str(tiny_llama), overrides=overrides)
+    evaluation = finetune_dpo(options, DPOSettings(beta=0.5, reference=reference))
+    steps = [(r['step'], r['loss'], r['rewards/margins']) for r in map(
+      json.loads, (tmp_path / reference / 'metrics.jsonl').read_text().splitlines()) if 'rewards/margins' in r]
+    return np.array(steps), evaluation
+  with monkeypatch.context() as patch:  # no reference params on the devices
+    patch.setattr(dpo, 'Reference', lambda *args: pytest.fail('a second copy of the weights was made'))
+    frozen, frozen_eval = run('frozen')
+  precomputed, precomputed_eval = run('precomputed')
+  np.testing.assert_allclose(frozen, precomputed, rtol=1e-5, atol=1e-6)
+  assert abs(frozen[-1, 2]) > 1e-3 and frozen_eval['eval/rewards/margins'] != 0
+  np.testing.assert_allclose(frozen_eval['eval/loss'], precomputed_eval['eval/loss'], rtol=1e-5)
+  assert not (tmp_path / 'frozen' / 'reference_logps.npz').exists()
