@@ -1,6 +1,10 @@
 """Low-rank adapters (`model.lora`): an adapted projection against float64 NumPy, a fresh adapter leaving the model
 as it was, training that moves the adapters alone and keeps optimizer state of nothing else, and bad targets."""
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -162,30 +166,52 @@ def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(tmp_pat
   np.testing.assert_allclose(merged.numpy(), ours, rtol=1e-4, atol=1e-4)
 
 
-def test_lm_convert_to_peft_writes_a_runs_adapters_onto_its_source(tmp_path, capsys):
-  """`lm train` with adapters from an HF model, then `lm convert --from RUN --to-peft DIR`: PEFT's files, naming
-  the source as the base, load onto it; a run without adapters is refused in one line."""
+@pytest.mark.long(0.5)
+def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_to_peft(tmp_path, capsys):
+  """`lm train` with adapters from an HF model, straight and killed (-9) past its step-4 checkpoint then resumed:
+  the same losses, and `lm convert --from RUN --to-peft DIR` writes the same adapters, PEFT's files naming the
+  source as the base, which load onto it; a run without adapters is refused in one line."""
   import peft
   import transformers
   from lm import cli
+  from lm.train.logging import read_metrics
+  from tests.conftest import one_device_env
+  from tests.train.test_faults import without_timing
   plain = load_config('llama_tiny', SMALL).model
   save_hf(plain, nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16)), tmp_path / 'hf')
-  run = tmp_path / 'run'
-  assert cli.main(['train', '--config', 'llama_tiny', *SMALL, 'mesh.data=-1', 'model.lora.rank=4', 'train.steps=2',
-                   f'train.init_from={tmp_path / "hf"}', f'train.run_dir={run}']) == 0
-  assert cli.main(['convert', '--from', str(run), '--to-peft', str(tmp_path / 'adapter')]) == 0
-  config = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'llama_tiny', *SMALL, 'model.lora.rank=4',
+           'train.steps=8', 'train.checkpoint.every=2', f'train.init_from={tmp_path / "hf"}']
+  env = one_device_env()
+  straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True,
+                            timeout=600)
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  run = tmp_path / 'killed'
+  proc = subprocess.Popen(train + [f'train.run_dir={run}'], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 300
+  while not any(r.get('step', 0) >= 5 for r in read_metrics(run)):
+    assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))
+
+  for name in ('straight', 'killed'):
+    assert cli.main(['convert', '--from', str(tmp_path / name), '--to-peft', str(tmp_path / f'{name}_peft')]) == 0
+  files = [(tmp_path / f'{name}_peft' / 'adapter_model.safetensors').read_bytes() for name in ('straight', 'killed')]
+  assert files[0] == files[1]
+  config = json.loads((tmp_path / 'killed_peft' / 'adapter_config.json').read_text())
   assert (config['r'], config['target_modules'], config['base_model_name_or_path']) == (
     4, ['k_proj', 'o_proj', 'q_proj', 'v_proj'], str(tmp_path / 'hf'))
   loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf'),
-                                          tmp_path / 'adapter')
+                                          tmp_path / 'killed_peft')
   assert sum('lora_A' in name for name, _ in loaded.named_parameters()) == 4 * plain.num_layers
   capsys.readouterr()
-  assert cli.main(['convert', '--from', str(tmp_path / 'run'), '--to-peft', str(tmp_path / 'again')]) == 0
   assert cli.main(['convert', '--from-hf', str(tmp_path / 'hf'), '--to', str(tmp_path / 'imported')]) == 0
   assert cli.main(['convert', '--from', str(tmp_path / 'imported'), '--to-peft', str(tmp_path / 'none')]) == 2
   assert 'this model has no adapters (model.lora.rank=0)' in capsys.readouterr().err
-
 
 def test_an_adapter_peft_made_opens_in_lm_with_peft_logits(tmp_path):
   """PEFT's own LoRA (query and value projections of every layer, B drawn off zero) on a random HF Llama, saved
