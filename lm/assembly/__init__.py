@@ -24,7 +24,7 @@ from lm.assembly.state import HOST, TrainState, abstract_state, abstract_window,
 from lm.config import Config, ConfigError, ramp_rates
 from lm.models import abstract_params, check_config, get_family, logical_axes
 from lm.models.family import Family
-from lm.models.lora import check_targets, frozen
+from lm.models.lora import check_multipliers, check_targets, frozen
 from lm.models.moe import fixed_params
 from lm.models.parametrization import optimizer_multipliers
 from lm.parallel.mesh import make_mesh
@@ -114,6 +114,7 @@ def assemble(config: Config, devices: Sequence[jax.Device] | None = None, *, mes
   axes = logical_axes(model)  # Muon's hidden matrices, μP's and optim.lr_multipliers' param groups
   params = abstract_params(model, mesh)
   check_targets(params, config.model.lora)
+  check_multipliers(params, config.model.lora, config.optim, family.per_sequence_params())
   fixed = jax.tree.map(operator.or_, fixed_params(params),
                        frozen(params, config.model.lora, family.per_sequence_params()))
   tx, schedule = make_optimizer(config.optim, config.train.steps, config.train.ema_decay, axes,

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import traverse_util
 
-from lm.config import ConfigError, LoraConfig
+from lm.config import ConfigError, LoraConfig, OptimConfig, lr_multipliers
 
 ADAPTERS = ('lora_a', 'lora_b')
 
@@ -54,3 +54,16 @@ def merged(params: Any, lora: LoraConfig) -> Any:
       update = (a.reshape(-1, lora.rank) @ b.reshape(lora.rank, -1)).reshape(kernel.shape)
       out[(*module, 'kernel')] = kernel + lora.scale * update
   return traverse_util.unflatten_dict(out)
+
+
+def check_multipliers(params: Any, lora: LoraConfig, optim: OptimConfig, trainable: Collection[str]) -> None:
+  """ConfigError for an `optim.lr_multipliers` entry that matches only params `model.lora` freezes: a rate the
+  optimizer could not honour."""
+  if not lora.rank:
+    return
+  fixed = traverse_util.flatten_dict(frozen(params, lora, trainable), sep='/')
+  trained = [path for path, f in fixed.items() if not f]
+  for item, (pattern, _) in zip(optim.lr_multipliers, lr_multipliers(optim), strict=True):
+    if not any(pattern.search(path) for path in trained):
+      raise ConfigError(f'optim.lr_multipliers entry {item!r} matches only params model.lora freezes (what trains: '
+                        f'the adapters lora_a, lora_b and a task head); drop it or match an adapter')

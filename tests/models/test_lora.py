@@ -99,6 +99,8 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
                                     r'projections: key, out, query, value, wi_0, wi_1, wo'),
   (['model.lora.rank=100'], r'model.lora.rank=100 is above the width of .* \(64\); use a rank of at most 64'),
   (['model.lora.rank=0', 'model.lora.alpha=16'], r'model.lora fields are set but model.lora.rank=0'),
+  (['optim.lr_multipliers=[lora_b=2,embed=0.1]'],
+   r"optim.lr_multipliers entry 'embed=0.1' matches only params model.lora freezes"),
 ])
 def test_bad_adapters_are_one_line(overrides, says, tmp_path):
   from lm.assembly import assemble
