@@ -52,6 +52,7 @@ DecayShape = Literal['linear', 'sqrt', 'cosine']  # sqrt: 1 - sqrt(progress) (HÃ
 CausalFlops = Literal['half', 'full']
 NonFinite = Literal['stop', 'skip']
 OnSpike = Literal['off', 'skip', 'rollback']
+Divergence = Literal['forward', 'reverse']  # forward: KL(teacher || student); reverse: KL(student || teacher)
 Tracker = Literal['tensorboard', 'wandb']
 RampUnit = Literal['steps', 'tokens']
 RampRate = Literal['sqrt', 'linear', 'none']  # the learning rate times (batch / train.global_batch)^(1/2 | 1 | 0)
@@ -663,6 +664,28 @@ class HarnessConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+  """Knowledge distillation (Hinton et al. 2015; `lm.train.distill`): a frozen teacher scores every batch in the
+  train step, on the student's mesh in its own dtype. The loss is (1 - weight) x the data's token loss + weight x
+  temperature^2 x the KL divergence of the temperature-softened distributions per target token; each is logged
+  (`loss`, `distill_loss`)."""
+  teacher: str | None = None  # a run dir (RUN/checkpoints/STEP), an HF model directory or a PEFT adapter; None: off
+  weight: float = 0.5  # the divergence's share of the loss; 1: the teacher alone, 0: the data alone
+  temperature: float = 1.0  # both models' logits divided by it (the loss scaled by its square, as Hinton's)
+  divergence: Divergence = 'forward'  # forward: KL(teacher || student), mass-covering; reverse: mode-seeking
+
+  def check(self) -> None:
+    if self.teacher is None:
+      if self != DistillConfig():
+        raise ConfigError('train.distill fields are set but train.distill.teacher is not; name a teacher (a run '
+                          'dir or an HF model directory) or drop them')
+      return
+    if not 0 <= self.weight <= 1 or not self.temperature > 0:
+      raise ConfigError(f'train.distill.weight={self.weight} must be in [0, 1] and train.distill.temperature='
+                        f'{self.temperature} > 0')
+
+
+@dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000  # optimizer steps in all (a resume continues to this)
   global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
@@ -704,6 +727,7 @@ class TrainConfig:
   profile: str | None = None  # 'START:COUNT': a jax.profiler trace of COUNT steps from step START in RUN/profile/
   profile_all_hosts: bool = False  # the trace on every process (default: process 0's)
   harness: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval-harness tasks in the loop
+  distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher's logits as (part of) the target
   trackers: tuple[Tracker, ...] = ('tensorboard',)  # where metrics go besides metrics.jsonl: tensorboard, wandb
   wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B run, with wandb among train.trackers
 
@@ -1185,6 +1209,7 @@ def _check_train(config: Config) -> None:
     raise ConfigError(f'train.trackers={list(t.trackers)} names a tracker twice; name each once')
   t.checkpoint.check()
   t.harness.check()
+  t.distill.check()
   _check_local_tier(t)
   batch_schedule(config)
 
@@ -1369,6 +1394,9 @@ def _check_pipeline(config: Config) -> None:
                       f'microbatches as gpipe, in more ticks; use at least {stages} microbatches or schedule=gpipe')
   if p.schedule == '1f1b' and m.moe.num_experts:
     _check_routed_1f1b(runs, m.moe)
+  if t.distill.teacher is not None:
+    raise ConfigError(f'train.distill.teacher runs a second model beside the pipelined stack, which {named} does not '
+                      f'stage; distill {fix}')
   if t.noise_scale:
     raise ConfigError(f'train.noise_scale=true needs each microbatch\'s own gradient, which {named} '
                       f'never forms (the stages run them together); set train.noise_scale=false {fix}')

@@ -384,7 +384,7 @@ def test_commands_name_every_exception():
 # two groups need runs in both); a command no group names runs in the first CATCH_ALL group whose regex matches.
 GROUPS = {
   'gpt_tiny': (r'lm train --config gpt_tiny (--resume )?train\.steps=2 ',
-               r'lm (generate|convert|eval|report) .*runs/gpt_tiny'),
+               r'lm (generate|convert|eval|report) .*runs/gpt_tiny', r'lm train .*distill\.teacher=runs/gpt_tiny'),
   'imported': (r'lm convert --from-hf ', r'lm .*runs/imported'),
   'bert': (r'lm train --config bert_tiny ', r'lm finetune .*runs/bert_tiny'),
   't5': (r'lm train --config t5_tiny ', r'lm finetune .*runs/t5_tiny'),

@@ -22,6 +22,7 @@ from lm.data.pipeline import stream_layout, training_batches
 from lm.train.branch import branch_state, resolve_branch
 from lm.train.init_from import initial_state
 from lm.train.callbacks import Callback, Evaluate, Record
+from lm.train.distill import open_teacher
 from lm.train.loop import Trainer
 from lm.train.held_out import HeldOut
 from lm.train.step import PretrainingLoss
@@ -35,7 +36,8 @@ class Pretraining:
     self.assembly = assemble(config, devices)
     self.mesh, self.model = self.assembly.mesh, self.assembly.model
     # The loop first: its step checks the batch against the mesh, before any batch is laid out on it.
-    self.loop = Trainer(self.assembly, PretrainingLoss(self.assembly), run_dir=config.run_dir)
+    self.loop = Trainer(self.assembly, PretrainingLoss(self.assembly, open_teacher(self.assembly)),
+                        run_dir=config.run_dir)
     objective_for = functools.partial(self.assembly.family.objective, config)
     self.tokenizer, self.train_batches = training_batches(config, self.mesh, objective_for)
     self.held_out = HeldOut(self.assembly)  # the validation split and data.evals

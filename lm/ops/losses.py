@@ -44,3 +44,15 @@ def sequence_classification(logits: jax.Array, labels: jax.Array) -> tuple[jax.A
   picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
   nll = jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
   return nll, jnp.sum((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
+
+
+def distillation(student: jax.Array, teacher: jax.Array, weights: jax.Array, temperature: float = 1.0,
+                 divergence: str = 'forward') -> jax.Array:
+  """Sum over tokens of weights x temperature^2 x the KL divergence of the temperature-softened distributions of
+  logits [..., vocab]: forward, KL(teacher || student) (Hinton et al. 2015); reverse, KL(student || teacher)
+  (MiniLLM). The teacher's side is a constant."""
+  log_s = jax.nn.log_softmax(student.astype(jnp.float32) / temperature, axis=-1)
+  log_t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32) / temperature, axis=-1)
+  log_p, log_q = (log_t, log_s) if divergence == 'forward' else (log_s, log_t)
+  kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+  return temperature ** 2 * jnp.sum(kl * weights.astype(jnp.float32))

@@ -122,7 +122,7 @@ class ModelSource:
       self._assemblies[assembly.mesh] = assembly
     return assembly
 
-  def _assembly_on(self, mesh: Mesh) -> Assembly:
+  def assembly_on(self, mesh: Mesh) -> Assembly:
     """The source's own config assembled on `mesh` (its optimizer defines the views), once per mesh."""
     if mesh not in self._assemblies:
       self._assemblies[mesh] = assemble(self.config, mesh=mesh)
@@ -136,7 +136,7 @@ class ModelSource:
     step = self.step if step is None else step
     if step not in self.steps:
       raise ConfigError(f'{self.path} holds no checkpoint at step {step} (it holds {", ".join(map(str, self.steps))})')
-    assembly = self._assembly_on(mesh)
+    assembly = self.assembly_on(mesh)
     saved = self._checkpointer()
     try:
       if self.directory.name == BEST:

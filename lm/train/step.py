@@ -1,6 +1,7 @@
 """The jitted train and eval steps: sharded in and out, state donated, microbatches scanned."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -12,17 +13,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lm.assembly import Assembly
 from lm.assembly.state import TrainState, to_device
-from lm.config import largest_batch, microbatches_at
+from lm.config import DistillConfig, largest_batch, microbatches_at
 from lm.data.pipeline import feature_specs
 from lm.models import logical_axes
 from lm.models.family import AHEAD, AUX_LOSS, AUX_TERMS, EXPERT_COUNTS, Head
 from lm.models.moe import update_bias
 from lm.models.mtp import ahead_keys, look_ahead
 from lm.ops.attention.ring import zigzag_order
-from lm.ops.losses import sequence_classification
+from lm.ops.losses import distillation, sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.pipeline import offering_loss, pipelining
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
+from lm.train.distill import Teacher
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
 
@@ -69,20 +71,27 @@ def lay_out_sequences(batch: Batch, mesh: jax.sharding.Mesh, seq_len: int) -> Ba
 
 def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch: dict[str, jax.Array],
                      z_loss: float, total_weight: jax.Array, total_sequences: jax.Array,
-                     ahead_weights: Sequence[jax.Array] = (), mtp_weight: float = 0.0
+                     ahead_weights: Sequence[jax.Array] = (), mtp_weight: float = 0.0,
+                     teacher: jax.Array | None = None, distill: DistillConfig = DistillConfig()
                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Token loss per target token, plus each active head's loss per sequence (BERT's NSP), plus `mtp_weight` times
-  the mean of the MTP depths' token losses (`model.mtp`), each per its own target tokens (`ahead_weights`).
+  the mean of the MTP depths' token losses (`model.mtp`), each per its own target tokens (`ahead_weights`). With a
+  `teacher`'s logits the token loss is (1 - weight) x itself + weight x the divergence from them per target token
+  (`train.distill`).
 
   Normalised by the WHOLE batch's totals, so microbatch losses and gradients add up exactly; auxiliary losses
   (routed experts) are added weighted, and kept out of the logged token loss.
-  Returns (loss, sums of the pieces for metrics: 'nll', 'z', '{head}_nll', '{head}_correct', each MTP depth's
+  Returns (loss, sums of the pieces for metrics: 'nll', 'z', 'distill', '{head}_nll', '{head}_correct', each MTP depth's
   'mtp_nll_{k}', and each auxiliary term as 'aux:{metric name}', times the rows it averages; and the routed
   layers' `EXPERT_COUNTS`, which the step takes out to move their selection biases).
   """
   token_sum, nll, z, _ = token_loss(outputs['logits'], batch['targets'], batch['weights'], z_loss)
   loss = token_sum / total_weight
   sums = {'nll': nll, 'z': z, **routed_sums(outputs, batch)}
+  if teacher is not None:
+    soft = distillation(outputs['logits'].logits(), teacher, batch['weights'], distill.temperature, distill.divergence)
+    sums['distill'] = jax.lax.stop_gradient(soft)
+    loss = (1 - distill.weight) * loss + distill.weight * soft / total_weight
   for k, (head, total) in enumerate(zip(outputs.get(AHEAD, ()), ahead_weights, strict=True), 1):
     _, targets, weights = ahead_keys(k)
     ahead_sum, sums[f'{MTP_NLL}{k}'], _, _ = token_loss(head, batch[targets], batch[weights], z_loss)
@@ -116,6 +125,9 @@ class StepLoss(Protocol):
   def prepare(self, batch: Batch) -> Batch:
     """The batch as the loss reads it; the step lays out what it adds with the rest (context parallelism)."""
 
+  # A loss may also read arrays beside the state (a teacher's params): `inputs`, which the step takes as an argument,
+  # and `bound(inputs)`, the loss reading them as that argument (traced) inside the step.
+
   def totals(self, batch: Batch) -> dict[str, jax.Array]: ...
 
   def __call__(self, params: Any, batch: Batch, rng: jax.Array, totals: dict[str, jax.Array]
@@ -127,8 +139,16 @@ class StepLoss(Protocol):
 @dataclass(frozen=True)
 class PretrainingLoss:
   """The family's objective: token cross-entropy (plus z-loss) per target token, and each active head's
-  loss per sequence (BERT's NSP)."""
+  loss per sequence (BERT's NSP); with a `teacher` (`train.distill`), the divergence from its logits."""
   assembly: Assembly
+  teacher: Teacher | None = None
+
+  @property
+  def inputs(self) -> Any:
+    return None if self.teacher is None else self.teacher.params
+
+  def bound(self, inputs: Any) -> PretrainingLoss:
+    return dataclasses.replace(self, teacher=self.teacher.with_params(inputs))
 
   def prepare(self, batch):
     """With `model.mtp`, each depth's shifted inputs, targets and weights added."""
@@ -140,18 +160,20 @@ class PretrainingLoss:
     return {'weight': total(batch['weights']), 'sequences': jnp.asarray(batch['targets'].shape[0], jnp.float32),
             **{f'{MTP_WEIGHT}{k}': total(batch[ahead_keys(k)[2]]) for k in depths}}
 
-  def of_outputs(self, totals: dict[str, jax.Array]) -> Callable[[dict[str, Any], Batch], tuple[jax.Array, Metrics]]:
-    """`pretraining_loss` of (the model's outputs, the batch), normalised by the whole batch's `totals`."""
+  def of_outputs(self, totals: dict[str, jax.Array], teacher: jax.Array | None = None
+                 ) -> Callable[[dict[str, Any], Batch], tuple[jax.Array, Metrics]]:
+    """`pretraining_loss` of (the model's outputs, the batch), normalised by the whole batch's `totals`; with the
+    `teacher`'s logits of the batch, distilled."""
     a = self.assembly
     mtp = a.config.model.mtp
     return functools.partial(pretraining_loss, a.family.active_heads(a.config.model), z_loss=a.config.train.z_loss,
                              total_weight=totals['weight'], total_sequences=totals['sequences'],
                              ahead_weights=[totals[f'{MTP_WEIGHT}{k}'] for k in range(1, mtp.depth + 1)],
-                             mtp_weight=mtp.weight)
+                             mtp_weight=mtp.weight, teacher=teacher, distill=a.config.train.distill)
 
   def __call__(self, params, batch, rng, totals):
     a = self.assembly
-    loss = self.of_outputs(totals)
+    loss = self.of_outputs(totals, None if self.teacher is None else self.teacher.logits(batch))
     aux = functools.partial(aux_share, total_sequences=totals['sequences'])
     with offering_loss(loss, aux, batch) as offer:  # a stack pipelined by 1F1B takes it in its last stage
       outputs = a.family.apply(a.model, params, batch, deterministic=False, rngs={'dropout': rng})
@@ -163,6 +185,8 @@ class PretrainingLoss:
   def metrics(self, sums, totals):
     metrics = {'loss': sums['nll'] / totals['weight'], 'z_loss': sums['z'] / totals['weight'],
                'target_tokens': totals['weight']}
+    if 'distill' in sums:
+      metrics['distill_loss'] = sums['distill'] / totals['weight']
     metrics.update({name.removeprefix(AUX_SUM): value / totals['sequences'] for name, value in sums.items()
                     if name.startswith(AUX_SUM)})
     metrics.update({f'mtp/loss_{k}': sums[f'{MTP_NLL}{k}'] / totals[f'{MTP_WEIGHT}{k}']
@@ -204,32 +228,33 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
   """jit(step): gradients of `loss` (`PretrainingLoss`; a task's) over `train.microbatches` (accumulated, or on a
   mesh with stages pipelined), one optimizer update, the non-finite guard of `train.on_nonfinite`; routed layers'
   selection biases (`model.moe.bias_rate`) move after the update, from the step's token counts."""
-  config, tx, mesh = assembly.config, assembly.tx, assembly.mesh
-  seed = config.train.seed
+  config, tx, mesh, seed = assembly.config, assembly.tx, assembly.mesh, assembly.config.train.seed
   stop_at_nonfinite = config.train.on_nonfinite == 'stop'
   for t in (config.train, largest_batch(config).train):  # the first batch and a batch ramp's last
     check_batch(mesh, t.global_batch, t.microbatches)
   schedule = assembly.schedule
-  grad_fn = jax.value_and_grad(_held(loss, assembly.fixed), has_aux=True)
+  inputs = getattr(loss, 'inputs', None)
   watch_every = config.train.watch_every
   axes = logical_axes(assembly.model) if watch_every else None
   bias_rate = config.model.moe.bias_rate
   noise_scale = config.train.noise_scale
   resting = assembly.abstract_state
 
-  def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+  def step(state: TrainState, batch: Batch, inputs: Any = None) -> tuple[TrainState, Metrics]:
+    step_loss = loss if inputs is None else loss.bound(inputs)
+    grad_fn = jax.value_and_grad(_held(step_loss, assembly.fixed), has_aux=True)
     # offloaded params and optimizer state come in for the step; the out-shardings put them back
     state = state.replace(params=to_device(state.params, resting.params),
                           opt_state=to_device(state.opt_state, resting.opt_state))
     k = microbatches_at(config, jax.tree.leaves(batch)[0].shape[0])  # a batch ramp's stages differ
     with sharding_context(mesh):
-      batch = lay_out_sequences(loss.prepare(batch), mesh, config.data.seq_len)
+      batch = lay_out_sequences(step_loss.prepare(batch), mesh, config.data.seq_len)
       rng = jax.random.fold_in(jax.random.key(seed), state.step)
-      totals = loss.totals(batch)
+      totals = step_loss.totals(batch)
       grads, sums = _gradients(grad_fn, state.params, batch, rng, totals, k, noise_scale, mesh.shape['stage'])
       counts = sums.pop(EXPERT_COUNTS, None)  # summed over microbatches, and (global arrays) over data shards
       micro_squares = sums.pop(MICRO_SQUARES, None)
-      logged = loss.metrics(sums, totals)
+      logged = step_loss.metrics(sums, totals)
       with jax.named_scope('optimizer'):  # profiles (bench/profile_step.py) group its kernels by this name
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -257,9 +282,30 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, skipped=skipped,
                       spike_window=window), metrics
 
-  # The batch arrives as global arrays already sharded by the data pipeline (see batch_sharding).
-  shardings = assembly.shardings
-  return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=(0,))
+  return _jitted(step, assembly.shardings, inputs)
+
+
+def _jitted(step: Callable, shardings: TrainState, inputs: Any) -> Callable:
+  """jit(step), its state donated; with a loss's `inputs`, a step called (and lowered) as (state, batch) that hands
+  them in. The batch and the inputs arrive as global arrays already sharded (see batch_sharding)."""
+  if inputs is None:
+    return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=(0,))
+  return _WithInputs(jax.jit(step, in_shardings=(shardings, None, None), out_shardings=(shardings, None),
+                             donate_argnums=(0,)), inputs)
+
+
+@dataclass(frozen=True)
+class _WithInputs:
+  """A train step taking its loss's `inputs` (a teacher's params) as an argument: called, and lowered, as
+  (state, batch)."""
+  step: Any
+  inputs: Any
+
+  def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    return self.step(state, batch, self.inputs)
+
+  def lower(self, state: Any, batch: Any) -> jax.stages.Lowered:
+    return self.step.lower(state, batch, self.inputs)
 
 
 def _held(loss: StepLoss, fixed: Any) -> Callable:

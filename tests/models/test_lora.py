@@ -1,10 +1,8 @@
 """Low-rank adapters (`model.lora`): an adapted projection against float64 NumPy, a fresh adapter leaving the model
 as it was, training that moves the adapters alone and keeps optimizer state of nothing else, and bad targets."""
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -178,7 +176,7 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
   from lm import cli
   from lm.train.logging import read_metrics
   from tests.conftest import one_device_env
-  from tests.train.test_faults import without_timing
+  from tests.train.test_faults import kill_past, without_timing
   plain = load_config('llama_tiny', SMALL).model
   save_hf(plain, nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16)), tmp_path / 'hf')
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'llama_tiny', *SMALL, 'model.lora.rank=4',
@@ -188,14 +186,7 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
                             timeout=600)
   assert straight.returncode == 0, straight.stderr[-2000:]
   run = tmp_path / 'killed'
-  proc = subprocess.Popen(train + [f'train.run_dir={run}'], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 300
-  while not any(r.get('step', 0) >= 5 for r in read_metrics(run)):
-    assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  kill_past(train + [f'train.run_dir={run}'], run, 5, env)
   resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))

@@ -2,10 +2,8 @@
 through branches at those steps; a kill -9 and --resume across a ramp point change nothing; a ramp that cannot be
 is one line."""
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -17,7 +15,7 @@ from lm.jobs.pretraining import Pretraining
 from lm.storage.run_dir import read_config
 from lm.train.logging import read_metrics
 from tests.conftest import SMALL, one_device_env
-from tests.train.test_faults import without_timing
+from tests.train.test_faults import kill_past, without_timing
 
 # Batch 8 over the 8 devices, then 16 after step 3 and 32 after step 6: 2 and 4 microbatches of the same 8 rows.
 BASE = ['mesh.data=-1', 'train.global_batch=8', 'optim.schedule=constant', 'train.eval_batches=0']
@@ -65,14 +63,8 @@ def test_kill_9_and_resume_across_a_ramp_point_give_the_straight_losses(tmp_path
   straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True, timeout=600)
   assert straight.returncode == 0, straight.stderr[-2000:]
   run = tmp_path / 'killed'
-  proc = subprocess.Popen(train + [f'train.run_dir={run}'], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 300
-  while not any(r.get('step', 0) >= 4 for r in read_metrics(run)):  # past the first point; the latest
-    assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
-    time.sleep(0.05)  # checkpoint is step 2 or 4, before a point either way
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  kill_past(train + [f'train.run_dir={run}'], run, 4, env)  # past the first point; the latest checkpoint is step 2
+  # or 4, before a point either way
   resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))

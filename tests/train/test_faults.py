@@ -31,6 +31,17 @@ def without_timing(records):
   return [{k: v for k, v in r.items() if not is_timing(k)} for r in records]  # wall-clock figures differ
 
 
+def kill_past(command: list[str], run, step: int, env: dict[str, str]) -> None:
+  """Runs `command` (an `lm train` writing `run`) and kills it (-9) once its metrics reach `step`."""
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 300
+  while not any(r.get('step', 0) >= step for r in read_metrics(run)):
+    assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+
+
 def corpora(root) -> list[str]:
   """Overrides training from a mixture of the corpus forms a resume has to seek in: Parquet row groups, zstd JSON
   lines (decompressed once into lm's cache) and shards tokenized ahead."""
@@ -62,14 +73,7 @@ def test_kill_9_at_three_seeded_moments_then_resume_gives_the_straight_metrics(t
   kills = sorted(np.random.default_rng(2024).choice(np.arange(3, 28), size=3, replace=False).tolist())
   run = tmp_path / 'killed'
   for i, at in enumerate(kills):
-    proc = subprocess.Popen(train + [f'train.run_dir={run}'] + (['--resume'] if i else []), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not any(r.get('step', 0) >= at for r in read_metrics(run)):
-      assert proc.poll() is None and time.monotonic() < deadline, 'the run ended before it could be killed'
-      time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_past(train + [f'train.run_dir={run}'] + (['--resume'] if i else []), run, at, env)
   resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))

@@ -236,6 +236,9 @@ def finetune_dpo(options: ChatOptions, settings: DPOSettings, devices: Sequence[
   encode = lambda items: [encode_pair(tokenizer, template, r, where) for r, where in items]
   pairs, held = encode(records), encode(held_out)
   config = dpo_config(options, len(pairs))
+  if config.train.distill.teacher is not None:
+    raise ConfigError(f'train.distill.teacher={config.train.distill.teacher}: DPO learns from preferences, not a '
+                      f'teacher\'s tokens; drop it (distil with lm finetune --task sft or lm train)')
   print(f'dpo: {len(pairs)} pairs, {config.train.steps} steps of {config.train.global_batch}; outputs in '
         f'{config.run_dir}', flush=True)
   assembly = assemble(config, devices)

@@ -28,6 +28,7 @@ from lm.jobs.finetuning import load_tokenizer, source_config
 from lm.jobs.generate import decoding, generate
 from lm.storage.run_dir import CHAT_TEMPLATE
 from lm.train.callbacks import Callback, Evaluate
+from lm.train.distill import open_teacher
 from lm.train.init_from import initial_state
 from lm.train.loop import Trainer
 from lm.train.step import PretrainingLoss, make_eval_step
@@ -182,7 +183,7 @@ def finetune_sft(options: ChatOptions, devices: Sequence[jax.Device] | None = No
   print(f'sft: {len(train)} chats in {len(rows["inputs"])} rows, {config.train.steps} steps of '
         f'{config.train.global_batch}; outputs in {config.run_dir}', flush=True)
   assembly = assemble(config, devices)
-  trainer = Trainer(assembly, PretrainingLoss(assembly), run_dir=config.run_dir)
+  trainer = Trainer(assembly, PretrainingLoss(assembly, open_teacher(assembly)), run_dir=config.run_dir)
   callbacks: list[Callback] = [RunFiles(config.run_dir, {CHAT_TEMPLATE: template.source})]
   if held_out:
     evaluate = ChatEval(trainer, tokenizer, template, held_out, options.train_on, options.eval_generate)

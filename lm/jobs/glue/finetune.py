@@ -159,6 +159,9 @@ class FineTuner:
 
   def __init__(self, config: Config, task: Task, train: Features, tokenizer: Tokenizer, target_len: int):
     self.config, self.task, self.train, self.tokenizer, self.target_len = config, task, train, tokenizer, target_len
+    if config.train.distill.teacher is not None:
+      raise ConfigError(f'train.distill.teacher={config.train.distill.teacher}: GLUE fine-tuning does not distil yet '
+                        f'(soft labels); drop it')
     self.assembly = assemble(config)
     self.head = self.assembly.family.task_head
     self.task_dir = config.run_dir / task.name

@@ -1,0 +1,61 @@
+"""Knowledge distillation's teacher (`train.distill`): a model opened the one way (run dir, checkpoint, HF directory,
+PEFT adapter), assembled from its own config on the student's mesh, so its params are sharded by the same rules and
+it computes in its own dtype. The train step takes its params as an argument beside the state (never donated, never
+differentiated) and scores each microbatch with it; `lm.ops.losses.distillation` compares the two models' logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+
+from lm.assembly import Assembly
+from lm.config import Config, ConfigError
+from lm.data.tokenizers import fingerprint, get_tokenizer
+from lm.storage.source import ModelSource
+
+
+@dataclass(frozen=True)
+class Teacher:
+  assembly: Assembly  # the teacher's own config on the student's mesh
+  params: Any  # its params there: concrete arrays, or inside the step the traced argument they became
+
+  def logits(self, batch: dict[str, jax.Array]) -> jax.Array:
+    """[batch, length, vocab] for the student's (micro)batch, deterministic (no dropout), a constant to autodiff."""
+    a = self.assembly
+    head = a.family.apply(a.model, self.params, batch, deterministic=True, rngs={})['logits']
+    return jax.lax.stop_gradient(head.logits())
+
+  def with_params(self, params: Any) -> Teacher:
+    return replace(self, params=params)
+
+
+def open_teacher(student: Assembly) -> Teacher | None:
+  """The student's `train.distill.teacher` on its mesh, or None; a ConfigError naming the fix for a teacher that
+  reads other batches or another vocabulary."""
+  config = student.config
+  path = config.train.distill.teacher
+  if path is None:
+    return None
+  source = ModelSource(path, flag='train.distill.teacher=')
+  named = f'train.distill.teacher={path}'
+  check_teacher(config, source.config, named)
+  teacher = source.assembly_on(student.mesh)
+  if teacher.family.scoring is not student.family.scoring:
+    raise ConfigError(f'{named} is a {teacher.family.name} model, whose outputs predict other targets than the '
+                      f'{student.family.name} student\'s; distill from a teacher of the student\'s kind')
+  return Teacher(teacher, source.params(student.mesh))
+
+
+def check_teacher(student: Config, teacher: Config, named: str) -> None:
+  """The teacher's tokens must be the student's: the same vocabulary size and tokenizer (encoding alike, wherever
+  its files lie)."""
+  vocab, theirs = student.model.vocab_size, teacher.model.vocab_size
+  if vocab != theirs:
+    raise ConfigError(f'{named} has a vocabulary of {theirs} tokens and the student {vocab}; distill from a teacher '
+                      f'with the student\'s tokenizer and model.vocab_size')
+  ours, its = student.data.tokenizer, teacher.data.tokenizer
+  if ours != its and fingerprint(get_tokenizer(ours)) != fingerprint(get_tokenizer(its)):
+    raise ConfigError(f'{named} reads tokens of the tokenizer {its} and the student of {ours}; distill from a '
+                      f'teacher with the student\'s tokenizer (or set data.tokenizer to the teacher\'s)')
