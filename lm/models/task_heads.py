@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.models.decode import ENCODER_DECODER, Sampling, decode_batch
-from lm.ops.losses import cross_entropy, squared_error
+from lm.ops.losses import cross_entropy, distillation, squared_error
 
 if TYPE_CHECKING:
   from lm.data.tokenizers import Tokenizer
@@ -88,6 +88,12 @@ class TaskHead:
     """(sum of the loss over the batch, sum of its weights)."""
     raise NotImplementedError
 
+  def soft_loss(self, outputs: jax.Array, teacher: jax.Array, batch: Batch, regression: bool, temperature: float,
+                divergence: str) -> jax.Array:
+    """The sum over the batch of the divergence of `outputs` from a teacher's (`train.distill`: soft labels): the
+    KL of the softened distributions (`lm.ops.losses.distillation`)."""
+    return distillation(outputs, teacher, batch['weights'], temperature, divergence)
+
   def infer(self, model: nn.Module, params: Any, batch: Batch, tokenizer: Tokenizer, target_len: int) -> jax.Array:
     """On the device, traceable: what `predict` turns into labels."""
     raise NotImplementedError
@@ -134,6 +140,12 @@ class Classifier(TaskHead):
       return squared_error(outputs[:, 0], batch['labels'], batch['weights'])
     nll, _, weight = cross_entropy(outputs, batch['labels'], batch['weights'])
     return nll, weight
+
+  def soft_loss(self, outputs, teacher, batch, regression, temperature, divergence):
+    """A regression score's squared error from the teacher's; classes' KL."""
+    if regression:
+      return squared_error(outputs[:, 0], jax.lax.stop_gradient(teacher[:, 0]), batch['weights'])[0]
+    return super().soft_loss(outputs, teacher, batch, regression, temperature, divergence)
 
   def infer(self, model, params, batch, tokenizer, target_len):
     return self.apply(model, params, batch, deterministic=True, rngs={}).astype(jnp.float32)

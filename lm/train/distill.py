@@ -27,15 +27,20 @@ class Teacher:
     head = a.family.apply(a.model, self.params, batch, deterministic=True, rngs={})['logits']
     return jax.lax.stop_gradient(head.logits())
 
+  def task_outputs(self, batch: dict[str, jax.Array]) -> jax.Array:
+    """Its fine-tuning head's outputs (`Family.task_head`: class scores, or a text-to-text model's logits)."""
+    a = self.assembly
+    return jax.lax.stop_gradient(a.family.task_head.apply(a.model, self.params, batch, deterministic=True, rngs={}))
+
   def with_params(self, params: Any) -> Teacher:
     return replace(self, params=params)
 
 
-def open_teacher(student: Assembly) -> Teacher | None:
-  """The student's `train.distill.teacher` on its mesh, or None; a ConfigError naming the fix for a teacher that
-  reads other batches or another vocabulary."""
+def open_teacher(student: Assembly, path: str | None = None) -> Teacher | None:
+  """The teacher at `path` (default: the student's `train.distill.teacher`) on the student's mesh, or None; a
+  ConfigError naming the fix for a teacher that reads other batches, another vocabulary or has other outputs."""
   config = student.config
-  path = config.train.distill.teacher
+  path = config.train.distill.teacher if path is None else path
   if path is None:
     return None
   source = ModelSource(path, flag='train.distill.teacher=')
@@ -45,6 +50,10 @@ def open_teacher(student: Assembly) -> Teacher | None:
   if teacher.family.scoring is not student.family.scoring:
     raise ConfigError(f'{named} is a {teacher.family.name} model, whose outputs predict other targets than the '
                       f'{student.family.name} student\'s; distill from a teacher of the student\'s kind')
+  labels, theirs = config.model.num_labels, teacher.config.model.num_labels
+  if labels != theirs:
+    raise ConfigError(f'{named} has {theirs or "no"} task outputs (model.num_labels) and the student {labels or "none"}; '
+                      f'distill from a model fine-tuned on the student\'s task')
   return Teacher(teacher, source.params(student.mesh))
 
 

@@ -121,3 +121,34 @@ def test_a_teacher_that_predicts_other_targets_is_refused_in_one_line(tmp_path):
   config = load_config('gpt_tiny', SMALL + [f'train.run_dir={tmp_path}/run', f'train.distill.teacher={tmp_path}/bert'])
   with pytest.raises(ConfigError, match=r'is a bert model, whose outputs predict other targets than the gpt student'):
     Pretraining(config, jax.devices()[:1])
+
+
+@pytest.mark.parametrize('labels', [2, 1])
+def test_glue_soft_labels_are_the_classes_kl_or_the_scores_squared_error_as_numpy_gives(labels):
+  """GLUE's TaskLoss with a teacher: classes, (1 - w) x cross-entropy + w x T^2 x KL(teacher || student); a
+  regression score (STS-B), its squared error from the teacher's score."""
+  from lm.jobs.glue.finetune import TaskLoss
+  make = lambda *extra: assemble(load_config('bert_tiny', SMALL + [
+    'mesh.data=1', f'model.num_labels={labels}', 'train.distill.teacher=x', 'train.distill.weight=0.4',
+    'train.distill.temperature=0.5', *extra]), jax.devices()[:1])
+  student, teacher = make(), make('model.num_layers=3')
+  params, teacher_params = student.init_state().params, teacher.init_state(jax.random.key(5)).params
+  rng = np.random.default_rng(1)
+  batch = {'inputs': jnp.asarray(rng.integers(3, 260, (6, 16))), 'segment_ids': jnp.ones((6, 16), jnp.int32),
+           'token_types': jnp.asarray(np.repeat([[0] * 8 + [1] * 8], 6, 0)),
+           'labels': jnp.asarray(rng.random(6) * 5 if labels == 1 else rng.integers(0, 2, 6)),
+           'weights': jnp.asarray([1, 1, 1, 0, 1, 1], jnp.float32)}
+  head = student.family.task_head
+  loss = TaskLoss(student, head, labels == 1, Teacher(teacher, teacher_params))
+  value, sums = loss(params, batch, jax.random.key(0), loss.totals(batch))
+  scores = lambda a, p: np.asarray(head.apply(a.model, p, batch, deterministic=True, rngs={}), np.float64)
+  s, t = scores(student, params), scores(teacher, teacher_params)
+  w, y = np.asarray(batch['weights'], np.float64), np.asarray(batch['labels'])
+  if labels == 1:
+    hard, soft = np.sum(w * (s[:, 0] - y) ** 2), np.sum(w * (s[:, 0] - t[:, 0]) ** 2)
+  else:
+    hard = -np.sum(w * np.take_along_axis(log_softmax(s), y[:, None], -1)[:, 0])
+    p, q = log_softmax(t / 0.5), log_softmax(s / 0.5)
+    soft = 0.25 * np.sum(w * np.sum(np.exp(p) * (p - q), -1))
+  np.testing.assert_allclose(float(sums['distill']), soft, rtol=1e-5)
+  np.testing.assert_allclose(float(value), (0.6 * hard + 0.4 * soft) / w.sum(), rtol=1e-5)

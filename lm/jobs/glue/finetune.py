@@ -16,12 +16,13 @@ fine-tuned model (its best params) like any other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from lm.assembly import Assembly, assemble
 from lm.assembly.state import TrainState
@@ -35,9 +36,10 @@ from lm.jobs.glue.metrics import task_metrics
 from lm.jobs.glue.tasks import Task
 from lm.models import get_family
 from lm.models.task_heads import UNPARSEABLE, TaskHead
-from lm.storage.run_dir import BEST
+from lm.storage.run_dir import BEST, is_run_dir
 from lm.train.init_from import initial_state
 from lm.train.callbacks import Evaluate, KeepBest
+from lm.train.distill import Teacher, open_teacher
 from lm.train.loop import Trainer
 from lm.train.step import make_score_step
 
@@ -114,10 +116,20 @@ def task_head(config: Config) -> TaskHead:
 
 @dataclass(frozen=True)
 class TaskLoss:
-  """The head's loss per example (classifier) or per target token (text to text), over the whole batch."""
+  """The head's loss per example (classifier) or per target token (text to text), over the whole batch; with a
+  `teacher` (`train.distill`), (1 - weight) x itself + weight x the divergence from the teacher's outputs (soft
+  labels)."""
   assembly: Assembly
   head: TaskHead
   regression: bool
+  teacher: Teacher | None = None
+
+  @property
+  def inputs(self) -> Any:
+    return None if self.teacher is None else self.teacher.params
+
+  def bound(self, inputs: Any) -> TaskLoss:
+    return replace(self, teacher=self.teacher.with_params(inputs))
 
   def prepare(self, batch):
     return batch
@@ -128,10 +140,26 @@ class TaskLoss:
   def __call__(self, params, batch, rng, totals):
     outputs = self.head.apply(self.assembly.model, params, batch, deterministic=False, rngs={'dropout': rng})
     total, _ = self.head.loss(outputs, batch, self.regression)
-    return total / totals['weight'], {'loss': total}
+    sums = {'loss': total}
+    if self.teacher is not None:
+      d = self.assembly.config.train.distill
+      soft = self.head.soft_loss(outputs, self.teacher.task_outputs(batch), batch, self.regression, d.temperature,
+                                 d.divergence)
+      sums['distill'] = jax.lax.stop_gradient(soft)
+      total = (1 - d.weight) * total + d.weight * soft
+    return total / totals['weight'], sums
 
   def metrics(self, sums, totals):
-    return {'loss': sums['loss'] / totals['weight']}
+    return {f'{name}_loss' if name == 'distill' else name: value / totals['weight'] for name, value in sums.items()}
+
+
+def task_teacher(config: Config, task: Task) -> str | None:
+  """`train.distill.teacher`, or its folder for `task` when it is a GLUE run of every task (RUN/TASK)."""
+  teacher = config.train.distill.teacher
+  if teacher is None:
+    return None
+  folder = epath.Path(teacher) / task.name
+  return str(folder) if is_run_dir(folder) else teacher
 
 
 def encode_examples(head: TaskHead, task: Task, tokenizer: Tokenizer, data: SplitData, max_len: int,
@@ -159,13 +187,11 @@ class FineTuner:
 
   def __init__(self, config: Config, task: Task, train: Features, tokenizer: Tokenizer, target_len: int):
     self.config, self.task, self.train, self.tokenizer, self.target_len = config, task, train, tokenizer, target_len
-    if config.train.distill.teacher is not None:
-      raise ConfigError(f'train.distill.teacher={config.train.distill.teacher}: GLUE fine-tuning does not distil yet '
-                        f'(soft labels); drop it')
     self.assembly = assemble(config)
     self.head = self.assembly.family.task_head
     self.task_dir = config.run_dir / task.name
-    self.loop = Trainer(self.assembly, TaskLoss(self.assembly, self.head, task.regression), run_dir=self.task_dir)
+    loss = TaskLoss(self.assembly, self.head, task.regression, open_teacher(self.assembly, task_teacher(config, task)))
+    self.loop = Trainer(self.assembly, loss, run_dir=self.task_dir)
     self._infer = make_score_step(
       self.assembly, lambda model, params, batch: self.head.infer(model, params, batch, tokenizer, target_len))
     self.batch = config.train.global_batch

@@ -192,10 +192,10 @@ METRICS = {'cola': {'matthews_corr'}, 'sst2': {'accuracy'}, 'mrpc': {'f1', 'accu
 
 
 @pytest.mark.long(1)
-def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files, tmp_path):
+def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files, tmp_path, capsys):
   """`--task glue` from an HF directory: nine tasks (STS-B through the regression head), AX with MNLI's model,
   the leaderboard's file names and formats, the zip and the summary. Each training set is smaller than the
-  batch: it cycles."""
+  batch: it cycles. The run then teaches a fine-tune (train.distill)."""
   out = tmp_path / 'glue'
   assert cli.main(['finetune', '--task', 'glue', '--data-dir', str(glue_files), '--init', str(hf_bert),
                    f'train.run_dir={out}', 'train.steps=2', 'train.global_batch=8', 'data.seq_len=32',
@@ -222,6 +222,17 @@ def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files,
     assert sorted(z.namelist()) == sorted(f'{name}.tsv' for name in SUBMISSION)
   summary = json.loads((out / 'glue_summary.json').read_text())
   assert set(summary['tasks']) == set(METRICS) and 0 <= summary['score'] <= 1
+
+  # The GLUE run teaches a new RTE fine-tune (its rte folder found by task); the HF BERT, with no task head, cannot.
+  distil = ['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert), 'train.steps=2',
+            'train.global_batch=8', 'data.seq_len=32', 'train.log_every=1', *QUIET]
+  assert cli.main([*distil, f'train.run_dir={tmp_path}/distilled', f'train.distill.teacher={out}']) == 0
+  records = [json.loads(line) for line in (tmp_path / 'distilled' / 'rte' / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in records if r.get('distill_loss', 0) > 0] == [1, 2]
+  capsys.readouterr()
+  assert cli.main([*distil, f'train.run_dir={tmp_path}/refused', f'train.distill.teacher={hf_bert}']) == 2
+  assert 'has no task outputs (model.num_labels) and the student 2; distill from a model fine-tuned' in \
+    capsys.readouterr().err
 
 
 @pytest.mark.long(1)
