@@ -129,40 +129,57 @@ def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
   np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
 
 
-def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(tmp_path):
-  """A random HF Llama (grouped-query heads) imported, adapters on attention and MLP projections moved off their
-  init, written with `save_peft`: PEFT loads them onto transformers' model and gives lm's logits; the merged export
-  gives them too."""
-  import peft
+def random_hf(architecture: str):
+  """A random transformers model: a Llama with grouped-query heads, or a BERT with its MLM head."""
   import torch
   import transformers
   torch.manual_seed(0)
-  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-    vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=32)).eval()
-  hf.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  if architecture == 'llama':
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=32)).eval()
+  return transformers.BertForMaskedLM(transformers.BertConfig(
+    vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    max_position_embeddings=32)).eval()
+
+
+@pytest.mark.parametrize('architecture, targets', [('llama', ('query', 'key', 'value', 'out', 'wi_0', 'wo')),
+                                                   ('bert', ('query', 'key', 'value', 'out', 'wi', 'wo'))])
+def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(architecture, targets, tmp_path):
+  """A random HF Llama (grouped-query heads) or BERT imported, adapters on attention and MLP projections moved off
+  their init, written with `save_peft`: PEFT loads them onto transformers' model, adapting those modules alone (not
+  BERT's MLM-head `dense`), and gives lm's logits; lm reads them back; the merged export gives them too."""
+  import peft
+  import torch
   from lm.storage.convert.hf import load_hf
-  from lm.storage.convert.peft import save_peft
+  from lm.storage.convert.peft import load_peft, save_peft
+  hf = random_hf(architecture)
+  hf.save_pretrained(tmp_path / 'hf', safe_serialization=True)
   model, base = load_hf(tmp_path / 'hf')
-  cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(
-    rank=4, alpha=8.0, targets=('query', 'key', 'value', 'out', 'wi_0', 'wo'), rslora=True)})
-  adapted = build_model(cfg)
-  params = nn.unbox(get_family(cfg.family).init(adapted, jax.random.key(0), 8))
+  cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(rank=4, alpha=8.0, targets=targets,
+                                                                         rslora=architecture == 'llama')})
+  adapted, family = build_model(cfg), get_family(cfg.family)
+  params = nn.unbox(family.init(adapted, jax.random.key(0), 8))
   keys = iter(jax.random.split(jax.random.key(1), 100))
   flat = {p: 0.2 * jax.random.normal(next(keys), v.shape) if p[-1] == 'lora_b' else v
           for p, v in traverse_util.flatten_dict(params).items() if p[-1] in ADAPTERS}
   params = traverse_util.unflatten_dict({**traverse_util.flatten_dict(base), **flat})
   save_peft(cfg, params, tmp_path / 'adapter', base_model=str(tmp_path / 'hf'))
   tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
-  ours = np.asarray(adapted.apply({'params': params}, jnp.asarray(tokens)))
+  batch = {'inputs': jnp.asarray(tokens), 'segment_ids': jnp.ones(tokens.shape, jnp.int32)}
+  logits = lambda model, p: np.asarray(family.apply(model, p, batch, deterministic=True, rngs={})['logits'].logits())
+  ours = logits(adapted, params)
   with torch.no_grad():
-    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / 'adapter').eval()(torch.as_tensor(tokens)).logits.numpy()
-    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'hf').eval()(torch.as_tensor(tokens)).logits
+    loaded = peft.PeftModel.from_pretrained(hf, tmp_path / 'adapter').eval()
+    theirs = loaded(torch.as_tensor(tokens)).logits.numpy()
+    plain = type(hf).from_pretrained(tmp_path / 'hf').eval()(torch.as_tensor(tokens)).logits
+  assert sum('lora_A' in name for name, _ in loaded.named_parameters()) == len(targets) * 2
   assert np.abs(plain.numpy() - theirs).max() > 1e-3  # the adapters act
   np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(logits(*load_peft(tmp_path / 'adapter')), ours, rtol=1e-6, atol=1e-6)
   save_hf(cfg, params, tmp_path / 'merged')
   with torch.no_grad():
-    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'merged').eval()(torch.as_tensor(tokens)).logits
+    merged = type(hf).from_pretrained(tmp_path / 'merged').eval()(torch.as_tensor(tokens)).logits
   np.testing.assert_allclose(merged.numpy(), ours, rtol=1e-4, atol=1e-4)
 
 

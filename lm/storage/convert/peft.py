@@ -77,8 +77,21 @@ def _adapter_rules(flat: dict[str, np.ndarray], rules: list[Tensor], architectur
     hf = rule.name.removesuffix('.weight')
     out += [Tensor(f'{PREFIX}{hf}.lora_A.weight', (key,), 'linear', rule.n_in),
             Tensor(f'{PREFIX}{hf}.lora_B.weight', (f'{module}/lora_b',), 'linear')]
-    targets.add(hf.rsplit('.', 1)[-1])
-  return out, targets
+    targets.add(hf)
+  return out, _target_names(targets, {rule.name.rsplit('.', 1)[0] for rule in rules})
+
+
+def _target_names(adapted: set[str], modules: set[str]) -> set[str]:
+  """PEFT's target_modules for the HF modules `adapted`, of all the base's `modules`: each one's last name (q_proj),
+  or where that also names a module left alone (BERT's MLM-head `dense` beside its layers'), its path after the layer
+  index (attention.output.dense), which PEFT matches as a suffix."""
+  others = modules - adapted
+  names = set()
+  for module in adapted:
+    last = module.rsplit('.', 1)[-1]
+    clash = any(other == last or other.endswith('.' + last) for other in others)
+    names.add(re.split(r'\.\d+\.', module, maxsplit=1)[-1] if clash else last)
+  return names
 
 
 def is_adapter_dir(path: str | Path) -> bool:
