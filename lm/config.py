@@ -191,7 +191,7 @@ class LoraConfig:
   alpha: float = 8.0  # lora_alpha
   dropout: float = 0.0  # on the adapters' input (lora_dropout), while training
   targets: tuple[str, ...] = ('query', 'key', 'value', 'out')  # projections by module name (attention: query, key,
-  # value, out; MLPs: wi or wi_0 and wi_1, wo; latent attention: query_down, query_up, kv_down)
+  # value, out; MLPs: wi or wi_0 and wi_1, wo; latent attention: query_down, query_up, kv_down; routed experts: experts)
   rslora: bool = False  # scale by alpha / sqrt(rank) (Kalajdzievski 2023; PEFT's use_rslora)
 
   @property

@@ -7,9 +7,13 @@ from collections.abc import Collection
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import traverse_util
 
 from lm.config import ConfigError, LoraConfig, OptimConfig, lr_multipliers
+from lm.models.moe import EXPERTS
+
+ADAPTED = '_lora'  # an expert kernel's adapters: the module `<kernel>_lora` beside it (lm.models.moe.ExpertAdapter)
 
 ADAPTERS = ('lora_a', 'lora_b')
 
@@ -28,15 +32,24 @@ def check_targets(params: Any, lora: LoraConfig) -> None:
     return
   flat = traverse_util.flatten_dict(params)
   kernels = {path[:-1]: leaf.shape for path, leaf in flat.items() if path[-1] == 'kernel'}
-  adapted = {path[:-1]: leaf.shape for path, leaf in flat.items() if path[-1] == 'lora_a'}
-  missing = [t for t in lora.targets if not any(module[-1] == t for module in adapted)]
+  adapted = {path[:-1]: (leaf.shape, flat[(*path[:-1], 'lora_b')].shape) for path, leaf in flat.items()
+             if path[-1] == 'lora_a'}
+  target = lambda module: EXPERTS if module[-1].endswith(ADAPTED) else module[-1]
+  missing = [t for t in lora.targets if not any(target(module) == t for module in adapted)]
   if missing:
-    names = sorted({module[-1] for module in kernels if len(module) > 1 and module[-2] in ('attention', 'mlp')})
+    names = sorted({module[-1] for module in kernels if len(module) > 1 and module[-2] in ('attention', 'mlp')} |
+                   ({EXPERTS} if any(path[-1] == 'router' for path in flat) else set()))
     raise ConfigError(f'model.lora.targets {missing} name no projection of this model; its projections: '
                       f'{", ".join(names)}')
-  for module, shape in adapted.items():
-    ins = math.prod(shape[:-1])
-    width = min(ins, math.prod(kernels[module]) // ins)
+  if lora.dropout and EXPERTS in lora.targets:
+    raise ConfigError(f'model.lora.dropout={lora.dropout} drops out the adapters\' input, which the experts\' '
+                      f'adapters (joined to their kernels) do not have; set model.lora.dropout=0 or drop {EXPERTS}')
+  for module, (a, b) in adapted.items():
+    if target(module) == EXPERTS:  # A [(layers,) experts, in, rank], B [(layers,) experts, rank, out]
+      width = min(a[-2], b[-1])
+    else:  # A [*in, rank], B [rank, *out] of a kernel [*in, *out]
+      ins = math.prod(a[:-1])
+      width = min(ins, math.prod(kernels[module]) // ins)
     if lora.rank > width:
       raise ConfigError(f'model.lora.rank={lora.rank} is above the width of {"/".join(module)} ({width}); use a '
                         f'rank of at most {width}')
@@ -49,10 +62,14 @@ def merged(params: Any, lora: LoraConfig) -> Any:
   out = {path: leaf for path, leaf in flat.items() if path[-1] not in ADAPTERS}
   for path, a in flat.items():
     if path[-1] == 'lora_a':
-      module = path[:-1]
-      kernel, b = out[(*module, 'kernel')], flat[(*module, 'lora_b')]
-      update = (a.reshape(-1, lora.rank) @ b.reshape(lora.rank, -1)).reshape(kernel.shape)
-      out[(*module, 'kernel')] = kernel + lora.scale * update
+      module, b = path[:-1], flat[(*path[:-1], 'lora_b')]
+      if module[-1].endswith(ADAPTED):  # an expert kernel, beside its adapters' module
+        at = (*module[:-1], module[-1].removesuffix(ADAPTED))
+        update = jnp.einsum('...ir,...ro->...io', a, b)  # per expert (and layer, stacked)
+      else:
+        at = (*module, 'kernel')
+        update = (a.reshape(-1, lora.rank) @ b.reshape(lora.rank, -1)).reshape(out[at].shape)
+      out[at] = out[at] + lora.scale * update
   return traverse_util.unflatten_dict(out)
 
 

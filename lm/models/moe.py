@@ -10,6 +10,10 @@ Each layer sows its balance statistics (`LOAD`, `PROB`), router z-loss (`Z_LOSS`
 dropped (`DROPPED`: on the capacity path, or by a capped expert-parallel buffer) into 'intermediates'; `aux_losses`
 makes the model's auxiliary losses of them, which the training loss weights and logs apart from the token loss.
 
+With `model.lora` targeting 'experts', each expert kernel has low-rank adapters (`<kernel>_lora`: `lora_a` [experts,
+in, rank], `lora_b` [experts, rank, out]) whose product, scaled, joins the kernel before the experts run: the
+routing paths take one kernel, as PEFT's adapters of a parameter (`target_parameters`) do.
+
 Aux-loss-free balancing (`model.moe.bias_rate`, DeepSeek-V3): each layer's `router_bias` [experts] shifts the
 scores only to choose experts. It is a param so that checkpoints, shardings and views carry it, but no optimizer
 moves it (`fixed_params`): the train step does (`update_bias`), from the token counts each layer sows (`COUNTS`),
@@ -33,6 +37,7 @@ LOAD, PROB, Z_LOSS, DROPPED, COUNTS = 'moe_load', 'moe_prob', 'moe_z_loss', 'moe
 EXPERT_PARAMS = ('wi_0', 'wi_1', 'wi', 'wo')  # the expert kernels' param names (a dense MLP's end in 'kernel')
 EXPERT_BIASES = tuple(f'{name}_bias' for name in EXPERT_PARAMS)
 ROUTER, BIAS, ROUTER_BIAS = 'router', 'router_bias', 'router_logit_bias'
+EXPERTS = 'experts'  # the model.lora target naming every expert kernel
 
 
 def active_share(name: str, m: MoeConfig) -> float:
@@ -77,7 +82,12 @@ class RoutedMlp(nn.Module):
 
   def _kernel(self, name: str, kind: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> jax.Array:
     init = nn.with_logical_partitioning(self.inits(kind, axes), axes)
-    return self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+    kernel = self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+    lora = self.cfg.lora
+    if lora.rank and EXPERTS in lora.targets:
+      adapter = ExpertAdapter(lora.rank, lora.scale, axes, self.param_dtype, name=f'{name}_lora')
+      kernel = kernel + adapter(shape).astype(self.dtype)
+    return kernel
 
   def _experts(self, x: jax.Array, routing: moe.Routing) -> jax.Array:
     """[batch, length, embed] -> the same, each token through its chosen experts."""
@@ -115,12 +125,32 @@ class RoutedMlp(nn.Module):
     cfg, m = self.cfg, self.cfg.moe
     width = m.shared_d_ff or m.shared_experts * (m.expert_d_ff or cfg.resolved_d_ff)
     y = Mlp(width, cfg.activation, use_bias=False, inits=self.inits, dtype=self.dtype, param_dtype=self.param_dtype,
-            name='shared')(x)
+            lora=cfg.lora if cfg.lora.rank else None, name='shared')(x)
     if not m.shared_gate:
       return y
     gate = DenseGeneral(1, ('embed', None), use_bias=False, kernel_init=self.inits('mlp_in', ('embed', None)),
                         dtype=self.dtype, param_dtype=self.param_dtype, name='shared_gate')(x)
     return jax.nn.sigmoid(gate) * y
+
+
+class ExpertAdapter(nn.Module):
+  """A low-rank update of an expert kernel [experts, in, out]: scale x A B per expert, A `lora_a` [experts, in,
+  rank] in U(+-1/sqrt(in)) and B `lora_b` [experts, rank, out] zero at first, as PEFT inits them."""
+  rank: int
+  scale: float
+  axes: tuple[str, ...]  # the kernel's logical axes
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, shape: tuple[int, int, int]) -> jax.Array:
+    experts, ins, outs = shape
+    bound = ins ** -0.5
+    uniform = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+    a = self.param('lora_a', nn.with_logical_partitioning(uniform, (self.axes[0], self.axes[1], None)),
+                   (experts, ins, self.rank), self.param_dtype)
+    b = self.param('lora_b', nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[0], None, self.axes[2])),
+                   (experts, self.rank, outs), self.param_dtype)
+    return self.scale * jnp.einsum('eir,ero->eio', a.astype(jnp.float32), b.astype(jnp.float32))
 
 
 def aux_losses(intermediates: Any, m: MoeConfig) -> tuple[jax.Array, dict[str, jax.Array]]:

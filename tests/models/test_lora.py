@@ -92,6 +92,59 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
   assert held == 2 * sum(before[p].size for p in adapters)
 
 
+def test_expert_adapters_join_each_expert_kernel_and_train_alone(tmp_path):
+  """`experts` adapts every routed expert's kernels (and `wo` the shared MLP's): the model equals the plain one on
+  kernels merged as a float64 NumPy einsum gives them; three steps move the adapters alone; a PEFT export of them,
+  and dropout on them, are one line."""
+  from lm.storage.convert.peft import save_peft
+  moe = ['model.d_model=64', 'model.num_heads=4', 'model.num_kv_heads=2', 'model.d_ff=128',
+         'model.moe.expert_d_ff=32', 'model.moe.num_experts=4', 'model.moe.shared_experts=1']
+  config = load_config('moe_tiny', SMALL + moe + ['model.lora.rank=2', 'model.lora.targets=[experts,wo]',
+                                                  f'train.run_dir={tmp_path}', 'train.steps=3',
+                                                  'optim.learning_rate=1e-2'])
+  cfg, family = config.model, get_family(config.model.family)
+  params = nn.unbox(family.init(build_model(cfg), jax.random.key(0), 16))
+  flat = traverse_util.flatten_dict(params)
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  flat = {p: 0.3 * jax.random.normal(next(keys), v.shape) if p[-1] == 'lora_b' else v for p, v in flat.items()}
+  params = traverse_util.unflatten_dict(flat)
+  experts = [p for p in flat if p[-2].endswith('_lora') and p[-1] == 'lora_a']
+  assert {p[-2] for p in experts} == {'wi_0_lora', 'wi_1_lora', 'wo_lora'}
+  assert any(p[-3:] == ('shared', 'wo', 'lora_a') for p in flat)
+  merged = {p: np.asarray(v, np.float64) for p, v in flat.items() if p[-1] not in ADAPTERS}
+  for path in experts:
+    a, b = (np.asarray(flat[(*path[:-1], k)], np.float64) for k in ADAPTERS)
+    kernel = (*path[:-2], path[-2].removesuffix('_lora'))
+    merged[kernel] = merged[kernel] + cfg.lora.scale * np.einsum('...ir,...ro->...io', a, b)  # per layer, expert
+  for path in [p for p in flat if p[-1] == 'lora_a' and not p[-2].endswith('_lora')]:  # the shared MLP's wo
+    a, b = (np.asarray(flat[(*path[:-1], k)], np.float64) for k in ADAPTERS)
+    merged[(*path[:-1], 'kernel')] = merged[(*path[:-1], 'kernel')] + cfg.lora.scale * a @ b
+  plain = cfg.__class__(**{**cfg.__dict__, 'lora': LoraConfig()})
+  batch = {'inputs': jnp.arange(32).reshape(2, 16) % 200}
+  run = lambda c, p: np.asarray(family.apply(build_model(c), p, batch, deterministic=True, rngs={})['logits'].logits())
+  reference = run(plain, traverse_util.unflatten_dict({p: jnp.asarray(v, jnp.float32) for p, v in merged.items()}))
+  np.testing.assert_allclose(run(cfg, params), reference, rtol=1e-5, atol=1e-5)
+
+  trainer = Pretraining(config, jax.devices()[:1])
+  state = trainer.init_state()
+  start = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params))
+  for _ in range(3):
+    state, _ = trainer.train_step(state, next(trainer.train_batches))
+  after = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params))
+  for path in start:
+    if path[-1] == 'lora_b':
+      assert not np.array_equal(start[path], after[path]), path
+    elif path[-1] not in ADAPTERS and path[-1] != 'router_bias':
+      np.testing.assert_array_equal(start[path], after[path], err_msg=str(path))
+  with pytest.raises(ConfigError, match=r"wi_0_lora: the routed experts' adapters \(model.lora.targets experts\) "
+                                        r'are not written as a PEFT adapter yet'):
+    save_peft(cfg, params, tmp_path / 'peft')
+  with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 drops out the adapters' input"):
+    from lm.assembly import assemble
+    assemble(load_config('moe_tiny', SMALL + moe + ['model.lora.rank=2', 'model.lora.targets=[experts]',
+                                                    'model.lora.dropout=0.1']), jax.devices()[:1])
+
+
 @pytest.mark.parametrize('overrides, says', [
   (['model.lora.targets=[q_proj]'], r"model.lora.targets \['q_proj'\] name no projection of this model; its "
                                     r'projections: key, out, query, value, wi_0, wi_1, wo'),

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from lm.config import ConfigError, LoraConfig, ModelConfig
 from lm.models import build_model, get_family
-from lm.models.lora import ADAPTERS
+from lm.models.lora import ADAPTED, ADAPTERS
 from lm.models.transformer import unstack_layers
 from lm.storage.convert.hf import open_hf
 from lm.storage.convert.tensors import Checkpoint, Tensor, param_shapes, read_params, write_tensors
@@ -46,6 +46,10 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
     raise ConfigError(f'the task head ({", ".join(heads)}) trained beside the adapters is not written into a PEFT '
                       f'adapter yet; export the merged model with --to-hf')
   flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
+  experts = sorted(k.removesuffix('/lora_a') for k in flat if k.endswith(f'{ADAPTED}/lora_a'))
+  if experts:
+    raise ConfigError(f'{experts[0]}: the routed experts\' adapters (model.lora.targets experts) are not written as '
+                      f'a PEFT adapter yet; export the merged model with --to-hf')
   base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   converter = family.converter()
   _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
