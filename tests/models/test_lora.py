@@ -236,6 +236,48 @@ def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(archite
   np.testing.assert_allclose(merged.numpy(), ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize('architecture, targets, rslora', [
+  ('gpt2', ('query', 'value', 'out', 'wo'), False), ('neox', ('query', 'key', 'value', 'out', 'wi'), True)])
+def test_adapters_of_a_fused_projection_load_in_peft_as_one_of_its_rank_times_parts(architecture, targets, rslora,
+                                                                                    tmp_path):
+  """GPT-2's c_attn (Conv1D) and GPT-NeoX's query_key_value (heads interleaved) hold query, key and value in one
+  tensor: their adapters are written as one of rank parts x rank (rank_pattern, alpha_pattern keeping the scale),
+  which PEFT loads onto transformers' model with lm's logits."""
+  import peft
+  import torch
+  import transformers
+  from lm.storage.convert.hf import load_hf
+  from lm.storage.convert.peft import save_peft
+  torch.manual_seed(0)
+  hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4,
+                                                            n_positions=32, bos_token_id=0, eos_token_id=0)) \
+    if architecture == 'gpt2' else transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+      vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+      max_position_embeddings=32))
+  hf.eval().save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  model, base = load_hf(tmp_path / 'hf')
+  cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(rank=3, alpha=8.0, targets=targets,
+                                                                         rslora=rslora)})
+  adapted, family = build_model(cfg), get_family(cfg.family)
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  flat = {p: 0.2 * jax.random.normal(next(keys), v.shape) if p[-1] == 'lora_b' else v for p, v in
+          traverse_util.flatten_dict(nn.unbox(family.init(adapted, jax.random.key(0), 8))).items() if p[-1] in ADAPTERS}
+  params = traverse_util.unflatten_dict({**traverse_util.flatten_dict(base), **flat})
+  save_peft(cfg, params, tmp_path / 'adapter', base_model=str(tmp_path / 'hf'))
+  config = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  fused, parts = ('c_attn', 2) if architecture == 'gpt2' else ('query_key_value', 3)
+  assert config['rank_pattern'] == {fused: 3 * parts}
+  assert config['alpha_pattern'][fused] == pytest.approx(cfg.lora.scale * (3 * parts) ** (0.5 if rslora else 1))
+  tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
+  ours = np.asarray(family.apply(adapted, params, {'inputs': jnp.asarray(tokens)}, deterministic=True,
+                                 rngs={})['logits'].logits())
+  with torch.no_grad():
+    theirs = peft.PeftModel.from_pretrained(type(hf).from_pretrained(tmp_path / 'hf'), tmp_path / 'adapter').eval()(
+      torch.as_tensor(tokens)).logits.numpy()
+  assert np.abs(hf(torch.as_tensor(tokens)).logits.detach().numpy() - theirs).max() > 1e-3  # the adapters act
+  np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.long(0.5)
 def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_to_peft(tmp_path, capsys):
   """`lm train` with adapters from an HF model, straight and killed (-9) past its step-4 checkpoint then resumed:

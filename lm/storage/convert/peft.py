@@ -3,9 +3,11 @@
 (`base_model.model.<module>.lora_A.weight` [rank, in], `.lora_B.weight` [out, rank]).
 
 Each adapter goes with the HF tensor its kernel is (the family converter's rules), so the adapter loads onto the HF
-model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DIR)`). A projection HF fuses with
-others (GPT-2's `c_attn`, GPT-NeoX's `query_key_value`) has no adapter of its own there: refused, as is a trained
-task head (PEFT's `modules_to_save`, not written yet); both export merged with `--to-hf`."""
+model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DIR)`). Where HF fuses projections
+(GPT-2's `c_attn`, GPT-NeoX's `query_key_value`) their adapters become one of the fused module's, of rank parts x
+rank (`rank_pattern`, with the `alpha_pattern` that keeps the scale), B block-diagonal: what they compute, exactly.
+A trained task head (PEFT's `modules_to_save`) and the experts' adapters are not written yet: export those merged
+with `--to-hf`."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,48 +55,75 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
   base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   converter = family.converter()
   _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
-  adapters, targets = _adapter_rules(flat, rules, converter.ARCHITECTURE)
+  tensors, modules, ranks = _adapter_tensors(flat, rules, cfg.lora)
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  save_file(write_tensors(adapters, flat, np.float32), str(path / ADAPTER_WEIGHTS), metadata={'format': 'pt'})
-  lora = cfg.lora
+  save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={'format': 'pt'})
+  lora, names = cfg.lora, _target_names(set(modules), {rule.name.rsplit('.', 1)[0] for rule in rules})
+  fused = {names[m]: r for m, r in ranks.items()}  # a fused projection's rank: its parts' adapters side by side
   config = {'peft_type': 'LORA', 'task_type': family.peft_task, 'r': lora.rank, 'lora_alpha': lora.alpha,
-            'lora_dropout': lora.dropout, 'use_rslora': lora.rslora, 'target_modules': sorted(targets),
-            'bias': 'none', 'fan_in_fan_out': False, 'modules_to_save': None, 'inference_mode': True,
-            'base_model_name_or_path': base_model, 'init_lora_weights': True}
+            'lora_dropout': lora.dropout, 'use_rslora': lora.rslora, 'target_modules': sorted(set(names.values())),
+            'bias': 'none', 'fan_in_fan_out': any(layout == 'conv1d' for layout in modules.values()),
+            'rank_pattern': fused, 'alpha_pattern': {k: lora.scale * (r ** 0.5 if lora.rslora else r)
+                                                     for k, r in fused.items()},
+            'modules_to_save': None, 'inference_mode': True, 'base_model_name_or_path': base_model,
+            'init_lora_weights': True}
   (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
   return path
 
 
-def _adapter_rules(flat: dict[str, np.ndarray], rules: list[Tensor], architecture: str
-                   ) -> tuple[list[Tensor], set[str]]:
-  """PEFT's tensors of each adapter (A [*in, rank] as lora_A [rank, in], B [rank, *out] as lora_B [out, rank]),
-  from the rule of the kernel it adapts; and the module names PEFT targets."""
+def _adapter_tensors(flat: dict[str, np.ndarray], rules: list[Tensor], lora: LoraConfig
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, int]]:
+  """PEFT's tensors of the adapters (lora_A [rank, in], lora_B [out, rank]), each placed by the rule of the kernel
+  it adapts; the HF modules adapted, with their weight's layout; and the rank of each fused one."""
   own = {rule.params[0]: rule for rule in rules if len(rule.params) == 1 and rule.index is None}
-  out, targets = [], set()
+  fused = {p: rule for rule in rules if len(rule.params) > 1 and rule.index is None for p in rule.params}
+  tensors, modules, ranks = {}, {}, {}
   for key in sorted(k for k in flat if k.endswith('/lora_a')):
-    module = key.removesuffix('/lora_a')
-    rule = own.get(f'{module}/kernel')
-    if rule is None or rule.layout != 'linear':
-      raise ConfigError(f'{architecture} holds {module}/kernel fused with other projections, where PEFT has no '
-                        f'adapter of its own for it; drop it from model.lora.targets or export merged with --to-hf')
+    kernel = key.removesuffix('/lora_a') + '/kernel'
+    rule = own.get(kernel) or fused.get(kernel)
+    if rule is None:
+      raise ConfigError(f'{kernel} is no tensor of the HF model; drop it from model.lora.targets or export merged '
+                        f'with --to-hf')
     hf = rule.name.removesuffix('.weight')
-    out += [Tensor(f'{PREFIX}{hf}.lora_A.weight', (key,), 'linear', rule.n_in),
-            Tensor(f'{PREFIX}{hf}.lora_B.weight', (f'{module}/lora_b',), 'linear')]
-    targets.add(hf)
-  return out, _target_names(targets, {rule.name.rsplit('.', 1)[0] for rule in rules})
+    if hf in modules:  # a fused projection, written whole with its first adapted part
+      continue
+    if len(rule.params) > 1:
+      a, b = _fused(rule, flat, lora.rank)
+      ranks[hf] = a.shape[0]
+    else:
+      a, b = (write_tensors([Tensor('x', (key.removesuffix('lora_a') + name,), 'linear', n)], flat, np.float32)['x']
+              for name, n in (('lora_a', rule.n_in), ('lora_b', 1)))
+    tensors[f'{PREFIX}{hf}.lora_A.weight'], tensors[f'{PREFIX}{hf}.lora_B.weight'] = a, b
+    modules[hf] = rule.layout
+  return tensors, modules, ranks
 
 
-def _target_names(adapted: set[str], modules: set[str]) -> set[str]:
-  """PEFT's target_modules for the HF modules `adapted`, of all the base's `modules`: each one's last name (q_proj),
-  or where that also names a module left alone (BERT's MLM-head `dense` beside its layers'), its path after the layer
+def _fused(rule: Tensor, flat: dict[str, np.ndarray], rank: int) -> tuple[np.ndarray, np.ndarray]:
+  """One adapter of the fused projection `rule` (GPT-2's c_attn, GPT-NeoX's query_key_value) computing what its
+  parts' adapters do: their A side by side [parts x rank, in], B block-diagonal [out, parts x rank], each part's B
+  laid out as the rule lays out its kernel (zeros for the others' outputs and for a part without adapters)."""
+  parts = [p.removesuffix('/kernel') for p in rule.params if p.removesuffix('/kernel') + '/lora_a' in flat]
+  a = np.concatenate([flat[f'{m}/lora_a'].reshape(-1, rank).T for m in parts])
+  slabs = []
+  for m in parts:
+    b = {p: np.zeros((rank, *flat[p].shape[1:]), np.float32) for p in rule.params}
+    b[f'{m}/kernel'] = flat[f'{m}/lora_b']
+    hf = write_tensors([dataclasses.replace(rule, name='x')], b, np.float32)['x']
+    slabs.append(hf.T if rule.layout == 'conv1d' else hf)  # conv1d writes [in, out]
+  return np.ascontiguousarray(a), np.ascontiguousarray(np.concatenate(slabs, axis=1))
+
+
+def _target_names(adapted: set[str], modules: set[str]) -> dict[str, str]:
+  """PEFT's target_modules name of each HF module `adapted`, of all the base's `modules`: its last name (q_proj), or
+  where that also names a module left alone (BERT's MLM-head `dense` beside its layers'), its path after the layer
   index (attention.output.dense), which PEFT matches as a suffix."""
   others = modules - adapted
-  names = set()
+  names = {}
   for module in adapted:
     last = module.rsplit('.', 1)[-1]
     clash = any(other == last or other.endswith('.' + last) for other in others)
-    names.add(re.split(r'\.\d+\.', module, maxsplit=1)[-1] if clash else last)
+    names[module] = re.split(r'\.\d+\.', module, maxsplit=1)[-1] if clash else last
   return names
 
 
