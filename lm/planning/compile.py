@@ -27,6 +27,7 @@ from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
 from lm.planning.breakdown import compile_with_breakdown, format_breakdown
 from lm.planning.stages import stages_lines, stages_report
+from lm.train.distill import Teacher, abstract_teacher
 from lm.train.step import compile_train_step, lower_train_step
 
 
@@ -89,7 +90,8 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'microbatches': t.microbatches, 'seq_len': config.data.seq_len,
     'params': count_params(assembly.abstract_params, config.model),
     'memory_per_device': memory, 'hbm_per_device': hbm, 'host_memory_per_device': host,
-    'estimated_memory': estimate_memory(config, assembly.abstract_state, assembly.mesh)['total (estimate)'],
+    'estimated_memory': with_teacher(estimate_memory(config, assembly.abstract_state, assembly.mesh),
+                                     abstract_teacher(assembly))['total (estimate)'],
     'host_per_device': host_per_chip,
     'fits': error is None and memory['total'] <= hbm and (host_per_chip is None or host['total'] <= host_per_chip),
     'flops_per_step': flops, 'flops_per_token': flops_per_token, 'peak_flops_per_device': peak,
@@ -230,6 +232,18 @@ def does_not_fit_message(r: dict[str, Any]) -> str:
           f'try model.execution.remat=full, a larger mesh.fsdp, more train.microbatches or a bigger slice')
 
 
+def with_teacher(memory: dict[str, int], teacher: Teacher | None) -> dict[str, int]:
+  """`estimate_memory`'s bytes with a distillation teacher's params (`train.distill`) in the step beside them."""
+  if teacher is None:
+    return memory
+  teacher_bytes, out = shard_bytes(teacher.params), {}
+  for name, value in memory.items():
+    if name == 'total (estimate)':
+      out['teacher params'], value = teacher_bytes, value + teacher_bytes
+    out[name] = value
+  return out
+
+
 def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
   """Parameter counts, FLOPs per token, mesh and per-device memory for `lm info`."""
   assembly = assemble(config)
@@ -241,7 +255,8 @@ def model_report(config: Config, compile_step: bool = False) -> dict[str, Any]:
     'cache_bytes_per_token': cache_bytes_per_token(config.model),
     'mesh': {**sizes, 'strategy': strategy_name(sizes), 'devices': jax.device_count(),
              'platform': jax.default_backend()},
-    'memory_per_device': estimate_memory(config, assembly.abstract_state, assembly.mesh),
+    'memory_per_device': with_teacher(estimate_memory(config, assembly.abstract_state, assembly.mesh),
+                                      abstract_teacher(assembly)),
   }
   if (stages := stages_report(config, assembly.mesh)) is not None:
     report['pipeline'] = stages

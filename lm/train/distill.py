@@ -37,13 +37,30 @@ class Teacher:
 
 
 def open_teacher(student: Assembly, path: str | None = None) -> Teacher | None:
-  """The teacher at `path` (default: the student's `train.distill.teacher`) on the student's mesh, or None; a
-  ConfigError naming the fix for a teacher that reads other batches, another vocabulary or has other outputs."""
-  config = student.config
-  path = config.train.distill.teacher if path is None else path
+  """The teacher at `path` (default: the student's `train.distill.teacher`) on the student's mesh with its params,
+  or None; a ConfigError naming the fix for a teacher that reads other batches, another vocabulary or has other
+  outputs."""
+  path = student.config.train.distill.teacher if path is None else path
   if path is None:
     return None
-  source = ModelSource(path, flag='train.distill.teacher=')
+  source, teacher = _assembled(student, path, need_params=True)
+  return Teacher(teacher, source.params(student.mesh))
+
+
+def abstract_teacher(student: Assembly) -> Teacher | None:
+  """`open_teacher` with its params' shapes, dtypes and shardings alone (nothing read): for lowering the step ahead
+  of time (`lm compile`)."""
+  path = student.config.train.distill.teacher
+  if path is None:
+    return None
+  _, teacher = _assembled(student, path, need_params=False)
+  return Teacher(teacher, teacher.abstract_params)
+
+
+def _assembled(student: Assembly, path: str, need_params: bool) -> tuple[ModelSource, Assembly]:
+  """(the teacher's source, its config assembled on the student's mesh), checked against the student."""
+  config = student.config
+  source = ModelSource(path, flag='train.distill.teacher=', need_params=need_params)
   named = f'train.distill.teacher={path}'
   check_teacher(config, source.config, named)
   teacher = source.assembly_on(student.mesh)
@@ -52,9 +69,9 @@ def open_teacher(student: Assembly, path: str | None = None) -> Teacher | None:
                       f'{student.family.name} student\'s; distill from a teacher of the student\'s kind')
   labels, theirs = config.model.num_labels, teacher.config.model.num_labels
   if labels != theirs:
-    raise ConfigError(f'{named} has {theirs or "no"} task outputs (model.num_labels) and the student {labels or "none"}; '
-                      f'distill from a model fine-tuned on the student\'s task')
-  return Teacher(teacher, source.params(student.mesh))
+    raise ConfigError(f'{named} has {theirs or "no"} task outputs (model.num_labels) and the student '
+                      f'{labels or "none"}; distill from a model fine-tuned on the student\'s task')
+  return source, teacher
 
 
 def check_teacher(student: Config, teacher: Config, named: str) -> None:

@@ -24,7 +24,7 @@ from lm.ops.losses import distillation, sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.pipeline import offering_loss, pipelining
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
-from lm.train.distill import Teacher
+from lm.train.distill import Teacher, abstract_teacher
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
 
@@ -326,8 +326,10 @@ def _watched(step: jax.Array, every: int, trees: dict[str, Any], axes: Any) -> M
 
 
 def lower_train_step(assembly: Assembly) -> jax.stages.Lowered:
-  """The pretraining train step lowered for the assembly's abstract state and batch (nothing allocated)."""
-  return make_train_step(assembly, PretrainingLoss(assembly)).lower(assembly.abstract_state, abstract_batch(assembly))
+  """The pretraining train step lowered for the assembly's abstract state and batch, with its teacher's
+  (`train.distill`) abstract params (nothing allocated)."""
+  loss = PretrainingLoss(assembly, abstract_teacher(assembly))
+  return make_train_step(assembly, loss).lower(assembly.abstract_state, abstract_batch(assembly))
 
 
 def compile_train_step(assembly: Assembly) -> jax.stages.Compiled:

@@ -27,7 +27,8 @@ def models(*overrides: str) -> tuple:
   rng = np.random.default_rng(0)
   inputs = rng.integers(0, 260, (4, 32))
   weights = (rng.random((4, 32)) > 0.2).astype(np.float32)
-  batch = {'inputs': jnp.asarray(inputs), 'targets': jnp.asarray(np.roll(inputs, -1, 1)), 'weights': jnp.asarray(weights)}
+  batch = {'inputs': jnp.asarray(inputs), 'targets': jnp.asarray(np.roll(inputs, -1, 1)),
+           'weights': jnp.asarray(weights)}
   return student, student.init_state().params, teacher, teacher.init_state(jax.random.key(7)).params, batch
 
 
@@ -152,3 +153,23 @@ def test_glue_soft_labels_are_the_classes_kl_or_the_scores_squared_error_as_nump
     soft = 0.25 * np.sum(w * np.sum(np.exp(p) * (p - q), -1))
   np.testing.assert_allclose(float(sums['distill']), soft, rtol=1e-5)
   np.testing.assert_allclose(float(value), (0.6 * hard + 0.4 * soft) / w.sum(), rtol=1e-5)
+
+
+def test_the_compiled_step_takes_the_teachers_params_beside_the_state(tmp_path):
+  """`lm compile`'s step (lowered with nothing read) holds the teacher's params as arguments: the compiled
+  arguments exceed the student's alone by exactly their bytes, which `lm info` counts in its estimate."""
+  from lm.models import build_model, get_family
+  from lm.storage.convert.hf import save_hf
+  from lm.train.step import compile_train_step
+  teacher = load_config('gpt_tiny', SMALL + ['model.num_layers=3']).model
+  params = nn.unbox(get_family(teacher.family).init(build_model(teacher), jax.random.key(1), 16))
+  save_hf(teacher, params, tmp_path / 'teacher')
+  sizes = [compile_train_step(assemble(load_config('gpt_tiny', SMALL + ['mesh.data=1', *extra]), jax.devices()[:1])
+                              ).memory_analysis().argument_size_in_bytes
+           for extra in ([], [f'train.distill.teacher={tmp_path / "teacher"}'])]
+  assert sizes[1] - sizes[0] == sum(x.size * 4 for x in jax.tree.leaves(params))
+  from lm.planning.compile import model_report
+  student = load_config('gpt_tiny', SMALL + ['mesh.data=-1', f'train.distill.teacher={tmp_path / "teacher"}'])
+  memory = model_report(student)['memory_per_device']
+  assert memory['teacher params'] == sizes[1] - sizes[0]
+  assert memory['total (estimate)'] == sum(v for k, v in memory.items() if k != 'total (estimate)')
