@@ -317,6 +317,17 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
   assert cli.main(['convert', '--from-hf', str(tmp_path / 'hf'), '--to', str(tmp_path / 'imported')]) == 0
   assert cli.main(['convert', '--from', str(tmp_path / 'imported'), '--to-peft', str(tmp_path / 'none')]) == 2
   assert 'this model has no adapters (model.lora.rank=0)' in capsys.readouterr().err
+  # The run dir generates (greedily, through the one way to open a model) as its merged export does, and not as the
+  # base without its adapters.
+  assert cli.main(['convert', '--from', str(run), '--to-hf', str(tmp_path / 'merged')]) == 0
+  assert cli.main(['convert', '--from-hf', str(tmp_path / 'merged'), '--to', str(tmp_path / 'merged_run')]) == 0
+  capsys.readouterr()
+  texts = []
+  for source in (run, tmp_path / 'merged_run', tmp_path / 'imported'):
+    assert cli.main(['generate', '--run', str(source), '--prompt', 'def ', '--max-new-tokens', '12']) == 0
+    texts.append(capsys.readouterr().out)
+  assert texts[0] == texts[1] != texts[2] and 'def ' in texts[0]
+
 
 def test_an_adapter_peft_made_opens_in_lm_with_peft_logits(tmp_path):
   """PEFT's own LoRA (query and value projections of every layer, B drawn off zero) on a random HF Llama, saved
