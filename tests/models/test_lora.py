@@ -92,6 +92,7 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
   assert held == 2 * sum(before[p].size for p in adapters)
 
 
+@pytest.mark.long(0.4)
 def test_expert_adapters_join_each_expert_kernel_and_train_alone(tmp_path):
   """`experts` adapts every routed expert's kernels (and `wo` the shared MLP's): the model equals the plain one on
   kernels merged as a float64 NumPy einsum gives them; three steps move the adapters alone; a PEFT export of them,
@@ -198,6 +199,7 @@ def random_hf(architecture: str):
 
 @pytest.mark.parametrize('architecture, targets', [('llama', ('query', 'key', 'value', 'out', 'wi_0', 'wo')),
                                                    ('bert', ('query', 'key', 'value', 'out', 'wi', 'wo'))])
+@pytest.mark.variants
 def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(architecture, targets, tmp_path):
   """A random HF Llama (grouped-query heads) or BERT imported, adapters on attention and MLP projections moved off
   their init, written with `save_peft`: PEFT loads them onto transformers' model, adapting those modules alone (not
@@ -238,6 +240,7 @@ def test_a_peft_adapter_written_by_lm_loads_in_peft_with_the_same_logits(archite
 
 @pytest.mark.parametrize('architecture, targets, rslora', [
   ('gpt2', ('query', 'value', 'out', 'wo'), False), ('neox', ('query', 'key', 'value', 'out', 'wi'), True)])
+@pytest.mark.variants
 def test_adapters_of_a_fused_projection_load_in_peft_as_one_of_its_rank_times_parts(architecture, targets, rslora,
                                                                                     tmp_path):
   """GPT-2's c_attn (Conv1D) and GPT-NeoX's query_key_value (heads interleaved) hold query, key and value in one

@@ -38,6 +38,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize('divergence', ['forward', 'reverse'])
+@pytest.mark.variants
 def test_the_loss_mixes_the_data_loss_with_the_kl_of_softened_logits_as_numpy_does(divergence):
   student, params, teacher, teacher_params, batch = models(
     'train.distill.teacher=x', 'train.distill.weight=0.3', 'train.distill.temperature=2',
@@ -125,6 +126,7 @@ def test_a_teacher_that_predicts_other_targets_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize('labels', [2, 1])
+@pytest.mark.variants
 def test_glue_soft_labels_are_the_classes_kl_or_the_scores_squared_error_as_numpy_gives(labels):
   """GLUE's TaskLoss with a teacher: classes, (1 - w) x cross-entropy + w x T^2 x KL(teacher || student); a
   regression score (STS-B), its squared error from the teacher's score."""
