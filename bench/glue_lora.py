@@ -67,7 +67,7 @@ def main() -> None:
   parser.add_argument('--rank', type=int, default=8)
   parser.add_argument('--lr-factors', default='3,10', help='LoRA rates, as multiples of full fine-tuning\'s')
   parser.add_argument('--lora-steps', type=int, default=1, help='LoRA steps, as a multiple of full fine-tuning\'s')
-  parser.add_argument('--out', default=str(ROOT / 'bench' / 'results' / 'glue_lora.json'))
+  parser.add_argument('--out', default=str(ROOT / 'docs' / 'results' / 'glue_lora.json'))
   args = parser.parse_args()
   rows, factors = [], [float(f) for f in args.lr_factors.split(',')]
   with tempfile.TemporaryDirectory() as tmp:
