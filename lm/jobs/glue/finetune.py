@@ -158,8 +158,14 @@ def task_teacher(config: Config, task: Task) -> str | None:
   teacher = config.train.distill.teacher
   if teacher is None:
     return None
-  folder = epath.Path(teacher) / task.name
-  return str(folder) if is_run_dir(folder) else teacher
+  root = epath.Path(teacher)
+  folder = root / task.name
+  if is_run_dir(folder):
+    return str(folder)
+  if not is_run_dir(root) and root.is_dir() and any(is_run_dir(d) for d in root.iterdir()):
+    raise ConfigError(f'train.distill.teacher={teacher} is a GLUE run without {task.name} ({folder} is no run); '
+                      f'fine-tune the teacher on {task.name} first, or name one task\'s run')
+  return teacher
 
 
 def encode_examples(head: TaskHead, task: Task, tokenizer: Tokenizer, data: SplitData, max_len: int,

@@ -233,6 +233,9 @@ def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files,
   assert cli.main([*distil, f'train.run_dir={tmp_path}/refused', f'train.distill.teacher={hf_bert}']) == 2
   assert 'has no task outputs (model.num_labels) and the student 2; distill from a model fine-tuned' in \
     capsys.readouterr().err
+  mrpc = [a if a != 'rte' else 'mrpc' for a in distil]
+  assert cli.main([*mrpc, f'train.run_dir={tmp_path}/refused', f'train.distill.teacher={tmp_path}/distilled']) == 2
+  assert 'is a GLUE run without mrpc' in capsys.readouterr().err
 
 
 @pytest.mark.long(1)
