@@ -11,9 +11,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from lm.config import ConfigError, LoraConfig, OptimConfig, lr_multipliers
-from lm.models.moe import EXPERTS
-
-ADAPTED = '_lora'  # an expert kernel's adapters: the module `<kernel>_lora` beside it (lm.models.moe.ExpertAdapter)
+from lm.models.moe import ADAPTED, EXPERTS, ROUTER
 
 ADAPTERS = ('lora_a', 'lora_b')
 
@@ -38,7 +36,7 @@ def check_targets(params: Any, lora: LoraConfig) -> None:
   missing = [t for t in lora.targets if not any(target(module) == t for module in adapted)]
   if missing:
     names = sorted({module[-1] for module in kernels if len(module) > 1 and module[-2] in ('attention', 'mlp')} |
-                   ({EXPERTS} if any(path[-1] == 'router' for path in flat) else set()))
+                   ({EXPERTS} if any(path[-1] == ROUTER for path in flat) else set()))
     raise ConfigError(f'model.lora.targets {missing} name no projection of this model; its projections: '
                       f'{", ".join(names)}')
   if lora.dropout and EXPERTS in lora.targets:

@@ -38,6 +38,7 @@ EXPERT_PARAMS = ('wi_0', 'wi_1', 'wi', 'wo')  # the expert kernels' param names 
 EXPERT_BIASES = tuple(f'{name}_bias' for name in EXPERT_PARAMS)
 ROUTER, BIAS, ROUTER_BIAS = 'router', 'router_bias', 'router_logit_bias'
 EXPERTS = 'experts'  # the model.lora target naming every expert kernel
+ADAPTED = '_lora'  # an expert kernel's adapters: the module `<kernel>_lora` beside it (ExpertAdapter)
 
 
 def active_share(name: str, m: MoeConfig) -> float:
@@ -85,7 +86,7 @@ class RoutedMlp(nn.Module):
     kernel = self.param(name, init, shape, self.param_dtype).astype(self.dtype)
     lora = self.cfg.lora
     if lora.rank and EXPERTS in lora.targets:
-      adapter = ExpertAdapter(lora.rank, lora.scale, axes, self.param_dtype, name=f'{name}_lora')
+      adapter = ExpertAdapter(lora.rank, lora.scale, axes, self.param_dtype, name=f'{name}{ADAPTED}')
       kernel = kernel + adapter(shape).astype(self.dtype)
     return kernel
 

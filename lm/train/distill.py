@@ -36,6 +36,19 @@ class Teacher:
     return replace(self, params=params)
 
 
+class Distilled:
+  """What a step loss with a `teacher` field (None: none) hands the train step: the teacher's params as its
+  `inputs` (an argument beside the state), and `bound(inputs)`, the loss reading them as that argument inside it."""
+  teacher: Teacher | None
+
+  @property
+  def inputs(self) -> Any:
+    return None if self.teacher is None else self.teacher.params
+
+  def bound(self, inputs: Any) -> Any:
+    return replace(self, teacher=self.teacher.with_params(inputs))
+
+
 def open_teacher(student: Assembly, path: str | None = None) -> Teacher | None:
   """The teacher at `path` (default: the student's `train.distill.teacher`) on the student's mesh with its params,
   or None; a ConfigError naming the fix for a teacher that reads other batches, another vocabulary or has other

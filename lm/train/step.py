@@ -1,7 +1,6 @@
 """The jitted train and eval steps: sharded in and out, state donated, microbatches scanned."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -24,7 +23,7 @@ from lm.ops.losses import distillation, sequence_classification
 from lm.ops.unembed import token_loss
 from lm.parallel.pipeline import offering_loss, pipelining
 from lm.parallel.rules import axis_size, batch_sharding, check_batch, constrain, sharding_context
-from lm.train.distill import Teacher, abstract_teacher
+from lm.train.distill import Distilled, Teacher, abstract_teacher
 from lm.train.spikes import guard, nonfinite_steps
 from lm.train.watch import watch_metrics
 
@@ -137,18 +136,11 @@ class StepLoss(Protocol):
 
 
 @dataclass(frozen=True)
-class PretrainingLoss:
+class PretrainingLoss(Distilled):
   """The family's objective: token cross-entropy (plus z-loss) per target token, and each active head's
   loss per sequence (BERT's NSP); with a `teacher` (`train.distill`), the divergence from its logits."""
   assembly: Assembly
   teacher: Teacher | None = None
-
-  @property
-  def inputs(self) -> Any:
-    return None if self.teacher is None else self.teacher.params
-
-  def bound(self, inputs: Any) -> PretrainingLoss:
-    return dataclasses.replace(self, teacher=self.teacher.with_params(inputs))
 
   def prepare(self, batch):
     """With `model.mtp`, each depth's shifted inputs, targets and weights added."""

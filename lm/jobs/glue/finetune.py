@@ -16,7 +16,7 @@ fine-tuned model (its best params) like any other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from lm.models.task_heads import UNPARSEABLE, TaskHead
 from lm.storage.run_dir import BEST, is_run_dir
 from lm.train.init_from import initial_state
 from lm.train.callbacks import Evaluate, KeepBest
-from lm.train.distill import Teacher, open_teacher
+from lm.train.distill import Distilled, Teacher, open_teacher
 from lm.train.loop import Trainer
 from lm.train.step import make_score_step
 
@@ -115,7 +115,7 @@ def task_head(config: Config) -> TaskHead:
 
 
 @dataclass(frozen=True)
-class TaskLoss:
+class TaskLoss(Distilled):
   """The head's loss per example (classifier) or per target token (text to text), over the whole batch; with a
   `teacher` (`train.distill`), (1 - weight) x itself + weight x the divergence from the teacher's outputs (soft
   labels)."""
@@ -123,13 +123,6 @@ class TaskLoss:
   head: TaskHead
   regression: bool
   teacher: Teacher | None = None
-
-  @property
-  def inputs(self) -> Any:
-    return None if self.teacher is None else self.teacher.params
-
-  def bound(self, inputs: Any) -> TaskLoss:
-    return replace(self, teacher=self.teacher.with_params(inputs))
 
   def prepare(self, batch):
     return batch

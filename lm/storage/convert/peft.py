@@ -25,7 +25,8 @@ from safetensors.numpy import save_file
 
 from lm.config import ConfigError, LoraConfig, ModelConfig
 from lm.models import build_model, get_family
-from lm.models.lora import ADAPTED, ADAPTERS
+from lm.models.lora import ADAPTERS
+from lm.models.moe import ADAPTED
 from lm.models.transformer import unstack_layers
 from lm.storage.convert.hf import open_hf
 from lm.storage.convert.tensors import Checkpoint, Tensor, param_shapes, read_params, write_tensors
