@@ -4,7 +4,8 @@ Each step directory holds the items `params` and `config`; a training checkpoint
 `optimizer` (step and optimizer state) and `data` (the grain iterator's position, one JSON file
 per process, so every host resumes at its exact record). An imported model
 (`lm convert --from-hf`) writes params and config only, so every command that reads params
-reads both alike.
+reads both alike. A LoRA run's checkpoints hold the params it trains and a `base` item naming where the rest is
+(lm.storage.lora_base); every restore here puts them back together.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import inspect
 import logging
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -26,6 +28,7 @@ from lm.assembly.state import TrainState, shardings_of
 from lm.config import Config, ConfigError, merge, upgrade
 from lm.distributed import all_processes, barrier
 from lm.models.transformer import relayout
+from lm.storage import lora_base
 
 UNRESTORABLE = '.unrestorable'  # suffix of a checkpoint set aside because it did not restore
 SPIKE_WINDOW = 'spike_window'  # the item of train.on_spike's window, in checkpoints of runs that keep one
@@ -156,8 +159,9 @@ def _process_local() -> tuple[dict[str, Any], dict[str, Any]]:
   registry = ocp.type_handlers.create_type_handler_registry(
     (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
   tree = lambda: ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry)
+  json = lambda: ocp.JsonCheckpointHandler(multiprocessing_options=options)
   handlers = {'params': tree(), 'optimizer': tree(), SPIKE_WINDOW: tree(), 'data': grain.checkpoint.CheckpointHandler(),
-              'config': ocp.JsonCheckpointHandler(multiprocessing_options=options)}
+              'config': json(), lora_base.BASE: json()}
   return {'multiprocessing_options': options, 'cleanup_tmp_directories': True,
           'async_options': ocp.options.AsyncOptions(create_directories_asynchronously=False)}, handlers
 
@@ -184,6 +188,7 @@ class Checkpointer:
                                                 create=create, enable_async_checkpointing=async_save,
                                                 **local_options)
     self.manager = self._manager()
+    self._base: dict | None = None  # the base item of a LoRA run's checkpoints, as first written or read
 
   def _manager(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(self.directory, options=self.options, item_handlers=self._handlers)
@@ -205,10 +210,33 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, data: Any, config: dict) -> None:
     """`data`: a grain iterator, or any object with get_state() -> bytes and set_state(bytes)."""
     window = {} if state.spike_window is None else {SPIKE_WINDOW: self._save(state.spike_window)}
+    params, base = self._stored(state.params, config)
     self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(
-      params=self._save(state.params),
+      params=self._save(params), **base,
       optimizer=self._save({'step': state.step, 'opt_state': state.opt_state, 'skipped': state.skipped}),
       data=grain.checkpoint.CheckpointSave(data), config=ocp.args.JsonSave(config), **window), force=True))
+
+  def _stored(self, params: Any, config: dict) -> tuple[Any, dict[str, ocp.args.CheckpointArgs]]:
+    """(the params a checkpoint of a run under `config` holds, its base item if a LoRA base is left out)."""
+    mask = lora_base.left_to_base(params, config)
+    if mask is None:
+      return params, {}
+    if self._base is None:  # the base never moves: named once, or as the checkpoint resumed from names it
+      self._base = lora_base.identify(config)
+    return lora_base.trained(params, mask), {lora_base.BASE: ocp.args.JsonSave(self._base)}
+
+  def _over_base(self, step: int, abstract_params: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """(what to read of checkpoint `step`'s params, the function completing them): when it left a LoRA base out,
+    the trained params and the base read from its source; else the params as they are."""
+    if not (self.directory / str(step) / lora_base.BASE).exists():
+      return abstract_params, lambda params: params
+    saved = with_defaults(self.saved_config(step))
+    base = self.manager.restore(step, args=ocp.args.Composite(**{lora_base.BASE: ocp.args.JsonRestore()}))
+    self._base = base = base[lora_base.BASE]
+    mask = lora_base.left_to_base(abstract_params, saved)
+    scanned = saved['model']['execution']['scan_layers']
+    return lora_base.trained(abstract_params, mask), \
+        lambda params: lora_base.filled(params, base, abstract_params, mask, scanned)
 
   def _write(self, step: int | None, write: Any) -> None:
     """Runs `write` (a save, which first waits for the previous one, or the wait), turning a failed write of this
@@ -230,10 +258,12 @@ class Checkpointer:
         f'checkpoint {failed} was not written: {_write_reason(e, self.directory)}; the last complete checkpoint is '
         f'{last}; free space (or lower train.checkpoint.keep), then continue with --resume') from e
 
-  def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None) -> None:
+  def save_params(self, step: int, params: Any, config: dict, metrics: dict[str, float] | None = None,
+                  over_base: bool = False) -> None:
     """A params-only checkpoint (an imported model, a fine-tune's best params, with the `metrics` that made them
-    best): no optimizer state or data position."""
-    items = {'params': self._save(params), 'config': ocp.args.JsonSave(config)}
+    best): no optimizer state or data position. `over_base`: a trained run's, leaving a LoRA base to its source."""
+    params, base = self._stored(params, config) if over_base else (params, {})
+    items = {'params': self._save(params), 'config': ocp.args.JsonSave(config), **base}
     if metrics is not None:
       items['metrics'] = ocp.args.JsonSave(metrics)
     self._write(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=True))
@@ -275,9 +305,10 @@ class Checkpointer:
     # the spike guard's window where this run keeps one and the checkpoint has it (else the run starts a fresh one)
     window = {SPIKE_WINDOW: self._restore(a.spike_window)} \
       if a.spike_window is not None and (self.directory / str(step) / SPIKE_WINDOW).is_dir() else {}
+    read, complete = self._over_base(step, a.params)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-        params=self._restore(a.params),
+        params=self._restore(read),
         optimizer=self._restore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped}),
         data=grain.checkpoint.CheckpointRestore(data), **window))
     except ValueError as e:
@@ -287,7 +318,7 @@ class Checkpointer:
                         f'({jax.process_index()} of {jax.process_count()}); resume with as many processes as '
                         f'wrote it') from None
     optimizer = restored['optimizer']
-    state = TrainState(step=optimizer['step'], params=restored['params'], opt_state=optimizer['opt_state'],
+    state = TrainState(step=optimizer['step'], params=complete(restored['params']), opt_state=optimizer['opt_state'],
                        skipped=optimizer['skipped'], spike_window=restored[SPIKE_WINDOW] if window else None)
     if saved_scanned != scanned:
       state = jax.jit(lambda s: relayout(s, scanned), out_shardings=shardings_of(abstract_state))(state)
@@ -334,8 +365,8 @@ class Checkpointer:
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the params, placed on `abstract_params`' shardings."""
-    return self.manager.restore(step, args=ocp.args.Composite(
-      params=self._restore(abstract_params)))['params']
+    read, complete = self._over_base(step, abstract_params)
+    return complete(self.manager.restore(step, args=ocp.args.Composite(params=self._restore(read)))['params'])
 
   def restore_view(self, step: int, abstract_state: TrainState, view: Any) -> Any:
     """The params `view` (an `lm.assembly.optim.ParamsView`) makes of checkpoint `step`, on the params'
@@ -344,10 +375,11 @@ class Checkpointer:
     if not view.reads_optimizer:
       return self.restore_params(step, abstract_state.params)
     a = abstract_state
+    read, complete = self._over_base(step, a.params)
     restored = self.manager.restore(step, args=ocp.args.Composite(
-      params=self._restore(a.params),
+      params=self._restore(read),
       optimizer=self._restore({'step': a.step, 'opt_state': a.opt_state, 'skipped': a.skipped})))
-    return view.of(restored['params'], restored['optimizer']['opt_state'])
+    return view.of(complete(restored['params']), restored['optimizer']['opt_state'])
 
   def wait(self) -> None:
     self._write(None, self.manager.wait_until_finished)

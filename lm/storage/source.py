@@ -18,7 +18,11 @@ from jax.sharding import Mesh
 
 from lm.assembly import Assembly, assemble
 from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh, merge, parse_overrides
+from flax import traverse_util
+
 from lm.models import abstract_params
+from lm.models.transformer import relayout
+from lm.storage import lora_base
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import hf_model_config, load_hf
 from lm.storage.convert.peft import base_of, is_adapter_dir, load_peft
@@ -160,3 +164,27 @@ def open_model(path: str | Path, *, step: int | None = None, ema: bool = False, 
   source = ModelSource(path, step, 'ema' if ema else 'model', flag)
   assembly = source.assembly(overrides)
   return source, assembly, source.params(assembly.mesh)
+
+
+def _base_item(source: str, ema: bool) -> dict:
+  """A LoRA run's base item (lm.storage.lora_base): its `train.init_from` and the step that opens at now."""
+  opened = ModelSource(source, view='ema' if ema else 'model', flag='train.init_from=')
+  return {'source': str(source), 'step': opened.step, 'view': opened.view}
+
+
+def _open_base(base: dict, abstract: Any, scan_layers: bool) -> Any:
+  """The params `abstract` names (None elsewhere) of the base a LoRA checkpoint's item names, in the layer layout
+  `scan_layers`, cast and placed as `abstract` says: the values the run started from (train.init_from)."""
+  source = ModelSource(base['source'], view=base['view'], flag='train.init_from=')
+  if source.step != base['step']:
+    raise ConfigError(f'{base["source"]}, the base of this LoRA run\'s adapters, now opens at step {source.step}, '
+                      f'not at step {base["step"]} which they were trained on; put its checkpoint {base["step"]} '
+                      f'back (or name it: {base["source"]}/checkpoints/{base["step"]} in a new run)')
+  mesh = next(a.sharding.mesh for a in jax.tree.leaves(abstract))
+  have = traverse_util.flatten_dict(relayout(source.params(mesh), scan_layers), sep='/')
+  want = {name: a for name, a in traverse_util.flatten_dict(abstract, sep='/').items() if a is not None}
+  return traverse_util.unflatten_dict({name: jax.device_put(have[name].astype(a.dtype), a.sharding)
+                                       for name, a in want.items()}, sep='/')
+
+
+lora_base.register(_base_item, _open_base)

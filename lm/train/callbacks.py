@@ -144,7 +144,7 @@ class KeepBest(Callback):
     if record is not None and (self.best is None or record[self.metric] > self.best):
       self.best = record[self.metric]
       self.checkpointer.save_params(after.step, after.state.params, self.config,
-                                    metrics={k: v for k, v in record.items() if k != 'step'})
+                                    metrics={k: v for k, v in record.items() if k != 'step'}, over_base=True)
     return []
 
   def finish(self):

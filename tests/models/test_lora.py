@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
 
@@ -16,6 +17,7 @@ from lm.jobs.pretraining import Pretraining
 from lm.models import build_model, get_family
 from lm.models.layers import DenseGeneral
 from lm.models.lora import ADAPTERS
+from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import save_hf
 from tests.conftest import SMALL
 
@@ -90,6 +92,15 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
       np.testing.assert_array_equal(before[path], after[path], err_msg=str(path))  # bit for bit
   held = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)  # Adam's two moments
   assert held == 2 * sum(before[p].size for p in adapters)
+  # A checkpoint stores the adapters alone (the base once, where it is) and reads back the params as they were.
+  saver = Checkpointer(tmp_path / 'saved', async_save=False)
+  saver.save_params(10, state.params, config.to_dict(), over_base=True)
+  stored = ocp.PyTreeCheckpointer().metadata(tmp_path / 'saved' / '10' / 'params').item_metadata
+  assert {p for p, leaf in traverse_util.flatten_dict(dict(stored)).items() if leaf is not None} == adapters
+  restored = traverse_util.flatten_dict(saver.restore_params(10, trainer.assembly.abstract_params))
+  assert restored.keys() == after.keys()
+  for path, value in after.items():
+    np.testing.assert_array_equal(restored[path], value, err_msg=str(path))
 
 
 @pytest.mark.long(0.4)
@@ -305,6 +316,12 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
   resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))
+  # The checkpoints store the adapters alone and name the base (stored once), which every restore reads again.
+  stored = ocp.PyTreeCheckpointer().metadata(run / 'checkpoints' / '8' / 'params').item_metadata
+  assert {path[-1] for path, leaf in traverse_util.flatten_dict(dict(stored)).items() if leaf is not None} == \
+      set(ADAPTERS)
+  assert json.loads((run / 'checkpoints' / '8' / 'base' / 'metadata').read_text()) == {
+    'source': str(tmp_path / 'hf'), 'step': 0, 'view': 'model'}
 
   for name in ('straight', 'killed'):
     assert cli.main(['convert', '--from', str(tmp_path / name), '--to-peft', str(tmp_path / f'{name}_peft')]) == 0
@@ -330,6 +347,12 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
     assert cli.main(['generate', '--run', str(source), '--prompt', 'def ', '--max-new-tokens', '12']) == 0
     texts.append(capsys.readouterr().out)
   assert texts[0] == texts[1] != texts[2] and 'def ' in texts[0]
+  # a base that no longer opens at the step the adapters were trained on is one line
+  (run / 'checkpoints' / '8' / 'base' / 'metadata').write_text(json.dumps({
+    'source': str(tmp_path / 'hf'), 'step': 3, 'view': 'model'}))
+  assert cli.main(['generate', '--run', str(run), '--prompt', 'def ', '--max-new-tokens', '2']) == 2
+  assert f'{tmp_path / "hf"}, the base of this LoRA run\'s adapters, now opens at step 0, not at step 3' in \
+      capsys.readouterr().err
 
 
 def test_an_adapter_peft_made_opens_in_lm_with_peft_logits(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import zipfile
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import sentencepiece as spm
 import tokenizers
@@ -18,9 +19,17 @@ import yaml
 from scipy import stats
 from sklearn.metrics import f1_score
 
+from flax import traverse_util
+
 from lm import cli
+from lm.assembly import assemble
 from lm.config import load_config
 from lm.jobs.glue.tasks import TASKS
+from lm.models import get_family
+from lm.models.lora import ADAPTERS
+from lm.storage.checkpoint import Checkpointer
+from lm.storage.convert.hf import load_hf
+from lm.storage.source import ModelSource
 from tests.jobs.glue import synthetic
 from tests.jobs.glue.test_data import FILES, write_glue_files
 
@@ -239,11 +248,13 @@ def test_glue_from_an_hf_bert_writes_every_leaderboard_file(hf_bert, glue_files,
 
 
 @pytest.mark.long(1)
-def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys):
+def test_a_sweep_of_lora_fine_tunes_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys):
+  """A sweep (with adapters: model.lora) reports its points' mean, std and best; each point's best params store the
+  adapters and the task head alone, and open with the HF base's weights as they were."""
   out = tmp_path / 'runs'
   argv = ['finetune', '--task', 'rte', '--data-dir', str(glue_files), '--init', str(hf_bert),
           '--sweep', 'optim.learning_rate=1e-4,1e-3', 'train.seed=0,1', f'train.run_dir={out}',
-          'train.steps=1', 'train.global_batch=8', 'data.seq_len=32', *QUIET]
+          'train.steps=1', 'train.global_batch=8', 'data.seq_len=32', 'model.lora.rank=4', *QUIET]
   assert cli.main(argv) == 0
   report = json.loads((out / 'sweep' / 'sweep_results.json').read_text())['rte']
   points = {label: m['accuracy'] for label, m in report['points'].items()}
@@ -262,6 +273,18 @@ def test_a_sweep_reports_mean_std_and_best(hf_bert, glue_files, tmp_path, capsys
   assert cli.main(argv) == 0  # a rerun skips the finished points and reports the same
   assert capsys.readouterr().out.count('done, skipped') == 4
   assert json.loads((out / 'sweep' / 'sweep_results.json').read_text())['rte'] == report
+
+  point = out / 'sweep' / report['best_point'] / 'rte'
+  best = point / 'best' / str(Checkpointer(point / 'best', create=False).latest_step()) / 'params'
+  stored = traverse_util.flatten_dict(dict(ocp.PyTreeCheckpointer().metadata(best).item_metadata))
+  held = {path for path, leaf in stored.items() if leaf is not None}
+  head = get_family('bert').per_sequence_params()
+  assert held and all(path[-1] in ADAPTERS or path[0] in head for path in held)
+  opened = traverse_util.flatten_dict(ModelSource(point).params(assemble(load_config(str(point / 'config.yaml'))).mesh))
+  base = traverse_util.flatten_dict(load_hf(hf_bert)[1])
+  assert set(opened) - set(base) == held
+  for path, value in base.items():
+    np.testing.assert_array_equal(opened[path], value, err_msg=str(path))
 
 
 @pytest.mark.parametrize('problem, argv, message', [
