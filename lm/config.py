@@ -383,8 +383,9 @@ class ModelConfig:
   # query_pre_attn_scalar)
   norm_plus_one: bool = False  # every RMSNorm (query/key norms too) scales by (1 + w), w starting at 0 (Gemma)
   parallel_residual: bool = False  # attention and MLP both read the block's input, their outputs added to it
-  quantization: Quantization = 'none'  # int8: the attention and MLP projections' forward matmuls in int8
   # (GPT-J, GPT-NeoX's use_parallel_residual)
+  quantization: Quantization = 'none'  # int8: the attention and MLP projections' forward matmuls in int8; with
+  # model.lora their frozen kernels are also stored in int8 with per-channel scales (QLoRA's way)
   tie_embeddings: bool = True  # the output layer is the token embedding transposed
   scale_embeddings: bool = False  # token embeddings times sqrt(d_model) (Vaswani et al. 3.4); a tied T5 output
   # layer then reads the table without its d_model^-0.5 rescale

@@ -11,7 +11,7 @@ from lm.assembly.state import HOST
 from lm.config import Config, ModelConfig
 from lm.models import get_family
 from lm.models.family import KernelSizes
-from lm.models.layers import GATED
+from lm.models.layers import GATED, KERNEL_SCALE
 from lm.models.lora import frozen
 from lm.models.moe import BIAS, EXPERT_PARAMS, ROUTER, active_share
 from lm.ops.attention.capabilities import config_needs, pick_impl
@@ -26,8 +26,9 @@ def count_params(params: Any, cfg: ModelConfig | None = None) -> dict[str, int]:
   total, embedding, inactive = 0, 0, 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     names = path_names(path)
-    if names[-1] == BIAS:
-      continue  # a routed layer's selection bias is a statistic the step keeps, no weight (DeepSeek's buffer)
+    if names[-1] in (BIAS, KERNEL_SCALE):
+      continue  # a routed layer's selection bias is a statistic the step keeps, an int8 base's scales a storage
+      # format: no weights (DeepSeek's buffer; QLoRA's quantization constants)
     size = int(np.prod(leaf.shape))
     total += size
     if 'embedding' in names:

@@ -19,7 +19,7 @@ from lm.config import LoraConfig, ModelConfig
 from lm.models.parametrization import Init
 from lm.models.rope import Rope, rotary
 from lm.ops import mixed
-from lm.ops.int8 import int8_matmul
+from lm.ops.int8 import frozen_int8_matmul, int8_matmul, quantize_kernel
 from lm.ops.attention import attention
 from lm.ops.unembed import Unembedding
 from lm.parallel.rules import constrain
@@ -27,6 +27,7 @@ from lm.parallel.rules import constrain
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
+KERNEL_SCALE = 'kernel_scale'  # an int8 base's per-output-channel scales, beside its int8 `kernel`
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 STANDARD = Init(ModelConfig())  # a layer built alone: the default model's standard init
 
@@ -74,9 +75,12 @@ class DenseGeneral(nn.Module):
     features = _tuple(self.features)
     axis = tuple(a % x.ndim for a in _tuple(self.axis))
     kernel_shape = tuple(x.shape[a] for a in axis) + features
-    kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
-                        kernel_shape, self.param_dtype)
-    y = _matmul_2d(x, kernel, axis, self.dtype, self.quantized)
+    if self.quantized and self.lora is not None:  # a frozen base in int8: QLoRA's way
+      y = self._frozen_int8(x, kernel_shape, axis)
+    else:
+      kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, self.kernel_axes),
+                          kernel_shape, self.param_dtype)
+      y = _matmul_2d(x, kernel, axis, self.dtype, self.quantized)
     if self.use_bias:
       bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[len(axis):]),
                         features, self.param_dtype)
@@ -84,6 +88,29 @@ class DenseGeneral(nn.Module):
     if self.lora is not None and self.name in self.lora.targets:
       y = y + self._adapted(x, kernel_shape[:len(axis)], features, axis)
     return y
+
+  def _frozen_int8(self, x: jax.Array, kernel_shape: tuple[int, ...], axis: tuple[int, ...]) -> jax.Array:
+    """x times the kernel stored as int8 values (`kernel`) and per-output-channel float32 scales (`kernel_scale`:
+    the kernel's shape with the contracted axes 1), both drawn from one float init (a base from train.init_from
+    is quantized as it loads: `lm.models.lora.as_stored`)."""
+    n_in = len(axis)
+    if axis != tuple(range(x.ndim - n_in, x.ndim)):
+      raise NotImplementedError('an int8 base contracts its input\'s trailing axes')
+    scale_shape = (1,) * n_in + kernel_shape[n_in:]
+    drawn: dict[str, jax.Array] = {}
+
+    def draw(key: jax.Array, part: int) -> jax.Array:  # the values' init draws; the scales' reuses that draw
+      if not drawn:
+        drawn['values'], drawn['scales'] = quantize_kernel(self.kernel_init(key, kernel_shape, jnp.float32),
+                                                           scale_shape)
+      return drawn['values' if part == 0 else 'scales']
+    values = self.param('kernel', nn.with_logical_partitioning(lambda key: draw(key, 0), self.kernel_axes))
+    scales = self.param(KERNEL_SCALE, nn.with_logical_partitioning(
+      lambda key: draw(key, 1), (None,) * n_in + tuple(self.kernel_axes[n_in:])))
+    batch_shape, features = x.shape[:x.ndim - n_in], kernel_shape[n_in:]
+    x2 = x.reshape(-1, math.prod(kernel_shape[:n_in]))
+    y = frozen_int8_matmul(x2, values.reshape(x2.shape[1], -1), scales.reshape(1, -1), self.dtype)
+    return y.reshape(batch_shape + features)
 
   def _adapted(self, x: jax.Array, ins: tuple[int, ...], features: tuple[int, ...], axis: tuple[int, ...]
                ) -> jax.Array:

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from lm.config import ConfigError, LoraConfig, OptimConfig, lr_multipliers
+from lm.models.layers import KERNEL_SCALE
 from lm.models.moe import ADAPTED, EXPERTS, ROUTER
+from lm.ops.int8 import quantize_kernel
 
 ADAPTERS = ('lora_a', 'lora_b')
 
@@ -53,11 +55,27 @@ def check_targets(params: Any, lora: LoraConfig) -> None:
                         f'rank of at most {width}')
 
 
+def quantized_base(have: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+  """A source's params by '/' name, with each kernel this model (`want`: its abstract params by name) stores as an
+  int8 base (model.lora under model.quantization=int8) quantized from the source's float one, its scales beside."""
+  out = dict(have)
+  for name, target in want.items():
+    kernel = name.removesuffix(KERNEL_SCALE) + 'kernel'
+    if name.endswith('/' + KERNEL_SCALE) and name not in have and kernel in have:
+      out[kernel], out[name] = quantize_kernel(have[kernel], target.shape)
+  return out
+
+
 def merged(params: Any, lora: LoraConfig) -> Any:
-  """`params` with each adapter folded into its kernel (W + (alpha / rank) A B) and dropped: the plain model that
-  computes what the adapted one does (the merged export)."""
+  """`params` with each adapter folded into its kernel (W + (alpha / rank) A B) and dropped, an int8 base's kernels
+  given back in float32 (values x scales): the plain model that computes what the adapted one does (the merged
+  export)."""
   flat = traverse_util.flatten_dict(params)
-  out = {path: leaf for path, leaf in flat.items() if path[-1] not in ADAPTERS}
+  out = {path: leaf for path, leaf in flat.items() if path[-1] not in (*ADAPTERS, KERNEL_SCALE)}
+  for path, scales in flat.items():
+    if path[-1] == KERNEL_SCALE:
+      at = (*path[:-1], 'kernel')
+      out[at] = out[at].astype(scales.dtype) * scales
   for path, a in flat.items():
     if path[-1] == 'lora_a':
       module, b = path[:-1], flat[(*path[:-1], 'lora_b')]

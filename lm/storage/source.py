@@ -21,6 +21,7 @@ from lm.config import Config, ConfigError, DataConfig, from_dict, inference_mesh
 from flax import traverse_util
 
 from lm.models import abstract_params
+from lm.models.lora import quantized_base
 from lm.models.transformer import relayout
 from lm.storage import lora_base
 from lm.storage.checkpoint import Checkpointer
@@ -181,8 +182,8 @@ def _open_base(base: dict, abstract: Any, scan_layers: bool) -> Any:
                       f'not at step {base["step"]} which they were trained on; put its checkpoint {base["step"]} '
                       f'back (or name it: {base["source"]}/checkpoints/{base["step"]} in a new run)')
   mesh = next(a.sharding.mesh for a in jax.tree.leaves(abstract))
-  have = traverse_util.flatten_dict(relayout(source.params(mesh), scan_layers), sep='/')
   want = {name: a for name, a in traverse_util.flatten_dict(abstract, sep='/').items() if a is not None}
+  have = quantized_base(traverse_util.flatten_dict(relayout(source.params(mesh), scan_layers), sep='/'), want)
   return traverse_util.unflatten_dict({name: jax.device_put(have[name].astype(a.dtype), a.sharding)
                                        for name, a in want.items()}, sep='/')
 

@@ -3,9 +3,9 @@
 The source is one of our run dirs (latest checkpoint) or an HF model directory. Its layer layout
 (scanned or unrolled) is matched to this run's; every param must then exist with the same shape,
 except the family's heads (e.g. a classifier or NSP head a pretrained model lacks), which start
-fresh, as do low-rank adapters (`model.lora`); so does a task head of another shape (a model fine-tuned on MNLI's 3
-labels starting STS-B's regression, RoBERTa's recipe for the small tasks). Params the run does not use are left behind; the
-lists are reported.
+fresh, as do low-rank adapters (`model.lora`; an int8 base's kernels are quantized from the source's); so does a
+task head of another shape (a model fine-tuned on MNLI's 3 labels starting STS-B's regression, RoBERTa's recipe for
+the small tasks). Params the run does not use are left behind; the lists are reported.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from lm.assembly import Assembly
 from lm.assembly.state import TrainState, shardings_of
 from lm.config import ConfigError
 from lm.models import init_params
-from lm.models.lora import ADAPTERS
+from lm.models.lora import ADAPTERS, quantized_base
 from lm.models.transformer import relayout
 from lm.storage.source import ModelSource
 
@@ -43,7 +43,8 @@ def initial_state(assembly: Assembly, source: str, ema: bool = False) -> Initial
   none), sharded on the mesh."""
   params = ModelSource(source, view='ema' if ema else 'model', flag='train.init_from=').params(assembly.mesh)
   params = relayout(params, assembly.config.model.execution.scan_layers)
-  have, want = _flat(params), _flat(assembly.abstract_params)
+  want = _flat(assembly.abstract_params)
+  have = quantized_base(_flat(params), want)
   heads = assembly.family.per_sequence_params()
   task_head = frozenset(assembly.family.task_head.params if assembly.family.task_head else ())
   fresh, reshaped = [], []

@@ -234,7 +234,7 @@ def make_train_step(assembly: Assembly, loss: StepLoss) -> Callable[[TrainState,
 
   def step(state: TrainState, batch: Batch, inputs: Any = None) -> tuple[TrainState, Metrics]:
     step_loss = loss if inputs is None else loss.bound(inputs)
-    grad_fn = jax.value_and_grad(_held(step_loss, assembly.fixed), has_aux=True)
+    grad_fn = _differentiated(_held(step_loss, assembly.fixed))
     # offloaded params and optimizer state come in for the step; the out-shardings put them back
     state = state.replace(params=to_device(state.params, resting.params),
                           opt_state=to_device(state.opt_state, resting.opt_state))
@@ -307,6 +307,17 @@ def _held(loss: StepLoss, fixed: Any) -> Callable:
     return loss
   return lambda params, *rest: loss(jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, fixed),
                                     *rest)
+
+
+def _differentiated(loss: Callable) -> Callable:
+  """value_and_grad of `loss` (with aux) in its params; an int8 base's params (int8 values, frozen) get gradients
+  of zeros in their own dtype, which the optimizer leaves as they are."""
+  grad_fn = jax.value_and_grad(loss, has_aux=True, allow_int=True)
+
+  def differentiated(params: Any, *rest: Any) -> tuple[Any, Any]:
+    out, grads = grad_fn(params, *rest)
+    return out, jax.tree.map(lambda g, p: jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g, grads, params)
+  return differentiated
 
 
 def _watched(step: jax.Array, every: int, trees: dict[str, Any], axes: Any) -> Metrics:

@@ -15,8 +15,9 @@ from flax import traverse_util
 from lm.config import ConfigError, LoraConfig, load_config
 from lm.jobs.pretraining import Pretraining
 from lm.models import build_model, get_family
-from lm.models.layers import DenseGeneral
-from lm.models.lora import ADAPTERS
+from lm.models.layers import KERNEL_SCALE, DenseGeneral
+from lm.models.lora import ADAPTERS, merged
+from lm.models.transformer import unstack_layers
 from lm.storage.checkpoint import Checkpointer
 from lm.storage.convert.hf import save_hf
 from tests.conftest import SMALL
@@ -101,6 +102,64 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
   assert restored.keys() == after.keys()
   for path, value in after.items():
     np.testing.assert_array_equal(restored[path], value, err_msg=str(path))
+
+
+def test_an_int8_base_is_stored_quantized_once_and_trains_its_adapters(tmp_path):
+  """QLoRA's way (model.quantization=int8 with adapters): the HF base's projections load as int8 values and
+  per-output-channel scales (against a float64 NumPy quantization), a quarter of their float32 bytes; the first
+  loss is the plain model's under int8 matmuls; five steps move the adapters alone; a checkpoint stores the adapters
+  and reads the same int8 base back from the source; the merged kernel is values x scales + (alpha / rank) A B."""
+  plain = load_config('llama_tiny', SMALL).model
+  source = nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16))
+  save_hf(plain, source, tmp_path / 'hf')
+  common = ['train.steps=5', 'optim.learning_rate=1e-2', f'train.init_from={tmp_path / "hf"}',
+            'model.quantization=int8']
+  config = small_lora(f'train.run_dir={tmp_path / "q"}', *common)
+  trainer = Pretraining(config, jax.devices()[:1])
+  state = trainer._start()
+  start = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params))
+  quantized = 0
+  for path, kernel in traverse_util.flatten_dict(jax.tree.map(np.asarray, source)).items():
+    if (*path[:-1], KERNEL_SCALE) not in start:
+      np.testing.assert_array_equal(start[path], kernel, err_msg=str(path))
+      continue
+    quantized += 1
+    values, scales = start[path], start[(*path[:-1], KERNEL_SCALE)]
+    contracted = tuple(i for i, n in enumerate(scales.shape) if n == 1 and kernel.shape[i] != 1)
+    reference = np.abs(kernel.astype(np.float64)).max(axis=contracted, keepdims=True) / 127
+    np.testing.assert_allclose(scales, reference, rtol=1e-6)
+    assert values.dtype == np.int8 and values.nbytes * 4 == kernel.nbytes
+    assert np.abs(values - np.round(kernel / reference)).max() <= 1  # float32 rounding ties aside
+    assert np.mean(values == np.round(kernel / reference)) > 0.999
+  assert quantized == 7  # query, key, value, out and the gated MLP's three (the layers stacked)
+
+  base = Pretraining(load_config('llama_tiny', [*SMALL, *common, f'train.run_dir={tmp_path / "b"}']),
+                     jax.devices()[:1])
+  first = float(base.train_step(base._start(), next(base.train_batches))[1]['loss'])
+  losses = []
+  for _ in range(5):
+    state, metrics = trainer.train_step(state, next(trainer.train_batches))
+    losses.append(float(metrics['loss']))
+  assert losses[0] == pytest.approx(first, rel=1e-6) and losses[-1] < losses[0] - 0.05
+  after = traverse_util.flatten_dict(jax.tree.map(np.asarray, state.params))
+  for path, value in start.items():
+    if path[-1] not in ADAPTERS:
+      np.testing.assert_array_equal(after[path], value, err_msg=str(path))  # int8 values and scales unmoved
+
+  saver = Checkpointer(tmp_path / 'saved', async_save=False)
+  saver.save_params(5, state.params, config.to_dict(), over_base=True)
+  restored = traverse_util.flatten_dict(saver.restore_params(5, trainer.assembly.abstract_params))
+  for path, value in after.items():
+    np.testing.assert_array_equal(restored[path], value, err_msg=str(path))
+  folded = traverse_util.flatten_dict(merged(unstack_layers(state.params), config.model.lora))  # as exported
+  query = ('decoder', 'layers', 'attention', 'query')
+  a, b = after[(*query, 'lora_a')].astype(np.float64), after[(*query, 'lora_b')].astype(np.float64)
+  expected = after[(*query, 'kernel')] * after[(*query, KERNEL_SCALE)].astype(np.float64) + \
+    config.model.lora.scale * np.einsum('lir,lrhd->lihd', a, b)
+  for layer in range(plain.num_layers):
+    np.testing.assert_allclose(folded[('decoder', f'layers_{layer}', *query[2:], 'kernel')], expected[layer],
+                               rtol=1e-5, atol=1e-7)
+  assert not any(path[-1] == KERNEL_SCALE for path in folded)
 
 
 @pytest.mark.long(0.4)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lm.ops import mixed
-from lm.ops.int8 import int8_matmul
+from lm.ops.int8 import frozen_int8_matmul, int8_matmul, quantize_kernel
 
 
 def reference(x, kernel):
@@ -42,6 +42,28 @@ def test_int8_matmul_equals_quantize_dot_dequantize_and_its_gradient_is_the_floa
                     (0, 1))(x, kernel)
   for ours, theirs in zip(grads, floats):
     np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_a_kernel_stored_in_int8_multiplies_as_int8_matmul_and_passes_gradients_through_its_dequantized_self():
+  """An int8 base (model.lora under model.quantization=int8): quantize_kernel's values and scales are the float64
+  reference's, frozen_int8_matmul's product int8_matmul's (the float64 reference's), its input gradient the float
+  matmul's with values x scales, and the program's dot s8 x s8 -> s32."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(24, 64)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(64, 48)) * 0.05, jnp.float32)
+  values, scales = quantize_kernel(kernel, (1, 48))
+  sk = np.abs(np.asarray(kernel, np.float64)).max(0, keepdims=True) / 127
+  np.testing.assert_allclose(scales, sk, rtol=1e-6)
+  np.testing.assert_array_equal(values, np.clip(np.round(np.float32(kernel) / np.float32(sk)), -127, 127))
+  out = frozen_int8_matmul(x, values, scales, jnp.float32)
+  expected = reference(x, kernel)
+  assert np.linalg.norm(np.asarray(out, np.float64) - expected) / np.linalg.norm(expected) <= 1e-6
+  lowered = jax.jit(frozen_int8_matmul, static_argnums=3).lower(x, values, scales, jnp.float32).as_text()
+  assert 'xi8>, tensor<64x48xi8>) -> tensor<24x48xi32>' in lowered
+  g = jnp.asarray(rng.normal(size=(24, 48)), jnp.float32)
+  dx = jax.grad(lambda a: jnp.sum(frozen_int8_matmul(a, values, scales, jnp.float32) * g))(x)
+  dequantized = np.asarray(values, np.float64) * np.asarray(scales, np.float64)
+  np.testing.assert_allclose(dx, np.asarray(g, np.float64) @ dequantized.T, rtol=1e-5, atol=1e-6)
 
 
 def test_an_int8_model_counts_mfu_against_the_int8_peak():
