@@ -170,7 +170,7 @@ ELSEWHERE = {  # a command's start -> the test that runs it (the same command on
   'lm scaling cbs runs/cbs_base':
     'tests/jobs/scaling/test_cbs.py::test_the_same_command_gives_the_same_table_and_a_late_cbs_is_at_least_an_early_one',
   'lm finetune --task mrpc --data-dir glue_data --init runs/bert_tiny --sweep':
-    'tests/jobs/glue/test_finetune.py::test_a_sweep_reports_mean_std_and_best',
+    'tests/jobs/glue/test_finetune.py::test_a_sweep_of_lora_fine_tunes_reports_mean_std_and_best',
 }
 
 
