@@ -282,6 +282,19 @@ def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any
 load, save = converter(LLAMA)
 
 
+def fused_experts(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+  """Where transformers 5 holds each routed layer's expert kernels in memory, the parameters PEFT's
+  `target_parameters` adapt (`mlp.experts.gate_up_proj` [E, 2F, D], gate then up; `mlp.experts.down_proj` [E, D, F]):
+  our kernel -> (that parameter, the kernel's part of it)."""
+  out = {}
+  for i in range(cfg.num_layers):
+    if cfg.moe.num_experts and cfg.moe.routed(i):
+      h, o = f'model.layers.{i}.mlp.experts.', f'decoder/layers_{i}/mlp/'
+      out.update({f'{o}wi_0': (f'{h}gate_up_proj', 0), f'{o}wi_1': (f'{h}gate_up_proj', 1),
+                  f'{o}wo': (f'{h}down_proj', 0)})
+  return out
+
+
 def rules(cfg: ModelConfig, moe: MoeNames | None = None) -> list[Tensor]:
   # OLMo's norms have no weights; OLMo 2 normalises each branch's output (post_attention_ / post_feedforward_)
   weighted = cfg.norm != 'nonparametric_layernorm'

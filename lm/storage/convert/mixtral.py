@@ -3,7 +3,7 @@ the experts, the top two renormalised); each expert in its own `block_sparse_moe
 `save_pretrained` writes them, or fused as transformers 5 holds them in memory."""
 from __future__ import annotations
 
-from lm.storage.convert.llama import COMMON, Architecture, MoeNames, converter
+from lm.storage.convert.llama import COMMON, Architecture, MoeNames, converter, fused_experts
 
 ARCHITECTURE = 'MixtralForCausalLM'
 # transformers' MixtralConfig defaults (Mixtral-8x7B's shape)
@@ -15,3 +15,4 @@ MIXTRAL = Architecture(ARCHITECTURE, 'mixtral', MIXTRAL_DEFAULTS, {'router_jitte
                                     normalize=True))
 
 load, save = converter(MIXTRAL)
+experts_in_memory = fused_experts  # PEFT's target_parameters (lm.storage.convert.peft)

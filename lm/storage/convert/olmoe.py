@@ -3,7 +3,7 @@
 released; the chosen weights renormalised only under `norm_topk_prob`)."""
 from __future__ import annotations
 
-from lm.storage.convert.llama import COMMON, Architecture, MoeNames, converter
+from lm.storage.convert.llama import COMMON, Architecture, MoeNames, converter, fused_experts
 
 ARCHITECTURE = 'OlmoeForCausalLM'
 # transformers' OlmoeConfig defaults (OLMoE-1B-7B's shape)
@@ -16,3 +16,4 @@ OLMOE = Architecture(ARCHITECTURE, 'olmoe', OLMOE_DEFAULTS, {'attention_bias': F
                      moe=MoeNames('mlp', ('gate_proj', 'up_proj', 'down_proj'), 'num_experts', 'intermediate_size'))
 
 load, save = converter(OLMOE)
+experts_in_memory = fused_experts  # PEFT's target_parameters (lm.storage.convert.peft)

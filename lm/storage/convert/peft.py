@@ -6,8 +6,9 @@ Each adapter goes with the HF tensor its kernel is (the family converter's rules
 model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DIR)`). Where HF fuses projections
 (GPT-2's `c_attn`, GPT-NeoX's `query_key_value`) their adapters become one of the fused module's, of rank parts x
 rank (`rank_pattern`, with the `alpha_pattern` that keeps the scale), B block-diagonal: what they compute, exactly.
-A trained task head (PEFT's `modules_to_save`) and the experts' adapters are not written yet: export those merged
-with `--to-hf`."""
+The routed experts' adapters go to the fused parameters transformers 5 holds them in (`mlp.experts.gate_up_proj`,
+`down_proj`) as PEFT's `target_parameters` adapters: per expert A side by side, B block-diagonal over gate and up.
+A trained task head (PEFT's `modules_to_save`) is not written yet: export it merged with `--to-hf`."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,21 +50,25 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
     raise ConfigError(f'the task head ({", ".join(heads)}) trained beside the adapters is not written into a PEFT '
                       f'adapter yet; export the merged model with --to-hf')
   flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
-  experts = sorted(k.removesuffix('/lora_a') for k in flat if k.endswith(f'{ADAPTED}/lora_a'))
-  if experts:
-    raise ConfigError(f'{experts[0]}: the routed experts\' adapters (model.lora.targets experts) are not written as '
-                      f'a PEFT adapter yet; export the merged model with --to-hf')
-  base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   converter = family.converter()
+  experts = {k: flat.pop(k) for k in [k for k in flat if k.endswith('/lora_a') or k.endswith('/lora_b')]
+             if k.rsplit('/', 2)[-2].endswith(ADAPTED)}
+  if experts and not hasattr(converter, 'experts_in_memory'):
+    raise ConfigError(f'{converter.ARCHITECTURE}: its routed experts\' adapters (model.lora.targets experts) are not '
+                      f'written as a PEFT adapter yet; export the merged model with --to-hf')
+  base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
   tensors, modules, ranks = _adapter_tensors(flat, rules, cfg.lora)
+  parameters = _expert_tensors(experts, converter.experts_in_memory(cfg), tensors, ranks) if experts else []
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={'format': 'pt'})
   lora, names = cfg.lora, _target_names(set(modules), {rule.name.rsplit('.', 1)[0] for rule in rules})
+  names.update({m: m for m in ranks if m not in names})  # the experts' parameters, by their whole names
   fused = {names[m]: r for m, r in ranks.items()}  # a fused projection's rank: its parts' adapters side by side
   config = {'peft_type': 'LORA', 'task_type': family.peft_task, 'r': lora.rank, 'lora_alpha': lora.alpha,
             'lora_dropout': lora.dropout, 'use_rslora': lora.rslora, 'target_modules': sorted(set(names.values())),
+            'target_parameters': parameters or None,
             'bias': 'none', 'fan_in_fan_out': any(layout == 'conv1d' for layout in modules.values()),
             'rank_pattern': fused, 'alpha_pattern': {k: lora.scale * (r ** 0.5 if lora.rslora else r)
                                                      for k, r in fused.items()},
@@ -98,6 +103,40 @@ def _adapter_tensors(flat: dict[str, np.ndarray], rules: list[Tensor], lora: Lor
     tensors[f'{PREFIX}{hf}.lora_A.weight'], tensors[f'{PREFIX}{hf}.lora_B.weight'] = a, b
     modules[hf] = rule.layout
   return tensors, modules, ranks
+
+
+def _expert_tensors(flat: dict[str, np.ndarray], in_memory: dict[str, tuple[str, int]],
+                    tensors: dict[str, np.ndarray], ranks: dict[str, int]) -> list[str]:
+  """Adds PEFT's tensors of the routed experts' adapters (`flat`: ours, '<kernel>_lora/lora_a' [E, in, r] and
+  lora_b [E, r, out]) to `tensors`, and the rank of each fused parameter to `ranks`; returns `target_parameters`.
+
+  PEFT wraps the experts' module once per parameter, the first named innermost (`experts.base_layer.lora_A`), and
+  computes each expert's update of an [E, out, in] parameter as B[:, :, e] @ A[e] from lora_A [E x R, in] (expert
+  major) and lora_B [out, R x E] (expert minor)."""
+  by_parameter: dict[str, list[tuple[int, str]]] = {}
+  for key in sorted(k for k in flat if k.endswith('/lora_a')):
+    kernel = key.removesuffix(f'{ADAPTED}/lora_a')
+    name, part = in_memory[kernel]
+    by_parameter.setdefault(name, []).append((part, kernel))
+  order = list(dict.fromkeys('.'.join(name.rsplit('.', 2)[-2:]) for name, _ in in_memory.values()))
+  for name, parts in by_parameter.items():
+    adapters = [(flat[f'{k}{ADAPTED}/lora_a'], flat[f'{k}{ADAPTED}/lora_b']) for _, k in sorted(parts)]
+    a = np.concatenate([np.swapaxes(a, 1, 2) for a, _ in adapters], axis=1)  # [E, R, in]
+    experts, rank = a.shape[:2]
+    b = np.zeros((sum(b.shape[2] for _, b in adapters), rank, experts), np.float32)  # [out, R, E]
+    rows = cols = 0
+    for _, part in adapters:
+      r, out = part.shape[1:]
+      b[rows:rows + out, cols:cols + r] = part.transpose(2, 1, 0)
+      rows, cols = rows + out, cols + r
+    module, parameter = name.rsplit('.', 1)
+    inner = len(order) - 1 - order.index(f'{module.rsplit(".", 1)[-1]}.{parameter}')
+    at = f'{PREFIX}{module}.{"base_layer." * inner}'
+    tensors[f'{at}lora_A.weight'] = np.ascontiguousarray(a.reshape(experts * rank, -1))
+    tensors[f'{at}lora_B.weight'] = np.ascontiguousarray(b.reshape(b.shape[0], -1))
+    if len(adapters) > 1:
+      ranks[name] = rank
+  return order
 
 
 def _fused(rule: Tensor, flat: dict[str, np.ndarray], rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,12 +178,13 @@ def _read_adapter_config(path: Path) -> tuple[dict, Path]:
     raise ConfigError(f'{path}/{ADAPTER_CONFIG}: peft_type {config.get("peft_type")!r} is not supported; lm loads '
                       f'LORA adapters')
   unsupported = {k: config.get(k) for k in ('layers_to_transform', 'modules_to_save', 'rank_pattern',
-                                            'alpha_pattern', 'use_dora') if config.get(k)}
+                                            'alpha_pattern', 'use_dora', 'target_parameters') if config.get(k)}
   if config.get('bias', 'none') != 'none':
     unsupported['bias'] = config['bias']
   if unsupported:
     raise ConfigError(f'{path}/{ADAPTER_CONFIG}: {", ".join(f"{k}={v!r}" for k, v in unsupported.items())} is not '
-                      f'supported; lm loads plain LoRA adapters on every layer, without trained biases or modules')
+                      f'supported; lm loads plain LoRA adapters of target_modules on every layer, without trained '
+                      f'biases or modules')
   base = Path(config.get('base_model_name_or_path') or '')
   if not (base / 'config.json').is_file():
     raise ConfigError(f'{path}/{ADAPTER_CONFIG}: base_model_name_or_path {str(base)!r} is not a Hugging Face model '

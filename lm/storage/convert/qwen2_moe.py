@@ -3,7 +3,7 @@
 weights renormalised only under `norm_topk_prob`, and a shared expert behind a sigmoid gate."""
 from __future__ import annotations
 
-from lm.storage.convert.llama import Architecture, MoeNames, converter
+from lm.storage.convert.llama import Architecture, MoeNames, converter, fused_experts
 from lm.storage.convert.qwen2 import QWEN_DEFAULTS
 
 ARCHITECTURE = 'Qwen2MoeForCausalLM'
@@ -18,3 +18,4 @@ QWEN2_MOE = Architecture(ARCHITECTURE, 'qwen2_moe', QWEN2_MOE_DEFAULTS, {'qkv_bi
                                       'moe_intermediate_size', layer_pattern=True, shared=True))
 
 load, save = converter(QWEN2_MOE)
+experts_in_memory = fused_experts  # PEFT's target_parameters (lm.storage.convert.peft)

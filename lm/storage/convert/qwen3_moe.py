@@ -3,7 +3,7 @@ layers `decoder_sparse_step` and `mlp_only_layers` choose, the chosen weights re
 (true as released), no shared expert."""
 from __future__ import annotations
 
-from lm.storage.convert.llama import Architecture, MoeNames, converter
+from lm.storage.convert.llama import Architecture, MoeNames, converter, fused_experts
 from lm.storage.convert.qwen2 import QWEN_DEFAULTS
 
 ARCHITECTURE = 'Qwen3MoeForCausalLM'
@@ -18,3 +18,4 @@ QWEN3_MOE = Architecture(ARCHITECTURE, 'qwen3_moe', QWEN3_MOE_DEFAULTS, {'attent
                                       'moe_intermediate_size', layer_pattern=True))
 
 load, save = converter(QWEN3_MOE)
+experts_in_memory = fused_experts  # PEFT's target_parameters (lm.storage.convert.peft)
