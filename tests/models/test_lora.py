@@ -166,7 +166,7 @@ def test_an_int8_base_is_stored_quantized_once_and_trains_its_adapters(tmp_path)
 def test_expert_adapters_join_each_expert_kernel_and_train_alone(tmp_path):
   """`experts` adapts every routed expert's kernels (and `wo` the shared MLP's): the model equals the plain one on
   kernels merged as a float64 NumPy einsum gives them; three steps move the adapters alone; a PEFT export of them for
-  an architecture without PEFT's layout of them (GPT-OSS's), and dropout on them, are one line."""
+  an architecture without routed experts (Llama's), and dropout on them, are one line."""
   from lm.storage.convert.peft import save_peft
   moe = ['model.d_model=64', 'model.num_heads=4', 'model.num_kv_heads=2', 'model.d_ff=128',
          'model.moe.expert_d_ff=32', 'model.moe.num_experts=4', 'model.moe.shared_experts=1']
@@ -207,11 +207,8 @@ def test_expert_adapters_join_each_expert_kernel_and_train_alone(tmp_path):
       assert not np.array_equal(start[path], after[path]), path
     elif path[-1] not in ADAPTERS and path[-1] != 'router_bias':
       np.testing.assert_array_equal(start[path], after[path], err_msg=str(path))
-  oss = load_config('gpt_oss_tiny', ['model.lora.rank=2', 'model.lora.targets=[experts]']).model
-  with pytest.raises(ConfigError, match=r"GptOssForCausalLM: its routed experts' adapters \(model.lora.targets "
-                                        r'experts\) are not written as a PEFT adapter yet'):
-    save_peft(oss.with_execution(scan_layers=False), {'decoder': {'layers_0': {'mlp': {
-      'wi_0_lora': {'lora_a': np.zeros((4, 8, 2)), 'lora_b': np.zeros((4, 2, 8))}}}}}, tmp_path / 'peft')
+  with pytest.raises(ConfigError, match=r"LlamaForCausalLM has no routed experts to take the experts' adapters "):
+    save_peft(cfg, params, tmp_path / 'peft')
   with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 drops out the adapters' input"):
     from lm.assembly import assemble
     assemble(load_config('moe_tiny', SMALL + moe + ['model.lora.rank=2', 'model.lora.targets=[experts]',
@@ -255,12 +252,12 @@ def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
   np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize('architecture', ['mixtral', 'qwen2_moe'])
+@pytest.mark.parametrize('architecture', ['mixtral', 'gpt_oss', 'qwen2_moe'])
 @pytest.mark.variants
 def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_same_logits(architecture, tmp_path):
-  """A random HF Mixtral or Qwen2-MoE imported, adapters on every routed expert (and the queries) moved off their
-  init, written with `save_peft`: PEFT puts them on transformers' fused expert parameters (gate_up_proj at rank
-  2 x rank, B block-diagonal; down_proj) and gives lm's logits."""
+  """A random HF Mixtral, GPT-OSS or Qwen2-MoE imported, adapters on every routed expert (and the queries) moved
+  off their init, written with `save_peft`: PEFT puts them on transformers' fused expert parameters (gate_up_proj at
+  2 x rank, B block-diagonal, or interleaved for GPT-OSS; down_proj) and gives lm's logits."""
   import peft
   import torch
   import transformers
@@ -269,10 +266,14 @@ def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_sam
   torch.manual_seed(0)
   shape = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                num_experts_per_tok=2, max_position_embeddings=32)
-  hf = (transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, intermediate_size=24, num_local_experts=4))
-        if architecture == 'mixtral' else transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+  hf = {'mixtral': lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **shape, intermediate_size=24, num_local_experts=4)),
+        'gpt_oss': lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+          **shape, intermediate_size=24, num_local_experts=4, head_dim=8, sliding_window=8,
+          layer_types=['sliding_attention', 'full_attention'])),
+        'qwen2_moe': lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
           **shape, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-          num_experts=4))).eval()
+          num_experts=4))}[architecture]().eval()
   hf.save_pretrained(tmp_path / 'hf')
   model, base = load_hf(tmp_path / 'hf')
   cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(rank=2, targets=('experts', 'query'))})

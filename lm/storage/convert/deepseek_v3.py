@@ -17,7 +17,7 @@ import numpy as np
 from lm.config import ConfigError, ExecutionConfig, MlaConfig, ModelConfig, MoeConfig, MtpConfig
 from lm.storage.convert.hf_config import (GATED, check_exportable, hf_gated_activation, hf_sizes, our_activation,
                                           unsupported)
-from lm.storage.convert.llama import COMMON, MoeNames, hf_rope, rope_fields
+from lm.storage.convert.llama import COMMON, MoeNames, fused_experts, hf_rope, rope_fields
 from lm.storage.convert.quantized import dequantize_fp8
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -34,6 +34,9 @@ DEFAULTS = {**COMMON, 'vocab_size': 129280, 'hidden_size': 7168, 'intermediate_s
 # the routed layers' tensors, one per expert, or fused as transformers 5 holds them (`accept_fused`)
 EXPERTS = MoeNames('mlp', ('gate_proj', 'up_proj', 'down_proj'), 'n_routed_experts', 'moe_intermediate_size')
 BIAS_RATE = 0.001  # the selection bias's update speed, DeepSeek-V3's gamma for its first 14.3T tokens (section 4.2)
+
+
+experts_in_memory = fused_experts  # PEFT's target_parameters (lm.storage.convert.peft)
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:

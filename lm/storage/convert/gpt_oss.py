@@ -10,13 +10,14 @@ The released checkpoints hold the experts in MXFP4 (`*_blocks`, `*_scales`); the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig
 from lm.storage.convert.hf_config import check_exportable, hf_layer_types, hf_sizes
-from lm.storage.convert.llama import COMMON, Architecture, MoeNames, hf_rope, load_as
+from lm.storage.convert.llama import COMMON, Architecture, MoeNames, fused_experts, hf_rope, load_as
 from lm.storage.convert.quantized import mxfp4_weight
 from lm.storage.convert.tensors import Checkpoint, Tensor, dense, norm
 
@@ -32,6 +33,10 @@ DEFAULTS = {**COMMON, 'vocab_size': 201088, 'hidden_size': 2880, 'intermediate_s
 GPT_OSS = Architecture(ARCHITECTURE, 'gpt_oss', DEFAULTS, {'attention_bias': True}, layer_windows=True, global_every=2,
                        moe=MoeNames('mlp', ('gate_proj', 'up_proj', 'down_proj'), 'num_local_experts',
                                     'intermediate_size', normalize=True))
+
+
+# PEFT's target_parameters (lm.storage.convert.peft): gate and up interleaved in gate_up_proj
+experts_in_memory = functools.partial(fused_experts, interleaved=True)
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:

@@ -282,16 +282,17 @@ def converter(arch: Architecture) -> tuple[Callable[..., Any], Callable[..., Any
 load, save = converter(LLAMA)
 
 
-def fused_experts(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+def fused_experts(cfg: ModelConfig, interleaved: bool = False) -> dict[str, tuple[str, int, bool]]:
   """Where transformers 5 holds each routed layer's expert kernels in memory, the parameters PEFT's
-  `target_parameters` adapt (`mlp.experts.gate_up_proj` [E, 2F, D], gate then up; `mlp.experts.down_proj` [E, D, F]):
-  our kernel -> (that parameter, the kernel's part of it)."""
+  `target_parameters` adapt (`mlp.experts.gate_up_proj` [E, 2F, D], gate then up, or `interleaved` [E, D, 2F], gate
+  in the even columns, as GPT-OSS's; `mlp.experts.down_proj`): our kernel -> (that parameter, the kernel's part of
+  it, whether the parts interleave)."""
   out = {}
   for i in range(cfg.num_layers):
     if cfg.moe.num_experts and cfg.moe.routed(i):
       h, o = f'model.layers.{i}.mlp.experts.', f'decoder/layers_{i}/mlp/'
-      out.update({f'{o}wi_0': (f'{h}gate_up_proj', 0), f'{o}wi_1': (f'{h}gate_up_proj', 1),
-                  f'{o}wo': (f'{h}down_proj', 0)})
+      out.update({f'{o}wi_0': (f'{h}gate_up_proj', 0, interleaved), f'{o}wi_1': (f'{h}gate_up_proj', 1, interleaved),
+                  f'{o}wo': (f'{h}down_proj', 0, False)})
   return out
 
 

@@ -7,7 +7,8 @@ model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DI
 (GPT-2's `c_attn`, GPT-NeoX's `query_key_value`) their adapters become one of the fused module's, of rank parts x
 rank (`rank_pattern`, with the `alpha_pattern` that keeps the scale), B block-diagonal: what they compute, exactly.
 The routed experts' adapters go to the fused parameters transformers 5 holds them in (`mlp.experts.gate_up_proj`,
-`down_proj`) as PEFT's `target_parameters` adapters: per expert A side by side, B block-diagonal over gate and up.
+`down_proj`) as PEFT's `target_parameters` adapters: per expert A side by side, B block-diagonal over gate and up
+(or interleaved, as GPT-OSS's gate_up_proj).
 A trained task head (PEFT's `modules_to_save`) is not written yet: export it merged with `--to-hf`."""
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
   experts = {k: flat.pop(k) for k in [k for k in flat if k.endswith('/lora_a') or k.endswith('/lora_b')]
              if k.rsplit('/', 2)[-2].endswith(ADAPTED)}
   if experts and not hasattr(converter, 'experts_in_memory'):
-    raise ConfigError(f'{converter.ARCHITECTURE}: its routed experts\' adapters (model.lora.targets experts) are not '
-                      f'written as a PEFT adapter yet; export the merged model with --to-hf')
+    raise ConfigError(f'{converter.ARCHITECTURE} has no routed experts to take the experts\' adapters '
+                      f'(model.lora.targets experts); fine-tune a model.family whose architecture routes them '
+                      f'(mixtral, qwen3_moe, deepseek_v3, ...)')
   base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
   tensors, modules, ranks = _adapter_tensors(flat, rules, cfg.lora)
@@ -105,7 +107,7 @@ def _adapter_tensors(flat: dict[str, np.ndarray], rules: list[Tensor], lora: Lor
   return tensors, modules, ranks
 
 
-def _expert_tensors(flat: dict[str, np.ndarray], in_memory: dict[str, tuple[str, int]],
+def _expert_tensors(flat: dict[str, np.ndarray], in_memory: dict[str, tuple[str, int, bool]],
                     tensors: dict[str, np.ndarray], ranks: dict[str, int]) -> list[str]:
   """Adds PEFT's tensors of the routed experts' adapters (`flat`: ours, '<kernel>_lora/lora_a' [E, in, r] and
   lora_b [E, r, out]) to `tensors`, and the rank of each fused parameter to `ranks`; returns `target_parameters`.
@@ -116,19 +118,19 @@ def _expert_tensors(flat: dict[str, np.ndarray], in_memory: dict[str, tuple[str,
   by_parameter: dict[str, list[tuple[int, str]]] = {}
   for key in sorted(k for k in flat if k.endswith('/lora_a')):
     kernel = key.removesuffix(f'{ADAPTED}/lora_a')
-    name, part = in_memory[kernel]
+    name, part, _ = in_memory[kernel]
     by_parameter.setdefault(name, []).append((part, kernel))
-  order = list(dict.fromkeys('.'.join(name.rsplit('.', 2)[-2:]) for name, _ in in_memory.values()))
+  order = list(dict.fromkeys('.'.join(name.rsplit('.', 2)[-2:]) for name, _, _ in in_memory.values()))
+  interleaved = {name: mixed for name, _, mixed in in_memory.values()}
   for name, parts in by_parameter.items():
     adapters = [(flat[f'{k}{ADAPTED}/lora_a'], flat[f'{k}{ADAPTED}/lora_b']) for _, k in sorted(parts)]
     a = np.concatenate([np.swapaxes(a, 1, 2) for a, _ in adapters], axis=1)  # [E, R, in]
     experts, rank = a.shape[:2]
     b = np.zeros((sum(b.shape[2] for _, b in adapters), rank, experts), np.float32)  # [out, R, E]
-    rows = cols = 0
-    for _, part in adapters:
+    for i, (_, part) in enumerate(adapters):  # each part's outputs: its block of rows, or every n-th row
       r, out = part.shape[1:]
-      b[rows:rows + out, cols:cols + r] = part.transpose(2, 1, 0)
-      rows, cols = rows + out, cols + r
+      rows = slice(i, None, len(adapters)) if interleaved[name] else slice(i * out, (i + 1) * out)
+      b[rows, i * r:(i + 1) * r] = part.transpose(2, 1, 0)
     module, parameter = name.rsplit('.', 1)
     inner = len(order) - 1 - order.index(f'{module.rsplit(".", 1)[-1]}.{parameter}')
     at = f'{PREFIX}{module}.{"base_layer." * inner}'
