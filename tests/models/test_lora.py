@@ -298,6 +298,42 @@ def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_sam
   np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize('architecture', ['bert', 'llama'])
+@pytest.mark.variants
+def test_a_fine_tunes_task_head_goes_into_peft_as_modules_to_save(architecture, tmp_path):
+  """A GLUE-style fine-tune of a random HF BERT or Llama (3 labels; adapters and a trained head): `save_peft` writes a
+  SEQ_CLS adapter whose modules_to_save are the head (BERT's pooler and classifier, a decoder's score); PEFT loads it
+  onto AutoModelForSequenceClassification of the base with lm's scores."""
+  import peft
+  import torch
+  import transformers
+  from lm.storage.convert.hf import load_hf
+  from lm.storage.convert.peft import save_peft
+  random_hf(architecture).save_pretrained(tmp_path / 'hf')
+  model, base = load_hf(tmp_path / 'hf')
+  cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'num_labels': 3,
+                               'lora': LoraConfig(rank=4, targets=('query', 'value'))})
+  adapted, family = build_model(cfg), get_family(cfg.family)
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  heads = family.per_sequence_params()
+  flat = {p: 0.2 * jax.random.normal(next(keys), v.shape) if p[-1] in ('lora_b', 'bias') else v
+          for p, v in traverse_util.flatten_dict(nn.unbox(family.init(adapted, jax.random.key(0), 8))).items()
+          if p[-1] in ADAPTERS or p[0] in heads}
+  params = traverse_util.unflatten_dict({**traverse_util.flatten_dict(base), **flat})
+  save_peft(cfg, params, tmp_path / 'adapter', base_model=str(tmp_path / 'hf'))
+  written = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  assert (written['task_type'], written['modules_to_save']) == ('SEQ_CLS', sorted(heads & {p[0] for p in flat}))
+  tokens = np.random.default_rng(0).integers(1, 49, size=(2, 12))
+  batch = {'inputs': jnp.asarray(tokens), 'segment_ids': jnp.ones(tokens.shape, jnp.int32),
+           'token_types': jnp.zeros(tokens.shape, jnp.int32)}
+  ours = np.asarray(family.task_head.apply(adapted, params, batch, deterministic=True, rngs={}))
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / 'hf', num_labels=3,
+                                                                       pad_token_id=49)
+  with torch.no_grad():
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / 'adapter').eval()(torch.as_tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
 def random_hf(architecture: str):
   """A random transformers model: a Llama with grouped-query heads, or a BERT with its MLM head."""
   import torch

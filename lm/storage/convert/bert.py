@@ -20,6 +20,8 @@ DEFAULTS = {'vocab_size': 30522, 'hidden_size': 768, 'num_hidden_layers': 12, 'n
             'attention_probs_dropout_prob': 0.1, 'max_position_embeddings': 512, 'type_vocab_size': 2,
             'initializer_range': 0.02, 'layer_norm_eps': 1e-12}
 WORDS = 'bert.embeddings.word_embeddings.weight'
+# a GLUE fine-tune's head as BertForSequenceClassification names it (a PEFT adapter's modules_to_save)
+SEQUENCE_HEAD = [*dense('bert.pooler.dense', 'pooler', 'linear'), *dense('classifier', 'classifier', 'linear')]
 
 
 def load(hf: dict, ckpt: Checkpoint) -> tuple[ModelConfig, list[Tensor]]:

@@ -8,8 +8,9 @@ model `--to-hf` writes without the adapters (`PeftModel.from_pretrained(base, DI
 rank (`rank_pattern`, with the `alpha_pattern` that keeps the scale), B block-diagonal: what they compute, exactly.
 The routed experts' adapters go to the fused parameters transformers 5 holds them in (`mlp.experts.gate_up_proj`,
 `down_proj`) as PEFT's `target_parameters` adapters: per expert A side by side, B block-diagonal over gate and up
-(or interleaved, as GPT-OSS's gate_up_proj).
-A trained task head (PEFT's `modules_to_save`) is not written yet: export it merged with `--to-hf`."""
+(or interleaved, as GPT-OSS's gate_up_proj). A fine-tune's task head, trained whole beside them, is written whole as
+PEFT's `modules_to_save` of a SEQ_CLS adapter, named as the HF sequence classifier names it (`score`; BERT's
+`bert.pooler.dense` and `classifier`): it loads onto `AutoModelForSequenceClassification` of the base."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ from lm.models.lora import ADAPTERS
 from lm.models.moe import ADAPTED
 from lm.models.transformer import unstack_layers
 from lm.storage.convert.hf import open_hf
-from lm.storage.convert.tensors import Checkpoint, Tensor, param_shapes, read_params, write_tensors
+from lm.storage.convert.tensors import Checkpoint, Tensor, dense, param_shapes, read_params, write_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.'  # where PeftModel keeps the base model's modules
@@ -47,11 +48,9 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
   if cfg.execution.scan_layers:
     params, cfg = unstack_layers(params), cfg.with_execution(scan_layers=False)
   heads = sorted(family.per_sequence_params() & set(params))
-  if heads:
-    raise ConfigError(f'the task head ({", ".join(heads)}) trained beside the adapters is not written into a PEFT '
-                      f'adapter yet; export the merged model with --to-hf')
   flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params, sep='/').items()}
   converter = family.converter()
+  head = {k: flat.pop(k) for k in [k for k in flat if k.split('/', 1)[0] in heads]}
   experts = {k: flat.pop(k) for k in [k for k in flat if k.endswith('/lora_a') or k.endswith('/lora_b')]
              if k.rsplit('/', 2)[-2].endswith(ADAPTED)}
   if experts and not hasattr(converter, 'experts_in_memory'):
@@ -61,6 +60,9 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
   base = {k: v for k, v in flat.items() if k.rsplit('/', 1)[-1] not in ADAPTERS}
   _, rules = converter.save(dataclasses.replace(cfg, lora=LoraConfig()), base, {})
   tensors, modules, ranks = _adapter_tensors(flat, rules, cfg.lora)
+  if head:  # the HF sequence classifier's own names (a decoder's `score`, by default)
+    named = getattr(converter, 'SEQUENCE_HEAD', dense('score', 'score', 'linear', bias=False))
+    tensors.update({f'{PREFIX}{k}': v for k, v in write_tensors(named, head, np.float32).items()})
   parameters = _expert_tensors(experts, converter.experts_in_memory(cfg), tensors, ranks) if experts else []
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
@@ -68,13 +70,14 @@ def save_peft(cfg: ModelConfig, params: Any, path: str | Path, base_model: str |
   lora, names = cfg.lora, _target_names(set(modules), {rule.name.rsplit('.', 1)[0] for rule in rules})
   names.update({m: m for m in ranks if m not in names})  # the experts' parameters, by their whole names
   fused = {names[m]: r for m, r in ranks.items()}  # a fused projection's rank: its parts' adapters side by side
-  config = {'peft_type': 'LORA', 'task_type': family.peft_task, 'r': lora.rank, 'lora_alpha': lora.alpha,
-            'lora_dropout': lora.dropout, 'use_rslora': lora.rslora, 'target_modules': sorted(set(names.values())),
+  config = {'peft_type': 'LORA', 'task_type': 'SEQ_CLS' if heads else family.peft_task, 'r': lora.rank,
+            'lora_alpha': lora.alpha, 'lora_dropout': lora.dropout, 'use_rslora': lora.rslora,
+            'target_modules': sorted(set(names.values())),
             'target_parameters': parameters or None,
             'bias': 'none', 'fan_in_fan_out': any(layout == 'conv1d' for layout in modules.values()),
             'rank_pattern': fused, 'alpha_pattern': {k: lora.scale * (r ** 0.5 if lora.rslora else r)
                                                      for k, r in fused.items()},
-            'modules_to_save': None, 'inference_mode': True, 'base_model_name_or_path': base_model,
+            'modules_to_save': heads or None, 'inference_mode': True, 'base_model_name_or_path': base_model,
             'init_lora_weights': True}
   (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + '\n')
   return path
