@@ -252,12 +252,13 @@ def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
   np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize('architecture', ['mixtral', 'gpt_oss', 'qwen2_moe'])
+@pytest.mark.parametrize('architecture', ['mixtral', 'gpt_oss'])
 @pytest.mark.variants
 def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_same_logits(architecture, tmp_path):
-  """A random HF Mixtral, GPT-OSS or Qwen2-MoE imported, adapters on every routed expert (and the queries) moved
-  off their init, written with `save_peft`: PEFT puts them on transformers' fused expert parameters (gate_up_proj at
-  2 x rank, B block-diagonal, or interleaved for GPT-OSS; down_proj) and gives lm's logits."""
+  """A random HF Mixtral or GPT-OSS imported, adapters on every routed expert (and the queries) moved off their
+  init, written with `save_peft`: PEFT puts them on transformers' fused expert parameters (gate_up_proj at 2 x rank,
+  B block-diagonal, or interleaved for GPT-OSS; down_proj) and gives lm's logits. (Qwen2/3-MoE, OLMoE and
+  DeepSeek-V3 hold their experts as Mixtral does.)"""
   import peft
   import torch
   import transformers
@@ -270,10 +271,7 @@ def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_sam
             **shape, intermediate_size=24, num_local_experts=4)),
         'gpt_oss': lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
           **shape, intermediate_size=24, num_local_experts=4, head_dim=8, sliding_window=8,
-          layer_types=['sliding_attention', 'full_attention'])),
-        'qwen2_moe': lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-          **shape, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-          num_experts=4))}[architecture]().eval()
+          layer_types=['sliding_attention', 'full_attention']))}[architecture]().eval()
   hf.save_pretrained(tmp_path / 'hf')
   model, base = load_hf(tmp_path / 'hf')
   cfg = model.cfg.__class__(**{**model.cfg.__dict__, 'lora': LoraConfig(rank=2, targets=('experts', 'query'))})
@@ -434,9 +432,10 @@ def test_adapters_of_a_fused_projection_load_in_peft_as_one_of_its_rank_times_pa
 
 @pytest.mark.long(0.5)
 def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_to_peft(tmp_path, capsys):
-  """`lm train` with adapters from an HF model, straight and killed (-9) past its step-4 checkpoint then resumed:
-  the same losses, and `lm convert --from RUN --to-peft DIR` writes the same adapters, PEFT's files naming the
-  source as the base, which load onto it; a run without adapters is refused in one line."""
+  """`lm train` with adapters from an HF model, distilling from that model too (train.distill), straight and killed
+  (-9) past its step-4 checkpoint then resumed: the same losses, distillation's included, and `lm convert --from RUN
+  --to-peft DIR` writes the same adapters, PEFT's files naming the source as the base, which load onto it; a run
+  without adapters is refused in one line."""
   import peft
   import transformers
   from lm import cli
@@ -446,7 +445,8 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
   plain = load_config('llama_tiny', SMALL).model
   save_hf(plain, nn.unbox(get_family(plain.family).init(build_model(plain), jax.random.key(1), 16)), tmp_path / 'hf')
   train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'llama_tiny', *SMALL, 'model.lora.rank=4',
-           'train.steps=8', 'train.checkpoint.every=2', f'train.init_from={tmp_path / "hf"}']
+           'train.steps=8', 'train.checkpoint.every=2', f'train.init_from={tmp_path / "hf"}',
+           f'train.distill.teacher={tmp_path / "hf"}', 'train.distill.temperature=2']
   env = one_device_env()
   straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True,
                             timeout=600)
@@ -456,6 +456,7 @@ def test_a_killed_lora_run_resumes_as_the_straight_one_and_exports_its_adapters_
   resumed = subprocess.run(train + [f'train.run_dir={run}', '--resume'], env=env, capture_output=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert without_timing(read_metrics(run)) == without_timing(read_metrics(tmp_path / 'straight'))
+  assert all(r['distill_loss'] > 0 for r in read_metrics(run) if 'loss' in r)
   # The checkpoints store the adapters alone and name the base (stored once), which every restore reads again.
   stored = ocp.PyTreeCheckpointer().metadata(run / 'checkpoints' / '8' / 'params').item_metadata
   assert {path[-1] for path, leaf in traverse_util.flatten_dict(dict(stored)).items() if leaf is not None} == \

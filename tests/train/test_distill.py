@@ -1,8 +1,6 @@
 """Knowledge distillation (`train.distill`): the loss against a float64 NumPy reference of the two models' logits,
 weight 0 as plain training, a 2-layer student beating itself without its 4-layer teacher, kill -9 and resume, and
 a teacher of other tokens refused."""
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -16,8 +14,7 @@ from lm.jobs.pretraining import Pretraining
 from lm.train.distill import Teacher
 from lm.train.logging import read_metrics
 from lm.train.step import PretrainingLoss
-from tests.conftest import SMALL, built_once, one_device_env
-from tests.train.test_faults import kill_past, without_timing
+from tests.conftest import SMALL, built_once
 
 
 def models(*overrides: str) -> tuple:
@@ -72,10 +69,11 @@ def val_loss(run) -> float:
   return [r['val_loss'] for r in read_metrics(run) if 'val_loss' in r][-1]
 
 
-@pytest.mark.long(0.8)
-def test_a_student_beats_itself_without_the_teacher_and_a_killed_run_resumes_its_losses(tmp_path):
+@pytest.mark.long(0.5)
+def test_a_student_beats_itself_without_the_teacher(tmp_path):
   """A 2-layer student distilled 30 steps from a 4-layer GPT trained 200 reaches a lower held-out loss than without
-  it; killed (-9) past its step-10 checkpoint and resumed, it logs the straight run's losses."""
+  it, and its distillation loss falls. (kill -9 and --resume during distillation: the LoRA run of
+  tests/models/test_lora.py distils from its base.)"""
   held_out = ['train.eval_batches=4', 'train.eval_every=1000']
 
   def build(root):
@@ -83,22 +81,14 @@ def test_a_student_beats_itself_without_the_teacher_and_a_killed_run_resumes_its
                                                          f'train.run_dir={root}'])
     Pretraining(config, jax.devices()[:1]).run()
   teacher = built_once('distill_teacher', build)
-  student = SMALL + held_out + ['train.steps=30', 'train.checkpoint.every=10']
-  Pretraining(load_config('gpt_tiny', student + [f'train.run_dir={tmp_path}/plain']), jax.devices()[:1]).run()
-  train = [sys.executable, '-m', 'lm.cli', 'train', '--config', 'gpt_tiny', *student,
-           f'train.distill.teacher={teacher}', 'train.distill.temperature=2']
-  env = one_device_env()
-  straight = subprocess.run(train + [f'train.run_dir={tmp_path}/straight'], env=env, capture_output=True, timeout=600)
-  assert straight.returncode == 0, straight.stderr[-2000:]
-  assert val_loss(teacher) < val_loss(tmp_path / 'straight') < val_loss(tmp_path / 'plain') - 0.01
-  records = [r for r in read_metrics(tmp_path / 'straight') if 'loss' in r]
+  student = SMALL + held_out + ['train.steps=30']
+  for name, extra in (('plain', []), ('distilled', [f'train.distill.teacher={teacher}',
+                                                    'train.distill.temperature=2'])):
+    Pretraining(load_config('gpt_tiny', student + extra + [f'train.run_dir={tmp_path}/{name}']),
+                jax.devices()[:1]).run()
+  assert val_loss(teacher) < val_loss(tmp_path / 'distilled') < val_loss(tmp_path / 'plain') - 0.01
+  records = [r for r in read_metrics(tmp_path / 'distilled') if 'loss' in r]
   assert records[-1]['distill_loss'] < 0.5 * records[0]['distill_loss']
-
-  kill_past(train + [f'train.run_dir={tmp_path}/killed'], tmp_path / 'killed', 12, env)
-  resumed = subprocess.run(train + [f'train.run_dir={tmp_path}/killed', '--resume'], env=env, capture_output=True,
-                           timeout=600)
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert without_timing(read_metrics(tmp_path / 'killed')) == without_timing(read_metrics(tmp_path / 'straight'))
 
 
 def test_a_teacher_of_another_vocabulary_or_settings_out_of_range_are_refused_in_one_line():
