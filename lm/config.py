@@ -674,6 +674,8 @@ class DistillConfig:
   weight: float = 0.5  # the divergence's share of the loss; 1: the teacher alone, 0: the data alone
   temperature: float = 1.0  # both models' logits divided by it (the loss scaled by its square, as Hinton's)
   divergence: Divergence = 'forward'  # forward: KL(teacher || student), mass-covering; reverse: mode-seeking
+  top_k: int = 0  # 0: every token; K: the teacher's K likeliest tokens per position, renormalised (the sparse targets
+  # of logits cached offline, as MaxText's top-k), against the student's log-probabilities there (forward only)
 
   def check(self) -> None:
     if self.teacher is None:
@@ -684,6 +686,9 @@ class DistillConfig:
     if not 0 <= self.weight <= 1 or not self.temperature > 0:
       raise ConfigError(f'train.distill.weight={self.weight} must be in [0, 1] and train.distill.temperature='
                         f'{self.temperature} > 0')
+    if self.top_k < 0 or (self.top_k and self.divergence != 'forward'):
+      raise ConfigError(f'train.distill.top_k={self.top_k} keeps the teacher\'s likeliest tokens: a count >= 0, with '
+                        f'train.distill.divergence=forward (not {self.divergence})')
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,17 @@ def sequence_classification(logits: jax.Array, labels: jax.Array) -> tuple[jax.A
 
 
 def distillation(student: jax.Array, teacher: jax.Array, weights: jax.Array, temperature: float = 1.0,
-                 divergence: str = 'forward') -> jax.Array:
+                 divergence: str = 'forward', top_k: int = 0) -> jax.Array:
   """Sum over tokens of weights x temperature^2 x the KL divergence of the temperature-softened distributions of
   logits [..., vocab]: forward, KL(teacher || student) (Hinton et al. 2015); reverse, KL(student || teacher)
-  (MiniLLM). The teacher's side is a constant."""
+  (MiniLLM). The teacher's side is a constant. `top_k` (forward): the teacher's distribution over its k likeliest
+  tokens, renormalised, against the student's log-probabilities (over the whole vocabulary) at them."""
   log_s = jax.nn.log_softmax(student.astype(jnp.float32) / temperature, axis=-1)
-  log_t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32) / temperature, axis=-1)
+  teacher = jax.lax.stop_gradient(teacher).astype(jnp.float32) / temperature
+  if top_k:
+    teacher, tokens = jax.lax.top_k(teacher, top_k)
+    log_s = jnp.take_along_axis(log_s, tokens, axis=-1)
+  log_t = jax.nn.log_softmax(teacher, axis=-1)
   log_p, log_q = (log_t, log_s) if divergence == 'forward' else (log_s, log_t)
   kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
   return temperature ** 2 * jnp.sum(kl * weights.astype(jnp.float32))

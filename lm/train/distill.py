@@ -91,6 +91,9 @@ def check_teacher(student: Config, teacher: Config, named: str) -> None:
   """The teacher's tokens must be the student's: the same vocabulary size and tokenizer (encoding alike, wherever
   its files lie)."""
   vocab, theirs = student.model.vocab_size, teacher.model.vocab_size
+  if student.train.distill.top_k > vocab:
+    raise ConfigError(f'train.distill.top_k={student.train.distill.top_k} is more tokens than the vocabulary\'s '
+                      f'{vocab}; keep at most {vocab} (or 0: all)')
   if vocab != theirs:
     raise ConfigError(f'{named} has a vocabulary of {theirs} tokens and the student {vocab}; distill from a teacher '
                       f'with the student\'s tokenizer and model.vocab_size')

@@ -88,7 +88,8 @@ def pretraining_loss(heads: Sequence[Head], outputs: dict[str, jax.Array], batch
   loss = token_sum / total_weight
   sums = {'nll': nll, 'z': z, **routed_sums(outputs, batch)}
   if teacher is not None:
-    soft = distillation(outputs['logits'].logits(), teacher, batch['weights'], distill.temperature, distill.divergence)
+    soft = distillation(outputs['logits'].logits(), teacher, batch['weights'], distill.temperature, distill.divergence,
+                        distill.top_k)
     sums['distill'] = jax.lax.stop_gradient(soft)
     loss = (1 - distill.weight) * loss + distill.weight * soft / total_weight
   for k, (head, total) in enumerate(zip(outputs.get(AHEAD, ()), ahead_weights, strict=True), 1):

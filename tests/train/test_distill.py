@@ -34,18 +34,23 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize('divergence', ['forward', 'reverse'])
+@pytest.mark.parametrize('divergence, top_k', [('forward', 0), ('reverse', 0), ('forward', 20)])
 @pytest.mark.variants
-def test_the_loss_mixes_the_data_loss_with_the_kl_of_softened_logits_as_numpy_does(divergence):
+def test_the_loss_mixes_the_data_loss_with_the_kl_of_softened_logits_as_numpy_does(divergence, top_k):
+  """(1 - w) x the token loss + w x T^2 x KL, forward or reverse, against float64 NumPy; with top_k, the teacher's
+  k likeliest tokens renormalised against the student's whole-vocabulary log-probabilities at them."""
   student, params, teacher, teacher_params, batch = models(
     'train.distill.teacher=x', 'train.distill.weight=0.3', 'train.distill.temperature=2',
-    f'train.distill.divergence={divergence}')
+    f'train.distill.divergence={divergence}', f'train.distill.top_k={top_k}')
   loss = PretrainingLoss(student, Teacher(teacher, teacher_params))
   totals = loss.totals(batch)
   value, sums = loss(params, batch, jax.random.key(0), totals)
   logits = lambda a, p: np.asarray(a.family.apply(a.model, p, batch, deterministic=True, rngs={})['logits'].logits(),
                                    np.float64)
   s, t = log_softmax(logits(student, params) / 2), log_softmax(logits(teacher, teacher_params) / 2)
+  if top_k:
+    kept = np.argsort(-t, axis=-1)[..., :top_k]
+    s, t = np.take_along_axis(s, kept, -1), log_softmax(np.take_along_axis(t, kept, -1))
   p, q = (t, s) if divergence == 'forward' else (s, t)
   weights = np.asarray(batch['weights'], np.float64)
   kl = 4 * np.sum(np.sum(np.exp(p) * (p - q), -1) * weights)
@@ -100,6 +105,15 @@ def test_a_teacher_of_another_vocabulary_or_settings_out_of_range_are_refused_in
     load_config('gpt_tiny', ['train.distill.weight=0.2'])
   with pytest.raises(ConfigError, match=r'train.distill.weight=1.5 must be in \[0, 1\]'):
     load_config('gpt_tiny', ['train.distill.teacher=x', 'train.distill.weight=1.5'])
+  with pytest.raises(ConfigError, match=r'train.distill.top_k=5 .* with train.distill.divergence=forward \(not rev'):
+    load_config('gpt_tiny', ['train.distill.teacher=x', 'train.distill.top_k=5', 'train.distill.divergence=reverse'])
+  from lm.jobs.glue.finetune import task_teacher
+  from lm.jobs.glue.tasks import TASKS
+  with pytest.raises(ConfigError, match=r'train.distill.top_k=5: GLUE learns the teacher\'s whole soft labels'):
+    task_teacher(load_config('bert_tiny', ['train.distill.teacher=x', 'train.distill.top_k=5']), TASKS['rte'])
+  with pytest.raises(ConfigError, match=r'train.distill.top_k=300 is more tokens than the vocabulary\'s 264'):
+    check_teacher(load_config('gpt_tiny', SMALL + ['train.distill.teacher=x', 'train.distill.top_k=300']),
+                  load_config('gpt_tiny', SMALL), 'train.distill.teacher=T')
   with pytest.raises(ConfigError, match='train.distill.teacher runs a second model beside the pipelined stack'):
     load_config('llama_tiny', ['mesh.stage=2', 'model.execution.scan_layers=true', 'train.microbatches=2',
                                'train.distill.teacher=x'])

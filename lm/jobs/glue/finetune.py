@@ -151,6 +151,9 @@ def task_teacher(config: Config, task: Task) -> str | None:
   teacher = config.train.distill.teacher
   if teacher is None:
     return None
+  if config.train.distill.top_k:
+    raise ConfigError(f'train.distill.top_k={config.train.distill.top_k}: GLUE learns the teacher\'s whole soft labels '
+                      f'(a few classes, or a score); drop top_k')
   root = epath.Path(teacher)
   folder = root / task.name
   if is_run_dir(folder):
