@@ -104,6 +104,7 @@ def test_training_moves_the_adapters_alone_and_keeps_state_of_nothing_else(tmp_p
     np.testing.assert_array_equal(restored[path], value, err_msg=str(path))
 
 
+@pytest.mark.long(0.2)
 def test_an_int8_base_is_stored_quantized_once_and_trains_its_adapters(tmp_path):
   """QLoRA's way (model.quantization=int8 with adapters): the HF base's projections load as int8 values and
   per-output-channel scales (against a float64 NumPy quantization), a quarter of their float32 bytes; the first
@@ -252,8 +253,8 @@ def test_the_hf_export_folds_the_adapters_into_their_kernels(tmp_path):
   np.testing.assert_allclose(plain.apply({'params': loaded}, tokens), ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.long(0.4)
 @pytest.mark.parametrize('architecture', ['mixtral', 'gpt_oss'])
-@pytest.mark.variants
 def test_the_experts_adapters_load_in_peft_as_its_target_parameters_with_the_same_logits(architecture, tmp_path):
   """A random HF Mixtral or GPT-OSS imported, adapters on every routed expert (and the queries) moved off their
   init, written with `save_peft`: PEFT puts them on transformers' fused expert parameters (gate_up_proj at 2 x rank,
