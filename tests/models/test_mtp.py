@@ -120,6 +120,7 @@ def test_the_mtp_loss_equals_a_float64_reference_of_its_modules():
   assert float(weights['mtp_weights_2'].sum()) == 3 + 4 + 7  # 3 + 4 look-aheads in row 0's documents, 7 in row 1's
 
 
+@pytest.mark.long(0.3)
 def test_at_weight_zero_the_main_loss_gradient_is_unchanged():
   cfg = tiny(depth=1, weight=0.0)
   params, batch = perturbed_params(cfg), packed_batch()

@@ -42,6 +42,7 @@ def test_info_reports_no_pipeline_without_stages(capsys):
   assert 'pipeline' not in json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.long(0.4)
 def test_the_estimate_grows_with_the_microbatches_as_the_compiled_step(capsys):
   """From 4 to 16 microbatches of 8 rows on 2 stages: the compiled step's temporaries and the estimate's activations
   grow about alike under 1F1B (its stash of at most 3 microbatches, and the batch's inputs), and GPipe's grow more

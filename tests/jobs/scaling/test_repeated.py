@@ -18,6 +18,7 @@ def test_the_formula_gives_the_datablations_readmes_values():
   assert best['params'] == pytest.approx(7022364735.879969, rel=1e-9)
 
 
+@pytest.mark.long(0.4)
 def test_a_refit_recovers_the_decay_constants(tmp_path, capsys):
   """`lm scaling fit --law data_constrained` on losses from the law (datablations's constants) with 0.2% noise,
   over unique budgets, epochs and sizes beyond the data's optimum: R_D* and R_N* refitted within 10%, the base
