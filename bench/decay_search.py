@@ -1,9 +1,10 @@
 """Whether `lm scaling predict --search` picks a decay that trains no worse: on one size of a `--schedule wsd` ladder,
 a curve fit on its stable run and smallest cooldown predicts the largest budget's final training loss under each
 decay (fraction x shape); the best is trained for real and compared with the ladder's own run of that budget (the
-default decay), by the final held-out loss and the mean training loss of the last logged steps.
+default decay), by the final held-out loss and the mean training loss of the last logged steps. `--metric val_loss`
+fits the held-out loss at the runs' evaluations instead of the training loss.
 
-  python bench/decay_search.py --ladder runs/ladder_wsd --size d64_l2 [--form mpl]
+  python bench/decay_search.py --ladder runs/ladder_wsd --size d64_l2 [--form mpl] [--metric loss|val_loss]
       [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
       [--out docs/results/decay-search.md] [--json docs/results/decay_search.json]
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import from_dict, merge, parse_overrides
-from lm.jobs.scaling.curves import fit_runs, predict, schedule_rates, search_grid
+from lm.jobs.scaling.curves import fit_runs, predict, schedule_rates, search_grid, updates_before
 from lm.report import write_json
 from lm.train.logging import read_metrics
 
@@ -37,6 +38,7 @@ def main() -> None:
   parser.add_argument('--ladder', required=True, help='a lm scaling sweep --schedule wsd directory')
   parser.add_argument('--size', required=True, help='its size label, e.g. d64_l2')
   parser.add_argument('--form', choices=('mpl', 'tissue'), default='mpl')
+  parser.add_argument('--metric', default='loss', help='the loss the curve follows: loss (training) or val_loss')
   parser.add_argument('--cooldown', type=int, default=0, help='which budget\'s cooldown to fit on, from the '
                                                              'smallest (0) up; the largest budget is predicted')
   parser.add_argument('--search', nargs='+', default=['decay_fraction=0.1,0.2,0.3,0.5',
@@ -48,32 +50,36 @@ def main() -> None:
   sweep = json.loads((ladder / 'sweep.json').read_text())
   points = sorted((p for p in sweep['points'] if p['label'].startswith(args.size + '_')), key=lambda p: p['tokens'])
   fitted_on = [str(ladder / f'{args.size}_stable'), str(ladder / points[args.cooldown]['label'])]
-  fit = fit_runs(fitted_on, args.form)
+  fit = fit_runs(fitted_on, args.form, args.metric)
   target = points[-1]
   config_of = lambda extra: from_dict(merge(sweep['base'], parse_overrides([*target['overrides'], *extra])))
   rows = []
   for combo in [[]] + search_grid(args.search):
     rates = schedule_rates(config_of(combo))
     rows.append({'decay': ' '.join(combo) or 'as the ladder ran it', 'overrides': combo,
-                 'predicted': float(predict(fit['form'], fit['params'], rates, np.array([len(rates) - 1]))[-1])})
+                 'predicted': float(predict(fit['form'], fit['params'], rates,
+                                            updates_before(args.metric, np.array([len(rates)])))[-1])})
   best = min(rows[1:], key=lambda row: row['predicted'])
   default = measured(ladder / target['label'])
   trained = ladder / (target['label'] + ''.join(f'_{o.split("=")[1]}' for o in best['overrides']))  # per decay
+  what = 'training loss' if args.metric == 'loss' else args.metric
   if not trained.exists():
     from lm.jobs.pretraining import Pretraining
     Pretraining(config_of([*best['overrides'], f'train.run_dir={trained}', 'train.resume=false'])).run()
   chosen = measured(trained)
   result = {'command': sys.argv, 'fitted_on': fitted_on, 'target': target['label'], 'form': args.form,
+            'metric': args.metric,
             'predictions': rows, 'best': best['decay'], 'default_measured': default, 'best_measured': chosen,
             'no_worse': chosen['val_loss'] <= default['val_loss']}
   write_json(args.json, result)
   lines = [f'# A decay chosen by `lm scaling predict --search`, trained for real', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
            f'(scaling-ladder.md) (`lm scaling sweep --schedule wsd --out runs/ladder_wsd`). The {args.form} curve law '
-           f'fitted on {", ".join(Path(r).name for r in fitted_on)} (the stable run and a cooldown) predicts '
+           f'fitted to the {what} of {", ".join(Path(r).name for r in fitted_on)} (the stable run and a cooldown) '
+           f'predicts '
            f'{target["label"]} ({target["steps"]} steps) under each decay; the best is trained for real beside the '
            f'ladder\'s own run of that budget (`optim.decay_fraction=0.2`, linear).', '',
-           '| decay | predicted final training loss |', '|---|---|']
+           f'| decay | predicted final {what} |', '|---|---|']
   lines += [f'| {r["decay"]} | {r["predicted"]:.4f}{"  (best)" if r is best else ""} |' for r in rows]
   lines += ['', '| run | held-out loss | training loss, last 5 steps |', '|---|---|---|',
             f'| the ladder\'s (default decay) | {default["val_loss"]:.4f} | {default["loss_last"]:.4f} |',

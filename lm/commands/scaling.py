@@ -81,7 +81,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 def _fitted_curve(args: argparse.Namespace) -> tuple[dict, Any]:
   from lm.jobs.scaling.curves import fit_runs
   from lm.jobs.scaling.report import format_curve_fit
-  return fit_runs(args.points, args.form), format_curve_fit
+  return fit_runs(args.points, args.form, args.metric or 'loss'), format_curve_fit
 
 
 def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
@@ -156,9 +156,10 @@ def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
   if len(args.target) % 2 or any(not x > 0 for x in args.target):
     raise ConfigError('--target takes pairs of positive N D (params and tokens), e.g. --target 7e9 1.4e11')
   targets = list(zip(args.target[::2], args.target[1::2]))
+  metric = args.metric or 'acc'
   result = fit_task(read_points(args.points, args.params, f'{args.task}/task_loss'),
-                    read_column(args.points, f'{args.task}/{args.metric}'), targets, args.bootstrap)
-  result.update(task=args.task, metric=args.metric)
+                    read_column(args.points, f'{args.task}/{metric}'), targets, args.bootstrap)
+  result.update(task=args.task, metric=metric)
   return result, format_fit
 
 
@@ -184,7 +185,7 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
 
 def cmd_scaling_predict(args: argparse.Namespace) -> int:
   from lm.config import load_config
-  from lm.jobs.scaling.curves import curve_steps, model_of, predict, schedule_rates, search_grid
+  from lm.jobs.scaling.curves import curve_steps, model_of, predict, schedule_rates, search_grid, updates_before
   from lm.report import format_lines
   try:
     fit = json.loads(Path(args.fit).read_text())
@@ -205,15 +206,17 @@ def cmd_scaling_predict(args: argparse.Namespace) -> int:
                         f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
     rates = schedule_rates(config)
     steps = curve_steps(rates, args.points)
-    loss = predict(fit['form'], fit['params'], rates, steps - 1)  # step s follows s - 1 updates
+    metric = fit.get('metric', 'loss')
+    loss = predict(fit['form'], fit['params'], rates, updates_before(metric, steps))
     rows.append((' '.join(combo) or 'as configured', steps, loss))
+  what = 'training loss' if fit.get('metric', 'loss') == 'loss' else fit['metric']
   if len(rows) == 1:
     print(format_lines([(f'step {s}', f'{value:.4f}') for s, value in zip(rows[0][1], rows[0][2])]))
-    print(f'predicted final training loss (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}', flush=True)
+    print(f'predicted final {what} (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}', flush=True)
     return 0
   best = min(rows, key=lambda row: row[2][-1])
   print(format_lines([(name, f'{loss[-1]:.4f}' + ('  best' if name == best[0] else '')) for name, _, loss in rows]))
-  print(f'best: {best[0]} (predicted final training loss {best[2][-1]:.4f})', flush=True)
+  print(f'best: {best[0]} (predicted final {what} {best[2][-1]:.4f})', flush=True)
   return 0
 
 
@@ -371,7 +374,9 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--form', choices=('mpl', 'tissue'), default='mpl',
                    help='--law curve: the multi-power law (Luo et al. 2025) or the momentum form (Tissue et al. 2024)')
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
-  fit.add_argument('--metric', default='acc', help='--law task: the accuracy metric (default acc; e.g. acc_norm)')
+  fit.add_argument('--metric', help='--law task: the accuracy metric (default acc; e.g. acc_norm); --law curve: the '
+                   'loss the curve follows, the training loss (default loss) or a held-out one at its evaluations '
+                   '(val_loss, val/NAME/loss)')
   fit.add_argument('--target', type=float, nargs='+', default=[], metavar='N D',
                    help='--law task: models (params, tokens) to predict task loss and accuracy for; --law hparams: '
                         'compute budgets C (--by compute) or N D pairs (--by nd) to give the optimum for')

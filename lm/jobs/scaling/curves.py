@@ -9,6 +9,9 @@ Two forms, each predicting the training loss after n updates from the rates eta_
 Both are fitted as the papers fit them: Huber (delta 1e-3) on log loss summed over the logged points of every
 curve, here by L-BFGS-B on the logs of the positive parameters with exact gradients, from the MultiPowerLaw
 repository's starting point (a power law of the loss in S1, then the loss drop's parameters). NumPy and SciPy only.
+The papers' training losses average batches of half a million tokens or more; a small run's batch loss varies by
+several percent from step to step (lm's CPU ladder: 5% a step, 4% over 5 steps), so a run's curve can follow a
+held-out loss at its evaluations instead (`metric`), the same held-out rows every time.
 """
 from __future__ import annotations
 
@@ -216,9 +219,16 @@ def model_of(config: Any) -> dict[str, Any]:
   return model
 
 
-def run_curve(run_dir: str) -> tuple[Curve, dict[str, Any]]:
-  """A run's training loss against the updates before it (the loss logged at step s follows s - 1 updates), on
-  its schedule rebuilt from config.yaml and checked against the learning rates metrics.jsonl logged."""
+def updates_before(metric: str, steps: np.ndarray) -> np.ndarray:
+  """How many updates precede `metric` as logged at each of `steps`: the training loss of step s is its batch's
+  before the step's update (s - 1), a held-out loss is evaluated after it (s)."""
+  return steps - 1 if metric == 'loss' else steps
+
+
+def run_curve(run_dir: str, metric: str = 'loss') -> tuple[Curve, dict[str, Any]]:
+  """A run's `metric` (the training loss, or a held-out loss such as val_loss at its evaluations) against the
+  updates before it, on its schedule rebuilt from config.yaml and checked against the learning rates metrics.jsonl
+  logged."""
   import json
 
   from etils import epath
@@ -242,16 +252,24 @@ def run_curve(run_dir: str) -> tuple[Curve, dict[str, Any]]:
     step = int(steps[wrong][0])
     raise ConfigError(f'{run_dir}: the rate logged at step {step} ({logged_rates[wrong][0]:.6g}) is not its '
                       f'schedule\'s ({rates[step - 1]:.6g}); the curve needs the schedule the run trained with')
-  keep = _areas(rates)[np.minimum(steps, len(rates)) - 1] > 0  # the laws start once some rate has been applied
+  measured = [r for r in records if metric in r and 'step' in r and r['step'] <= len(rates)]
+  if not measured:
+    held = sorted({k for r in records for k in r if k == 'val_loss' or (k.startswith('val/') and k.endswith('/loss'))})
+    raise ConfigError(f'{run_dir} logged no {metric}; fit --metric loss (the training loss)'
+                      + (f' or one of its held-out losses: {", ".join(held)}' if held else ''))
+  updates = updates_before(metric, np.array([r['step'] for r in measured]))
+  keep = _areas(rates)[updates] > 0  # the laws start once some rate has been applied
   if not keep.any():
-    raise ConfigError(f'{run_dir}: every logged loss precedes the first update with a rate above 0; log more steps')
-  curve = Curve(str(run_dir), rates, steps[keep] - 1, np.array([r['loss'] for r in logged])[keep])
+    raise ConfigError(f'{run_dir}: every logged {metric} precedes the first update with a rate above 0; log more '
+                      f'steps')
+  curve = Curve(str(run_dir), rates, updates[keep], np.array([r[metric] for r in measured])[keep])
   return curve, model_of(config)
 
 
-def fit_runs(runs: Sequence[str], form: str) -> dict[str, Any]:
-  """One size's runs fitted together; runs of different models are refused."""
-  pairs = [run_curve(run) for run in runs]
+def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss') -> dict[str, Any]:
+  """One size's runs fitted together on `metric` (the training loss or a held-out loss); runs of different models
+  are refused."""
+  pairs = [run_curve(run, metric) for run in runs]
   first = pairs[0][1]
   for run, (_, model) in zip(runs, pairs):
     if model != first:
@@ -259,7 +277,7 @@ def fit_runs(runs: Sequence[str], form: str) -> dict[str, Any]:
       raise ConfigError(f'{run} is another model than {runs[0]} (model.{field}: {model.get(field)} against '
                         f'{first.get(field)}); a curve fit takes one size\'s runs')
   fit = fit_curves([c for c, _ in pairs], form)
-  fit['model'] = first
+  fit.update(model=first, metric=metric)
   return fit
 
 

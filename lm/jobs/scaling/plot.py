@@ -218,24 +218,27 @@ def plot_learning_rates(path: str | Path, out: str | Path) -> dict[int, float]:
 
 
 def plot_curves(fit: dict[str, Any], runs: list[str], out: str | Path) -> Path:
-  """Each run's measured training loss against step (points) with the curve fit's prediction under its schedule
-  (a line), and the learning rate below; returns the PNG's path."""
+  """Each run's measured loss (the fit's metric) against step (points) with the curve fit's prediction under its
+  schedule (a line), and the learning rate below; returns the PNG's path."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  from lm.jobs.scaling.curves import curve_steps, predict, run_curve
+  from lm.jobs.scaling.curves import curve_steps, predict, run_curve, updates_before
+  metric = fit.get('metric', 'loss')
+  label = 'training loss' if metric == 'loss' else metric
+  shift = int(updates_before(metric, np.array([1]))[0]) - 1  # a step's updates, less the step
   figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 1))
   colours = plt.cm.viridis(np.linspace(0, 0.9, len(runs)))
   for run, colour in zip(runs, colours):
-    curve, _ = run_curve(run)
+    curve, _ = run_curve(run, metric)
     steps = curve_steps(curve.rates, len(curve.rates))
     name = Path(run).name
-    top.plot(curve.updates + 1, curve.loss, '.', color=colour, ms=3, alpha=0.6, label=f'{name} measured')
-    top.plot(steps, predict(fit['form'], fit['params'], curve.rates, steps - 1), '-', color=colour, lw=1.3,
+    top.plot(curve.updates - shift, curve.loss, '.', color=colour, ms=3, alpha=0.6, label=f'{name} measured')
+    top.plot(steps, predict(fit['form'], fit['params'], curve.rates, steps + shift), '-', color=colour, lw=1.3,
              label=f'{name} {fit["form"]}')
     bottom.plot(np.arange(1, len(curve.rates) + 1), curve.rates, '-', color=colour, lw=1.2)
-  top.set(ylabel='training loss', title=f'training loss and the {fit["form"]} curve fit')
+  top.set(ylabel=label, title=f'{label} and the {fit["form"]} curve fit')
   top.legend(fontsize='small')
   bottom.set(xlabel='step', ylabel='learning rate')
   return _save(figure, out)

@@ -48,7 +48,9 @@ def format_fit(fit: dict[str, Any]) -> str:
 
 def format_curve_fit(fit: dict[str, Any]) -> str:
   """A curve fit's parameters and each run's mean relative error and final loss against the fit's."""
-  lines = [('law', f'curve ({fit["form"]}) on {len(fit["curves"])} runs')]
+  metric = fit.get('metric', 'loss')
+  lines = [('law', f'curve ({fit["form"]}) on {len(fit["curves"])} runs'
+                   + ('' if metric == 'loss' else f', their {metric}'))]
   lines += [(name, f'{value:.6g}') for name, value in fit['params'].items()]
   for run, e in fit['curves'].items():
     lines.append((run, f'mean error {e["mean"]:.2%}, final loss {e["final_loss"]:.4f} (fit {e["final_predicted"]:.4f})'))

@@ -255,6 +255,20 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f'predicted final training loss (step 10, {form}): {fit["curves"][cooldowns[1]]["final_predicted"]:.4f}' \
       in said, said
+  # on the held-out loss at the evaluations instead: measured after the step's update, so predict's step 10 is the
+  # fit's point at the run's last evaluation
+  held = tmp_path / 'held.json'
+  assert cli.main(['scaling', 'fit', *cooldowns, '--law', 'curve', '--form', 'tissue', '--metric', 'val_loss',
+                   '--out', str(held)]) == 0
+  fit = json.loads(held.read_text())
+  assert fit['metric'] == 'val_loss' and 'curve (tissue) on 2 runs, their val_loss' in capsys.readouterr().out
+  assert [fit['curves'][run]['final_loss'] for run in cooldowns] == [final(run) for run in cooldowns]
+  assert cli.main(['scaling', 'predict', '--fit', str(held), '--config', f'{cooldowns[1]}/config.yaml']) == 0
+  said = capsys.readouterr().out
+  assert f'predicted final val_loss (step 10, tissue): {fit["curves"][cooldowns[1]]["final_predicted"]:.4f}' in said
+  assert cli.main(['scaling', 'fit', *cooldowns, '--law', 'curve', '--metric', 'val/code/loss']) == 2
+  assert f'{cooldowns[0]} logged no val/code/loss; fit --metric loss (the training loss) or one of its held-out ' \
+         f'losses: val_loss' in capsys.readouterr().err
   assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', f'{cooldowns[1]}/config.yaml',
                    '--search', 'decay_fraction=0.2,0.4', 'decay_shape=linear,sqrt']) == 0
   said = capsys.readouterr().out
