@@ -81,7 +81,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 def _fitted_curve(args: argparse.Namespace) -> tuple[dict, Any]:
   from lm.jobs.scaling.curves import fit_runs
   from lm.jobs.scaling.report import format_curve_fit
-  return fit_runs(args.points, args.form, args.metric or 'loss'), format_curve_fit
+  return fit_runs(args.points, args.form, args.metric or 'loss', args.bootstrap), format_curve_fit
 
 
 def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
@@ -183,9 +183,34 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
   return 0
 
 
-def cmd_scaling_predict(args: argparse.Namespace) -> int:
+def _predicted(fit: dict, args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
+  """(name, steps, predicted loss there, each resample's final loss) for the config as configured and, with
+  --search, each combination after it."""
+  import numpy as np
+
   from lm.config import load_config
   from lm.jobs.scaling.curves import curve_steps, model_of, predict, schedule_rates, search_grid, updates_before
+  rows = []
+  for combo in [[]] + (search_grid(args.search) if args.search else []):
+    config = load_config(args.config, [*args.overrides, *combo])
+    model = model_of(config)
+    if 'model' in fit and model != fit['model']:
+      field = next(k for k in sorted(set(model) | set(fit['model'])) if model.get(k) != fit['model'].get(k))
+      raise ConfigError(f'{args.config}: model.{field} is {model.get(field)}, the fitted runs\' is '
+                        f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
+    rates = schedule_rates(config)
+    steps = curve_steps(rates, args.points)
+    updates = updates_before(fit.get('metric', 'loss'), steps)
+    sampled = np.array([predict(fit['form'], sample, rates, updates[-1:])[0] for sample in fit.get('samples', [])])
+    rows.append((' '.join(combo) or 'as configured', steps, predict(fit['form'], fit['params'], rates, updates),
+                 sampled))
+  return rows
+
+
+def cmd_scaling_predict(args: argparse.Namespace) -> int:
+  import numpy as np
+
+  from lm.jobs.scaling.curves import search_pick
   from lm.report import format_lines
   try:
     fit = json.loads(Path(args.fit).read_text())
@@ -196,27 +221,28 @@ def cmd_scaling_predict(args: argparse.Namespace) -> int:
                       f'--out {args.fit}')
   if args.points < 2:
     raise ConfigError(f'--points {args.points} must be at least 2')
-  rows = []
-  for combo in search_grid(args.search) if args.search else [[]]:
-    config = load_config(args.config, [*args.overrides, *combo])
-    model = model_of(config)
-    if 'model' in fit and model != fit['model']:
-      field = next(k for k in sorted(set(model) | set(fit['model'])) if model.get(k) != fit['model'].get(k))
-      raise ConfigError(f'{args.config}: model.{field} is {model.get(field)}, the fitted runs\' is '
-                        f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
-    rates = schedule_rates(config)
-    steps = curve_steps(rates, args.points)
-    metric = fit.get('metric', 'loss')
-    loss = predict(fit['form'], fit['params'], rates, updates_before(metric, steps))
-    rows.append((' '.join(combo) or 'as configured', steps, loss))
+  rows = _predicted(fit, args)
   what = 'training loss' if fit.get('metric', 'loss') == 'loss' else fit['metric']
+  interval = lambda sampled: f' [{np.percentile(sampled, 2.5):.4f}, {np.percentile(sampled, 97.5):.4f}]' \
+    if len(sampled) else ''
   if len(rows) == 1:
     print(format_lines([(f'step {s}', f'{value:.4f}') for s, value in zip(rows[0][1], rows[0][2])]))
-    print(f'predicted final {what} (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}', flush=True)
+    print(f'predicted final {what} (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}'
+          f'{interval(rows[0][3])}', flush=True)
     return 0
-  best = min(rows, key=lambda row: row[2][-1])
-  print(format_lines([(name, f'{loss[-1]:.4f}' + ('  best' if name == best[0] else '')) for name, _, loss in rows]))
-  print(f'best: {best[0]} (predicted final {what} {best[2][-1]:.4f})', flush=True)
+  samples = len(fit.get('samples', []))
+  pick, wins = search_pick(np.array([loss[-1] for _, _, loss, _ in rows]),
+                           np.stack([sampled for *_, sampled in rows], 1) if samples else None)
+  print(format_lines([(name, f'{loss[-1]:.4f}{interval(sampled)}' + ('  best' if i == pick else ''))
+                      for i, (name, _, loss, sampled) in enumerate(rows)]))
+  lowest = min(range(len(rows)), key=lambda i: rows[i][2][-1])
+  if pick == 0 and wins is not None:
+    print(f'best: as configured (the lowest, {rows[lowest][0]}, beats it in {wins:.0%} of the fit\'s {samples} '
+          f'resamples, short of 95%)', flush=True)
+    return 0
+  print(f'best: {rows[pick][0]} (predicted final {what} {rows[pick][2][-1]:.4f}'
+        + (f'; beats the configured schedule in {wins:.0%} of the fit\'s {samples} resamples' if wins is not None
+           else '') + ')', flush=True)
   return 0
 
 
@@ -383,7 +409,8 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total',
                    help='which N to fit (active: the params a token runs, for routed experts)')
   fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
-                   help='chinchilla, isoflop, task, hparams: N resamples for 95%% intervals')
+                   help='chinchilla, isoflop, task, hparams, curve: N resamples for 95%% intervals (curve: of its '
+                   'parameters, and of what predict derives from them)')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--holdout', choices=('largest',), default=None,

@@ -15,6 +15,7 @@ held-out loss at its evaluations instead (`metric`), the same held-out rows ever
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,6 +32,7 @@ LAMBDAS = (0.99, 0.995, 0.999, 0.9995)  # Tissue et al.'s decay factor: the fit 
 CHUNK = 1 << 21  # points x rate changes held at once
 COARSE = 512  # the fit's first pass merges a curve's rate changes into this many runs
 REFINE = 40  # L-BFGS iterations on every change after it
+BLOCKS = 40  # a bootstrap resamples each curve's residuals in about this many contiguous blocks
 
 
 @dataclass(frozen=True)
@@ -160,17 +162,23 @@ def _start(curves: Sequence[Curve]) -> dict[str, float]:
   return {'L0': max(lowest - 0.1, 1e-3), 'A': float(np.exp(line.intercept)), 'alpha': max(-line.slope, 0.05)}
 
 
-def fit_curves(curves: Sequence[Curve], form: str = 'mpl') -> dict[str, Any]:
-  """The form's parameters fitted to every curve at once (one model size), with each curve's mean relative
-  error."""
-  if form not in FORMS:
-    raise ConfigError(f'--form {form} is not a curve law; choose one of: {", ".join(FORMS)}')
+def _starts(curves: Sequence[Curve], form: str) -> list[tuple[dict[str, float], dict[str, float]]]:
+  """The fit's starting points, each (params, fixed): the multi-power law's from three loss-drop scales, the
+  momentum form's at each of LAMBDAS (fixed)."""
   start = _start(curves)
   if form == 'mpl':
-    starts = [({**start, 'B': b, 'C': 1.0, 'beta': 0.5, 'gamma': 0.5}, {}) for b in (100.0, 300.0, 1000.0)]
-  else:
-    scale = max(float(c.rates.max()) for c in curves)
-    starts = [({**start, 'C': 1.0 / scale}, {'lambda': lam}) for lam in LAMBDAS]
+    return [({**start, 'B': b, 'C': 1.0, 'beta': 0.5, 'gamma': 0.5}, {}) for b in (100.0, 300.0, 1000.0)]
+  scale = max(float(c.rates.max()) for c in curves)
+  return [({**start, 'C': 1.0 / scale}, {'lambda': lam}) for lam in LAMBDAS]
+
+
+def fit_curves(curves: Sequence[Curve], form: str = 'mpl',
+               starts: Sequence[tuple[dict[str, float], dict[str, float]]] = ()) -> dict[str, Any]:
+  """The form's parameters fitted to every curve at once (one model size), with each curve's mean relative
+  error; from `starts` ((params, fixed) pairs) if given."""
+  if form not in FORMS:
+    raise ConfigError(f'--form {form} is not a curve law; choose one of: {", ".join(FORMS)}')
+  starts = starts or _starts(curves, form)
   best = None
   with np.errstate(all='ignore'):  # a trial point may overflow; its objective is then the largest
     for params, fixed in starts:  # the multi-power law's loss drop on at most COARSE merged changes a curve first
@@ -190,6 +198,41 @@ def fit_curves(curves: Sequence[Curve], form: str = 'mpl') -> dict[str, Any]:
   params = {**dict(zip(names, np.exp(theta).tolist())), **fixed}
   return {'law': 'curve', 'form': form, 'params': params, 'objective': float(best[0]),
           'curves': {c.name: relative_error(form, params, c) for c in curves}}
+
+
+def bootstrap_curves(curves: Sequence[Curve], fit: dict[str, Any], samples: int, seed: int = 0
+                     ) -> list[dict[str, float]]:
+  """`samples` refits of `fit` (fit_curves' on `curves`), each on the fit's curves times resampled residuals: each
+  curve's log residuals drawn with replacement in about BLOCKS contiguous blocks (a small batch's loss stays high
+  or low over a few steps), each refit starting at the fit (the momentum form's lambda kept)."""
+  rng = np.random.default_rng(seed)
+  form, params = fit['form'], fit['params']
+  fixed = {'lambda': params['lambda']} if form == 'tissue' else {}
+  start = [({k: v for k, v in params.items() if k not in fixed}, fixed)]
+  fitted = [(c, predict(form, params, c.rates, c.updates)) for c in curves]
+  out = []
+  for _ in range(samples):
+    drawn = []
+    for curve, pred in fitted:
+      residual = np.log(curve.loss) - np.log(pred)
+      size = max(1, len(residual) // BLOCKS)
+      first = rng.integers(0, len(residual) - size + 1, -(-len(residual) // size))
+      resampled = np.concatenate([residual[i:i + size] for i in first])[:len(residual)]
+      drawn.append(dataclasses.replace(curve, loss=pred * np.exp(resampled)))
+    out.append(fit_curves(drawn, form, start)['params'])
+  return out
+
+
+def search_pick(finals: np.ndarray, sampled: np.ndarray | None, level: float = 0.95) -> tuple[int, float | None]:
+  """A search's pick among schedules (`finals`: each one's predicted final loss, the configured schedule first) and
+  the share of the fit's resamples (`sampled`: resamples x schedules) in which it beats the configured one: the
+  lowest prediction, kept only where it beats the configured schedule in `level` of the resamples, else the
+  configured schedule (0)."""
+  best = int(np.argmin(finals))
+  if sampled is None or not len(sampled) or best == 0:
+    return best, None
+  wins = float(np.mean(sampled[:, best] < sampled[:, 0]))
+  return (best if wins >= level else 0), wins
 
 
 def relative_error(form: str, params: dict[str, float], curve: Curve) -> dict[str, float]:
@@ -266,9 +309,10 @@ def run_curve(run_dir: str, metric: str = 'loss') -> tuple[Curve, dict[str, Any]
   return curve, model_of(config)
 
 
-def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss') -> dict[str, Any]:
-  """One size's runs fitted together on `metric` (the training loss or a held-out loss); runs of different models
-  are refused."""
+def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: int = 0) -> dict[str, Any]:
+  """One size's runs fitted together on `metric` (the training loss or a held-out loss), with `bootstrap` refits
+  on resampled residuals (`samples`, and 95% intervals of the parameters); runs of different models are
+  refused."""
   pairs = [run_curve(run, metric) for run in runs]
   first = pairs[0][1]
   for run, (_, model) in zip(runs, pairs):
@@ -278,6 +322,9 @@ def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss') -> dict[str, 
                         f'{first.get(field)}); a curve fit takes one size\'s runs')
   fit = fit_curves([c for c, _ in pairs], form)
   fit.update(model=first, metric=metric)
+  if bootstrap:
+    fit['samples'] = bootstrap_curves([c for c, _ in pairs], fit, bootstrap)
+    fit['params_ci'] = {k: np.percentile([s[k] for s in fit['samples']], [2.5, 97.5]).tolist() for k in fit['params']}
   return fit
 
 

@@ -51,7 +51,11 @@ def format_curve_fit(fit: dict[str, Any]) -> str:
   metric = fit.get('metric', 'loss')
   lines = [('law', f'curve ({fit["form"]}) on {len(fit["curves"])} runs'
                    + ('' if metric == 'loss' else f', their {metric}'))]
-  lines += [(name, f'{value:.6g}') for name, value in fit['params'].items()]
+  ci = fit.get('params_ci', {})
+  lines += [(name, f'{value:.6g}' + (f' [{ci[name][0]:.4g}, {ci[name][1]:.4g}]' if name in ci else ''))
+            for name, value in fit['params'].items()]
+  if ci:
+    lines.append(('bootstrap', f'{len(fit["samples"])} refits on resampled residuals (95% intervals)'))
   for run, e in fit['curves'].items():
     lines.append((run, f'mean error {e["mean"]:.2%}, final loss {e["final_loss"]:.4f} (fit {e["final_predicted"]:.4f})'))
   return format_lines(lines)

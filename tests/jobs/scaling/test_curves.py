@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lm.jobs.scaling.curves import Curve, fit_curves, predict, relative_error
+from lm.jobs.scaling.curves import Curve, bootstrap_curves, fit_curves, predict, relative_error, search_pick
 
 DATA = Path(__file__).resolve().parents[2] / 'fixtures/multipowerlaw'
 TRAIN = ('cosine_24000', 'constant_24000', 'wsdcon_9')  # the repository's src/config.py
@@ -93,3 +93,29 @@ def test_the_forms_agree_with_a_direct_sum():
     tissue.append(p['L0'] + p['A'] * s1 ** -p['alpha'] - p['C'] * s2)
   np.testing.assert_allclose(predict('mpl', p, rates, updates), mpl, rtol=1e-12)
   np.testing.assert_allclose(predict('tissue', p, rates, updates), tissue, rtol=1e-12)
+
+
+def test_bootstrap_intervals_hold_the_truth_and_the_search_keeps_what_it_cannot_resolve():
+  """Curves drawn from known momentum-form parameters with 1% noise: the bootstrap's 95% interval of a held-out
+  schedule's final loss holds the true one; the search picks a schedule over the configured one only where it wins
+  in 95% of the resamples."""
+  truth = {'L0': 2.0, 'A': 1.5, 'alpha': 0.3, 'C': 2.0, 'lambda': 0.99}
+  warmup = np.linspace(1e-4, 2e-3, 20)
+  constant = np.concatenate([warmup, np.full(380, 2e-3)])
+  cooldown = np.concatenate([warmup, np.full(280, 2e-3), np.linspace(2e-3, 0, 100)])
+  rng = np.random.default_rng(0)
+  drawn = []
+  for name, rates in (('constant', constant), ('cooldown', cooldown)):
+    updates = np.arange(1, len(rates) + 1)
+    drawn.append(Curve(name, rates, updates, predict('tissue', truth, rates, updates) * np.exp(rng.normal(0, 0.01,
+                                                                                                        len(rates)))))
+  fit = fit_curves(drawn, 'tissue')
+  samples = bootstrap_curves(drawn, fit, 20)
+  longer = np.concatenate([warmup, np.full(500, 2e-3), np.linspace(2e-3, 0, 280)])
+  end = np.array([len(longer)])
+  final = [predict('tissue', s, longer, end)[0] for s in samples]
+  assert np.percentile(final, 2.5) <= predict('tissue', truth, longer, end)[0] <= np.percentile(final, 97.5)
+  assert np.std([s['L0'] for s in samples]) > 0  # the refits differ
+  assert search_pick(np.array([2.0, 1.9]), np.array([[2.0, 1.9]] * 19 + [[2.0, 2.1]])) == (1, 0.95)
+  assert search_pick(np.array([2.0, 1.9]), np.array([[2.0, 1.9]] * 18 + [[2.0, 2.1]] * 2)) == (0, 0.9)
+  assert search_pick(np.array([2.0, 1.9]), None) == (1, None)

@@ -259,13 +259,19 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   # fit's point at the run's last evaluation
   held = tmp_path / 'held.json'
   assert cli.main(['scaling', 'fit', *cooldowns, '--law', 'curve', '--form', 'tissue', '--metric', 'val_loss',
-                   '--out', str(held)]) == 0
+                   '--bootstrap', '3', '--out', str(held)]) == 0
   fit = json.loads(held.read_text())
-  assert fit['metric'] == 'val_loss' and 'curve (tissue) on 2 runs, their val_loss' in capsys.readouterr().out
+  said = capsys.readouterr().out
+  assert fit['metric'] == 'val_loss' and 'curve (tissue) on 2 runs, their val_loss' in said
+  assert len(fit['samples']) == 3 and '3 refits on resampled residuals' in said
   assert [fit['curves'][run]['final_loss'] for run in cooldowns] == [final(run) for run in cooldowns]
   assert cli.main(['scaling', 'predict', '--fit', str(held), '--config', f'{cooldowns[1]}/config.yaml']) == 0
   said = capsys.readouterr().out
-  assert f'predicted final val_loss (step 10, tissue): {fit["curves"][cooldowns[1]]["final_predicted"]:.4f}' in said
+  assert f'predicted final val_loss (step 10, tissue): {fit["curves"][cooldowns[1]]["final_predicted"]:.4f} [' in said
+  assert cli.main(['scaling', 'predict', '--fit', str(held), '--config', f'{cooldowns[1]}/config.yaml', '--search',
+                   'decay_fraction=0.2,0.4']) == 0
+  said = capsys.readouterr().out  # each schedule's final loss with its interval over the resamples
+  assert said.startswith('as configured') and said.count(' [') == 3 and 'best: ' in said, said
   assert cli.main(['scaling', 'fit', *cooldowns, '--law', 'curve', '--metric', 'val/code/loss']) == 2
   assert f'{cooldowns[0]} logged no val/code/loss; fit --metric loss (the training loss) or one of its held-out ' \
          f'losses: val_loss' in capsys.readouterr().err
