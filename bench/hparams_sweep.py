@@ -4,7 +4,7 @@ x batches (`lm scaling sweep --lr-grid --batch-grid`), collected and fitted by c
 Rerunning skips the finished runs.
 
   python bench/hparams_sweep.py [--runs runs/hparams_sweep] [--sizes 64x2] [--tokens 1e5,3e5,1e6]
-      [--lr-grid 3e-4,1e-3,3e-3,1e-2] [--batch-grid 1,2,4] [--bootstrap 200]
+      [--lr-grid 5e-4,1e-3,2e-3,4e-3] [--batch-grid 1,2,4] [--bootstrap 200]
       [--out docs/results/hparams-sweep.md] [--json docs/results/hparams_sweep.json]
 """
 from __future__ import annotations
@@ -13,9 +13,31 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from lm import cli
 from lm.jobs.scaling.hparams import deepseek, fit_points_file
 from lm.report import write_json
+
+
+def grids(points: str) -> list[str]:
+  """Each budget's final held-out losses as a table of learning rate (rows) by batch (columns)."""
+  from lm.jobs.scaling.points import read_column, read_points
+  rows = read_points(points).final_rows()
+  tokens, loss = read_points(points).take(rows).tokens, read_points(points).take(rows).loss
+  rate, batch = (read_column(points, c)[rows] for c in ('learning_rate', 'batch_tokens'))
+  lines = []
+  for budget in sorted(set(np.round(tokens, -4))):
+    here = np.round(tokens, -4) == budget
+    batches, rates = sorted(set(batch[here])), sorted(set(rate[here]))
+    lines += [f'{budget:,.0f} tokens: final held-out loss', '',
+              '| learning rate \\ batch (tokens) | ' + ' | '.join(f'{b:,.0f}' for b in batches) + ' |',
+              '|---|' + '---|' * len(batches)]
+    for r in rates:
+      cells = [loss[here & (rate == r) & (batch == b)] for b in batches]
+      lines.append(f'| {r:g} | ' + ' | '.join(f'{c[0]:.4f}' if len(c) else '' for c in cells) + ' |')
+    lines.append('')
+  return lines
 
 
 def table(fit: dict, args: argparse.Namespace) -> str:
@@ -46,6 +68,7 @@ def table(fit: dict, args: argparse.Namespace) -> str:
                 f'{trend("lr_C", -1, "fall")} with compute.',
             f'- B_opt = {p["batch_coef"]:.4g} C^{p["batch_C"]:.3f}{interval("batch_C")} tokens: the optimal batch '
             f'{trend("batch_C", 1, "rise")} with compute.', '',
+            *grids(f'{args.runs}/points.csv'),
             'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.runs, 'runs/hparams_sweep') + '`', '']
   return '\n'.join(lines)
 
@@ -55,7 +78,7 @@ def main() -> None:
   parser.add_argument('--runs', default='runs/hparams_sweep', help='the sweep\'s directory')
   parser.add_argument('--sizes', default='64x2')
   parser.add_argument('--tokens', default='1e5,3e5,1e6')
-  parser.add_argument('--lr-grid', default='3e-4,1e-3,3e-3,1e-2')
+  parser.add_argument('--lr-grid', default='5e-4,1e-3,2e-3,4e-3')
   parser.add_argument('--batch-grid', default='1,2,4')
   parser.add_argument('--bootstrap', type=int, default=200)
   parser.add_argument('--out', default='docs/results/hparams-sweep.md')
