@@ -1,11 +1,11 @@
 """Whether `lm scaling predict --search` picks a decay that trains no worse: on one size of a `--schedule wsd` ladder,
-a curve fit on its stable run and smallest cooldown predicts the largest budget's final training loss under each
-decay (fraction x shape); the best is trained for real and compared with the ladder's own run of that budget (the
-default decay), by the final held-out loss and the mean training loss of the last logged steps. `--metric val_loss`
-fits the held-out loss at the runs' evaluations instead of the training loss.
+a curve fit on its stable run and smallest cooldown (or the cooldowns `--cooldowns` names) predicts the largest
+budget's final training loss under each decay (fraction x shape); the best is trained for real and compared with the
+ladder's own run of that budget (the default decay), by the final held-out loss and the mean training loss of the
+last logged steps. `--metric val_loss` fits the held-out loss at the runs' evaluations instead of the training loss.
 
   python bench/decay_search.py --ladder runs/ladder_wsd --size d64_l2 [--form mpl] [--metric loss|val_loss]
-      [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
+      [--cooldowns 0,1] [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
       [--out docs/results/decay-search.md] [--json docs/results/decay_search.json]
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ def main() -> None:
   parser.add_argument('--size', required=True, help='its size label, e.g. d64_l2')
   parser.add_argument('--form', choices=('mpl', 'tissue'), default='mpl')
   parser.add_argument('--metric', default='loss', help='the loss the curve follows: loss (training) or val_loss')
-  parser.add_argument('--cooldown', type=int, default=0, help='which budget\'s cooldown to fit on, from the '
-                                                             'smallest (0) up; the largest budget is predicted')
+  parser.add_argument('--cooldowns', default='0', help='which budgets\' cooldowns to fit on (comma-separated), '
+                                                       'from the smallest (0) up; the largest budget is predicted')
   parser.add_argument('--search', nargs='+', default=['decay_fraction=0.1,0.2,0.3,0.5',
                                                       'decay_shape=linear,sqrt,cosine'])
   parser.add_argument('--out', default='docs/results/decay-search.md')
@@ -49,7 +49,8 @@ def main() -> None:
   ladder = Path(args.ladder)
   sweep = json.loads((ladder / 'sweep.json').read_text())
   points = sorted((p for p in sweep['points'] if p['label'].startswith(args.size + '_')), key=lambda p: p['tokens'])
-  fitted_on = [str(ladder / f'{args.size}_stable'), str(ladder / points[args.cooldown]['label'])]
+  fitted_on = [str(ladder / f'{args.size}_stable'), *(str(ladder / points[int(i)]['label'])
+                                                       for i in args.cooldowns.split(','))]
   fit = fit_runs(fitted_on, args.form, args.metric)
   target = points[-1]
   config_of = lambda extra: from_dict(merge(sweep['base'], parse_overrides([*target['overrides'], *extra])))
@@ -74,8 +75,9 @@ def main() -> None:
   write_json(args.json, result)
   lines = [f'# A decay chosen by `lm scaling predict --search`, trained for real', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
-           f'(scaling-ladder.md) (`lm scaling sweep --schedule wsd --out runs/ladder_wsd`). The {args.form} curve law '
-           f'fitted to the {what} of {", ".join(Path(r).name for r in fitted_on)} (the stable run and a cooldown) '
+           f'(scaling-ladder.md) (`lm scaling sweep --schedule wsd --out runs/ladder_wsd`, `--evals 20` for a '
+           f'held-out fit). The {args.form} curve law '
+           f'fitted to the {what} of {", ".join(Path(r).name for r in fitted_on)} (the stable run and cooldowns) '
            f'predicts '
            f'{target["label"]} ({target["steps"]} steps) under each decay; the best is trained for real beside the '
            f'ladder\'s own run of that budget (`optim.decay_fraction=0.2`, linear).', '',
@@ -84,9 +86,9 @@ def main() -> None:
   lines += ['', '| run | held-out loss | training loss, last 5 steps |', '|---|---|---|',
             f'| the ladder\'s (default decay) | {default["val_loss"]:.4f} | {default["loss_last"]:.4f} |',
             f'| {best["decay"]} | {chosen["val_loss"]:.4f} | {chosen["loss_last"]:.4f} |', '',
-            f'The chosen decay is {"no worse than" if result["no_worse"] else "worse than"} the default on the held-out '
-            f'loss.', '', 'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.ladder, 'runs/ladder_wsd') + '`',
-            '']
+            f'The chosen decay is {"no worse than" if result["no_worse"] else "worse than"} the default on the '
+            f'held-out loss.', '',
+            'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.ladder, 'runs/ladder_wsd') + '`', '']
   Path(args.out).write_text('\n'.join(lines))
   print('\n'.join(lines))
 
