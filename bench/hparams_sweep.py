@@ -1,9 +1,11 @@
 """The learning rate and batch for a budget, measured on CPU: a gpt_tiny sweep of token budgets x peak learning rates
 x batches (`lm scaling sweep --lr-grid --batch-grid`), collected and fitted by compute (`lm scaling fit --law hparams
 --by compute`): each budget's optimum and the fitted exponents with bootstrap intervals, to a Markdown table and JSON.
-Rerunning skips the finished runs.
+With `--pairs`, each budget trains its own size (a model that grows with compute, as the published ladders' do)
+instead of every budget one size. Rerunning skips the finished runs.
 
   python bench/hparams_sweep.py [--runs runs/hparams_sweep] [--sizes 64x2] [--tokens 1e5,3e5,1e6]
+      [--pairs 32x2:1e5,64x2:3e5,128x2:1e6]
       [--lr-grid 5e-4,1e-3,2e-3,4e-3] [--batch-grid 1,2,4] [--bootstrap 200]
       [--out docs/results/hparams-sweep.md] [--json docs/results/hparams_sweep.json]
 """
@@ -54,7 +56,8 @@ def table(fit: dict, args: argparse.Namespace) -> str:
 
   lines = [
     '# The learning rate and batch for a budget, on CPU', '',
-    f'gpt_tiny at sizes {args.sizes}, token budgets {args.tokens}, peak learning rates {args.lr_grid}, batches '
+    (f'gpt_tiny, each budget at its own size ({args.pairs.replace(":", " at ")} tokens)' if args.pairs else
+     f'gpt_tiny at sizes {args.sizes}, token budgets {args.tokens}') + f', peak learning rates {args.lr_grid}, batches '
     f'{args.batch_grid} sequences ({fit["points"]} runs): each budget\'s optimum is the vertex of a paraboloid of log '
     f'loss over its grid; the laws are least squares in logs over the budgets, 95% intervals from '
     f'{args.bootstrap} bootstrap resamples of each budget\'s runs.', '',
@@ -80,14 +83,18 @@ def main() -> None:
   parser.add_argument('--tokens', default='1e5,3e5,1e6')
   parser.add_argument('--lr-grid', default='5e-4,1e-3,2e-3,4e-3')
   parser.add_argument('--batch-grid', default='1,2,4')
+  parser.add_argument('--pairs', default='', help='SIZE:TOKENS,...: each budget at its own size (replaces --sizes and '
+                                                  '--tokens)')
   parser.add_argument('--bootstrap', type=int, default=200)
   parser.add_argument('--out', default='docs/results/hparams-sweep.md')
   parser.add_argument('--json', default='docs/results/hparams_sweep.json')
   args = parser.parse_args()
-  sweep = ['scaling', 'sweep', '--config', 'gpt_tiny', '--out', args.runs, '--sizes', args.sizes, '--tokens',
-           args.tokens, '--lr-grid', args.lr_grid, '--batch-grid', args.batch_grid]
+  pairs = [pair.split(':') for pair in args.pairs.split(',')] if args.pairs else [(args.sizes, args.tokens)]
+  dirs = [f'{args.runs}/{size}_{tokens}' if args.pairs else args.runs for size, tokens in pairs]
+  sweeps = [['scaling', 'sweep', '--config', 'gpt_tiny', '--out', out, '--sizes', size, '--tokens', tokens,
+             '--lr-grid', args.lr_grid, '--batch-grid', args.batch_grid] for out, (size, tokens) in zip(dirs, pairs)]
   points = f'{args.runs}/points.csv'
-  for argv in (sweep, ['scaling', 'collect', args.runs, '--out', points]):
+  for argv in (*sweeps, ['scaling', 'collect', *dirs, '--out', points]):
     if cli.main(argv):
       raise SystemExit(f'lm {" ".join(argv)} failed')
   fit = fit_points_file(points, by='compute', bootstrap=args.bootstrap)  # each run's final loss
