@@ -63,6 +63,7 @@ def test_the_loss_mixes_the_data_loss_with_the_kl_of_softened_logits_as_numpy_do
                              rtol=1e-5)
 
 
+@pytest.mark.long(0.3)
 def test_at_weight_zero_the_gradients_are_plain_trainings():
   student, params, teacher, teacher_params, batch = models('train.distill.teacher=x', 'train.distill.weight=0')
   grad = lambda loss: jax.grad(lambda p: loss(p, batch, jax.random.key(0), loss.totals(batch))[0])(params)
