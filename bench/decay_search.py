@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lm.config import from_dict, merge, parse_overrides
-from lm.jobs.scaling.curves import fit_runs, predict, schedule_rates, search_grid, updates_before
+from lm.jobs.scaling.curves import fit_runs, metric_name, predict, schedule_rates, search_grid, updates_before
 from lm.report import write_json
 from lm.train.logging import read_metrics
 
@@ -63,7 +63,7 @@ def main() -> None:
   best = min(rows[1:], key=lambda row: row['predicted'])
   default = measured(ladder / target['label'])
   trained = ladder / (target['label'] + ''.join(f'_{o.split("=")[1]}' for o in best['overrides']))  # per decay
-  what = 'training loss' if args.metric == 'loss' else args.metric
+  what = metric_name(args.metric)
   if not trained.exists():
     from lm.jobs.pretraining import Pretraining
     Pretraining(config_of([*best['overrides'], f'train.run_dir={trained}', 'train.resume=false'])).run()

@@ -25,8 +25,10 @@ from lm.report import write_json
 def grids(points: str) -> list[str]:
   """Each budget's final held-out losses as a table of learning rate (rows) by batch (columns)."""
   from lm.jobs.scaling.points import read_column, read_points
-  rows = read_points(points).final_rows()
-  tokens, loss = read_points(points).take(rows).tokens, read_points(points).take(rows).loss
+  read = read_points(points)
+  rows = read.final_rows()
+  final = read.take(rows)
+  tokens, loss = final.tokens, final.loss
   rate, batch = (read_column(points, c)[rows] for c in ('learning_rate', 'batch_tokens'))
   lines = []
   for budget in sorted(set(np.round(tokens, -4))):

@@ -210,7 +210,7 @@ def _predicted(fit: dict, args: argparse.Namespace) -> list[tuple[str, np.ndarra
 def cmd_scaling_predict(args: argparse.Namespace) -> int:
   import numpy as np
 
-  from lm.jobs.scaling.curves import search_pick
+  from lm.jobs.scaling.curves import metric_name, search_pick
   from lm.report import format_lines
   try:
     fit = json.loads(Path(args.fit).read_text())
@@ -222,7 +222,7 @@ def cmd_scaling_predict(args: argparse.Namespace) -> int:
   if args.points < 2:
     raise ConfigError(f'--points {args.points} must be at least 2')
   rows = _predicted(fit, args)
-  what = 'training loss' if fit.get('metric', 'loss') == 'loss' else fit['metric']
+  what = metric_name(fit.get('metric', 'loss'))
   interval = lambda sampled: f' [{np.percentile(sampled, 2.5):.4f}, {np.percentile(sampled, 97.5):.4f}]' \
     if len(sampled) else ''
   if len(rows) == 1:

@@ -268,6 +268,11 @@ def updates_before(metric: str, steps: np.ndarray) -> np.ndarray:
   return steps - 1 if metric == 'loss' else steps
 
 
+def metric_name(metric: str) -> str:
+  """How reports name a curve's metric: 'training loss' for `loss`, a held-out one by its key."""
+  return 'training loss' if metric == 'loss' else metric
+
+
 def run_curve(run_dir: str, metric: str = 'loss') -> tuple[Curve, dict[str, Any]]:
   """A run's `metric` (the training loss, or a held-out loss such as val_loss at its evaluations) against the
   updates before it, on its schedule rebuilt from config.yaml and checked against the learning rates metrics.jsonl

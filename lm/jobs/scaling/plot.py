@@ -224,9 +224,9 @@ def plot_curves(fit: dict[str, Any], runs: list[str], out: str | Path) -> Path:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  from lm.jobs.scaling.curves import curve_steps, predict, run_curve, updates_before
+  from lm.jobs.scaling.curves import curve_steps, metric_name, predict, run_curve, updates_before
   metric = fit.get('metric', 'loss')
-  label = 'training loss' if metric == 'loss' else metric
+  label = metric_name(metric)
   shift = int(updates_before(metric, np.array([1]))[0]) - 1  # a step's updates, less the step
   figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 1))
   colours = plt.cm.viridis(np.linspace(0, 0.9, len(runs)))
