@@ -25,6 +25,7 @@ from lm.mesh_axes import mesh_text
 from lm.parallel.chips import hbm_bytes, host_bytes, peak_flops, physical_topology, topology_devices
 from lm.parallel.mesh import strategy_name
 from lm.report import format_bytes, format_lines
+from lm.planning import kept
 from lm.planning.breakdown import compile_with_breakdown, format_breakdown
 from lm.planning.stages import stages_lines, stages_report
 from lm.train.distill import Teacher, abstract_teacher
@@ -70,13 +71,10 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
                       f'PEAK_FLOPS and HBM_BYTES in lm/parallel/chips.py')
   assembly = assemble(config, devices)
   sizes = dict(assembly.mesh.shape)
-  t0 = time.perf_counter()
-  compiled, live, error = _compile(assembly, breakdown)
-  compile_s = time.perf_counter() - t0
-  memory, host = _unfitted_memory(assembly, error) if compiled is None else \
-      (compiled_memory(compiled), compiled_memory(compiled, 'host_'))
+  label = re.sub(r'[^\w.-]', '_', f'{config.name}.{topology}' + f'.x{num_slices}' * (num_slices > 1))
+  compiled, figures = _compiled_figures(assembly, breakdown, label, keep=not save)
+  memory, host, cost, live, error = (figures[k] for k in ('memory', 'host', 'cost', 'live', 'error'))
   host_per_chip = host_bytes(devices[0])
-  cost = None if compiled is None else compiled_cost(compiled)
   t, e = config.train, config.model.execution
   tokens = t.global_batch * config.data.seq_len
   flops_per_token = assembly.flops_per_token()
@@ -96,8 +94,10 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
     'fits': error is None and memory['total'] <= hbm and (host_per_chip is None or host['total'] <= host_per_chip),
     'flops_per_step': flops, 'flops_per_token': flops_per_token, 'peak_flops_per_device': peak,
     'step_seconds_at_peak': at_peak, 'assumed_mfu': assumed_mfu, 'step_seconds': at_peak / assumed_mfu,
-    'tokens_per_sec': tokens * assumed_mfu / at_peak, 'compile_seconds': compile_s,
+    'tokens_per_sec': tokens * assumed_mfu / at_peak, 'compile_seconds': figures['compile_seconds'],
   }
+  if 'kept' in figures:
+    report['compile_kept'] = figures['kept']
   if (stages := stages_report(config, assembly.mesh)) is not None:
     report['pipeline'] = stages
   if cost is not None:
@@ -111,14 +111,37 @@ def compile_report(config: Config, topology: str, assumed_mfu: float = 0.5, save
   return report
 
 
-def _compile(assembly: Any, breakdown: int) -> tuple[Any, dict[str, Any] | None, str | None]:
+def _compiled_figures(assembly: Any, breakdown: int, label: str, keep: bool
+                      ) -> tuple[jax.stages.Compiled | None, dict[str, Any]]:
+  """(the compiled step, None when its figures were kept from an earlier compile of the same program
+  (`lm.planning.kept`, with `keep`); its figures: memory and host memory per device, cost, what is live at the peak
+  with `breakdown`, the compiler's refusal, and the compile's seconds)."""
+  lowered = lower_train_step(assembly)
+  key = kept.program_key(lowered, assembly.mesh.devices.flat, {'breakdown': breakdown}) \
+      if keep and kept.directory() else None
+  if key and (found := kept.read(key, label)) is not None:
+    figures, path = found
+    return None, {**figures, 'kept': path}
+  t0 = time.perf_counter()
+  compiled, live, error = _compile(lowered, breakdown)
+  memory, host = _unfitted_memory(assembly, error) if compiled is None else \
+      (compiled_memory(compiled), compiled_memory(compiled, 'host_'))
+  figures = {'memory': memory, 'host': host, 'cost': None if compiled is None else compiled_cost(compiled),
+             'live': live, 'error': error, 'compile_seconds': time.perf_counter() - t0}
+  if key:
+    kept.write(key, label, figures)
+  return compiled, figures
+
+
+def _compile(lowered: jax.stages.Lowered, breakdown: int
+             ) -> tuple[jax.stages.Compiled | None, dict[str, Any] | None, str | None]:
   """(the compiled step, what is live at its peak with `breakdown`, the compiler's refusal): a step that cannot
   fit in HBM is refused by the TPU compiler, which names the bytes."""
   try:
     with _not_persistently_cached():
       if breakdown:
-        return *compile_with_breakdown(lower_train_step(assembly), breakdown), None
-      return compile_train_step(assembly), None, None
+        return *compile_with_breakdown(lowered, breakdown), None
+      return lowered.compile(), None, None
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
@@ -211,7 +234,8 @@ def format_report(r: dict[str, Any]) -> str:
     ('step time at peak', _seconds(r['step_seconds_at_peak'])),
     (f'step time at {r["assumed_mfu"]:.0%} MFU', _seconds(r['step_seconds'])),
     (f'tokens/s at {r["assumed_mfu"]:.0%} MFU', f'{r["tokens_per_sec"]:,.0f}'),
-    ('compile time', f'{r["compile_seconds"]:.1f} s'),
+    ('compile time', f'{r["compile_seconds"]:.1f} s' +
+     (f' (its figures kept in {r["compile_kept"]})' if 'compile_kept' in r else '')),
   ]
   if 'saved' in r:
     lines.append(('executable', r['saved']))

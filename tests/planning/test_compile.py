@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+import lm.planning.compile
 from lm import cli
 from lm.assembly import assemble
 from lm.planning.compile import compile_report
 from lm.config import CONFIG_DIR, ConfigError, load_config, preset_slice
 from lm.parallel.chips import physical_topology, topology_devices
+from lm.planning.kept import ENV as KEPT_ENV
 from lm.train.step import compile_train_step, lower_train_step
 from tests.conftest import needs_libtpu
 
@@ -67,6 +69,30 @@ def test_a_step_too_large_for_the_chip_exits_nonzero_with_the_figures(capsys):
 
 
 @needs_libtpu
+@needs_libtpu
+@pytest.mark.long(0.4)
+def test_a_compile_is_kept_by_its_program_and_read_back_until_the_program_or_the_compiler_changes(
+    tmp_path, monkeypatch):
+  """With LM_COMPILE_REPORTS set, a step's first compile writes its figures; the same program (assembled again)
+  reads them back without compiling, equal to the compile's, breakdown included; another batch, the breakdown asked
+  for, or another libtpu version compiles again. (Batches no other test compiles: a TPU executable another test left
+  in the persistent cache cannot be read back.)"""
+  monkeypatch.setenv(KEPT_ENV, str(tmp_path))
+  compiles, compile = [], lm.planning.compile._compile
+  monkeypatch.setattr('lm.planning.compile._compile', lambda *args: compiles.append(args[1]) or compile(*args))
+  config = load_config('gpt_tiny', TPU_TINY + ['train.global_batch=4'])
+  figures = ('memory_per_device', 'host_memory_per_device', 'cost_per_device', 'fits', 'compile_seconds')
+  first, again = (compile_report(config, 'v5e:2x2') for _ in range(2))
+  assert compiles == [0] and 'compile_kept' not in first and again['compile_kept'].startswith(str(tmp_path))
+  assert {k: again[k] for k in figures} == {k: first[k] for k in figures}
+  compile_report(load_config('gpt_tiny', TPU_TINY + ['train.global_batch=12']), 'v5e:2x2')
+  live, kept = (compile_report(config, 'v5e:2x2', breakdown=3)['memory_breakdown'] for _ in range(2))
+  assert compiles == [0, 0, 3] and kept == live and len(live['largest']) == 3
+  monkeypatch.setattr('lm.planning.kept._version', lambda package: 'another')
+  compile_report(config, 'v5e:2x2')
+  assert compiles == [0, 0, 3, 0] and len(list(tmp_path.glob('gpt_tiny.v5e_2x2-*.json'))) == 4
+
+
 @pytest.mark.long(0.5)
 def test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3(monkeypatch, capsys):
   """Offloaded layer inputs and optimizer state: the report's host figures are XLA's (memory_analysis host_*), the
@@ -77,12 +103,13 @@ def test_host_memory_is_reported_and_a_step_beyond_the_hosts_exits_3(monkeypatch
   overrides = TPU_TINY + ['train.global_batch=64', 'model.execution.remat=full',
                           'model.execution.offload=[layer_input]', 'train.optimizer_offload=true']
   config = load_config('gpt_tiny', overrides)
-  compiled = []
+  compiled, compile = [], lm.planning.compile._compile
 
-  def kept(assembly):  # the report's own compile, kept for its memory_analysis() (a TPU compile is ~10 CPU-s)
-    compiled.append(compile_train_step(assembly))
-    return compiled[-1]
-  monkeypatch.setattr('lm.planning.compile.compile_train_step', kept)
+  def kept(*args):  # the report's own compile, kept for its memory_analysis() (a TPU compile is ~10 CPU-s)
+    compiled.append(compile(*args)[0])
+    return compiled[-1], None, None
+  monkeypatch.setattr('lm.planning.compile._compile', kept)
+  monkeypatch.delenv(KEPT_ENV, raising=False)  # compiled here, not read back
   report = compile_report(config, 'v5e:2x2')
   monkeypatch.undo()
   (stats,) = [c.memory_analysis() for c in compiled]

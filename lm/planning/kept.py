@@ -1,0 +1,76 @@
+"""Compile figures kept by their program: a TPU compile of a step that did not change is not paid again.
+
+What `lm compile` reads from a compile (memory and cost analysis, the compiler's refusal, what is live at the peak)
+is a function of the lowered program, the devices it is compiled for, the compiler and its options. With
+LM_COMPILE_REPORTS=DIR each compile's figures are written to DIR under a key over all of these, and a later compile
+of the same program reads them back instead of compiling. The key hashes the program's text (with its op names
+when the breakdown reads them, without source files and lines), the devices' kind and ids in mesh order, the
+options, jax's, jaxlib's and libtpu's versions, the compiler settings in jax's config and the compiler flags in the
+environment (XLA_FLAGS, LIBTPU_INIT_ARGS). The suite keeps its TPU compiles' figures in tests/compiled/.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+
+ENV = 'LM_COMPILE_REPORTS'
+# jax's settings that reach the compiler as its options rather than through the lowered program
+_COMPILER_SETTINGS = re.compile(r'effort|optimization_level|fitting_level|remat_pass')
+# a source location in the program's debug text: `"/path/file.py":12:3`, `... to :14:9`; the paths differ by checkout
+_SOURCE = re.compile(r'"[^"]*":\d+:\d+( to (\d+)?:\d+)?')
+
+
+def directory() -> Path | None:
+  """Where compile figures are kept ($LM_COMPILE_REPORTS), or None: every compile is paid."""
+  value = os.environ.get(ENV)
+  return Path(value) if value else None
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return 'absent'
+
+
+def program_key(lowered: jax.stages.Lowered, devices: Iterable[Any], options: dict[str, Any]) -> str:
+  """sha256 over everything a compile's figures depend on (the module's docstring lists them)."""
+  text = _SOURCE.sub('', lowered.as_text(debug_info=bool(options.get('breakdown'))))
+  settings = {k: str(v) for k, v in sorted(jax.config.values.items()) if _COMPILER_SETTINGS.search(k)}
+  parts = {'program': hashlib.sha256(text.encode()).hexdigest(), 'options': options, 'settings': settings,
+           'devices': [(d.device_kind, d.id) for d in devices],
+           'versions': [jax.__version__, _version('jaxlib'), _version('libtpu'), _version('libtpu-nightly')],
+           'flags': [os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]}
+  return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _path(key: str, label: str) -> Path:
+  return directory() / f'{label}-{key[:20]}.json'
+
+
+def read(key: str, label: str) -> tuple[dict[str, Any], str] | None:
+  """(the figures kept for `key`, their file), or None when none are."""
+  path = _path(key, label)
+  if not path.is_file():
+    return None
+  kept = json.loads(path.read_text())
+  if kept.get('key') != key:
+    return None
+  os.utime(path)  # read now: entries no run reads any more keep their old times
+  return kept['figures'], str(path)
+
+
+def write(key: str, label: str, figures: dict[str, Any]) -> None:
+  """Keeps `figures` for `key`: written whole to a temporary name, then renamed (concurrent readers never see half)."""
+  path = _path(key, label)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  part = path.with_suffix(f'.{os.getpid()}.part')
+  part.write_text(json.dumps({'key': key, 'label': label, 'figures': figures}, indent=1, sort_keys=True) + '\n')
+  part.replace(path)
