@@ -5,7 +5,7 @@ ladder's own run of that budget (the default decay), by the final held-out loss 
 last logged steps. `--metric val_loss` fits the held-out loss at the runs' evaluations instead of the training loss.
 
   python bench/decay_search.py --ladder runs/ladder_wsd --size d64_l2 [--form mpl] [--metric loss|val_loss]
-      [--cooldowns 0,1] [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
+      [--cooldowns 0,1] [--seeds 3] [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
       [--out docs/results/decay-search.md] [--json docs/results/decay_search.json]
 """
 from __future__ import annotations
@@ -33,6 +33,26 @@ def measured(run_dir: Path) -> dict[str, float]:
                                                                      if 'val_loss' in r][-1]}
 
 
+def _trained(run: Path, config_of, overrides: list[str], seed: int) -> float:
+  """The final held-out loss of `overrides` trained from `seed` (trained unless `run` exists)."""
+  if not run.exists():
+    from lm.jobs.pretraining import Pretraining
+    Pretraining(config_of([*overrides, f'train.seed={seed}', f'train.run_dir={run}', 'train.resume=false'])).run()
+  return measured(run)['val_loss']
+
+
+def _seed_lines(seeds: list[dict]) -> list[str]:
+  """Each seed's held-out losses and their difference; the mean difference beside the default's spread."""
+  if len(seeds) < 2:
+    return []
+  diff = np.array([p['best'] - p['default'] for p in seeds]) / np.array([p['default'] for p in seeds])
+  spread = np.std([p['default'] for p in seeds], ddof=1) / np.mean([p['default'] for p in seeds])
+  lines = ['| train.seed | default: held-out | best: held-out | difference |', '|---|---|---|---|']
+  lines += [f'| {p["seed"]} | {p["default"]:.4f} | {p["best"]:.4f} | {d:+.2%} |' for p, d in zip(seeds, diff)]
+  return lines + ['', f'Mean difference {diff.mean():+.2%} (standard error {diff.std(ddof=1) / np.sqrt(len(diff)):.2%}); '
+                      f'the default\'s held-out loss varies by {spread:.2%} (one s.d.) from seed to seed.', '']
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--ladder', required=True, help='a lm scaling sweep --schedule wsd directory')
@@ -43,6 +63,8 @@ def main() -> None:
                                                        'from the smallest (0) up; the largest budget is predicted')
   parser.add_argument('--search', nargs='+', default=['decay_fraction=0.1,0.2,0.3,0.5',
                                                       'decay_shape=linear,sqrt,cosine'])
+  parser.add_argument('--seeds', type=int, default=1, help='train the default and the best decay from this many '
+                                                           'seeds (train.seed 0 is the ladder\'s), paired by seed')
   parser.add_argument('--out', default='docs/results/decay-search.md')
   parser.add_argument('--json', default='docs/results/decay_search.json')
   args = parser.parse_args()
@@ -68,10 +90,14 @@ def main() -> None:
     from lm.jobs.pretraining import Pretraining
     Pretraining(config_of([*best['overrides'], f'train.run_dir={trained}', 'train.resume=false'])).run()
   chosen = measured(trained)
+  seeds = [{'seed': 0, 'default': default['val_loss'], 'best': chosen['val_loss']}]
+  seeds += [{'seed': seed, 'default': _trained(ladder / f'{target["label"]}_seed{seed}', config_of, [], seed),
+             'best': _trained(ladder / f'{trained.name}_seed{seed}', config_of, best['overrides'], seed)}
+            for seed in range(1, args.seeds)]  # both decays again from other inits and data orders
   result = {'command': sys.argv, 'fitted_on': fitted_on, 'target': target['label'], 'form': args.form,
             'metric': args.metric,
             'predictions': rows, 'best': best['decay'], 'default_measured': default, 'best_measured': chosen,
-            'no_worse': chosen['val_loss'] <= default['val_loss']}
+            'seeds': seeds, 'no_worse': bool(np.mean([p['best'] - p['default'] for p in seeds]) <= 0)}
   write_json(args.json, result)
   lines = [f'# A decay chosen by `lm scaling predict --search`, trained for real', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
@@ -86,8 +112,9 @@ def main() -> None:
   lines += ['', '| run | held-out loss | training loss, last 5 steps |', '|---|---|---|',
             f'| the ladder\'s (default decay) | {default["val_loss"]:.4f} | {default["loss_last"]:.4f} |',
             f'| {best["decay"]} | {chosen["val_loss"]:.4f} | {chosen["loss_last"]:.4f} |', '',
+            *_seed_lines(seeds),
             f'The chosen decay is {"no worse than" if result["no_worse"] else "worse than"} the default on the '
-            f'held-out loss.', '',
+            f'held-out loss' + (f', on average over {len(seeds)} seeds.' if len(seeds) > 1 else '.'), '',
             'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.ladder, 'runs/ladder_wsd') + '`', '']
   Path(args.out).write_text('\n'.join(lines))
   print('\n'.join(lines))

@@ -4,7 +4,7 @@ final loss, for each form and each metric: the training loss (the mean of the la
 prediction's mean there) and the held-out loss at the final evaluation. Beside them, the training loss's noise: the
 spread of 5-step means around the stable run's own fit. To a Markdown table and JSON.
 
-  python bench/ladder_curves.py --ladder runs/ladder_wsd [--forms mpl,tissue] [--metrics loss,val_loss]
+  python bench/ladder_curves.py --ladder runs/ladder_wsd [--cooldowns 0] [--forms mpl,tissue] [--metrics loss,val_loss]
       [--out docs/results/ladder-curves.md] [--json docs/results/ladder_curves.json]
 """
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main() -> None:
   parser.add_argument('--ladder', required=True, help='a lm scaling sweep --schedule wsd directory')
   parser.add_argument('--forms', default='mpl,tissue')
   parser.add_argument('--metrics', default='loss,val_loss')
+  parser.add_argument('--cooldowns', default='0', help='the budgets whose cooldowns are fitted (comma-separated), '
+                                                       'from the smallest (0) up; the others are predicted')
   parser.add_argument('--out', default='docs/results/ladder-curves.md')
   parser.add_argument('--json', default='docs/results/ladder_curves.json')
   args = parser.parse_args()
@@ -54,11 +56,12 @@ def main() -> None:
   rows = []
   for size in sizes:
     points = sorted((p for p in sweep['points'] if p['label'].startswith(size + '_t')), key=lambda p: p['tokens'])
-    fitted_on = [str(ladder / f'{size}_stable'), str(ladder / points[0]['label'])]
+    fitting = [int(i) for i in args.cooldowns.split(',')]
+    fitted_on = [str(ladder / f'{size}_stable'), *(str(ladder / points[i]['label']) for i in fitting)]
     for metric in args.metrics.split(','):
       for form in args.forms.split(','):
         fit = fit_runs(fitted_on, form, metric)
-        for point in points[1:]:
+        for point in (p for i, p in enumerate(points) if i not in fitting):
           rows.append({'size': size, 'metric': metric, 'form': form, 'run': point['label'], 'steps': point['steps'],
                        **final_error(form, fit['params'], str(ladder / point['label']), metric)})
         print(rows[-1], flush=True)
@@ -67,11 +70,13 @@ def main() -> None:
            for m in args.metrics.split(',') for f in args.forms.split(',')}
   write_json(args.json, {'command': sys.argv, 'rows': rows, 'noise': spread,
                          'worst': {f'{m} {f}': v for (m, f), v in worst.items()}})
+  fitted_text = ('smallest cooldown (a 10-step decay at step 39)' if args.cooldowns == '0' else
+                 f'cooldowns of budgets {args.cooldowns} (0 the smallest)')
   lines = ['# Whole-curve predictions on the CPU ladder', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
            f'(scaling-ladder.md) run with `lm scaling sweep --schedule wsd --evals 20 --out runs/ladder_wsd` (20 '
-           f'held-out evaluations a run). For each size, the curve law fitted on its stable run and its smallest '
-           f'cooldown (a 10-step decay at step 39) predicts the other cooldowns\' final loss: the training loss as '
+           f'held-out evaluations a run). For each size, the curve law fitted on its stable run and its '
+           f'{fitted_text} predicts the other cooldowns\' final loss: the training loss as '
            f'the mean of the last {LAST} steps (against the prediction\'s mean there), and the held-out `val_loss` at '
            f'the last evaluation (a fit on the held-out loss). Error = (predicted - measured) / measured.', '',
            '| size | run | steps | metric | form | measured | predicted | error |', '|---|---|---|---|---|---|---|---|']
@@ -82,11 +87,11 @@ def main() -> None:
   lines += ['', f'The training loss\'s own noise: {LAST}-step means scatter around each stable run\'s fit by '
             + ', '.join(f'{s} {v:.1%}' for s, v in spread.items()) + ' (one standard deviation): a batch of 2,048 '
             'byte tokens of this corpus (prose and code) varies more than the 2% asked of a prediction, so the '
-            'training loss cannot show it; the held-out loss reads the same rows at every evaluation. What the '
-            'held-out fit misses is the fitting set\'s: its one decay is 10 steps long at step 39, where the loss '
-            'still falls fast, and the largest budget\'s is 98 steps at step 390, so the decay\'s gain is '
-            'extrapolated tenfold in both (the multi-power law\'s four loss-drop parameters from four points past '
-            'the branch).', '',
+            'training loss cannot show it; the held-out loss reads the same rows at every evaluation.' + (
+              ' What the held-out fit misses is the fitting set\'s: its one decay is 10 steps long at step 39, where '
+              'the loss still falls fast, and the largest budget\'s is 98 steps at step 390, so the decay\'s gain is '
+              'extrapolated tenfold in both (the multi-power law\'s four loss-drop parameters from four points past '
+              'the branch).' if args.cooldowns == '0' else ''), '',
             'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.ladder, 'runs/ladder_wsd') + '`', '']
   Path(args.out).write_text('\n'.join(lines))
   print('\n'.join(lines))
