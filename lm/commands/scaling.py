@@ -185,26 +185,51 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
 
 def _predicted(fit: dict, args: argparse.Namespace) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
   """(name, steps, predicted loss there, each resample's final loss) for the config as configured and, with
-  --search, each combination after it."""
+  --search, each combination after it; with --paired, each paired with that run's measured loss."""
   import numpy as np
 
   from lm.config import load_config
-  from lm.jobs.scaling.curves import curve_steps, model_of, predict, schedule_rates, search_grid, updates_before
-  rows = []
+  from lm.jobs.scaling.curves import (curve_steps, model_of, paired, paired_steps, predict, schedule_rates,
+                                      search_grid, updates_before)
+  rows, metric, base = [], fit.get('metric', 'loss'), None
   for combo in [[]] + (search_grid(args.search) if args.search else []):
     config = load_config(args.config, [*args.overrides, *combo])
-    model = model_of(config)
-    if 'model' in fit and model != fit['model']:
-      field = next(k for k in sorted(set(model) | set(fit['model'])) if model.get(k) != fit['model'].get(k))
-      raise ConfigError(f'{args.config}: model.{field} is {model.get(field)}, the fitted runs\' is '
-                        f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
+    _same_model(fit, model_of(config), args.config)
+    if args.paired and base is None:
+      base = _pairing_run(args.paired, config, fit)
     rates = schedule_rates(config)
-    steps = curve_steps(rates, args.points)
-    updates = updates_before(fit.get('metric', 'loss'), steps)
-    sampled = np.array([predict(fit['form'], sample, rates, updates[-1:])[0] for sample in fit.get('samples', [])])
-    rows.append((' '.join(combo) or 'as configured', steps, predict(fit['form'], fit['params'], rates, updates),
-                 sampled))
+    steps = curve_steps(rates, args.points) if base is None else paired_steps(base, metric, len(rates), args.points)
+    updates = updates_before(metric, steps)
+    law = (lambda params, at: predict(fit['form'], params, rates, at)) if base is None else \
+        (lambda params, at: paired(fit['form'], params, rates, at, base))
+    sampled = np.array([law(sample, updates[-1:])[0] for sample in fit.get('samples', [])])
+    rows.append((' '.join(combo) or 'as configured', steps, law(fit['params'], updates), sampled))
   return rows
+
+
+def _same_model(fit: dict, model: dict, source: str) -> None:
+  if 'model' in fit and model != fit['model']:
+    field = next(k for k in sorted(set(model) | set(fit['model'])) if model.get(k) != fit['model'].get(k))
+    raise ConfigError(f'{source}: model.{field} is {model.get(field)}, the fitted runs\' is '
+                      f'{fit["model"].get(field)}; a curve fit predicts the size it was fitted on')
+
+
+def _pairing_run(run: str, config: Any, fit: dict) -> Any:
+  """--paired RUN's measured curve, once its model, data, seed and batch are the config's (the same batches)."""
+  import dataclasses
+
+  from lm.jobs.scaling.curves import run_curve
+  from lm.storage.run_dir import read_config
+  base, model = run_curve(run, fit.get('metric', 'loss'))
+  _same_model(fit, model, run)
+  theirs = read_config(run)
+  fields = [('train', 'seed'), ('train', 'global_batch'), *(('data', f.name) for f in dataclasses.fields(config.data))]
+  for section, name in fields:
+    mine, its = getattr(getattr(config, section), name), getattr(getattr(theirs, section), name)
+    if mine != its:
+      raise ConfigError(f'--paired {run} read other batches: its {section}.{name} is {its}, the config\'s {mine}; '
+                        f'pair with a run of the same data, seed and batch (the size\'s stable run)')
+  return base
 
 
 def cmd_scaling_predict(args: argparse.Namespace) -> int:
@@ -227,7 +252,8 @@ def cmd_scaling_predict(args: argparse.Namespace) -> int:
     if len(sampled) else ''
   if len(rows) == 1:
     print(format_lines([(f'step {s}', f'{value:.4f}') for s, value in zip(rows[0][1], rows[0][2])]))
-    print(f'predicted final {what} (step {rows[0][1][-1]}, {fit["form"]}): {rows[0][2][-1]:.4f}'
+    print(f'predicted final {what} (step {rows[0][1][-1]}, {fit["form"]}'
+          f'{f", paired with {args.paired}" if args.paired else ""}): {rows[0][2][-1]:.4f}'
           f'{interval(rows[0][3])}', flush=True)
     return 0
   samples = len(fit.get('samples', []))
@@ -429,6 +455,10 @@ def _predict(scaling: argparse._SubParsersAction) -> None:
   predict.add_argument('--search', nargs='+', default=None, metavar='KEY=V1,V2',
                        help='predict every combination (a bare key is optim.KEY, e.g. decay_fraction=0.1,0.2 '
                             'decay_shape=linear,sqrt) and name the lowest final loss')
+  predict.add_argument('--paired', default=None, metavar='RUN',
+                       help='a run on the same data, seed and batch (a wsd ladder\'s stable run): predict its '
+                            'measured loss times the law\'s ratio of the config\'s schedule to its, so the batches\' '
+                            'own noise cancels')
   predict.add_argument('--points', type=int, default=11, help='steps of the curve to print')
   predict.add_argument('overrides', nargs='*', metavar='key.sub=value', help='applied to the config')
   predict.set_defaults(fn=cmd_scaling_predict)

@@ -117,6 +117,29 @@ def curve_steps(rates: np.ndarray, count: int) -> np.ndarray:
   return np.unique(np.linspace(first, len(rates), count).round().astype(int))
 
 
+def paired_steps(base: Curve, metric: str, last: int, count: int) -> np.ndarray:
+  """About `count` of the steps at which `base` measured `metric`, up to and including `last`, which it must have."""
+  measured = base.updates + (metric == 'loss')  # the steps they were logged at (updates_before inverted)
+  measured = measured[measured <= last]
+  if not len(measured) or measured[-1] != last:
+    raise ConfigError(f'--paired {base.name} logged no {metric} at step {last}, the config\'s last; continue it to '
+                      f'step {last} (lm train --config {base.name}/config.yaml train.steps={last} train.resume=true: '
+                      f'a constant rate continues exactly)')
+  return measured[np.unique(np.linspace(0, len(measured) - 1, count).round().astype(int))]
+
+
+def paired(form: str, params: dict[str, float], rates: np.ndarray, updates: np.ndarray, base: Curve) -> np.ndarray:
+  """The law's loss for `rates` after `updates`, paired with `base`, a run measured on the same batches in the same
+  order: base's measured loss there times the law's ratio of the schedule's loss to base's. What the batches
+  themselves add (a small batch's loss moves by several percent from step to step) is the same in both runs and
+  cancels: the law predicts only how the schedule moves the loss from base's. `updates` must be among base's."""
+  at = np.minimum(np.searchsorted(base.updates, updates), len(base.updates) - 1)
+  if (missing := base.updates[at] != updates).any():
+    raise ConfigError(f'{base.name} measured nothing after {updates[missing][0]} updates; pair at its own steps')
+  measured = base.loss[at]
+  return measured * predict(form, params, rates, updates) / predict(form, params, base.rates, updates)
+
+
 def _huber(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   small = np.abs(r) <= HUBER_DELTA
   value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA))
@@ -252,7 +275,8 @@ def schedule_rates(config: Any) -> np.ndarray:
   from lm.assembly.optim import learning_rate_schedule
   from lm.config import ramp_rates
   schedule = learning_rate_schedule(config.optim, config.train.steps, ramp_rates(config))
-  return np.asarray(schedule(np.arange(config.train.steps)), np.float64)
+  steps = config.train.steps  # a constant schedule without warmup gives one number for every step
+  return np.broadcast_to(np.asarray(schedule(np.arange(steps)), np.float64), (steps,)).copy()
 
 
 def model_of(config: Any) -> dict[str, Any]:

@@ -11,9 +11,11 @@ multi-host job runs the same loop, each point on all devices: the same command d
 
 With `schedule='wsd'` (Hägele et al. 2024) every point is a warmup-stable-decay run decaying over its last
 `optim.decay_fraction`, and the points of one size share their stable phase: one constant-rate run per size
-(`<size>_stable`) trains to the largest budget's decay start, checkpointing at each budget's, and each point is
-a cooldown branched off it there (`train.branch_from`), equal to the straight WSD run of its budget. Point dirs
-keep their names and layout, so `collect`, `fit` and `plot` read them as before.
+(`<size>_stable`) trains to the largest budget's last step, checkpointing at each budget's decay start, and each
+point is a cooldown branched off it there (`train.branch_from`), equal to the straight WSD run of its budget. The
+stable run's own losses beside every cooldown's steps, on the same batches, are what a cooldown's prediction pairs
+with (`lm scaling predict --paired`). Point dirs keep their names and layout, so `collect`, `fit` and `plot` read
+them as before.
 
 With routed experts (a base whose family routes, e.g. moe_tiny), each size also runs at every expert layout
 (E, k, G) of `moe` (Krajewski et al. 2024): E x G experts of width d_ff / G, k x G of them per token, so the
@@ -59,7 +61,8 @@ class Point:
 
 @dataclass(frozen=True)
 class Stable:
-  """A size's shared stable phase (wsd): constant rate to the last branch point, checkpointed at every one."""
+  """A size's shared stable phase (wsd): constant rate to its largest budget's last step, checkpointed at every
+  branch point."""
   label: str
   steps: int
   branches: tuple[int, ...]
@@ -201,7 +204,8 @@ def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple, Stable]:
   stable = {}
   for key in dict.fromkeys(_stable_key(p) for p in points if p.branch_at):
     mine = [p for p in points if _stable_key(p) == key and p.branch_at]
-    steps, every = max(p.branch_at for p in mine), -(-max(p.branch_at for p in mine) // evals)
+    steps = max(p.steps for p in mine)
+    every = -(-steps // evals)
     shared = [o for o in mine[0].overrides if o.split('=')[0] in ('model.d_model', 'model.num_layers',
                                                                      'model.num_heads', 'optim.warmup_steps',
                                                                      'optim.learning_rate', 'train.global_batch',

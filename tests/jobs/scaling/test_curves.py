@@ -6,7 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lm.jobs.scaling.curves import Curve, bootstrap_curves, fit_curves, predict, relative_error, search_pick
+from lm.config import ConfigError
+from lm.jobs.scaling.curves import (Curve, bootstrap_curves, fit_curves, paired, paired_steps, predict,
+                                    relative_error, search_pick)
 
 DATA = Path(__file__).resolve().parents[2] / 'fixtures/multipowerlaw'
 TRAIN = ('cosine_24000', 'constant_24000', 'wsdcon_9')  # the repository's src/config.py
@@ -119,3 +121,34 @@ def test_bootstrap_intervals_hold_the_truth_and_the_search_keeps_what_it_cannot_
   assert search_pick(np.array([2.0, 1.9]), np.array([[2.0, 1.9]] * 19 + [[2.0, 2.1]])) == (1, 0.95)
   assert search_pick(np.array([2.0, 1.9]), np.array([[2.0, 1.9]] * 18 + [[2.0, 2.1]] * 2)) == (0, 0.9)
   assert search_pick(np.array([2.0, 1.9]), None) == (1, None)
+
+
+def test_pairing_with_the_stable_run_cancels_the_noise_its_batches_share():
+  """Curves from known momentum-form parameters times one noise per step (a batch's own difficulty: 5% a step,
+  correlated from step to step), shared by every run that reads the same batches: paired with the stable run, the
+  true parameters give a cooldown's measured losses exactly, and parameters fitted on the stable run and a short
+  cooldown predict a longer one's last 5 steps within a quarter of those steps' noise."""
+  truth = {'L0': 2.0, 'A': 1.5, 'alpha': 0.3, 'C': 2.0, 'lambda': 0.99}
+  rng = np.random.default_rng(1)
+  noise = np.zeros(500)
+  for t in range(1, 500):  # AR(1), lag-1 correlation 0.55, 5% a step
+    noise[t] = 0.55 * noise[t - 1] + np.sqrt(1 - 0.55 ** 2) * rng.normal(0, 0.05)
+  warmup = np.linspace(1e-4, 2e-3, 20)
+  stable = np.concatenate([warmup, np.full(480, 2e-3)])
+  short, long = (np.concatenate([warmup, np.full(start - 20, 2e-3), np.linspace(2e-3, 2e-4, end - start)])
+                 for start, end in ((250, 300), (400, 500)))
+  drawn = {name: Curve(name, rates, np.arange(1, len(rates) + 1),
+                       predict('tissue', truth, rates, np.arange(1, len(rates) + 1)) * np.exp(noise[:len(rates)]))
+           for name, rates in (('stable', stable), ('short', short), ('long', long))}
+  updates = paired_steps(drawn['stable'], 'val_loss', 500, 500)
+  np.testing.assert_array_equal(updates, np.arange(1, 501))
+  np.testing.assert_allclose(paired('tissue', truth, long, updates, drawn['stable']), drawn['long'].loss, rtol=1e-12)
+  fit = fit_curves([Curve('stable', stable[:400], np.arange(1, 401), drawn['stable'].loss[:400]), drawn['short']],
+                   'tissue')
+  last = np.arange(496, 501)
+  measured = drawn['long'].loss[-5:].mean()
+  five_step = np.convolve(noise, np.ones(5) / 5, 'valid').std()
+  matched = abs(paired('tissue', fit['params'], long, last, drawn['stable']).mean() / measured - 1)
+  assert matched < five_step / 4, (matched, five_step)
+  with pytest.raises(ConfigError, match='--paired short logged no loss at step 500, the config.s last; continue it'):
+    paired_steps(drawn['short'], 'loss', 500, 11)

@@ -207,22 +207,23 @@ def test_bad_sweeps_are_one_line(argv, message, tmp_path, capsys):
 
 @pytest.mark.long(0.5)
 def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
-  """`--schedule wsd`: one constant-rate run to the last decay start, each budget a cooldown branched off it; every
-  point's final val_loss is the independent WSD run's of its budget (to float32 rounding), for 12 of the 15 steps.
-  Its cooldowns' whole curves fit (`fit --law curve`), and `predict` on a cooldown's config gives the fit's own
-  curve there (the schedule rebuilt from the config, against the rates the run logged)."""
+  """`--schedule wsd`: one constant-rate run to the largest budget's last step, each budget a cooldown branched off
+  it at its decay start; every point's final val_loss is the independent WSD run's of its budget (to float32
+  rounding). Its cooldowns' whole curves fit (`fit --law curve`), and `predict` on a cooldown's config gives the fit's
+  own curve there (the schedule rebuilt from the config, against the rates the run logged); paired with the
+  cooldown itself, its measured loss (`--paired`)."""
   base = [*BASE, 'optim.decay_fraction=0.4', 'train.log_every=1']  # 5 steps decay from step 3, 10 from step 6
   out = tmp_path / 'sweep'
   argv = ['scaling', 'sweep', '--out', str(out), '--sizes', '16x1', '--tokens', '1280,2560', '--evals', '2',
           '--schedule', 'wsd', *base]
   assert cli.main(argv) == 0
-  assert 'tokens to train: 3,072 (80% of the 3,840 of independent runs)' in capsys.readouterr().out
+  assert 'tokens to train: 4,096 (107% of the 3,840 of independent runs)' in capsys.readouterr().out
   listing = json.loads((out / 'sweep.json').read_text())
   assert [(p['label'], p['steps'], p['branch_at']) for p in listing['points']] == [
     ('d16_l1_t1.28e03', 5, 3), ('d16_l1_t2.56e03', 10, 6)]
-  assert [(s['label'], s['steps'], s['branches']) for s in listing['stable']] == [('d16_l1_stable', 6, [3, 6])]
-  assert listing['tokens_trained'] == 12 * 256 and listing['tokens_as_independent_runs'] == 15 * 256
-  assert sorted(p.name for p in (out / 'd16_l1_stable' / 'checkpoints').iterdir()) == ['3', '6']
+  assert [(s['label'], s['steps'], s['branches']) for s in listing['stable']] == [('d16_l1_stable', 10, [3, 6])]
+  assert listing['tokens_trained'] == 16 * 256 and listing['tokens_as_independent_runs'] == 15 * 256
+  assert {'3', '6', '10'} <= {p.name for p in (out / 'd16_l1_stable' / 'checkpoints').iterdir()}
 
   final = lambda run: [r['val_loss'] for r in read_metrics(run) if 'val_loss' in r][-1]
   for point in listing['points']:
@@ -279,6 +280,22 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
                    '--search', 'decay_fraction=0.2,0.4', 'decay_shape=linear,sqrt']) == 0
   said = capsys.readouterr().out
   assert said.count('optim.decay_fraction=') == 5 and 'best: optim.decay_fraction=' in said, said
+  config = f'{cooldowns[1]}/config.yaml'
+  assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', config,
+                   '--paired', cooldowns[1]]) == 0  # the law's ratio of a schedule to itself is 1
+  measured = [r['loss'] for r in read_metrics(cooldowns[1]) if 'loss' in r][-1]
+  assert f'paired with {cooldowns[1]}): {measured:.4f}' in capsys.readouterr().out
+  stable = str(out / 'd16_l1_stable')
+  assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', config,
+                   '--paired', stable]) == 0
+  assert f'(step 10, mpl, paired with {stable}): ' in capsys.readouterr().out
+  for paired, extra, message in [(cooldowns[0], [], f'--paired {cooldowns[0]} logged no loss at step 10, the '
+                                                    f'config\'s last; continue it to step 10'),
+                                 (stable, ['train.seed=1'], f'--paired {stable} read other batches: its train.seed '
+                                                            f'is 0, the config\'s 1')]:
+    assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', config, '--paired',
+                     paired, *extra]) == 2
+    assert message in capsys.readouterr().err
   assert cli.main(['scaling', 'plot', *cooldowns, '--curves', '--fit', str(tmp_path / 'mpl.json'), '--out',
                    str(tmp_path / 'curves.png')]) == 0
   assert (tmp_path / 'curves.png').stat().st_size > 10_000
