@@ -700,6 +700,7 @@ class TrainConfig:
   z_loss: float = 0.0  # weight of log(Z)^2 in the training loss (PaLM's z-loss)
   log_every: int = 10  # steps between logged records
   eval_every: int = 100  # steps between held-out evaluations (and at step 0 and the end)
+  eval_at: tuple[int, ...] = ()  # further steps evaluated (e.g. a wsd ladder's budgets' last steps, on its stable run)
   eval_batches: int = 4  # per held-out set and evaluation, at most (a smaller set is read whole); -1: all; 0: none
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # when checkpoints are written, kept
   local_checkpoint_dir: str | None = None  # a directory on each host's own disk: the fast local checkpoint tier
@@ -1133,6 +1134,8 @@ def _check_sizes(config: Config) -> None:
   for key, value in positive.items():
     if value <= 0:
       raise ConfigError(f'{key}={value} must be positive')
+  if any(step < 1 for step in t.eval_at):
+    raise ConfigError(f'train.eval_at={list(t.eval_at)} must list steps >= 1')
 
 
 def _check_model(config: Config) -> None:

@@ -107,6 +107,7 @@ def test_parse_overrides_nested():
   (['data.evals=[a=embedded, a=text:x/*.txt]'], "data.evals names 'a' twice; give each source its own name"),
   (['data.evals=[a=embedded]', 'train.eval_batches=0'], 'data.evals needs train.eval_batches > 0'),
   (['train.eval_batches=-2'], 'train.eval_batches >= -1 (-1: every held-out set whole)'),
+  (['train.eval_at=[5,0]'], 'train.eval_at=[5, 0] must list steps >= 1'),
   (['model.position=rotary', 'model.rope.fraction=0.3'], 'model.rope.fraction=0.3 rotates 19 of the head dim 64'),
   (['model.rope.fraction=0.5'], 'model.rope.fraction=0.5 applies to rotary positions, but model.position=learned'),
   (['model.parallel_residual=true', 'model.norm_position=post'], 'but model.norm_position=post; set'),

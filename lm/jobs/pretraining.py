@@ -1,8 +1,8 @@
 """`lm train`: pretraining with the family's objective on the config's data, through the one loop.
 
 Builds the assembly, the training and held-out batches, and the callbacks (loss and bits per byte of the
-validation split and each `data.evals` set at step 0, every `train.eval_every` steps and at the end;
-lm-eval-harness tasks (`train.harness.tasks`) every `train.harness.every` steps and at the end; with `data.mixture`, the
+validation split and each `data.evals` set at step 0, every `train.eval_every` steps, at `train.eval_at` and at the
+end; lm-eval-harness tasks (`train.harness.tasks`) every `train.harness.every` steps and at the end; with `data.mixture`, the
 tokens of each source every `train.log_every` steps; the latest checkpoint every `train.checkpoint.every` steps,
 at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
 """
@@ -103,9 +103,9 @@ class Pretraining:
     cfg = self.config
     t = cfg.train
     validation = [Evaluate(lambda params, _: self.held_out(params), t.eval_every, at_start=True,
-                           params_of=self.assembly.params_of)]
+                           params_of=self.assembly.params_of, at=t.eval_at)]
     if t.ema_decay:  # the moving average beside the params, on the same batches
-      validation.append(Evaluate(lambda params, _: self.held_out(params, '_ema'), t.eval_every,
+      validation.append(Evaluate(lambda params, _: self.held_out(params, '_ema'), t.eval_every, at=t.eval_at,
                                  params_of=lambda state: self.assembly.params_of(state, 'ema')))
     return self.loop.run(self.train_batches, self._start,
                          (validation if t.eval_batches else []) + self.task_evals + self._mixture_tokens(),

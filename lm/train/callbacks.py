@@ -66,13 +66,17 @@ class Callback:
 
 
 class Evaluate(Callback):
-  """Logs `evaluator(params, step)` (named metrics) every `every` steps, after the final one, and before step 1
-  when asked; `params_of(state)` makes the params evaluated (`Assembly.params_of`: a view, on the devices)."""
+  """Logs `evaluator(params, step)` (named metrics) every `every` steps, at the steps `at`, after the final one, and
+  before step 1 when asked; `params_of(state)` makes the params evaluated (`Assembly.params_of`: a view, on the
+  devices)."""
   part = 'eval'
 
   def __init__(self, evaluator: Callable[[Any, int], Record], every: int, *, params_of: Callable[[Any], Any],
-               at_start: bool = False):
-    self.evaluator, self.every, self.at_start, self.params_of = evaluator, every, at_start, params_of
+               at_start: bool = False, at: Sequence[int] = ()):
+    self.evaluator, self.every, self.at_start, self.params_of, self.at = evaluator, every, at_start, params_of, set(at)
+
+  def due(self, step, final, stopping):
+    return step in self.at or super().due(step, final, stopping)
 
   def start(self, step, state, history):
     return [{'step': 0, **self.evaluator(self.params_of(state), 0)}] if self.at_start and step == 0 else []

@@ -62,7 +62,7 @@ class Point:
 @dataclass(frozen=True)
 class Stable:
   """A size's shared stable phase (wsd): constant rate to its largest budget's last step, checkpointed at every
-  branch point."""
+  branch point and evaluated at every budget's last step (where its cooldown's held-out loss pairs with it)."""
   label: str
   steps: int
   branches: tuple[int, ...]
@@ -216,7 +216,8 @@ def stable_runs(points: Sequence[Point], evals: int = 4) -> dict[tuple, Stable]:
     stable[key] = Stable(stable_label(mine[0]), steps, tuple(sorted({p.branch_at for p in mine})),
                           (*shared, 'optim.schedule=constant', f'train.steps={steps}', f'train.eval_every={every}',
                            f'train.checkpoint.every={every}',
-                           f'train.checkpoint.at=[{",".join(str(p.branch_at) for p in mine)}]', 'train.resume=true'))
+                           f'train.checkpoint.at=[{",".join(str(p.branch_at) for p in mine)}]',
+                           f'train.eval_at=[{",".join(str(p.steps) for p in mine)}]', 'train.resume=true'))
   return stable
 
 

@@ -224,6 +224,8 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   assert [(s['label'], s['steps'], s['branches']) for s in listing['stable']] == [('d16_l1_stable', 10, [3, 6])]
   assert listing['tokens_trained'] == 16 * 256 and listing['tokens_as_independent_runs'] == 15 * 256
   assert {'3', '6', '10'} <= {p.name for p in (out / 'd16_l1_stable' / 'checkpoints').iterdir()}
+  # evaluated at each budget's last step too (train.eval_at), where its cooldown's held-out loss pairs with it
+  assert {5, 10} <= {r['step'] for r in read_metrics(out / 'd16_l1_stable') if 'val_loss' in r}
 
   final = lambda run: [r['val_loss'] for r in read_metrics(run) if 'val_loss' in r][-1]
   for point in listing['points']:
@@ -289,6 +291,9 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', config,
                    '--paired', stable]) == 0
   assert f'(step 10, mpl, paired with {stable}): ' in capsys.readouterr().out
+  assert cli.main(['scaling', 'predict', '--fit', str(held), '--config', f'{cooldowns[0]}/config.yaml',
+                   '--paired', stable]) == 0
+  assert f'predicted final val_loss (step 5, tissue, paired with {stable}): ' in capsys.readouterr().out
   for paired, extra, message in [(cooldowns[0], [], f'--paired {cooldowns[0]} logged no loss at step 10, the '
                                                     f'config\'s last; continue it to step 10'),
                                  (stable, ['train.seed=1'], f'--paired {stable} read other batches: its train.seed '
