@@ -49,8 +49,9 @@ def _seed_lines(seeds: list[dict]) -> list[str]:
   spread = np.std([p['default'] for p in seeds], ddof=1) / np.mean([p['default'] for p in seeds])
   lines = ['| train.seed | default: held-out | best: held-out | difference |', '|---|---|---|---|']
   lines += [f'| {p["seed"]} | {p["default"]:.4f} | {p["best"]:.4f} | {d:+.2%} |' for p, d in zip(seeds, diff)]
-  return lines + ['', f'Mean difference {diff.mean():+.2%} (standard error {diff.std(ddof=1) / np.sqrt(len(diff)):.2%}); '
-                      f'the default\'s held-out loss varies by {spread:.2%} (one s.d.) from seed to seed.', '']
+  error = diff.std(ddof=1) / np.sqrt(len(diff))
+  return lines + ['', f'Mean difference {diff.mean():+.2%} (standard error {error:.2%}); the default\'s held-out loss '
+                      f'varies by {spread:.2%} (one s.d.) from seed to seed.', '']
 
 
 def main() -> None:

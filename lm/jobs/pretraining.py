@@ -2,9 +2,9 @@
 
 Builds the assembly, the training and held-out batches, and the callbacks (loss and bits per byte of the
 validation split and each `data.evals` set at step 0, every `train.eval_every` steps, at `train.eval_at` and at the
-end; lm-eval-harness tasks (`train.harness.tasks`) every `train.harness.every` steps and at the end; with `data.mixture`, the
-tokens of each source every `train.log_every` steps; the latest checkpoint every `train.checkpoint.every` steps,
-at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
+end; lm-eval-harness tasks (`train.harness.tasks`) every `train.harness.every` steps and at the end; with
+`data.mixture`, the tokens of each source every `train.log_every` steps; the latest checkpoint every
+`train.checkpoint.every` steps, at the end and at a SIGTERM), then hands them to `lm.train.loop.Trainer`.
 """
 from __future__ import annotations
 

@@ -117,8 +117,9 @@ def _compiled_figures(assembly: Any, breakdown: int, label: str, keep: bool
   (`lm.planning.kept`, with `keep`); its figures: memory and host memory per device, cost, what is live at the peak
   with `breakdown`, the compiler's refusal, and the compile's seconds)."""
   lowered = lower_train_step(assembly)
-  key = kept.program_key(lowered, assembly.mesh.devices.flat, {'breakdown': breakdown}) \
+  parts = kept.key_parts(lowered, assembly.mesh.devices.flat, {'breakdown': breakdown}) \
       if keep and kept.directory() else None
+  key = parts and kept.digest(parts)
   if key and (found := kept.read(key, label)) is not None:
     figures, path = found
     return None, {**figures, 'kept': path}
@@ -129,7 +130,7 @@ def _compiled_figures(assembly: Any, breakdown: int, label: str, keep: bool
   figures = {'memory': memory, 'host': host, 'cost': None if compiled is None else compiled_cost(compiled),
              'live': live, 'error': error, 'compile_seconds': time.perf_counter() - t0}
   if key:
-    kept.write(key, label, figures)
+    kept.write(key, label, figures, parts)
   return compiled, figures
 
 
