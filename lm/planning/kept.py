@@ -7,7 +7,7 @@ of the same program reads them back instead of compiling. The key hashes the pro
 when the breakdown reads them, without source files and lines; its Pallas kernels without the checkout's and the
 environment's paths), the devices' kind and ids in mesh order, the
 options, jax's, jaxlib's and libtpu's versions, the compiler settings in jax's config and the compiler flags in the
-environment (XLA_FLAGS, LIBTPU_INIT_ARGS). The suite keeps its TPU compiles' figures in tests/compiled/.
+environment (XLA_FLAGS, LIBTPU_INIT_ARGS, as the compiler reads them). The suite keeps its TPU compiles' figures in tests/compiled/.
 """
 from __future__ import annotations
 
@@ -57,7 +57,15 @@ def key_parts(lowered: jax.stages.Lowered, devices: Iterable[Any], options: dict
   return {'program': hashlib.sha256(text.encode()).hexdigest(), 'options': options, 'settings': settings,
           'devices': [(d.device_kind, d.id) for d in devices],
           'versions': [jax.__version__, _version('jaxlib'), _version('libtpu'), _version('libtpu-nightly')],
-          'flags': [os.environ.get('XLA_FLAGS', ''), os.environ.get('LIBTPU_INIT_ARGS', '')]}
+          'flags': [_flags(os.environ.get('XLA_FLAGS', '')), _flags(os.environ.get('LIBTPU_INIT_ARGS', ''))]}
+
+
+def _flags(value: str) -> str:
+  """Compiler flags as the compiler reads them: each flag's last value, by name, without the host platform's device
+  count (the CPU client's, which processes append to XLA_FLAGS as they simulate devices)."""
+  flags = dict(item.partition('=')[::2] for item in value.split())
+  flags.pop('--xla_force_host_platform_device_count', None)
+  return ' '.join(f'{name}={v}' if v else name for name, v in sorted(flags.items()))
 
 
 def digest(parts: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@ import base64
 import sys
 from pathlib import Path
 
-from lm.planning.kept import _inlined, _KERNEL, _without_paths
+from lm.planning.kept import _flags, _inlined, _KERNEL, _without_paths
 
 # One program's debug text from two checkouts: the source paths, taken out, leave the aliases numbered differently.
 HERE = '''#loc1 = loc("x")
@@ -35,3 +35,12 @@ def test_a_kernels_paths_to_the_checkout_and_the_environment_leave_its_key():
   assert _without_paths(mine) == _without_paths(kernel('<root>/lm/ops/attention/flash.py', '<root>/lib/jax/pallas.py'))
   assert _without_paths(mine) != _without_paths(kernel(f'{root}/lm/ops/attention/other.py', f'{env}/lib/jax/pallas.py'))
   assert _without_paths(mine) != _without_paths(kernel('/elsewhere/lm/ops/attention/flash.py', '<root>/lib/jax/pallas.py'))
+
+
+def test_compiler_flags_key_as_the_compiler_reads_them():
+  """A flag repeated with its value, or the host platform's device count a process appended, keys alike; another
+  value, or the last of two, keys apart."""
+  suite = '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'
+  assert _flags(f'{suite} {suite}') == _flags(f'{suite} {suite} --xla_force_host_platform_device_count=8') == \
+      _flags('--xla_backend_optimization_level=0')
+  assert _flags('--a=1 --a=2') == _flags('--a=2') != _flags('--a=1')
