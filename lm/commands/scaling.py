@@ -99,11 +99,13 @@ def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
 def _fitted_data_constrained(args: argparse.Namespace) -> tuple[dict, Any]:
   from lm.jobs.scaling.points import read_column, read_points
   from lm.jobs.scaling.report import format_fit
-  from lm.jobs.scaling.repeated import fit_data_constrained, optimal_allocation
+  from lm.jobs.scaling.repeated import allocation, base_law, fit_data_constrained
   if len(args.allocate) % 2 or any(not x > 0 for x in args.allocate):
     raise ConfigError('--allocate takes pairs of positive C U (FLOPs and unique tokens), e.g. --allocate 1e22 25e9')
-  result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'))
-  result['allocations'] = [optimal_allocation(result['params'], c, u)
+  base = base_law(args.base) if args.base else None
+  result = fit_data_constrained(read_points(args.points, args.params), read_column(args.points, 'unique_tokens'),
+                                base, args.bootstrap)
+  result['allocations'] = [allocation(result, c, u)
                            for c, u in zip(args.allocate[::2], args.allocate[1::2])]
   if args.holdout:
     from lm.jobs.scaling.repeated import holdout_largest
@@ -169,6 +171,8 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
   if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained', 'loss2loss'):
     raise ConfigError(f'--holdout applies to chinchilla, kaplan, data_constrained and loss2loss, not --law '
                       f'{args.law}')
+  if args.base and args.law != 'data_constrained':
+    raise ConfigError(f'--base applies to --law data_constrained, not --law {args.law}')
   if args.law != 'curve':
     if len(args.points) != 1:
       raise ConfigError(f'--law {args.law} fits one points CSV, not {len(args.points)} files; whole curves of run '
@@ -423,6 +427,10 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--allocate', type=float, nargs='+', default=[], metavar='C U',
                    help='--law data_constrained: the optimal params, tokens and epochs for compute C and U unique '
                         'tokens')
+  fit.add_argument('--base', default=None, metavar='datablations|FIT.json',
+                   help='--law data_constrained: keep this Chinchilla base and fit only R_D* and R_N* (datablations: '
+                        'its C4 constants; or a fit --law chinchilla --out JSON); default: fitted to the runs that '
+                        'saw each token once')
   fit.add_argument('--form', choices=('mpl', 'tissue'), default='mpl',
                    help='--law curve: the multi-power law (Luo et al. 2025) or the momentum form (Tissue et al. 2024)')
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')
@@ -435,8 +443,9 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
   fit.add_argument('--params', choices=tuple(PARAM_COLUMNS), default='total',
                    help='which N to fit (active: the params a token runs, for routed experts)')
   fit.add_argument('--bootstrap', type=int, default=0, metavar='N',
-                   help='chinchilla, isoflop, task, hparams, curve: N resamples for 95%% intervals (curve: of its '
-                   'parameters, and of what predict derives from them)')
+                   help='chinchilla, isoflop, task, hparams, curve, data_constrained: N resamples for 95%% intervals '
+                   '(curve: of its parameters, and of what predict derives from them; data_constrained: of R_D*, '
+                   'R_N* and each allocation)')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
   fit.add_argument('--holdout', choices=('largest',), default=None,

@@ -7,7 +7,7 @@ huggingface/datablations's README's (Apache-2.0); its C4 constants are `DATABLAT
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from scipy import optimize
@@ -64,10 +64,66 @@ def optimal_allocation(law: dict[str, float], flops: float, unique: float) -> di
           'epochs': tokens / unique}
 
 
-def fit_data_constrained(points: Points, unique: np.ndarray, base: dict[str, float] | None = None
-                         ) -> dict[str, Any]:
+BASE = ('E', 'A', 'B', 'alpha', 'beta')
+
+
+def base_law(spec: str) -> dict[str, float]:
+  """The Chinchilla base a fit keeps: 'datablations' (its C4 constants) or a `fit --law chinchilla --out` JSON."""
+  import json
+  from pathlib import Path
+  if spec == 'datablations':
+    return {k: DATABLATIONS[k] for k in BASE}
+  path = Path(spec)
+  try:
+    fit = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'--base {spec}: not datablations nor a readable JSON fit ({e.__class__.__name__}); write one '
+                      f'with lm scaling fit POINTS --law chinchilla --out base.json') from None
+  params = fit.get('params', {}) if isinstance(fit, dict) else {}
+  if fit.get('law') != 'chinchilla' or any(k not in params for k in BASE):
+    raise ConfigError(f'--base {spec} is no chinchilla fit (law {fit.get("law")!r}); write one with lm scaling fit '
+                      f'POINTS --law chinchilla --out base.json')
+  return {k: float(params[k]) for k in BASE}
+
+
+def allocation(fit: dict[str, Any], flops: float, unique: float) -> dict[str, float]:
+  """`optimal_allocation` of a fit's law, with 95% intervals of params, tokens and epochs over its bootstrap samples
+  (`<key>_ci`) when it has them."""
+  out = optimal_allocation(fit['params'], flops, unique)
+  if fit.get('samples'):
+    drawn = [optimal_allocation(s, flops, unique) for s in fit['samples']]
+    out.update({f'{k}_ci': [float(np.percentile([d[k] for d in drawn], q)) for q in (2.5, 97.5)]
+                for k in ('params', 'tokens', 'epochs')})
+  return out
+
+
+def misfit(law: dict[str, float], points: Points, unique: np.ndarray) -> float:
+  """What the fit minimises: the Huber loss (delta HUBER_DELTA) of log L(N, D, U) - log loss, summed over points."""
+  with np.errstate(all='ignore'):
+    r = np.log(loss(law, points.params, points.tokens, unique)) - np.log(points.loss)
+  if not np.all(np.isfinite(r)):
+    return float('inf')
+  return float(np.where(np.abs(r) <= HUBER_DELTA, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum())
+
+
+def _decays(final: Points, unique: np.ndarray, law: dict[str, float], names: Sequence[str]) -> dict[str, float]:
+  """`law` with `names` (R_D and R_N, and the base's when it was fitted here) fitted by Nelder-Mead on their logs
+  from a grid of R_D* and R_N* (the misfit can be flat along R_D* with more than one valley)."""
+  def objective(theta: np.ndarray) -> float:
+    return min(misfit({**law, **dict(zip(names, np.exp(theta)))}, final, unique) / HUBER_DELTA ** 2, 1e30)
+
+  fixed = [np.log(law[k]) for k in names if k not in ('R_D', 'R_N')]
+  starts = [np.array([*fixed, np.log(d), np.log(n)]) for d in (1.0, 5.0, 20.0, 100.0) for n in (1.0, 5.0, 20.0)]
+  best = min((optimize.minimize(objective, s, method='Nelder-Mead', options={
+    'xatol': 1e-9, 'fatol': 1e-12, 'maxiter': 20000, 'maxfev': 20000}) for s in starts), key=lambda r: r.fun)
+  return {**law, **{k: float(v) for k, v in zip(names, np.exp(best.x))}}
+
+
+def fit_data_constrained(points: Points, unique: np.ndarray, base: dict[str, float] | None = None,
+                         bootstrap: int = 0, seed: int = 0) -> dict[str, Any]:
   """R_D* and R_N* fitted (Huber on log loss, as the base) to every run's final point, on a Chinchilla base fitted
-  to the runs that saw each token at most once (or given)."""
+  to the runs that saw each token at most once (or given); with `bootstrap`, refits on resampled runs (the base
+  held) and 95% percentile intervals of R_D* and R_N* (`ci`, `samples`)."""
   rows = points.final_rows()
   final, unique = points.take(rows), np.asarray(unique, np.float64)[rows]
   if np.any(unique <= 0):
@@ -76,32 +132,25 @@ def fit_data_constrained(points: Points, unique: np.ndarray, base: dict[str, flo
   if not repeated.any():
     raise ConfigError('no run repeats its data (tokens > unique_tokens): the decay of repeated tokens needs runs '
                       'over several epochs; train some with data.unique_tokens')
+  names: Sequence[str] = ('R_D', 'R_N')
   if base is None:
     once = final.take(np.flatnonzero(~repeated))
     if len(once) < 5:
       raise ConfigError(f'{len(once)} runs saw each token once; the Chinchilla base needs 5 or more (or pass a '
-                        f'base law)')
+                        f'base law: --base)')
     base = fit_chinchilla(once)['params']
     names = NAMES  # the base was fitted here: it is refined with the decays, on every run
-  else:
-    names = ('R_D', 'R_N')
-  law = dict(base)
-
-  def objective(theta: np.ndarray) -> float:
-    trial = {**law, **dict(zip(names, np.exp(theta)))}
-    with np.errstate(all='ignore'):
-      r = np.log(loss(trial, final.params, final.tokens, unique)) - np.log(final.loss)
-    if not np.all(np.isfinite(r)):
-      return 1e30
-    small = np.abs(r) <= HUBER_DELTA
-    return float(np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()) / HUBER_DELTA**2
-
-  fixed = [np.log(law[k]) for k in names if k not in ('R_D', 'R_N')]
-  starts = [np.array([*fixed, np.log(d), np.log(n)]) for d in (1.0, 5.0, 20.0, 100.0) for n in (1.0, 5.0, 20.0)]
-  best = min((optimize.minimize(objective, s, method='Nelder-Mead', options={
-    'xatol': 1e-9, 'fatol': 1e-12, 'maxiter': 20000, 'maxfev': 20000}) for s in starts), key=lambda r: r.fun)
-  law.update({k: float(v) for k, v in zip(names, np.exp(best.x))})
-  return {'law': 'data_constrained', 'params': law, 'points': len(final), 'repeated': int(repeated.sum())}
+  law = _decays(final, unique, dict(base), names)
+  out: dict[str, Any] = {'law': 'data_constrained', 'params': law, 'points': len(final),
+                         'repeated': int(repeated.sum())}
+  if bootstrap:
+    rng = np.random.default_rng(seed)
+    drawn = [rng.integers(0, len(final), len(final)) for _ in range(bootstrap)]
+    out['samples'] = [_decays(final.take(i), unique[i], law, ('R_D', 'R_N')) for i in drawn]
+    out['ci'] = {k: [float(np.percentile([s[k] for s in out['samples']], q)) for q in (2.5, 97.5)]
+                 for k in ('R_D', 'R_N')}
+    out['bootstrap'] = bootstrap
+  return out
 
 
 def holdout_largest(points: Points, unique: np.ndarray) -> dict[str, Any]:

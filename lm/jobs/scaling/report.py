@@ -37,7 +37,9 @@ def format_fit(fit: dict[str, Any]) -> str:
                                                  f'{h["mean_error"]:.2%}, largest {h["max_error"]:.2%}'))
   for a in fit.get('allocations', []):
     lines.append((f'C {a["flops"]:.3g}, U {a["unique_tokens"]:.3g}',
-                  f'N {a["params"]:.4g}, D {a["tokens"]:.4g} ({a["epochs"]:.2f} epochs), loss {a["loss"]:.4f}'))
+                  f'N {a["params"]:.4g}, D {a["tokens"]:.4g} ({a["epochs"]:.2f} epochs'
+                  + (f', 95% {a["epochs_ci"][0]:.2f}-{a["epochs_ci"][1]:.2f}' if 'epochs_ci' in a else '')
+                  + f'), loss {a["loss"]:.4f}'))
   for p in fit.get('predictions', []):
     at = f'{p["params"]:g},{p["tokens"]:g}'
     lines.append((f'N {p["params"]:.3g}, D {p["tokens"]:.3g}',
