@@ -5,7 +5,9 @@ final loss, for each form and each metric, alone and paired with the stable run'
 evaluation. Beside them, the training loss's noise: the spread of 5-step means around the stable run's own fit. To a
 Markdown table and JSON.
 
-  python bench/ladder_curves.py --ladder runs/ladder_wsd [--cooldowns 0] [--forms mpl,tissue]
+With --fit-paired, the cooldowns are fitted on their ratio to the stable run's loss (`fit --paired`).
+
+  python bench/ladder_curves.py --ladder runs/ladder_wsd [--cooldowns 0] [--fit-paired] [--forms mpl,tissue]
       [--metrics loss,val_loss]
       [--out docs/results/ladder-curves.md] [--json docs/results/ladder_curves.json]
 """
@@ -57,6 +59,8 @@ def main() -> None:
   parser.add_argument('--metrics', default='loss,val_loss')
   parser.add_argument('--cooldowns', default='0', help='the budgets whose cooldowns are fitted (comma-separated), '
                                                        'from the smallest (0) up; the others are predicted')
+  parser.add_argument('--fit-paired', action='store_true',
+                      help='fit each cooldown on its ratio to the stable run\'s loss (lm scaling fit --paired)')
   parser.add_argument('--out', default='docs/results/ladder-curves.md')
   parser.add_argument('--json', default='docs/results/ladder_curves.json')
   args = parser.parse_args()
@@ -70,7 +74,7 @@ def main() -> None:
     fitted_on = [str(ladder / f'{size}_stable'), *(str(ladder / points[i]['label']) for i in fitting)]
     for metric in args.metrics.split(','):
       for form in args.forms.split(','):
-        fit = fit_runs(fitted_on, form, metric)
+        fit = fit_runs(fitted_on, form, metric, paired=fitted_on[0] if args.fit_paired else None)
         stable, _ = run_curve(fitted_on[0], metric)
         for point in (p for i, p in enumerate(points) if i not in fitting):
           rows.append({'size': size, 'metric': metric, 'form': form, 'run': point['label'], 'steps': point['steps'],
@@ -91,7 +95,9 @@ def main() -> None:
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
            f'(scaling-ladder.md) run with `lm scaling sweep --schedule wsd --evals 20 --out runs/ladder_wsd` (20 '
            f'held-out evaluations a run). For each size, the curve law fitted on its stable run and its '
-           f'{fitted_text} predicts the other cooldowns\' final loss: the training loss as '
+           f'{fitted_text}' + (' (each on its ratio to the stable run\'s loss at the same steps, `lm scaling fit '
+                                '--paired`)' if args.fit_paired else '') + ' predicts the other cooldowns\' final '
+           f'loss: the training loss as '
            f'the mean of the last {LAST} steps (against the prediction\'s mean there), and the held-out `val_loss` at '
            f'the last evaluation (a fit on the held-out loss). Error = (predicted - measured) / measured. Paired: '
            f'the stable run\'s own loss on the same batches (it trains to the largest budget\'s last step) times the '

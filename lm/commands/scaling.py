@@ -81,7 +81,7 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 def _fitted_curve(args: argparse.Namespace) -> tuple[dict, Any]:
   from lm.jobs.scaling.curves import fit_runs
   from lm.jobs.scaling.report import format_curve_fit
-  return fit_runs(args.points, args.form, args.metric or 'loss', args.bootstrap), format_curve_fit
+  return fit_runs(args.points, args.form, args.metric or 'loss', args.bootstrap, args.paired), format_curve_fit
 
 
 def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
@@ -171,6 +171,8 @@ def cmd_scaling_fit(args: argparse.Namespace) -> int:
   if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained', 'loss2loss'):
     raise ConfigError(f'--holdout applies to chinchilla, kaplan, data_constrained and loss2loss, not --law '
                       f'{args.law}')
+  if args.paired and args.law != 'curve':
+    raise ConfigError(f'--paired applies to --law curve, not --law {args.law}')
   if args.base and args.law != 'data_constrained':
     raise ConfigError(f'--base applies to --law data_constrained, not --law {args.law}')
   if args.law != 'curve':
@@ -220,19 +222,13 @@ def _same_model(fit: dict, model: dict, source: str) -> None:
 
 def _pairing_run(run: str, config: Any, fit: dict) -> Any:
   """--paired RUN's measured curve, once its model, data, seed and batch are the config's (the same batches)."""
-  import dataclasses
-
-  from lm.jobs.scaling.curves import run_curve
+  from lm.jobs.scaling.curves import other_batches, run_curve
   from lm.storage.run_dir import read_config
   base, model = run_curve(run, fit.get('metric', 'loss'))
   _same_model(fit, model, run)
-  theirs = read_config(run)
-  fields = [('train', 'seed'), ('train', 'global_batch'), *(('data', f.name) for f in dataclasses.fields(config.data))]
-  for section, name in fields:
-    mine, its = getattr(getattr(config, section), name), getattr(getattr(theirs, section), name)
-    if mine != its:
-      raise ConfigError(f'--paired {run} read other batches: its {section}.{name} is {its}, the config\'s {mine}; '
-                        f'pair with a run of the same data, seed and batch (the size\'s stable run)')
+  if (differs := other_batches(config, read_config(run))):
+    raise ConfigError(f'--paired {run} read other batches: its {differs[0]} is {differs[2]}, the config\'s '
+                      f'{differs[1]}; pair with a run of the same data, seed and batch (the size\'s stable run)')
   return base
 
 
@@ -431,6 +427,10 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                    help='--law data_constrained: keep this Chinchilla base and fit only R_D* and R_N* (datablations: '
                         'its C4 constants; or a fit --law chinchilla --out JSON); default: fitted to the runs that '
                         'saw each token once')
+  fit.add_argument('--paired', default=None, metavar='RUN',
+                   help='--law curve: one of the runs (a wsd ladder\'s stable run); every other run, on the same data, '
+                        'seed and batch, is fitted on its loss\'s ratio to RUN\'s at the same steps, so the batches\' '
+                        'own noise cancels')
   fit.add_argument('--form', choices=('mpl', 'tissue'), default='mpl',
                    help='--law curve: the multi-power law (Luo et al. 2025) or the momentum form (Tissue et al. 2024)')
   fit.add_argument('--task', help='--law task: the task (columns <task>/task_loss and <task>/<metric>)')

@@ -43,6 +43,7 @@ class Curve:
   rates: np.ndarray
   updates: np.ndarray
   loss: np.ndarray
+  base: Curve | None = None  # a run on the same batches: the curve is then fitted on its ratio to base's loss
 
   def __post_init__(self) -> None:
     if len(self.updates) != len(self.loss) or not len(self.loss):
@@ -50,6 +51,17 @@ class Curve:
     if self.updates.min() < 1 or self.updates.max() > len(self.rates):
       raise ConfigError(f'{self.name}: a loss after {self.updates.max()} updates lies beyond its schedule of '
                         f'{len(self.rates)} steps')
+
+  @property
+  def base_loss(self) -> np.ndarray:
+    """base's measured loss after each of `updates` (`on_batches_of` keeps the updates it measured)."""
+    return self.base.loss[np.searchsorted(self.base.updates, self.updates)]
+
+  def on_batches_of(self, base: Curve) -> Curve:
+    """This curve paired with `base`, a run that read the same batches in the same order, at the updates both
+    measured."""
+    both = np.isin(self.updates, base.updates)
+    return dataclasses.replace(self, updates=self.updates[both], loss=self.loss[both], base=base)
 
 
 def _areas(rates: np.ndarray) -> np.ndarray:
@@ -146,32 +158,46 @@ def _huber(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return value, np.where(small, r, HUBER_DELTA * np.sign(r))
 
 
+def _pred_parts(form: str, p: dict[str, float], rates: np.ndarray, updates: np.ndarray, most: int | None
+                ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """The form's loss after each of `updates` and its derivative in each parameter."""
+  s1 = _areas(rates)[updates]
+  power = s1 ** -p['alpha']
+  parts = {'L0': np.ones_like(s1), 'A': power, 'alpha': -p['A'] * power * np.log(s1)}
+  pred = p['L0'] + p['A'] * power
+  if form == 'mpl':
+    drop, d_c, d_beta, d_gamma = _loss_drop(rates, updates, p['C'], p['beta'], p['gamma'], True, most)
+    pred = pred - p['B'] * drop
+    parts.update(B=-drop, C=-p['B'] * d_c, beta=-p['B'] * d_beta, gamma=-p['B'] * d_gamma)
+  else:
+    s2 = _momentum(rates, updates, p['lambda'])
+    pred = pred - p['C'] * s2
+    parts['C'] = -s2
+  return pred, parts
+
+
 def _objective(theta: np.ndarray, form: str, curves: Sequence[Curve], fixed: dict[str, float],
                most: int | None = None) -> tuple[float, np.ndarray]:
   """Summed Huber of log(pred) - log(loss), and its gradient in theta = the logs of the fitted parameters;
-  scaled by 1/delta^2 so that L-BFGS sees O(1) numbers near the optimum."""
+  scaled by 1/delta^2 so that L-BFGS sees O(1) numbers near the optimum. A curve with a `base` is fitted on its
+  ratio to the base's measured loss at the same steps: log(pred / pred_base) - log(loss / loss_base)."""
   names = [n for n in FORMS[form] if n not in fixed]
   p = {**dict(zip(names, np.exp(theta))), **fixed}
   total, grad = 0.0, np.zeros(len(names))
   for c in curves:
-    s1 = _areas(c.rates)[c.updates]
-    power = s1 ** -p['alpha']
-    parts = {'L0': np.ones_like(s1), 'A': power, 'alpha': -p['A'] * power * np.log(s1)}
-    pred = p['L0'] + p['A'] * power
-    if form == 'mpl':
-      drop, d_c, d_beta, d_gamma = _loss_drop(c.rates, c.updates, p['C'], p['beta'], p['gamma'], True, most)
-      pred = pred - p['B'] * drop
-      parts.update(B=-drop, C=-p['B'] * d_c, beta=-p['B'] * d_beta, gamma=-p['B'] * d_gamma)
-    else:
-      s2 = _momentum(c.rates, c.updates, p['lambda'])
-      pred = pred - p['C'] * s2
-      parts['C'] = -s2
+    pred, parts = _pred_parts(form, p, c.rates, c.updates, most)
     if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
       return 1e30, np.zeros(len(names))
-    value, slope = _huber(np.log(pred) - np.log(c.loss))
+    residual, slopes = np.log(pred) - np.log(c.loss), {n: parts[n] / pred for n in names}
+    if c.base is not None:
+      base_pred, base_parts = _pred_parts(form, p, c.base.rates, c.updates, most)
+      if not np.all(np.isfinite(base_pred)) or np.any(base_pred <= 0):
+        return 1e30, np.zeros(len(names))
+      residual = residual - np.log(base_pred) + np.log(c.base_loss)
+      slopes = {n: slopes[n] - base_parts[n] / base_pred for n in names}
+    value, slope = _huber(residual)
     total += value.sum()
-    weight = slope / pred
-    grad += np.array([(weight * parts[n]).sum() * p[n] for n in names])
+    grad += np.array([(slope * slopes[n]).sum() * p[n] for n in names])
   return total / HUBER_DELTA ** 2, grad / HUBER_DELTA ** 2
 
 
@@ -223,16 +249,25 @@ def fit_curves(curves: Sequence[Curve], form: str = 'mpl',
           'curves': {c.name: relative_error(form, params, c) for c in curves}}
 
 
+def _fitted_loss(form: str, params: dict[str, float], curve: Curve) -> np.ndarray:
+  """The fit's loss at the curve's updates: the law's, or for a paired curve its base's measured loss times the
+  law's ratio (what the fit compared the curve's loss with)."""
+  pred = predict(form, params, curve.rates, curve.updates)
+  return pred if curve.base is None else curve.base_loss * pred / predict(form, params, curve.base.rates,
+                                                                          curve.updates)
+
+
 def bootstrap_curves(curves: Sequence[Curve], fit: dict[str, Any], samples: int, seed: int = 0
                      ) -> list[dict[str, float]]:
   """`samples` refits of `fit` (fit_curves' on `curves`), each on the fit's curves times resampled residuals: each
-  curve's log residuals drawn with replacement in about BLOCKS contiguous blocks (a small batch's loss stays high
-  or low over a few steps), each refit starting at the fit (the momentum form's lambda kept)."""
+  curve's log residuals (a paired curve's against its base) drawn with replacement in about BLOCKS contiguous blocks
+  (a small batch's loss stays high or low over a few steps), each refit starting at the fit (the momentum form's
+  lambda kept)."""
   rng = np.random.default_rng(seed)
   form, params = fit['form'], fit['params']
   fixed = {'lambda': params['lambda']} if form == 'tissue' else {}
   start = [({k: v for k, v in params.items() if k not in fixed}, fixed)]
-  fitted = [(c, predict(form, params, c.rates, c.updates)) for c in curves]
+  fitted = [(c, _fitted_loss(form, params, c)) for c in curves]
   out = []
   for _ in range(samples):
     drawn = []
@@ -241,7 +276,7 @@ def bootstrap_curves(curves: Sequence[Curve], fit: dict[str, Any], samples: int,
       size = max(1, len(residual) // BLOCKS)
       first = rng.integers(0, len(residual) - size + 1, -(-len(residual) // size))
       resampled = np.concatenate([residual[i:i + size] for i in first])[:len(residual)]
-      drawn.append(dataclasses.replace(curve, loss=pred * np.exp(resampled)))
+      drawn.append(dataclasses.replace(curve, loss=pred * np.exp(resampled)))  # a paired curve keeps its base
     out.append(fit_curves(drawn, form, start)['params'])
   return out
 
@@ -260,8 +295,8 @@ def search_pick(finals: np.ndarray, sampled: np.ndarray | None, level: float = 0
 
 def relative_error(form: str, params: dict[str, float], curve: Curve) -> dict[str, float]:
   """The mean and largest |pred - loss| / loss over a curve's points, and its final loss against the
-  prediction."""
-  pred = predict(form, params, curve.rates, curve.updates)
+  prediction (a paired curve's: its base's loss times the law's ratio)."""
+  pred = _fitted_loss(form, params, curve)
   error = np.abs(pred - curve.loss) / curve.loss
   return {'mean': float(error.mean()), 'max': float(error.max()), 'final_loss': float(curve.loss[-1]),
           'final_predicted': float(pred[-1])}
@@ -338,10 +373,46 @@ def run_curve(run_dir: str, metric: str = 'loss') -> tuple[Curve, dict[str, Any]
   return curve, model_of(config)
 
 
-def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: int = 0) -> dict[str, Any]:
+def other_batches(config: Any, base: Any) -> tuple[str, Any, Any] | None:
+  """Where `config` reads other batches than `base` (train.seed, train.global_batch, a data field): (field, config's
+  value, base's), or None when both read the same batches in the same order."""
+  import dataclasses
+  fields = [('train', 'seed'), ('train', 'global_batch'), *(('data', f.name) for f in dataclasses.fields(config.data))]
+  for section, name in fields:
+    mine, its = getattr(getattr(config, section), name), getattr(getattr(base, section), name)
+    if mine != its:
+      return f'{section}.{name}', mine, its
+  return None
+
+
+def _paired_curves(curves: list[Curve], runs: Sequence[str], base_run: str) -> list[Curve]:
+  """Every curve but base_run's on its ratio to base_run's (`Curve.on_batches_of`), once each run read base_run's
+  batches and base_run measured its last step."""
+  from lm.storage.run_dir import read_config
+  if base_run not in runs:
+    raise ConfigError(f'--paired {base_run} is not among the fitted runs; pair with one of them (the size\'s '
+                      f'stable run)')
+  base = curves[list(runs).index(base_run)]
+  base_config, out = read_config(base_run), []
+  for run, curve in zip(runs, curves):
+    if run != base_run:
+      if (differs := other_batches(read_config(run), base_config)):
+        raise ConfigError(f'{run} read other batches than --paired {base_run}: its {differs[0]} is {differs[1]}, '
+                          f'{base_run}\'s {differs[2]}; pair runs of the same data, seed and batch')
+      if curve.updates[-1] not in base.updates:
+        raise ConfigError(f'--paired {base_run} measured nothing where {run} ends ({curve.updates[-1]} updates); '
+                          f'continue it there (lm train ... train.resume=true) or pair with a longer run')
+      curve = curve.on_batches_of(base)
+    out.append(curve)
+  return out
+
+
+def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: int = 0, paired: str | None = None
+             ) -> dict[str, Any]:
   """One size's runs fitted together on `metric` (the training loss or a held-out loss), with `bootstrap` refits
   on resampled residuals (`samples`, and 95% intervals of the parameters); runs of different models are
-  refused."""
+  refused. With `paired` (one of `runs`), every other run is fitted on its loss's ratio to that run's at the same
+  steps: runs that read the same batches share the batches' own noise, which the ratio cancels."""
   pairs = [run_curve(run, metric) for run in runs]
   first = pairs[0][1]
   for run, (_, model) in zip(runs, pairs):
@@ -349,10 +420,13 @@ def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: in
       field = next(k for k in sorted(set(first) | set(model)) if first.get(k) != model.get(k))
       raise ConfigError(f'{run} is another model than {runs[0]} (model.{field}: {model.get(field)} against '
                         f'{first.get(field)}); a curve fit takes one size\'s runs')
-  fit = fit_curves([c for c, _ in pairs], form)
-  fit.update(model=first, metric=metric)
+  curves = [c for c, _ in pairs]
+  if paired:
+    curves = _paired_curves(curves, runs, paired)
+  fit = fit_curves(curves, form)
+  fit.update(model=first, metric=metric, **({'paired': paired} if paired else {}))
   if bootstrap:
-    fit['samples'] = bootstrap_curves([c for c, _ in pairs], fit, bootstrap)
+    fit['samples'] = bootstrap_curves(curves, fit, bootstrap)
     fit['params_ci'] = {k: np.percentile([s[k] for s in fit['samples']], [2.5, 97.5]).tolist() for k in fit['params']}
   return fit
 

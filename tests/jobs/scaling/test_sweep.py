@@ -301,6 +301,28 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
     assert cli.main(['scaling', 'predict', '--fit', str(tmp_path / 'mpl.json'), '--config', config, '--paired',
                      paired, *extra]) == 2
     assert message in capsys.readouterr().err
+  # fitted paired: the cooldown on its ratio to the stable run's loss, its final prediction predict --paired's
+  paired_fit = tmp_path / 'paired.json'
+  assert cli.main(['scaling', 'fit', stable, cooldowns[0], '--law', 'curve', '--form', 'tissue', '--paired', stable,
+                   '--out', str(paired_fit)]) == 0
+  fit = json.loads(paired_fit.read_text())
+  assert fit['paired'] == stable
+  capsys.readouterr()
+  assert cli.main(['scaling', 'predict', '--fit', str(paired_fit), '--config', f'{cooldowns[0]}/config.yaml',
+                   '--paired', stable]) == 0
+  assert f'paired with {stable}): {fit["curves"][cooldowns[0]]["final_predicted"]:.4f}' in capsys.readouterr().out
+  reseeded = tmp_path / 'reseeded'  # a cooldown's record, as if trained from another seed
+  reseeded.mkdir()
+  (reseeded / 'config.yaml').write_text((out / listing['points'][0]['label'] / 'config.yaml').read_text().replace(
+    '  seed: 0', '  seed: 1'))
+  (reseeded / 'metrics.jsonl').write_text((out / listing['points'][0]['label'] / 'metrics.jsonl').read_text())
+  for runs, paired, message in [([cooldowns[0]], stable, f'--paired {stable} is not among the fitted runs'),
+                                ([stable, str(reseeded)], stable, f'{reseeded} read other batches than --paired '
+                                                                  f'{stable}: its train.seed is 1, {stable}\'s 0')]:
+    assert cli.main(['scaling', 'fit', *runs, '--law', 'curve', '--paired', paired]) == 2
+    assert message in capsys.readouterr().err
+  assert cli.main(['scaling', 'fit', str(points), '--paired', stable]) == 2
+  assert '--paired applies to --law curve, not --law chinchilla' in capsys.readouterr().err
   assert cli.main(['scaling', 'plot', *cooldowns, '--curves', '--fit', str(tmp_path / 'mpl.json'), '--out',
                    str(tmp_path / 'curves.png')]) == 0
   assert (tmp_path / 'curves.png').stat().st_size > 10_000
