@@ -5,7 +5,7 @@ ladder's own run of that budget (the default decay), by the final held-out loss 
 last logged steps. `--metric val_loss` fits the held-out loss at the runs' evaluations instead of the training loss.
 
   python bench/decay_search.py --ladder runs/ladder_wsd --size d64_l2 [--form mpl] [--metric loss|val_loss]
-      [--cooldowns 0,1] [--seeds 3] [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
+      [--cooldowns 0,1] [--fit-paired] [--seeds 3] [--search decay_fraction=0.1,0.2,0.3,0.5 decay_shape=linear,sqrt,cosine]
       [--out docs/results/decay-search.md] [--json docs/results/decay_search.json]
 """
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main() -> None:
                                                       'decay_shape=linear,sqrt,cosine'])
   parser.add_argument('--seeds', type=int, default=1, help='train the default and the best decay from this many '
                                                            'seeds (train.seed 0 is the ladder\'s), paired by seed')
+  parser.add_argument('--fit-paired', action='store_true',
+                      help='fit each cooldown on its ratio to the stable run\'s loss (lm scaling fit --paired)')
   parser.add_argument('--out', default='docs/results/decay-search.md')
   parser.add_argument('--json', default='docs/results/decay_search.json')
   args = parser.parse_args()
@@ -74,7 +76,7 @@ def main() -> None:
   points = sorted((p for p in sweep['points'] if p['label'].startswith(args.size + '_')), key=lambda p: p['tokens'])
   fitted_on = [str(ladder / f'{args.size}_stable'), *(str(ladder / points[int(i)]['label'])
                                                        for i in args.cooldowns.split(','))]
-  fit = fit_runs(fitted_on, args.form, args.metric)
+  fit = fit_runs(fitted_on, args.form, args.metric, paired=fitted_on[0] if args.fit_paired else None)
   target = points[-1]
   config_of = lambda extra: from_dict(merge(sweep['base'], parse_overrides([*target['overrides'], *extra])))
   rows = []
@@ -104,7 +106,8 @@ def main() -> None:
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
            f'(scaling-ladder.md) (`lm scaling sweep --schedule wsd --out runs/ladder_wsd`, `--evals 20` for a '
            f'held-out fit). The {args.form} curve law '
-           f'fitted to the {what} of {", ".join(Path(r).name for r in fitted_on)} (the stable run and cooldowns) '
+           f'fitted to the {what} of {", ".join(Path(r).name for r in fitted_on)} (the stable run and cooldowns'
+           + (', each cooldown on its ratio to the stable run: `fit --paired`' if args.fit_paired else '') + ') '
            f'predicts '
            f'{target["label"]} ({target["steps"]} steps) under each decay; the best is trained for real beside the '
            f'ladder\'s own run of that budget (`optim.decay_fraction=0.2`, linear).', '',

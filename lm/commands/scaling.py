@@ -81,7 +81,8 @@ def cmd_scaling_collect(args: argparse.Namespace) -> int:
 def _fitted_curve(args: argparse.Namespace) -> tuple[dict, Any]:
   from lm.jobs.scaling.curves import fit_runs
   from lm.jobs.scaling.report import format_curve_fit
-  return fit_runs(args.points, args.form, args.metric or 'loss', args.bootstrap, args.paired), format_curve_fit
+  return (fit_runs(args.points, args.form, args.metric or 'loss', args.bootstrap, args.paired, args.holdout == 'each'),
+          format_curve_fit)
 
 
 def _fitted_hparams(args: argparse.Namespace) -> tuple[dict, Any]:
@@ -168,9 +169,12 @@ def _fitted_endpoints(args: argparse.Namespace) -> tuple[dict, Any]:
 def cmd_scaling_fit(args: argparse.Namespace) -> int:
   if args.bootstrap < 0:
     raise ConfigError(f'--bootstrap {args.bootstrap} must be >= 0 (0: no intervals)')
-  if args.holdout and args.law not in ('chinchilla', 'kaplan', 'data_constrained', 'loss2loss'):
-    raise ConfigError(f'--holdout applies to chinchilla, kaplan, data_constrained and loss2loss, not --law '
-                      f'{args.law}')
+  if args.holdout == 'largest' and args.law not in ('chinchilla', 'kaplan', 'data_constrained', 'loss2loss'):
+    raise ConfigError(f'--holdout largest applies to chinchilla, kaplan, data_constrained and loss2loss, not --law '
+                      f'{args.law}' + ('; a curve fit holds out each run: --holdout each' if args.law == 'curve' else ''))
+  if args.holdout == 'each' and args.law != 'curve':
+    raise ConfigError(f'--holdout each applies to --law curve, not --law {args.law}; the points laws hold out the '
+                      f'largest size: --holdout largest')
   if args.paired and args.law != 'curve':
     raise ConfigError(f'--paired applies to --law curve, not --law {args.law}')
   if args.base and args.law != 'data_constrained':
@@ -235,7 +239,7 @@ def _pairing_run(run: str, config: Any, fit: dict) -> Any:
 def cmd_scaling_predict(args: argparse.Namespace) -> int:
   import numpy as np
 
-  from lm.jobs.scaling.curves import metric_name, search_pick
+  from lm.jobs.scaling.curves import metric_name, resolved_pick, search_pick
   from lm.report import format_lines
   try:
     fit = json.loads(Path(args.fit).read_text())
@@ -257,18 +261,26 @@ def cmd_scaling_predict(args: argparse.Namespace) -> int:
           f'{interval(rows[0][3])}', flush=True)
     return 0
   samples = len(fit.get('samples', []))
-  pick, wins = search_pick(np.array([loss[-1] for _, _, loss, _ in rows]),
-                           np.stack([sampled for *_, sampled in rows], 1) if samples else None)
+  finals = np.array([loss[-1] for _, _, loss, _ in rows])
+  pick, wins = search_pick(finals, np.stack([sampled for *_, sampled in rows], 1) if samples else None)
+  unresolved = resolved_pick(finals, pick, fit.get('holdout_error')) != pick
+  pick = 0 if unresolved else pick
   print(format_lines([(name, f'{loss[-1]:.4f}{interval(sampled)}' + ('  best' if i == pick else ''))
                       for i, (name, _, loss, sampled) in enumerate(rows)]))
   lowest = min(range(len(rows)), key=lambda i: rows[i][2][-1])
+  if unresolved:
+    print(f'best: as configured (the lowest, {rows[lowest][0]}, is predicted {1 - finals[lowest] / finals[0]:.2%} '
+          f'lower, within the {fit["holdout_error"]:.2%} the fit missed a run it left out by)', flush=True)
+    return 0
   if pick == 0 and wins is not None:
     print(f'best: as configured (the lowest, {rows[lowest][0]}, beats it in {wins:.0%} of the fit\'s {samples} '
           f'resamples, short of 95%)', flush=True)
     return 0
   print(f'best: {rows[pick][0]} (predicted final {what} {rows[pick][2][-1]:.4f}'
         + (f'; beats the configured schedule in {wins:.0%} of the fit\'s {samples} resamples' if wins is not None
-           else '') + ')', flush=True)
+           else '')
+        + (f'; {1 - finals[pick] / finals[0]:.2%} lower, beyond the {fit["holdout_error"]:.2%} the fit missed a run '
+           f'it left out by' if 'holdout_error' in fit and pick else '') + ')', flush=True)
   return 0
 
 
@@ -448,9 +460,11 @@ def _fit(scaling: argparse._SubParsersAction) -> None:
                    'R_N* and each allocation)')
   fit.add_argument('--budget', type=float, nargs='+', default=[], metavar='C',
                    help='compute budgets (FLOPs) to give compute-optimal N, D and tokens per parameter for')
-  fit.add_argument('--holdout', choices=('largest',), default=None,
-                   help='chinchilla, kaplan, data_constrained, loss2loss: fit again without the largest size\'s '
-                        'runs and print how far its loss is from that fit\'s prediction')
+  fit.add_argument('--holdout', choices=('largest', 'each'), default=None,
+                   help='largest (chinchilla, kaplan, data_constrained, loss2loss): fit again without the largest '
+                        'size\'s runs and print how far its loss is from that fit\'s prediction; each (curve): each '
+                        'run but --paired\'s left out in turn and predicted by a fit on the others (predict --search '
+                        'then keeps the configured schedule unless a pick gains more than the largest miss)')
   fit.add_argument('--json', action='store_true', help='print the fit as JSON')
   fit.add_argument('--out', default=None, help='also write the JSON fit here (lm scaling plot --fit reads it)')
   fit.set_defaults(fn=cmd_scaling_fit)

@@ -281,6 +281,32 @@ def bootstrap_curves(curves: Sequence[Curve], fit: dict[str, Any], samples: int,
   return out
 
 
+def holdout_each(curves: Sequence[Curve], form: str) -> list[dict[str, Any]]:
+  """Each curve but a base the others pair with, left out in turn: its final loss as a fit on the others predicts
+  it (paired curves keep their base), against the measured one. The largest |error| is what the fit is known to
+  miss by on a schedule it did not see (`resolved_pick`)."""
+  bases = {id(c.base) for c in curves if c.base is not None}
+  held = [i for i, c in enumerate(curves) if id(c) not in bases]
+  if len(curves) < 2 or not held:
+    raise ConfigError('--holdout each leaves one run out in turn and predicts it from the others: fit two or more '
+                      'runs (the stable run and two cooldowns)')
+  out = []
+  for i in held:
+    fit = fit_curves([c for j, c in enumerate(curves) if j != i], form)
+    predicted, measured = float(_fitted_loss(form, fit['params'], curves[i])[-1]), float(curves[i].loss[-1])
+    out.append({'run': curves[i].name, 'predicted': predicted, 'measured': measured,
+                'error': predicted / measured - 1})
+  return out
+
+
+def resolved_pick(finals: np.ndarray, pick: int, error: float | None) -> int:
+  """`pick` among `finals` (the configured schedule first), kept only where its predicted gain over the configured
+  one exceeds `error`, the fit's largest relative error on a run it left out (`holdout_each`); else 0."""
+  if error is None or pick == 0:
+    return pick
+  return pick if 1 - finals[pick] / finals[0] > error else 0
+
+
 def search_pick(finals: np.ndarray, sampled: np.ndarray | None, level: float = 0.95) -> tuple[int, float | None]:
   """A search's pick among schedules (`finals`: each one's predicted final loss, the configured schedule first) and
   the share of the fit's resamples (`sampled`: resamples x schedules) in which it beats the configured one: the
@@ -407,12 +433,13 @@ def _paired_curves(curves: list[Curve], runs: Sequence[str], base_run: str) -> l
   return out
 
 
-def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: int = 0, paired: str | None = None
-             ) -> dict[str, Any]:
+def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: int = 0, paired: str | None = None,
+             holdout: bool = False) -> dict[str, Any]:
   """One size's runs fitted together on `metric` (the training loss or a held-out loss), with `bootstrap` refits
   on resampled residuals (`samples`, and 95% intervals of the parameters); runs of different models are
   refused. With `paired` (one of `runs`), every other run is fitted on its loss's ratio to that run's at the same
-  steps: runs that read the same batches share the batches' own noise, which the ratio cancels."""
+  steps: runs that read the same batches share the batches' own noise, which the ratio cancels. With `holdout`,
+  each run (but the paired one) predicted by a fit on the others (`holdout_each`)."""
   pairs = [run_curve(run, metric) for run in runs]
   first = pairs[0][1]
   for run, (_, model) in zip(runs, pairs):
@@ -425,6 +452,9 @@ def fit_runs(runs: Sequence[str], form: str, metric: str = 'loss', bootstrap: in
     curves = _paired_curves(curves, runs, paired)
   fit = fit_curves(curves, form)
   fit.update(model=first, metric=metric, **({'paired': paired} if paired else {}))
+  if holdout:
+    fit['holdout'] = holdout_each(curves, form)
+    fit['holdout_error'] = max(abs(h['error']) for h in fit['holdout'])
   if bootstrap:
     fit['samples'] = bootstrap_curves(curves, fit, bootstrap)
     fit['params_ci'] = {k: np.percentile([s[k] for s in fit['samples']], [2.5, 97.5]).tolist() for k in fit['params']}

@@ -60,6 +60,9 @@ def format_curve_fit(fit: dict[str, Any]) -> str:
     lines.append(('bootstrap', f'{len(fit["samples"])} refits on resampled residuals (95% intervals)'))
   for run, e in fit['curves'].items():
     lines.append((run, f'mean error {e["mean"]:.2%}, final loss {e["final_loss"]:.4f} (fit {e["final_predicted"]:.4f})'))
+  for h in fit.get('holdout', []):
+    lines.append((f'held out {h["run"]}', f'final loss {h["measured"]:.4f}, predicted by the others\' fit '
+                                          f'{h["predicted"]:.4f} ({h["error"]:+.2%})'))
   return format_lines(lines)
 
 

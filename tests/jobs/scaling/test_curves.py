@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from lm.config import ConfigError
-from lm.jobs.scaling.curves import (Curve, bootstrap_curves, fit_curves, paired, paired_steps, predict,
-                                    relative_error, search_pick)
+from lm.jobs.scaling.curves import (Curve, bootstrap_curves, fit_curves, holdout_each, paired, paired_steps, predict,
+                                    relative_error, resolved_pick, search_pick)
 
 DATA = Path(__file__).resolve().parents[2] / 'fixtures/multipowerlaw'
 TRAIN = ('cosine_24000', 'constant_24000', 'wsdcon_9')  # the repository's src/config.py
@@ -187,3 +187,25 @@ def test_a_fit_paired_with_the_stable_run_recovers_what_a_decay_gains():
       assert fit['curves']['short']['final_predicted'] == pytest.approx(
         paired('tissue', fit['params'], short, np.array([300]), base)[0], rel=1e-12)
   assert errors['paired'] < 5e-3 and errors['alone'] > 4 * errors['paired'], errors
+
+
+def test_each_run_left_out_is_predicted_by_the_others_and_a_search_keeps_what_that_cannot_resolve():
+  """`holdout_each` on the stable run and two cooldowns paired with it: each cooldown (not the base) left out, its
+  final loss as a fit on the other two predicts it (paired: the stable run's loss times the law's ratio), and the
+  search keeps a pick only where its predicted gain exceeds the largest such miss."""
+  rates, drawn, _ = _shared_noise_curves()
+  base = drawn['stable']
+  curves = [base, drawn['short'].on_batches_of(base), drawn['long'].on_batches_of(base)]
+  held = holdout_each(curves, 'tissue')
+  assert [h['run'] for h in held] == ['short', 'long']
+  for h, i in zip(held, (1, 2)):
+    others = fit_curves([c for j, c in enumerate(curves) if j != i], 'tissue')['params']
+    end = curves[i].updates[-1:]
+    assert h['predicted'] == pytest.approx(paired('tissue', others, rates[h['run']], end, base)[0], rel=1e-12)
+    assert h['measured'] == drawn[h['run']].loss[-1] and h['error'] == h['predicted'] / h['measured'] - 1
+  finals = np.array([2.0, 1.9, 1.95])
+  assert resolved_pick(finals, 1, 0.04) == 1 and resolved_pick(finals, 1, 0.06) == 0
+  assert resolved_pick(finals, 1, None) == 1 and resolved_pick(finals, 0, 0.0) == 0
+  with pytest.raises(ConfigError, match='--holdout each leaves one run out in turn'):
+    holdout_each([base], 'tissue')
+

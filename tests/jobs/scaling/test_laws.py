@@ -177,7 +177,7 @@ def test_holding_out_the_largest_size_reports_its_prediction_error(tmp_path, cap
   held = json.loads(capsys.readouterr().out)['holdout']
   assert len(held['runs']) == 1 and held['measured'][0] == points.loss[largest].min()
   assert cli.main(['scaling', 'fit', csv_path, '--law', 'isoflop', '--holdout', 'largest']) == 2
-  assert '--holdout applies to chinchilla, kaplan, data_constrained and loss2loss' in capsys.readouterr().err
+  assert '--holdout largest applies to chinchilla, kaplan, data_constrained and loss2loss' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('header, rows, argv, message', [

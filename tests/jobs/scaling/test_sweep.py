@@ -311,6 +311,22 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
   assert cli.main(['scaling', 'predict', '--fit', str(paired_fit), '--config', f'{cooldowns[0]}/config.yaml',
                    '--paired', stable]) == 0
   assert f'paired with {stable}): {fit["curves"][cooldowns[0]]["final_predicted"]:.4f}' in capsys.readouterr().out
+  # each cooldown left out in turn; predict --search keeps the configured schedule unless a pick gains more than the
+  # largest miss (here set to 100%, then 0%)
+  assert cli.main(['scaling', 'fit', stable, *cooldowns, '--law', 'curve', '--form', 'tissue', '--paired', stable,
+                   '--holdout', 'each', '--out', str(paired_fit)]) == 0
+  fit = json.loads(paired_fit.read_text())
+  assert [h['run'] for h in fit['holdout']] == cooldowns
+  assert fit['holdout_error'] == max(abs(h['error']) for h in fit['holdout'])
+  assert f'held out {cooldowns[1]}' in capsys.readouterr().out
+  search = ['scaling', 'predict', '--fit', str(paired_fit), '--config', f'{cooldowns[1]}/config.yaml', '--search',
+            'decay_fraction=0.2,0.8']
+  for error, said in ((1.0, 'within the 100.00% the fit missed a run it left out by'),
+                      (0.0, 'beyond the 0.00% the fit missed a run it left out by')):
+    paired_fit.write_text(json.dumps({**fit, 'holdout_error': error}))
+    assert cli.main(search) == 0
+    out_text = capsys.readouterr().out
+    assert said in out_text and out_text.count('  best') == 1, out_text
   reseeded = tmp_path / 'reseeded'  # a cooldown's record, as if trained from another seed
   reseeded.mkdir()
   (reseeded / 'config.yaml').write_text((out / listing['points'][0]['label'] / 'config.yaml').read_text().replace(
@@ -323,6 +339,11 @@ def test_a_wsd_ladder_branches_each_budget_off_one_stable_run(tmp_path, capsys):
     assert message in capsys.readouterr().err
   assert cli.main(['scaling', 'fit', str(points), '--paired', stable]) == 2
   assert '--paired applies to --law curve, not --law chinchilla' in capsys.readouterr().err
+  for argv, message in [([str(points), '--holdout', 'each'], '--holdout each applies to --law curve'),
+                        ([stable, '--law', 'curve', '--holdout', 'largest'], 'a curve fit holds out each run'),
+                        ([stable, '--law', 'curve', '--holdout', 'each'], '--holdout each leaves one run out')]:
+    assert cli.main(['scaling', 'fit', *argv]) == 2
+    assert message in capsys.readouterr().err
   assert cli.main(['scaling', 'plot', *cooldowns, '--curves', '--fit', str(tmp_path / 'mpl.json'), '--out',
                    str(tmp_path / 'curves.png')]) == 0
   assert (tmp_path / 'curves.png').stat().st_size > 10_000
