@@ -89,11 +89,16 @@ def main() -> None:
   write_json(args.json, {'command': sys.argv, 'rows': rows, 'noise': spread,
                          'worst': {f'{m} {f}': v for (m, f), v in worst.items()},
                          'paired_worst': {f'{m} {f}': v for (m, f), v in paired_worst.items()}})
-  fitted_text = ('smallest cooldown (a 10-step decay at step 39)' if args.cooldowns == '0' else
-                 f'cooldowns of budgets {args.cooldowns} (0 the smallest)')
+  first = sorted((p for p in sweep['points'] if p['label'].startswith(sizes[0] + '_t')), key=lambda p: p['tokens'])
+  decay = lambda p: f'a {p["steps"] - p["branch_at"]}-step decay at step {p["branch_at"]}'
+  fitted = [first[int(i)] for i in args.cooldowns.split(',')]
+  fitted_text = ('smallest cooldown' if args.cooldowns == '0' else f'cooldowns of budgets {args.cooldowns} (0 the '
+                 f'smallest)') + f' ({", ".join(decay(p) for p in fitted)})'
+  budgets = ','.join(f'{float(p["label"].rsplit("_t", 1)[1]):.0e}'.replace('e+0', 'e') for p in first)
   lines = ['# Whole-curve predictions on the CPU ladder', '',
            f'Measured on this 2-core CPU VM on {datetime.date.today()}, on the CPU ladder of [scaling-ladder.md]'
-           f'(scaling-ladder.md) run with `lm scaling sweep --schedule wsd --evals 20 --out runs/ladder_wsd` (20 '
+           f'(scaling-ladder.md) run with `lm scaling sweep --schedule wsd --evals 20 --tokens {budgets} --out '
+           f'{args.ladder}` (20 '
            f'held-out evaluations a run). For each size, the curve law fitted on its stable run and its '
            f'{fitted_text}' + (' (each on its ratio to the stable run\'s loss at the same steps, `lm scaling fit '
                                 '--paired`)' if args.fit_paired else '') + ' predicts the other cooldowns\' final '
@@ -115,11 +120,11 @@ def main() -> None:
             + ', '.join(f'{s} {v:.1%}' for s, v in spread.items()) + ' (one standard deviation): a batch of 2,048 '
             'byte tokens of this corpus (prose and code) varies more than the 2% asked of a prediction, so the '
             'training loss cannot show it; the held-out loss reads the same rows at every evaluation.' + (
-              ' What the held-out fit misses is the fitting set\'s: its one decay is 10 steps long at step 39, where '
-              'the loss still falls fast, and the largest budget\'s is 98 steps at step 390, so the decay\'s gain is '
-              'extrapolated tenfold in both (the multi-power law\'s four loss-drop parameters from four points past '
-              'the branch).' if args.cooldowns == '0' else ''), '',
-            'Reproduce: `' + ' '.join(['python', *sys.argv]).replace(args.ladder, 'runs/ladder_wsd') + '`', '']
+              f' What the held-out fit misses is the fitting set\'s: its one decay is {decay(first[0])}, and the '
+              f'largest budget\'s {decay(first[-1])}, so the decay\'s gain is extrapolated '
+              f'{(first[-1]["steps"] - first[-1]["branch_at"]) / (first[0]["steps"] - first[0]["branch_at"]):.0f}-fold '
+              f'in both.' if args.cooldowns == '0' else ''), '',
+            'Reproduce: `' + ' '.join(['python', *sys.argv]) + '`', '']
   Path(args.out).write_text('\n'.join(lines))
   print('\n'.join(lines))
 
