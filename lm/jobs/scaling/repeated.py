@@ -79,7 +79,8 @@ def base_law(spec: str) -> dict[str, float]:
   except (OSError, ValueError) as e:
     raise ConfigError(f'--base {spec}: not datablations nor a readable JSON fit ({e.__class__.__name__}); write one '
                       f'with lm scaling fit POINTS --law chinchilla --out base.json') from None
-  params = fit.get('params', {}) if isinstance(fit, dict) else {}
+  fit = fit if isinstance(fit, dict) else {}  # a JSON list or number is no fit either
+  params = fit.get('params') if isinstance(fit.get('params'), dict) else {}
   if fit.get('law') != 'chinchilla' or any(k not in params for k in BASE):
     raise ConfigError(f'--base {spec} is no chinchilla fit (law {fit.get("law")!r}); write one with lm scaling fit '
                       f'POINTS --law chinchilla --out base.json')
